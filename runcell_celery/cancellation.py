@@ -1,0 +1,92 @@
+"""Cancellation tokens: a ``threading.Event`` that also tells waiters when it is set.
+
+A plain ``Event`` can only be polled. A waiting slot request, a held slot and a child
+run all need to react the moment a run is cancelled, so the token keeps callbacks and
+calls them from whichever thread sets it. It *is* a ``threading.Event``, so code that
+already passes events around (or calls ``wait()``) keeps working.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+
+__all__ = ["CancellationToken"]
+
+logger = logging.getLogger("runcell_celery.cancellation")
+
+Callback = Callable[[], None]
+
+
+class CancellationToken(threading.Event):
+    """An event that cancels a run: set it (or call :meth:`cancel`) to stop waiting.
+
+    :param parents: tokens whose cancellation also cancels this one; a nested run
+        links its token to its parent's so cancelling the root reaches every child.
+    """
+
+    def __init__(self, *parents: CancellationToken) -> None:
+        super().__init__()
+        self.reason: str | None = None
+        self._callbacks: dict[int, Callback] = {}
+        self._next_key = 0
+        self._guard = threading.Lock()
+        self._unlink: list[Callback] = []
+        for parent in parents:
+            self._unlink.append(parent.add_callback(functools.partial(self._follow, parent)))
+
+    def _follow(self, parent: CancellationToken) -> None:
+        self.cancel(parent.reason)
+
+    def cancel(self, reason: str | None = None) -> None:
+        """Cancel: wake every waiter and run every callback once."""
+        with self._guard:
+            if self.is_set():
+                return
+            self.reason = reason or "cancelled"
+            super().set()
+            callbacks = list(self._callbacks.values())
+            self._callbacks.clear()
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a callback must not stop the others
+                logger.exception("cancellation callback %r failed", callback)
+
+    def set(self) -> None:
+        """Same as :meth:`cancel`, so the token can stand in for an ``Event``."""
+        self.cancel()
+
+    def clear(self) -> None:
+        """Refuse: a cancelled run stays cancelled."""
+        raise RuntimeError("a CancellationToken cannot be un-cancelled; create a new one")
+
+    def add_callback(self, callback: Callback) -> Callback:
+        """Call ``callback`` on cancellation (at once if already cancelled).
+
+        :returns: a function that removes the callback again.
+        """
+        with self._guard:
+            if not self.is_set():
+                key = self._next_key
+                self._next_key += 1
+                self._callbacks[key] = callback
+                return lambda: self._remove(key)
+        callback()
+        return _nothing
+
+    def _remove(self, key: int) -> None:
+        with self._guard:
+            self._callbacks.pop(key, None)
+
+    def detach(self) -> None:
+        """Stop listening to the parents (when the run that owns this token ends)."""
+        for unlink in self._unlink:
+            unlink()
+        self._unlink.clear()
+
+
+def _nothing() -> None:
+    return None

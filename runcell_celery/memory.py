@@ -1,0 +1,408 @@
+"""A limiter for one process: threads and asyncio tasks share its slots.
+
+State lives behind one lock; every decision about who is granted goes through
+:func:`runcell_celery.allocation.allocate`. Waiting happens outside the lock: a
+thread waits on its own ``threading.Event``, a coroutine on an ``asyncio.Event`` that
+is set thread-safely, so a waiting coroutine never blocks its event loop and a release
+wakes exactly the waiters it granted.
+
+The wait loops are thin: :meth:`InMemoryConcurrencyLimiter._enqueue` decides whether a
+request is granted at once, and :meth:`~InMemoryConcurrencyLimiter._settle` decides
+after each wake-up whether it was granted, cancelled or timed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .allocation import allocate, has_room
+from .cancellation import CancellationToken
+from .clock import SYSTEM_CLOCK, Clock
+from .config import DEFAULT_LEASE_TTL_MS, LimiterConfig, WorkloadConfig
+from .errors import (
+    ConcurrencyCancelledError,
+    ConcurrencyConfigError,
+    ConcurrencyQueueFullError,
+    ConcurrencyTimeoutError,
+)
+from .protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
+
+__all__ = ["InMemoryConcurrencyLimiter", "create_concurrency_limiter"]
+
+
+class _Held:
+    __slots__ = ("expires_at", "lease")
+
+    def __init__(self, lease: Lease, expires_at: float) -> None:
+        self.lease = lease
+        self.expires_at = expires_at
+
+
+class _Waiter:
+    __slots__ = ("deadline", "lease", "request", "wake", "workload")
+
+    def __init__(self, request: AcquireRequest, workload: str) -> None:
+        self.request = request
+        self.workload = workload
+        self.deadline = math.inf
+        self.lease: Lease | None = None
+        self.wake: Callable[[], None] = _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+class InMemoryConcurrencyLimiter:
+    """Slots shared by the threads and coroutines of one process.
+
+    Create it with :func:`create_concurrency_limiter`. For several processes or hosts
+    use :func:`runcell_celery.postgres.create_postgres_concurrency_limiter`.
+
+    :param config: the limits.
+    :param clock: monotonic and wall clocks; tests pass a fake one to expire leases
+        without waiting.
+    """
+
+    def __init__(self, config: LimiterConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._active: dict[str, int] = dict.fromkeys(config.workloads, 0)
+        self._waiting: list[_Waiter] = []
+        self._tokens = itertools.count(1)
+        self._id_prefix = f"{config.name}:{uuid.uuid4().hex[:12]}:"
+        self._next_expiry = math.inf
+
+    def __repr__(self) -> str:
+        config = self._config
+        return f"<InMemoryConcurrencyLimiter {config.name!r} max={config.max_concurrent}>"
+
+    @property
+    def name(self) -> str:
+        return self._config.name
+
+    @property
+    def config(self) -> LimiterConfig:
+        return self._config
+
+    def validate_workload(self, workload: str | None) -> str:
+        """Return the workload a request uses; raise if it names none that exists."""
+        return self._config.resolve_workload(workload)
+
+    # -- acquire --------------------------------------------------------------------
+
+    def acquire(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease:
+        """Wait (blocking this thread) for a slot; see :class:`ConcurrencyLimiter`."""
+        waiter = self._enqueue(request, cancel)
+        if isinstance(waiter, Lease):
+            return waiter
+        event = threading.Event()
+        waiter.wake = event.set
+        unlink = cancel.add_callback(event.set) if cancel is not None else _nothing
+        try:
+            self._announce(waiter, on_wait)
+            while True:
+                lease = self._settle(waiter, cancel)
+                if lease is not None:
+                    return lease
+                event.wait(self._sleep_seconds(waiter))
+                event.clear()
+        except BaseException:
+            self._abandon(waiter)
+            raise
+        finally:
+            unlink()
+
+    async def acquire_async(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease:
+        """Wait for a slot without blocking the event loop; asyncio-cancellation safe."""
+        waiter = self._enqueue(request, cancel)
+        if isinstance(waiter, Lease):
+            return waiter
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed; waiter abandoned
+                loop.call_soon_threadsafe(event.set)
+
+        waiter.wake = wake
+        unlink = cancel.add_callback(wake) if cancel is not None else _nothing
+        try:
+            self._announce(waiter, on_wait)
+            while True:
+                lease = self._settle(waiter, cancel)
+                if lease is not None:
+                    return lease
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), self._sleep_seconds(waiter))
+                event.clear()
+        except BaseException:
+            self._abandon(waiter)
+            raise
+        finally:
+            unlink()
+
+    def _enqueue(
+        self, request: AcquireRequest, cancel: CancellationToken | None
+    ) -> Lease | _Waiter:
+        """Grant at once if the rules allow; otherwise queue the request or refuse it."""
+        workload = self._resolve(request)
+        if cancel is not None and cancel.is_set():
+            raise self._cancelled(request)
+        now = self._clock.monotonic()
+        with self._lock:
+            self._reap_locked(now)
+            if not self._waiting and has_room(self._config, self._active, workload):
+                return self._grant_locked(request, workload, now)
+            waiter = _Waiter(request, workload)
+            self._waiting.append(waiter)
+            self._allocate_locked(now)
+            if waiter.lease is not None:
+                return waiter.lease
+            max_queued = self._config.max_queued
+            if max_queued is not None and len(self._waiting) > max_queued:
+                self._waiting.remove(waiter)
+                raise request.error(
+                    ConcurrencyQueueFullError,
+                    f"limiter {self.name!r} already has {max_queued} waiting requests "
+                    f"(max_queued={max_queued})",
+                    limiter=self.name,
+                )
+            wait_ms = self._wait_ms(request, workload)
+            if wait_ms is not None and wait_ms <= 0:
+                self._waiting.remove(waiter)
+                raise self._timed_out(request, wait_ms)
+            if wait_ms is not None:
+                waiter.deadline = now + wait_ms / 1000
+            return waiter
+
+    def _announce(self, waiter: _Waiter, on_wait: OnWait | None) -> None:
+        if on_wait is None:
+            return
+        deadline = waiter.deadline
+        if math.isinf(deadline):
+            on_wait(None)
+        else:
+            on_wait(self._clock.time() + (deadline - self._clock.monotonic()))
+
+    def _settle(self, waiter: _Waiter, cancel: CancellationToken | None) -> Lease | None:
+        """After a wake-up: return the lease, raise cancel/timeout, or ``None`` to wait on."""
+        now = self._clock.monotonic()
+        with self._lock:
+            if cancel is not None and cancel.is_set():
+                self._drop_locked(waiter, now)
+                raise self._cancelled(waiter.request)
+            if waiter.lease is None:
+                self._reap_locked(now)
+            if waiter.lease is not None:
+                return waiter.lease
+            if now >= waiter.deadline:
+                self._drop_locked(waiter, now)
+                waited = self._wait_ms(waiter.request, waiter.workload)
+                raise self._timed_out(waiter.request, waited)
+            return None
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """Leave the queue after an unexpected exit, returning a slot granted meanwhile."""
+        with self._lock:
+            self._drop_locked(waiter, self._clock.monotonic())
+
+    def _drop_locked(self, waiter: _Waiter, now: float) -> None:
+        if waiter.lease is not None:
+            # Granted at the same moment as the cancel or timeout: give it back.
+            self._release_locked(waiter.lease.lease_id, now)
+        elif waiter in self._waiting:
+            self._waiting.remove(waiter)
+            self._allocate_locked(now)
+
+    def _sleep_seconds(self, waiter: _Waiter) -> float | None:
+        now = self._clock.monotonic()
+        wake_at = min(waiter.deadline, self._next_expiry)
+        return None if math.isinf(wake_at) else max(0.0, wake_at - now)
+
+    # -- renew and release ----------------------------------------------------------
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """Extend ``lease`` by its TTL; ``None`` if it expired or was released."""
+        with self._lock:
+            return self._renew_locked(lease, self._clock.monotonic())
+
+    def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
+        """Renew several leases under one lock acquisition."""
+        with self._lock:
+            now = self._clock.monotonic()
+            return {lease.lease_id: self._renew_locked(lease, now) for lease in leases}
+
+    def release(self, lease: Lease, outcome: Outcome = "success") -> None:
+        """Return the slot; releasing twice or after expiry does nothing."""
+        with self._lock:
+            self._release_locked(lease.lease_id, self._clock.monotonic())
+
+    def stats(self) -> LimiterStats:
+        """Return active and queued counts, in total and per workload."""
+        with self._lock:
+            self._reap_locked(self._clock.monotonic())
+            queued = dict.fromkeys(self._config.workloads, 0)
+            for waiter in self._waiting:
+                queued[waiter.workload] += 1
+            return LimiterStats(
+                active=sum(self._active.values()),
+                queued=len(self._waiting),
+                workloads={
+                    name: WorkloadStats(active=self._active[name], queued=queued[name])
+                    for name in self._config.workloads
+                },
+            )
+
+    def reap(self) -> int:
+        """Drop expired leases now (normally done lazily); return how many."""
+        with self._lock:
+            before = len(self._held)
+            self._next_expiry = -math.inf
+            self._reap_locked(self._clock.monotonic())
+            return before - len(self._held)
+
+    # -- under the lock ---------------------------------------------------------------
+
+    def _grant_locked(self, request: AcquireRequest, workload: str, now: float) -> Lease:
+        token = next(self._tokens)
+        ttl_ms = self._config.lease_ttl_ms
+        lease = Lease(
+            lease_id=f"{self._id_prefix}{token}",
+            limiter=self._config.name,
+            workload=workload,
+            request_id=request.request_id,
+            fencing_token=token,
+            ttl_ms=ttl_ms,
+        )
+        expires_at = now + ttl_ms / 1000
+        self._held[lease.lease_id] = _Held(lease, expires_at)
+        self._active[workload] += 1
+        self._next_expiry = min(self._next_expiry, expires_at)
+        return lease
+
+    def _allocate_locked(self, now: float) -> None:
+        if not self._waiting:
+            return
+        granted = allocate(self._config, self._active, self._waiting)
+        if not granted:
+            return
+        for position in granted:
+            waiter = self._waiting[position]
+            waiter.lease = self._grant_locked(waiter.request, waiter.workload, now)
+        chosen = set(granted)
+        woken = [self._waiting[p] for p in granted]
+        self._waiting = [w for p, w in enumerate(self._waiting) if p not in chosen]
+        for waiter in woken:
+            waiter.wake()
+
+    def _release_locked(self, lease_id: str, now: float) -> None:
+        held = self._held.pop(lease_id, None)
+        if held is None:
+            return
+        self._active[held.lease.workload] -= 1
+        self._allocate_locked(now)
+
+    def _renew_locked(self, lease: Lease, now: float) -> Lease | None:
+        held = self._held.get(lease.lease_id)
+        if held is None:
+            return None
+        if held.expires_at <= now:
+            self._release_locked(lease.lease_id, now)
+            return None
+        held.expires_at = now + held.lease.ttl_ms / 1000
+        return held.lease
+
+    def _reap_locked(self, now: float) -> None:
+        if now < self._next_expiry:
+            return
+        expired = [lease_id for lease_id, h in self._held.items() if h.expires_at <= now]
+        for lease_id in expired:
+            held = self._held.pop(lease_id)
+            self._active[held.lease.workload] -= 1
+        self._next_expiry = min((h.expires_at for h in self._held.values()), default=math.inf)
+        if expired:
+            self._allocate_locked(now)
+
+    # -- errors -----------------------------------------------------------------------
+
+    def _resolve(self, request: AcquireRequest) -> str:
+        try:
+            return self._config.resolve_workload(request.workload)
+        except ConcurrencyConfigError as exc:
+            raise request.error(ConcurrencyConfigError, exc.message, limiter=self.name) from None
+
+    def _wait_ms(self, request: AcquireRequest, workload: str) -> float | None:
+        limits = [request.timeout_ms, self._config.workloads[workload].max_wait_ms]
+        given = [x for x in limits if x is not None]
+        return min(given) if given else None
+
+    def _timed_out(self, request: AcquireRequest, wait_ms: float | None) -> ConcurrencyTimeoutError:
+        return request.error(
+            ConcurrencyTimeoutError,
+            f"no slot in limiter {self.name!r} (workload {request.workload!r}) "
+            f"within {wait_ms:g} ms",
+            limiter=self.name,
+        )
+
+    def _cancelled(self, request: AcquireRequest) -> ConcurrencyCancelledError:
+        return request.error(
+            ConcurrencyCancelledError,
+            f"cancelled while waiting for a slot in limiter {self.name!r}",
+            limiter=self.name,
+        )
+
+
+def create_concurrency_limiter(
+    max_concurrent: int,
+    *,
+    max_queued: int | None = None,
+    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = None,
+    default_workload: str | None = None,
+    name: str = "default",
+    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
+    max_hold_ms: int | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> InMemoryConcurrencyLimiter:
+    """Create a limiter shared by the threads and coroutines of this process.
+
+    The options are those of :class:`~runcell_celery.config.LimiterConfig`; workloads
+    may be given as dicts. Invalid settings raise
+    :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the field.
+
+    >>> claude = create_concurrency_limiter(
+    ...     8, name="claude", workloads={"interactive": {"reserved": 2}, "background": {}}
+    ... )
+    """
+    options: dict[str, Any] = {
+        "max_concurrent": max_concurrent,
+        "max_queued": max_queued,
+        "default_workload": default_workload,
+        "name": name,
+        "lease_ttl_ms": lease_ttl_ms,
+        "max_hold_ms": max_hold_ms,
+    }
+    if workloads is not None:
+        options["workloads"] = workloads
+    return InMemoryConcurrencyLimiter(LimiterConfig.from_mapping(options), clock=clock)

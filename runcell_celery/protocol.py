@@ -1,0 +1,165 @@
+"""What a limiter is: the :class:`ConcurrencyLimiter` protocol and the values it trades.
+
+The slot runtime owns the lifecycle (deadlines, renewal, release, events); a limiter
+owns allocation, queue order and storage. Any object with ``name``, ``acquire``,
+``renew`` and ``release`` can back a limit; ``validate_workload``, ``stats``,
+``acquire_async`` and ``renew_many`` are optional and used when present.
+
+A custom limiter must allocate atomically, hand out leases that expire, make renewal
+and release idempotent, never reuse a lease id and make ``acquire`` safe to cancel;
+:func:`runcell_celery.conformance.concurrency_conformance_cases` checks all of that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeVar, runtime_checkable
+
+from .cancellation import CancellationToken
+from .errors import ConcurrencyError
+
+__all__ = [
+    "AcquireRequest",
+    "ConcurrencyLimiter",
+    "Lease",
+    "LimiterStats",
+    "OnWait",
+    "Outcome",
+    "RunLineage",
+    "WorkloadStats",
+]
+
+#: How a hold ended, passed to :meth:`ConcurrencyLimiter.release` and in ``released``.
+Outcome = Literal["success", "error", "cancelled", "timed-out", "max-hold", "lease-lost"]
+
+#: Called by a limiter when a request must wait, with the wait's deadline as a
+#: Unix timestamp (``None``: no deadline). The runtime emits ``wait-started`` from it.
+OnWait = Callable[[float | None], None]
+
+E = TypeVar("E", bound=ConcurrencyError)
+
+
+@dataclass(frozen=True, slots=True)
+class RunLineage:
+    """Which run asked: its id, the root of its tree and its direct parent."""
+
+    run_id: str
+    root_run_id: str
+    parent_run_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireRequest:
+    """One request for one slot.
+
+    :param request_id: unique per request; stable across retries of the same request
+        so a limiter can recognise it (Celery deferral re-uses it).
+    :param workload: the resolved workload name.
+    :param lineage: the run the slot is for.
+    :param timeout_ms: the run's remaining budget; the limiter waits at most
+        ``min(workload max_wait_ms, timeout_ms)``. ``None``: no run budget.
+    :param holder_name: a label for who holds the slot (e.g. the Celery task name);
+        shown in the admin, never used for decisions.
+    """
+
+    request_id: str
+    workload: str
+    lineage: RunLineage
+    timeout_ms: float | None = None
+    holder_name: str | None = None
+
+    def error(self, cls: type[E], message: str, *, limiter: str) -> E:
+        """Build a ``ConcurrencyError`` subclass that names this request and its run."""
+        return cls(
+            message,
+            limiter=limiter,
+            workload=self.workload,
+            run_id=self.lineage.run_id,
+            root_run_id=self.lineage.root_run_id,
+            parent_run_id=self.lineage.parent_run_id,
+            request_id=self.request_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A granted slot. It stays valid for ``ttl_ms`` after the last grant or renewal.
+
+    :param fencing_token: increases with every lease the limiter grants, so a provider
+        proxy that remembers the highest token seen can reject a stale holder.
+    """
+
+    lease_id: str
+    limiter: str
+    workload: str
+    request_id: str
+    fencing_token: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadStats:
+    """Slots held and requests waiting for one workload."""
+
+    active: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterStats:
+    """Slots held and requests waiting, in total and per workload."""
+
+    active: int
+    queued: int
+    workloads: Mapping[str, WorkloadStats] = field(default_factory=dict)
+
+
+@runtime_checkable
+class ConcurrencyLimiter(Protocol):
+    """A source of slots shared by every run that uses it."""
+
+    @property
+    def name(self) -> str:
+        """The limiter's name, used in events and errors."""
+        ...
+
+    def acquire(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease:
+        """Wait for a slot and return its lease.
+
+        :raises ConcurrencyTimeoutError: no slot before the deadline.
+        :raises ConcurrencyQueueFullError: ``max_queued`` requests already wait.
+        :raises ConcurrencyCancelledError: ``cancel`` was set; a slot granted at the
+            same moment has been returned.
+        :raises ConcurrencyLimiterError: the limiter failed; no slot is held.
+        """
+        ...
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """Extend the lease; ``None`` if the limiter no longer holds it.
+
+        Raises only for transient failures (the runtime retries until expiry).
+        """
+        ...
+
+    def release(self, lease: Lease, outcome: Outcome = "success") -> None:
+        """Return the slot. Releasing twice, or an expired lease, does nothing."""
+        ...
+
+
+class SupportsStats(Protocol):
+    def stats(self) -> LimiterStats: ...
+
+
+class SupportsRenewMany(Protocol):
+    def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]: ...
+
+
+class SupportsValidateWorkload(Protocol):
+    def validate_workload(self, workload: str | None) -> str: ...
