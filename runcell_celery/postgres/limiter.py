@@ -1,0 +1,675 @@
+"""The PostgreSQL limiter: one limit shared by every worker on every host.
+
+Every allocation is one short transaction that holds the limiter row's lock:
+
+1. ``runcell_lock_v1`` locks the row, applies a release or a withdrawal, reaps
+   expired leases and queue rows, and returns the slots held per workload and the
+   oldest waiters (one round trip);
+2. :func:`runcell_celery.allocation.allocate` decides in Python who is granted —
+   the same function every limiter uses;
+3. ``runcell_apply_v1`` writes the decision (new leases with fencing tokens, the
+   caller's queue row) and notifies the processes whose waiters were granted.
+
+Steps 1 and 3 are one round trip each: ``BEGIN`` travels with the lock and
+``COMMIT`` with the writes, as one simple-query message with client-side binding
+(measured faster here than psycopg's pipeline mode), so the row lock is held for one
+round trip plus the Python decision.
+
+No transaction or connection is held while a request waits or while a slot is held:
+a waiter polls every ``poll_interval_ms`` with one lock-free statement, and is woken
+earlier by ``LISTEN/NOTIFY`` when a listener connection is available. Expiry and
+deadlines use database time. Errors fail closed: the caller gets
+:class:`~runcell_celery.errors.ConcurrencyLimiterError` and no slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import psycopg
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ..allocation import allocate
+from ..cancellation import CancellationToken
+from ..config import DEFAULT_LEASE_TTL_MS, LimiterConfig, WorkloadConfig
+from ..errors import (
+    ConcurrencyCancelledError,
+    ConcurrencyConfigError,
+    ConcurrencyError,
+    ConcurrencyLimiterError,
+    ConcurrencyQueueFullError,
+    ConcurrencyTimeoutError,
+)
+from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
+from . import statements
+from .connection import DEFAULT_POOL_MAX_SIZE, Connection, Database
+from .listener import GrantListener, get_listener
+from .schema import ensure_schema
+
+__all__ = ["PostgresConcurrencyLimiter", "create_postgres_concurrency_limiter"]
+
+logger = logging.getLogger("runcell_celery.postgres")
+
+T = TypeVar("T")
+
+DEFAULT_POLL_INTERVAL_MS = 100
+DEFAULT_QUEUE_ENTRY_TTL_MS = 15_000
+#: A waiter also runs a full allocation pass every this many polls, as a safety net.
+ALLOCATE_EVERY_N_POLLS = 10
+
+_HOST = socket.gethostname()
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    request_id: str
+    workload: str
+
+
+@dataclass(slots=True)
+class _Decision:
+    """What one allocation transaction did for its caller."""
+
+    lease: Lease | None = None
+    queued: bool = False
+    deadline: float | None = None
+    refused: Literal["queue-full", "no-wait"] | None = None
+
+
+class _Stage:
+    """Marks when a transaction may have committed, so only safe work is retried."""
+
+    __slots__ = ("sent_writes",)
+
+    def __init__(self) -> None:
+        self.sent_writes = False
+
+
+def _config_hash(config: LimiterConfig) -> str:
+    canonical = json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class PostgresConcurrencyLimiter:
+    """Slots shared through PostgreSQL by every process that uses the same name.
+
+    Create it with :func:`create_postgres_concurrency_limiter`.
+    """
+
+    def __init__(
+        self,
+        database: Database,
+        config: LimiterConfig,
+        *,
+        poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
+        queue_entry_ttl_ms: int = DEFAULT_QUEUE_ENTRY_TTL_MS,
+        listen: bool = True,
+    ) -> None:
+        self._db = database
+        self._config = config
+        self._config_hash = _config_hash(config)
+        self._poll_s = poll_interval_ms / 1000
+        self._queue_ttl_ms = queue_entry_ttl_ms
+        self._listen = listen
+        self._listener_pid: int | None = None
+        self._listener: GrantListener | None = None
+        self._listener_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        config = self._config
+        return f"<PostgresConcurrencyLimiter {config.name!r} max={config.max_concurrent}>"
+
+    @property
+    def name(self) -> str:
+        return self._config.name
+
+    @property
+    def config(self) -> LimiterConfig:
+        return self._config
+
+    @property
+    def database(self) -> Database:
+        return self._db
+
+    def validate_workload(self, workload: str | None) -> str:
+        """Return the workload a request uses; raise if it names none that exists."""
+        return self._config.resolve_workload(workload)
+
+    # -- setup ------------------------------------------------------------------------
+
+    def register(
+        self, *, ensure: bool = True, on_conflict: Literal["error", "replace"] = "error"
+    ) -> None:
+        """Create the schema if asked, then store the limits or check the stored ones.
+
+        :raises ConcurrencyConfigError: the stored limits differ (``on_conflict="error"``).
+        :raises ConcurrencyLimiterError: the database failed.
+        """
+        config_json = Jsonb(self._config.to_dict())
+        params = {"name": self.name, "config": config_json, "config_hash": self._config_hash}
+
+        def work(conn: Connection, stage: _Stage) -> None:
+            if ensure:
+                ensure_schema(conn)
+            with conn.transaction():
+                if conn.execute(statements.REGISTER_LIMITER, params).fetchone() is not None:
+                    return
+                stored = conn.execute(statements.STORED_LIMITER, params).fetchone()
+                assert stored is not None
+                if stored[1] == self._config_hash:
+                    return
+                differences = self._describe_differences(stored[0])
+                if on_conflict == "replace":
+                    conn.execute(statements.REPLACE_LIMITER, params)
+                    logger.warning("runcell: replaced the limits of %r: %s", self.name, differences)
+                    return
+                raise ConcurrencyConfigError(
+                    f"limiter {self.name!r} is stored with different limits: {differences}. "
+                    "All workers sharing a name must use the same limits: use a new name, "
+                    "or deploy them together with on_conflict='replace'",
+                    limiter=self.name,
+                )
+
+        self._run(None, work, retry=False)
+
+    def _describe_differences(self, stored: Mapping[str, Any]) -> str:
+        try:
+            theirs = LimiterConfig.from_mapping(stored)
+        except ConcurrencyConfigError:
+            return f"stored {dict(stored)!r}"
+        mine = self._config.to_dict()
+        other = theirs.to_dict()
+        parts = []
+        for path in self._config.differences(theirs):
+            parts.append(f"{path} (stored {_dig(other, path)!r}, given {_dig(mine, path)!r})")
+        return "; ".join(parts)
+
+    # -- acquire ----------------------------------------------------------------------
+
+    def acquire(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease:
+        """Wait for a slot; see :class:`~runcell_celery.protocol.ConcurrencyLimiter`."""
+        workload = self._resolve(request)
+        if cancel is not None and cancel.is_set():
+            raise self._cancelled(request)
+        wait_ms = self._wait_ms(request, workload)
+        decision = self._allocate(caller=request, workload=workload, wait_ms=wait_ms)
+        if decision.lease is not None:
+            return decision.lease
+        if decision.refused == "queue-full":
+            max_queued = self._config.max_queued
+            raise request.error(
+                ConcurrencyQueueFullError,
+                f"limiter {self.name!r} already has {max_queued} waiting requests "
+                f"(max_queued={max_queued})",
+                limiter=self.name,
+            )
+        if decision.refused == "no-wait":
+            raise self._timed_out(request, wait_ms)
+        return self._wait(request, workload, wait_ms, decision.deadline, cancel, on_wait)
+
+    def _wait(
+        self,
+        request: AcquireRequest,
+        workload: str,
+        wait_ms: float | None,
+        deadline: float | None,
+        cancel: CancellationToken | None,
+        on_wait: OnWait | None,
+    ) -> Lease:
+        wake = threading.Event()
+        listener = self._get_listener()
+        if listener is not None:
+            listener.register(request.request_id, wake.set)
+        unlink = cancel.add_callback(wake.set) if cancel is not None else _nothing
+        settled = False
+        try:
+            if on_wait is not None:
+                on_wait(deadline)
+            polls = 0
+            while True:
+                wake.wait(self._poll_s)
+                wake.clear()
+                if cancel is not None and cancel.is_set():
+                    self._allocate(withdraw=request.request_id)
+                    settled = True
+                    raise self._cancelled(request)
+                polls += 1
+                status, lease = self._poll(request)
+                if lease is not None:
+                    settled = True
+                    return lease
+                if status == "timed-out":
+                    settled = True
+                    raise self._timed_out(request, wait_ms)
+                if status == "missing":
+                    # Our queue row was reaped (this process stalled past
+                    # queue_entry_ttl_ms): take a new place, with the time left.
+                    remaining = _remaining_ms(deadline)
+                    decision = self._allocate(caller=request, workload=workload, wait_ms=remaining)
+                    if decision.lease is not None:
+                        settled = True
+                        return decision.lease
+                    if decision.refused is not None:
+                        settled = True
+                        raise self._timed_out(request, wait_ms)
+                elif status == "needs-allocation" or polls % ALLOCATE_EVERY_N_POLLS == 0:
+                    self._allocate()
+        finally:
+            unlink()
+            if listener is not None:
+                listener.unregister(request.request_id)
+            if not settled:
+                # Leaving on an unexpected error or interrupt: give up our place, and
+                # a slot granted meanwhile, so nothing leaks until a TTL expires.
+                with contextlib.suppress(Exception):
+                    self._allocate(withdraw=request.request_id)
+
+    def _poll(self, request: AcquireRequest) -> tuple[str, Lease | None]:
+        params = {
+            "limiter": self.name,
+            "request_id": request.request_id,
+            "queue_ttl_ms": self._queue_ttl_ms,
+        }
+
+        def work(conn: Connection, stage: _Stage) -> Any:
+            return _single(conn, statements.POLL, params)[0]
+
+        result = self._run(request, work)
+        status = result["status"]
+        if status == "granted":
+            return status, self._lease(result["lease"])
+        if status == "waiting" and result["needs_allocation"]:
+            return "needs-allocation", None
+        return status, None
+
+    def _allocate(
+        self,
+        *,
+        caller: AcquireRequest | None = None,
+        workload: str | None = None,
+        wait_ms: float | None = None,
+        release: str | None = None,
+        withdraw: str | None = None,
+    ) -> _Decision:
+        """Run one allocation transaction under the limiter row's lock.
+
+        A release or withdrawal first tries the one-round-trip form (lock, apply,
+        commit); only if the freed slot can go to a waiter does a second transaction
+        hand it over. Nobody can take the slot in between out of turn: whoever locks
+        the row next allocates over every waiter, by the same rules.
+        """
+        config = self._config
+        lock_params = {
+            "limiter": self.name,
+            "release_lease": release,
+            "withdraw_request": withdraw,
+            "max_per_workload": config.max_concurrent,
+        }
+        if caller is None and (release is not None or withdraw is not None):
+            state = self._run(None, lambda conn, stage: _lock_and_commit(conn, lock_params, stage))
+            self._check_state(state)
+            waiting = [_Waiting(rid, w) for rid, w, _position in state["waiting"]]
+            if not allocate(config, state["active"], waiting):
+                return _Decision()
+            lock_params = {**lock_params, "release_lease": None, "withdraw_request": None}
+
+        def work(conn: Connection, stage: _Stage) -> _Decision:
+            decision = _Decision()
+            cursor = psycopg.ClientCursor(conn)
+            try:
+                cursor.execute(statements.BEGIN_AND_LOCK, lock_params)
+                cursor.nextset()  # past BEGIN's empty result
+                row = cursor.fetchone()
+                state = row[0] if row is not None else None
+                self._check_state(state)
+                waiting = [_Waiting(rid, w) for rid, w, _position in state["waiting"]]
+                if caller is not None:
+                    assert workload is not None
+                    waiting.append(_Waiting(caller.request_id, workload))
+                granted = allocate(config, state["active"], waiting)
+                caller_index = len(waiting) - 1 if caller is not None else -1
+                grants = [waiting[i].request_id for i in granted if i != caller_index]
+                action: str | None = None
+                if caller is not None:
+                    if caller_index in granted:
+                        action = "grant"
+                    elif config.max_queued is not None and state["queued"] >= config.max_queued:
+                        decision.refused = "queue-full"
+                    elif wait_ms is not None and wait_ms <= 0:
+                        decision.refused = "no-wait"
+                    else:
+                        action = "enqueue"
+                if not grants and action is None:
+                    cursor.execute(statements.COMMIT)
+                    return decision
+                stage.sent_writes = True
+                cursor.execute(
+                    statements.APPLY_AND_COMMIT,
+                    {
+                        "limiter": self.name,
+                        "grants": Jsonb(grants),
+                        "caller": Jsonb(self._caller(caller, workload, wait_ms)),
+                        "caller_action": action,
+                        "ttl_ms": config.lease_ttl_ms,
+                        "queue_ttl_ms": self._queue_ttl_ms,
+                    },
+                )
+                result = cursor.fetchone()
+            except BaseException:
+                _rollback_quietly(conn)
+                raise
+            assert result is not None
+            applied = result[0]
+            if caller is not None:
+                for lease in applied["leases"]:
+                    if lease["request_id"] == caller.request_id:
+                        decision.lease = self._lease(lease)
+                decision.queued = action == "enqueue"
+                decision.deadline = applied["deadline"]
+            return decision
+
+        return self._run(caller, work)
+
+    def _check_state(self, state: Any) -> None:
+        if state is None:
+            raise ConcurrencyLimiterError(
+                f"limiter {self.name!r} is not registered in the database "
+                "(its row was deleted?); restart the workers to register it",
+                limiter=self.name,
+            )
+        if state["config_hash"] != self._config_hash:
+            raise ConcurrencyConfigError(
+                f"the limits of limiter {self.name!r} were replaced by another worker; "
+                "restart this worker with the new limits",
+                limiter=self.name,
+            )
+
+    def _caller(
+        self, request: AcquireRequest | None, workload: str | None, wait_ms: float | None
+    ) -> dict[str, Any] | None:
+        if request is None:
+            return None
+        lineage = request.lineage
+        return {
+            "request_id": request.request_id,
+            "workload": workload,
+            "run_id": lineage.run_id,
+            "root_run_id": lineage.root_run_id,
+            "parent_run_id": lineage.parent_run_id,
+            "holder_name": request.holder_name,
+            "holder_host": _HOST,
+            "holder_pid": os.getpid(),
+            "wait_ms": wait_ms,
+        }
+
+    # -- renew, release, stats ----------------------------------------------------------
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """Extend ``lease`` by its TTL (database time); ``None`` if no longer held."""
+        return self.renew_many([lease])[lease.lease_id]
+
+    def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
+        """Renew several leases of this limiter in one statement."""
+        if not leases:
+            return {}
+        params = {"limiter": self.name, "lease_ids": [lease.lease_id for lease in leases]}
+
+        def work(conn: Connection, stage: _Stage) -> set[str]:
+            return {row[0] for row in _all(conn, statements.RENEW, params)}
+
+        renewed = self._run(None, work)
+        return {lease.lease_id: lease if lease.lease_id in renewed else None for lease in leases}
+
+    def release(self, lease: Lease, outcome: Outcome = "success") -> None:
+        """Return the slot and hand it to the next waiter by the allocation rules."""
+        self._allocate(release=lease.lease_id)
+
+    def stats(self) -> LimiterStats:
+        """Return active and queued counts, in total and per workload (database view)."""
+        params = {"limiter": self.name}
+
+        def work(conn: Connection, stage: _Stage) -> list[tuple[Any, ...]]:
+            return _all(conn, statements.STATS, params)
+
+        counts: dict[str, dict[str, int]] = {"active": {}, "queued": {}}
+        for kind, workload, n in self._run(None, work):
+            counts[kind][workload] = n
+        names = list(self._config.workloads)
+        names += [w for kind in counts.values() for w in kind if w not in names]
+        return LimiterStats(
+            active=sum(counts["active"].values()),
+            queued=sum(counts["queued"].values()),
+            workloads={
+                w: WorkloadStats(active=counts["active"].get(w, 0), queued=counts["queued"].get(w, 0))
+                for w in names
+            },
+        )
+
+    @property
+    def listening(self) -> bool | None:
+        """Whether waiters of this process are woken by ``LISTEN/NOTIFY``.
+
+        ``None`` until the listener has checked itself; ``False`` when polling alone.
+        """
+        listener = self._get_listener()
+        return listener.available if listener is not None else False
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _get_listener(self) -> GrantListener | None:
+        if not self._listen:
+            return None
+        pid = os.getpid()
+        if self._listener is None or self._listener_pid != pid:
+            with self._listener_lock:
+                if self._listener is None or self._listener_pid != pid:
+                    self._listener = get_listener(self._db)
+                    self._listener_pid = pid
+        listener = self._listener
+        return None if listener.available is False else listener
+
+    def _run(
+        self,
+        request: AcquireRequest | None,
+        work: Callable[[Connection, _Stage], T],
+        *,
+        retry: bool = True,
+    ) -> T:
+        """Run ``work`` on a pooled connection; fail closed on database errors.
+
+        A connection the database dropped (restart, ``pg_terminate_backend``) is only
+        found out when used; if nothing could have been written yet, the work is
+        retried on another connection, so the limiter recovers by itself.
+        """
+        attempts = DEFAULT_POOL_MAX_SIZE + 1 if retry else 1
+        for attempt in range(attempts):
+            stage = _Stage()
+            broken = False
+            try:
+                with self._db.connection() as conn:
+                    try:
+                        return work(conn, stage)
+                    finally:
+                        broken = conn.broken
+            except ConcurrencyError as exc:
+                if request is not None and exc.request_id is None:
+                    raise request.error(type(exc), exc.message, limiter=self.name) from exc
+                raise
+            except (psycopg.Error, PoolTimeout) as exc:
+                if broken and not stage.sent_writes and attempt + 1 < attempts:
+                    logger.info("runcell: retrying on a fresh connection after: %s", exc)
+                    continue
+                message = f"limiter {self.name!r}: the database failed: {exc}"
+                if request is not None:
+                    raise request.error(ConcurrencyLimiterError, message, limiter=self.name) from exc
+                raise ConcurrencyLimiterError(message, limiter=self.name) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _lease(self, row: Mapping[str, Any]) -> Lease:
+        return Lease(
+            lease_id=str(row["lease_id"]),
+            limiter=self.name,
+            workload=row["workload"],
+            request_id=row["request_id"],
+            fencing_token=int(row["fencing_token"]),
+            ttl_ms=self._config.lease_ttl_ms,
+        )
+
+    def _resolve(self, request: AcquireRequest) -> str:
+        try:
+            return self._config.resolve_workload(request.workload)
+        except ConcurrencyConfigError as exc:
+            raise request.error(ConcurrencyConfigError, exc.message, limiter=self.name) from None
+
+    def _wait_ms(self, request: AcquireRequest, workload: str) -> float | None:
+        limits = [request.timeout_ms, self._config.workloads[workload].max_wait_ms]
+        given = [x for x in limits if x is not None]
+        return max(0.0, min(given)) if given else None
+
+    def _timed_out(self, request: AcquireRequest, wait_ms: float | None) -> ConcurrencyTimeoutError:
+        shown = "no time" if wait_ms is None else f"{wait_ms:g} ms"
+        return request.error(
+            ConcurrencyTimeoutError,
+            f"no slot in limiter {self.name!r} (workload {request.workload!r}) within {shown}",
+            limiter=self.name,
+        )
+
+    def _cancelled(self, request: AcquireRequest) -> ConcurrencyCancelledError:
+        return request.error(
+            ConcurrencyCancelledError,
+            f"cancelled while waiting for a slot in limiter {self.name!r}",
+            limiter=self.name,
+        )
+
+
+def _lock_and_commit(conn: Connection, params: Mapping[str, Any], stage: _Stage) -> Any:
+    cursor = psycopg.ClientCursor(conn)
+    stage.sent_writes = True  # the release is written by the time an error shows
+    try:
+        cursor.execute(statements.LOCK_AND_COMMIT, params)
+        cursor.nextset()  # past BEGIN's empty result
+        row = cursor.fetchone()
+    except BaseException:
+        _rollback_quietly(conn)
+        raise
+    return row[0] if row is not None else None
+
+
+def _rollback_quietly(conn: Connection) -> None:
+    if conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        return
+    with contextlib.suppress(psycopg.Error):
+        conn.rollback()
+
+
+def _single(conn: Connection, query: statements.LiteralString, params: Mapping[str, Any]) -> Any:
+    rows = _all(conn, query, params)
+    return rows[0]
+
+
+def _all(
+    conn: Connection, query: statements.LiteralString, params: Mapping[str, Any]
+) -> list[tuple[Any, ...]]:
+    # In autocommit mode one statement is its own transaction; a caller's pool may
+    # not be in autocommit mode, and the pool rolls back what is left open.
+    context = contextlib.nullcontext() if conn.autocommit else conn.transaction()
+    with context:
+        return conn.execute(query, params).fetchall()
+
+
+def _remaining_ms(deadline: float | None) -> float | None:
+    return None if deadline is None else (deadline - time.time()) * 1000
+
+
+def _dig(tree: Mapping[str, Any], path: str) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _nothing() -> None:
+    return None
+
+
+def create_postgres_concurrency_limiter(
+    db: str | ConnectionPool[Any],
+    *,
+    max_concurrent: int,
+    name: str = "default",
+    max_queued: int | None = None,
+    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = None,
+    default_workload: str | None = None,
+    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
+    max_hold_ms: int | None = None,
+    poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
+    queue_entry_ttl_ms: int = DEFAULT_QUEUE_ENTRY_TTL_MS,
+    ensure_schema: bool = True,
+    on_conflict: Literal["error", "replace"] = "error",
+    listen: bool = True,
+) -> PostgresConcurrencyLimiter:
+    """Create a limiter whose slots every process using ``name`` on ``db`` shares.
+
+    :param db: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool`.
+    :param poll_interval_ms: how often a waiting request checks for a slot. The
+        database load is about (waiting requests / poll interval) short statements.
+    :param queue_entry_ttl_ms: how long a crashed waiter's queue row survives.
+    :param ensure_schema: create tables and functions on first use; pass ``False``
+        after applying :func:`postgres_concurrency_schema_sql` as a migration.
+    :param on_conflict: when stored limits differ: ``"error"`` raises
+        :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the fields,
+        ``"replace"`` stores these limits instead.
+    :param listen: wake waiters by ``LISTEN/NOTIFY`` (polling stays the fallback);
+        turn off behind a transaction pooler to skip the self-check.
+    The remaining options are those of :class:`~runcell_celery.config.LimiterConfig`.
+    """
+    for field, value, minimum in (
+        ("poll_interval_ms", poll_interval_ms, 1),
+        ("queue_entry_ttl_ms", queue_entry_ttl_ms, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConcurrencyConfigError(
+                f"{field} = {value!r} is invalid: must be a positive integer", limiter=name
+            )
+    if on_conflict not in ("error", "replace"):
+        raise ConcurrencyConfigError(
+            f"on_conflict = {on_conflict!r} is invalid: must be 'error' or 'replace'", limiter=name
+        )
+    options: dict[str, Any] = {
+        "max_concurrent": max_concurrent,
+        "max_queued": max_queued,
+        "default_workload": default_workload,
+        "name": name,
+        "lease_ttl_ms": lease_ttl_ms,
+        "max_hold_ms": max_hold_ms,
+    }
+    if workloads is not None:
+        options["workloads"] = workloads
+    config = LimiterConfig.from_mapping(options)
+    limiter = PostgresConcurrencyLimiter(
+        Database(db),
+        config,
+        poll_interval_ms=poll_interval_ms,
+        queue_entry_ttl_ms=queue_entry_ttl_ms,
+        listen=listen,
+    )
+    limiter.register(ensure=ensure_schema, on_conflict=on_conflict)
+    return limiter
+

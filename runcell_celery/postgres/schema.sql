@@ -1,0 +1,277 @@
+-- runcell_celery PostgreSQL limiter schema, version 1.
+--
+-- Applied on first use (under an advisory lock, so workers starting together on a
+-- new database do not conflict), or as a migration with ensure_schema=False: it is
+-- idempotent. One row per limiter (its stored limits and fencing counter), one row
+-- per held slot (a lease: who holds it and until when), one row per waiting request.
+-- Every time is database time (clock_timestamp(), never the workers' clocks).
+
+CREATE TABLE IF NOT EXISTS runcell_schema (
+    version integer PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+-- The limits every worker using this name must share, and the lock that
+-- serialises allocation: each allocation is one short transaction that holds this
+-- row FOR UPDATE.
+CREATE TABLE IF NOT EXISTS runcell_limiter (
+    name text PRIMARY KEY,
+    config jsonb NOT NULL,
+    config_hash text NOT NULL,
+    last_fencing_token bigint NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+-- One row per held slot. A holder that crashes stops renewing; its row is reaped
+-- once expires_at passes, which gives the slot back.
+CREATE TABLE IF NOT EXISTS runcell_lease (
+    lease_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    limiter text NOT NULL,
+    workload text NOT NULL,
+    request_id text NOT NULL,
+    fencing_token bigint NOT NULL,
+    run_id text,
+    root_run_id text,
+    parent_run_id text,
+    holder_name text,
+    holder_host text,
+    holder_pid integer,
+    ttl_ms integer NOT NULL,
+    acquired_at timestamptz NOT NULL,
+    renewed_at timestamptz NOT NULL,
+    expires_at timestamptz NOT NULL,
+    CONSTRAINT runcell_lease_one_per_request UNIQUE (request_id)
+);
+CREATE INDEX IF NOT EXISTS runcell_lease_for_reap ON runcell_lease (limiter, expires_at);
+CREATE INDEX IF NOT EXISTS runcell_lease_for_counts ON runcell_lease (limiter, workload);
+
+-- One row per waiting request, in arrival order (position). A waiter refreshes
+-- expires_at while it polls; a crashed waiter's row is reaped after queue_entry_ttl_ms.
+-- Parked rows (Celery admission deferral) carry the task message to re-publish.
+CREATE SEQUENCE IF NOT EXISTS runcell_queue_position;
+CREATE TABLE IF NOT EXISTS runcell_queue (
+    request_id text PRIMARY KEY,
+    limiter text NOT NULL,
+    workload text NOT NULL,
+    position bigint NOT NULL DEFAULT nextval('runcell_queue_position'),
+    run_id text,
+    root_run_id text,
+    parent_run_id text,
+    holder_name text,
+    holder_host text,
+    holder_pid integer,
+    enqueued_at timestamptz NOT NULL,
+    deadline timestamptz,
+    expires_at timestamptz NOT NULL,
+    parked boolean NOT NULL DEFAULT false,
+    payload jsonb
+);
+CREATE INDEX IF NOT EXISTS runcell_queue_for_allocation ON runcell_queue (limiter, workload, position);
+CREATE INDEX IF NOT EXISTS runcell_queue_for_reap ON runcell_queue (limiter, expires_at);
+
+-- Lock the limiter row, apply a release or a withdrawal, reap what expired, and
+-- return what allocation needs. A PL/pgSQL function so that every statement after
+-- the lock reads a fresh snapshot (under READ COMMITTED a single statement would
+-- read rows as of before it waited for the lock) and all of it is one round trip.
+--
+-- Returns: {"config_hash", "active": {workload: n}, "queued": n,
+--           "waiting": [[request_id, workload, position], ...] oldest first, at most
+--           max_per_workload per workload (no more can be granted at once)}.
+-- Returns NULL if the limiter row does not exist.
+CREATE OR REPLACE FUNCTION runcell_lock_v1(
+    p_limiter text,
+    p_release_lease uuid,
+    p_withdraw_request text,
+    p_max_per_workload integer
+) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_hash text;
+    v_active jsonb;
+    v_waiting jsonb;
+    v_queued integer;
+BEGIN
+    SELECT config_hash INTO v_hash FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF p_release_lease IS NOT NULL THEN
+        DELETE FROM runcell_lease WHERE lease_id = p_release_lease AND limiter = p_limiter;
+    END IF;
+    IF p_withdraw_request IS NOT NULL THEN
+        DELETE FROM runcell_queue WHERE request_id = p_withdraw_request AND limiter = p_limiter;
+        -- A slot granted at the moment of the cancel is given back.
+        DELETE FROM runcell_lease WHERE request_id = p_withdraw_request AND limiter = p_limiter;
+    END IF;
+    DELETE FROM runcell_lease WHERE limiter = p_limiter AND expires_at <= clock_timestamp();
+    DELETE FROM runcell_queue WHERE limiter = p_limiter AND expires_at <= clock_timestamp();
+
+    SELECT coalesce(jsonb_object_agg(workload, n), '{}'::jsonb) INTO v_active
+    FROM (SELECT workload, count(*) AS n FROM runcell_lease
+          WHERE limiter = p_limiter GROUP BY workload) AS held;
+
+    SELECT count(*) INTO v_queued FROM runcell_queue WHERE limiter = p_limiter;
+
+    SELECT coalesce(jsonb_agg(jsonb_build_array(request_id, workload, position) ORDER BY position),
+                    '[]'::jsonb)
+    INTO v_waiting
+    FROM (SELECT request_id, workload, position,
+                 row_number() OVER (PARTITION BY workload ORDER BY position) AS nth
+          FROM runcell_queue WHERE limiter = p_limiter) AS ranked
+    WHERE nth <= p_max_per_workload;
+
+    RETURN jsonb_build_object(
+        'config_hash', v_hash, 'active', v_active, 'queued', v_queued, 'waiting', v_waiting
+    );
+END;
+$$;
+
+-- Apply an allocation decided by runcell_celery.allocation.allocate() while the
+-- limiter row is still locked (same transaction as runcell_lock_v1):
+--   p_grants:  [request_id, ...] waiting requests to grant, in grant order;
+--   p_caller:  the calling request as {request_id, workload, run_id, ...} or NULL;
+--   p_caller_action: 'grant' (a lease now), 'enqueue' (wait) or NULL.
+-- Grants get fencing tokens in order, their queue rows go, and the processes that
+-- wait for them are told on channel runcell_grant (only when someone was granted:
+-- NOTIFY takes a cluster-wide lock at commit). Returns the new leases as
+-- [{lease_id, request_id, workload, fencing_token}] and the caller's queue deadline.
+CREATE OR REPLACE FUNCTION runcell_apply_v1(
+    p_limiter text,
+    p_grants jsonb,
+    p_caller jsonb,
+    p_caller_action text,
+    p_ttl_ms integer,
+    p_queue_ttl_ms integer
+) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_count integer := jsonb_array_length(p_grants)
+                       + CASE WHEN p_caller_action = 'grant' THEN 1 ELSE 0 END;
+    v_first bigint;
+    v_leases jsonb := '[]'::jsonb;
+    v_deadline timestamptz;
+    v_notify text;
+BEGIN
+    IF v_count > 0 THEN
+        UPDATE runcell_limiter SET last_fencing_token = last_fencing_token + v_count
+        WHERE name = p_limiter
+        RETURNING last_fencing_token - v_count + 1 INTO v_first;
+    END IF;
+
+    IF jsonb_array_length(p_grants) > 0 THEN
+        WITH granted AS (
+            SELECT g.request_id, g.ord
+            FROM jsonb_array_elements_text(p_grants) WITH ORDINALITY AS g(request_id, ord)
+        ), gone AS (
+            DELETE FROM runcell_queue q USING granted
+            WHERE q.request_id = granted.request_id AND q.limiter = p_limiter
+            RETURNING q.*, granted.ord
+        ), inserted AS (
+            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                acquired_at, renewed_at, expires_at)
+            SELECT p_limiter, gone.workload, gone.request_id, v_first + gone.ord - 1,
+                gone.run_id, gone.root_run_id, gone.parent_run_id, gone.holder_name,
+                gone.holder_host, gone.holder_pid, p_ttl_ms, v_now, v_now,
+                v_now + p_ttl_ms * interval '1 millisecond'
+            FROM gone
+            RETURNING lease_id, request_id, workload, fencing_token
+        )
+        SELECT coalesce(jsonb_agg(to_jsonb(inserted)), '[]'::jsonb),
+               string_agg(inserted.request_id, E'\n')
+        INTO v_leases, v_notify FROM inserted;
+        IF v_notify IS NOT NULL THEN
+            PERFORM pg_notify('runcell_grant', p_limiter || E'\n' || v_notify);
+        END IF;
+    END IF;
+
+    IF p_caller_action = 'grant' THEN
+        INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+            root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+            acquired_at, renewed_at, expires_at)
+        VALUES (p_limiter, p_caller->>'workload', p_caller->>'request_id',
+            v_first + v_count - 1, p_caller->>'run_id', p_caller->>'root_run_id',
+            p_caller->>'parent_run_id', p_caller->>'holder_name', p_caller->>'holder_host',
+            (p_caller->>'holder_pid')::integer, p_ttl_ms, v_now, v_now,
+            v_now + p_ttl_ms * interval '1 millisecond')
+        RETURNING v_leases || jsonb_build_array(jsonb_build_object(
+            'lease_id', lease_id, 'request_id', request_id, 'workload', workload,
+            'fencing_token', fencing_token))
+        INTO v_leases;
+    ELSIF p_caller_action = 'enqueue' THEN
+        v_deadline := v_now + (p_caller->>'wait_ms')::double precision * interval '1 millisecond';
+        INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
+            parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
+            expires_at)
+        VALUES (p_caller->>'request_id', p_limiter, p_caller->>'workload',
+            p_caller->>'run_id', p_caller->>'root_run_id', p_caller->>'parent_run_id',
+            p_caller->>'holder_name', p_caller->>'holder_host',
+            (p_caller->>'holder_pid')::integer, v_now, v_deadline,
+            v_now + p_queue_ttl_ms * interval '1 millisecond');
+    END IF;
+
+    RETURN jsonb_build_object(
+        'leases', v_leases,
+        'deadline', extract(epoch FROM v_deadline)
+    );
+END;
+$$;
+
+-- A waiter's poll, without the limiter lock: was I granted? did my deadline pass?
+-- It refreshes the queue row's expiry only when a third of the TTL is left (fewer
+-- writes), and says whether anything expired that needs an allocation pass.
+-- Returns {"status": "granted", "lease": {...}} | {"status": "waiting",
+-- "needs_allocation": bool} | {"status": "timed-out"} | {"status": "missing"}.
+CREATE OR REPLACE FUNCTION runcell_poll_v1(
+    p_limiter text,
+    p_request_id text,
+    p_queue_ttl_ms integer
+) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_lease jsonb;
+    v_entry runcell_queue%ROWTYPE;
+BEGIN
+    SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
+                              'workload', workload, 'fencing_token', fencing_token)
+    INTO v_lease FROM runcell_lease
+    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now;
+    IF FOUND THEN
+        RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
+    END IF;
+
+    SELECT * INTO v_entry FROM runcell_queue
+    WHERE request_id = p_request_id AND limiter = p_limiter;
+    IF NOT FOUND THEN
+        -- Each statement reads a new snapshot: a grant that committed between the
+        -- two reads above deleted the queue row and created the lease. Look again.
+        SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
+                                  'workload', workload, 'fencing_token', fencing_token)
+        INTO v_lease FROM runcell_lease
+        WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now;
+        IF FOUND THEN
+            RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
+        END IF;
+        RETURN jsonb_build_object('status', 'missing');
+    END IF;
+    IF v_entry.deadline IS NOT NULL AND v_entry.deadline <= v_now THEN
+        DELETE FROM runcell_queue WHERE request_id = p_request_id;
+        RETURN jsonb_build_object('status', 'timed-out');
+    END IF;
+    IF v_entry.expires_at - v_now < p_queue_ttl_ms * interval '1 millisecond' * 2 / 3 THEN
+        UPDATE runcell_queue SET expires_at = v_now + p_queue_ttl_ms * interval '1 millisecond'
+        WHERE request_id = p_request_id;
+    END IF;
+    RETURN jsonb_build_object(
+        'status', 'waiting',
+        'needs_allocation',
+        EXISTS (SELECT 1 FROM runcell_lease WHERE limiter = p_limiter AND expires_at <= v_now)
+        OR EXISTS (SELECT 1 FROM runcell_queue WHERE limiter = p_limiter AND expires_at <= v_now)
+    );
+END;
+$$;
+
+INSERT INTO runcell_schema (version) VALUES (1) ON CONFLICT DO NOTHING;

@@ -1,0 +1,3 @@
+from tests.support.pg import pg_dsn
+
+__all__ = ["pg_dsn"]

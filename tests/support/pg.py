@@ -1,0 +1,79 @@
+"""PostgreSQL fixtures: a database of our own per test session, dropped at the end.
+
+Reads ``RUNCELL_TEST_DSN`` (default: the local server's ``postgres`` database) to
+reach a server where it may create databases.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+
+ADMIN_DSN = os.environ.get("RUNCELL_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def _with_dbname(dsn: str, dbname: str) -> str:
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    params["dbname"] = dbname
+    return psycopg.conninfo.make_conninfo(**params)
+
+
+def create_database(prefix: str) -> str:
+    """Create an empty database and return its DSN."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return _with_dbname(ADMIN_DSN, name)
+
+
+def drop_database(dsn: str) -> None:
+    """Drop a database made by :func:`create_database`, ending its sessions first."""
+    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@pytest.fixture(scope="session")
+def pg_dsn() -> Iterator[str]:
+    """A fresh database with the limiter schema, shared by the session's tests."""
+    dsn = create_database("runcell_test")
+    try:
+        yield dsn
+    finally:
+        drop_database(dsn)
+
+
+@pytest.fixture
+def fresh_dsn() -> Iterator[str]:
+    """A database of this test's own (for schema-creation tests)."""
+    dsn = create_database("runcell_fresh")
+    try:
+        yield dsn
+    finally:
+        drop_database(dsn)
+
+
+def unique_name(prefix: str = "limiter") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def make_limiter(pg_dsn: str) -> Callable[..., PostgresConcurrencyLimiter]:
+    """Create limiters with unique names on the session database."""
+
+    def make(**options: Any) -> PostgresConcurrencyLimiter:
+        options.setdefault("name", unique_name())
+        options.setdefault("poll_interval_ms", 20)
+        return create_postgres_concurrency_limiter(pg_dsn, **options)
+
+    return make
