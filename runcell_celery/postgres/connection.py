@@ -32,9 +32,9 @@ Connection = psycopg.Connection[Any]
 #: Connections a pool made from a DSN may open (waiters hold one only while polling).
 DEFAULT_POOL_MAX_SIZE = 8
 #: How long to wait for a pooled connection before failing closed.
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_CONNECT_TIMEOUT_MS = 5_000
 
-_pools: dict[tuple[int, str], ConnectionPool[Connection]] = {}
+_pools: dict[tuple[int, str, int, float], ConnectionPool[Connection]] = {}
 _inherited: list[object] = []  # kept alive after fork so they are never closed here
 _pools_lock = threading.Lock()
 
@@ -50,7 +50,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _shared_pool(conninfo: str, max_size: int, timeout: float) -> ConnectionPool[Connection]:
-    key = (os.getpid(), conninfo)
+    key = (os.getpid(), conninfo, max_size, timeout)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
@@ -84,7 +84,7 @@ class Database:
         db: str | ConnectionPool[Any],
         *,
         pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
-        timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+        timeout: float = DEFAULT_CONNECT_TIMEOUT_MS / 1000,
     ) -> None:
         if isinstance(db, str):
             self._dsn: str | None = db
@@ -93,13 +93,14 @@ class Database:
         elif isinstance(db, ConnectionPool):
             self._dsn = None
             self._given_pool = db
-            self.conninfo = db.conninfo
+            conninfo = db.conninfo
+            self.conninfo = conninfo if isinstance(conninfo, str) else conninfo()
         else:
             raise TypeError(
                 f"db must be a PostgreSQL DSN string or a psycopg_pool.ConnectionPool, "
                 f"not {type(db).__name__}"
             )
-        self._pool_max_size = pool_max_size
+        self.pool_max_size = pool_max_size
         self._timeout = timeout
 
     @property
@@ -107,7 +108,7 @@ class Database:
         if self._given_pool is not None:
             return self._given_pool
         assert self._dsn is not None
-        return _shared_pool(self._dsn, self._pool_max_size, self._timeout)
+        return _shared_pool(self._dsn, self.pool_max_size, self._timeout)
 
     @contextmanager
     def connection(self) -> Iterator[Connection]:

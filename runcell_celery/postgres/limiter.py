@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, LiteralString, TypeVar
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -53,7 +53,7 @@ from ..errors import (
 )
 from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 from . import statements
-from .connection import DEFAULT_POOL_MAX_SIZE, Connection, Database
+from .connection import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE, Connection, Database
 from .listener import GrantListener, get_listener
 from .schema import ensure_schema
 
@@ -85,15 +85,6 @@ class _Decision:
     queued: bool = False
     deadline: float | None = None
     refused: Literal["queue-full", "no-wait"] | None = None
-
-
-class _Stage:
-    """Marks when a transaction may have committed, so only safe work is retried."""
-
-    __slots__ = ("sent_writes",)
-
-    def __init__(self) -> None:
-        self.sent_writes = False
 
 
 def _config_hash(config: LimiterConfig) -> str:
@@ -159,7 +150,7 @@ class PostgresConcurrencyLimiter:
         config_json = Jsonb(self._config.to_dict())
         params = {"name": self.name, "config": config_json, "config_hash": self._config_hash}
 
-        def work(conn: Connection, stage: _Stage) -> None:
+        def work(conn: Connection) -> None:
             if ensure:
                 ensure_schema(conn)
             with conn.transaction():
@@ -181,7 +172,19 @@ class PostgresConcurrencyLimiter:
                     limiter=self.name,
                 )
 
-        self._run(None, work, retry=False)
+        try:
+            self._run(None, work, retry=False)
+        except ConcurrencyLimiterError as exc:
+            if isinstance(
+                exc.__cause__, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
+            ):
+                raise ConcurrencyConfigError(
+                    f"limiter {self.name!r}: the runcell tables do not exist in this database; "
+                    "apply postgres_concurrency_schema_sql() as a migration, or create the "
+                    "limiter with ensure_schema=True",
+                    limiter=self.name,
+                ) from exc
+            raise
 
     def _describe_differences(self, stored: Mapping[str, Any]) -> str:
         try:
@@ -288,7 +291,7 @@ class PostgresConcurrencyLimiter:
             "queue_ttl_ms": self._queue_ttl_ms,
         }
 
-        def work(conn: Connection, stage: _Stage) -> Any:
+        def work(conn: Connection) -> Any:
             return _single(conn, statements.POLL, params)[0]
 
         result = self._run(request, work)
@@ -320,25 +323,35 @@ class PostgresConcurrencyLimiter:
             "limiter": self.name,
             "release_lease": release,
             "withdraw_request": withdraw,
+            "request_id": caller.request_id if caller is not None else None,
             "max_per_workload": config.max_concurrent,
         }
         if caller is None and (release is not None or withdraw is not None):
-            state = self._run(None, lambda conn, stage: _lock_and_commit(conn, lock_params, stage))
-            self._check_state(state)
+            state = self._check_state(
+                self._run(None, lambda conn: _lock_and_commit(conn, lock_params))
+            )
             waiting = [_Waiting(rid, w) for rid, w, _position in state["waiting"]]
             if not allocate(config, state["active"], waiting):
                 return _Decision()
             lock_params = {**lock_params, "release_lease": None, "withdraw_request": None}
 
-        def work(conn: Connection, stage: _Stage) -> _Decision:
+        def work(conn: Connection) -> _Decision:
             decision = _Decision()
             cursor = psycopg.ClientCursor(conn)
             try:
                 cursor.execute(statements.BEGIN_AND_LOCK, lock_params)
                 cursor.nextset()  # past BEGIN's empty result
                 row = cursor.fetchone()
-                state = row[0] if row is not None else None
-                self._check_state(state)
+                state = self._check_state(row[0] if row is not None else None)
+                mine = state["mine"]
+                if mine is not None:
+                    # A retry after a lost answer: keep what the first attempt got.
+                    cursor.execute(statements.COMMIT)
+                    if "lease" in mine:
+                        decision.lease = self._lease(mine["lease"])
+                    else:
+                        decision.queued, decision.deadline = True, mine["queued"]
+                    return decision
                 waiting = [_Waiting(rid, w) for rid, w, _position in state["waiting"]]
                 if caller is not None:
                     assert workload is not None
@@ -359,7 +372,6 @@ class PostgresConcurrencyLimiter:
                 if not grants and action is None:
                     cursor.execute(statements.COMMIT)
                     return decision
-                stage.sent_writes = True
                 cursor.execute(
                     statements.APPLY_AND_COMMIT,
                     {
@@ -387,7 +399,8 @@ class PostgresConcurrencyLimiter:
 
         return self._run(caller, work)
 
-    def _check_state(self, state: Any) -> None:
+    def _check_state(self, state: dict[str, Any] | None) -> dict[str, Any]:
+        """Return the state read under the lock, if this worker may act on it."""
         if state is None:
             raise ConcurrencyLimiterError(
                 f"limiter {self.name!r} is not registered in the database "
@@ -400,6 +413,7 @@ class PostgresConcurrencyLimiter:
                 "restart this worker with the new limits",
                 limiter=self.name,
             )
+        return state
 
     def _caller(
         self, request: AcquireRequest | None, workload: str | None, wait_ms: float | None
@@ -431,7 +445,7 @@ class PostgresConcurrencyLimiter:
             return {}
         params = {"limiter": self.name, "lease_ids": [lease.lease_id for lease in leases]}
 
-        def work(conn: Connection, stage: _Stage) -> set[str]:
+        def work(conn: Connection) -> set[str]:
             return {row[0] for row in _all(conn, statements.RENEW, params)}
 
         renewed = self._run(None, work)
@@ -445,7 +459,7 @@ class PostgresConcurrencyLimiter:
         """Return active and queued counts, in total and per workload (database view)."""
         params = {"limiter": self.name}
 
-        def work(conn: Connection, stage: _Stage) -> list[tuple[Any, ...]]:
+        def work(conn: Connection) -> list[tuple[Any, ...]]:
             return _all(conn, statements.STATS, params)
 
         counts: dict[str, dict[str, int]] = {"active": {}, "queued": {}}
@@ -457,7 +471,9 @@ class PostgresConcurrencyLimiter:
             active=sum(counts["active"].values()),
             queued=sum(counts["queued"].values()),
             workloads={
-                w: WorkloadStats(active=counts["active"].get(w, 0), queued=counts["queued"].get(w, 0))
+                w: WorkloadStats(
+                    active=counts["active"].get(w, 0), queued=counts["queued"].get(w, 0)
+                )
                 for w in names
             },
         )
@@ -488,24 +504,25 @@ class PostgresConcurrencyLimiter:
     def _run(
         self,
         request: AcquireRequest | None,
-        work: Callable[[Connection, _Stage], T],
+        work: Callable[[Connection], T],
         *,
         retry: bool = True,
     ) -> T:
         """Run ``work`` on a pooled connection; fail closed on database errors.
 
         A connection the database dropped (restart, ``pg_terminate_backend``) is only
-        found out when used; if nothing could have been written yet, the work is
-        retried on another connection, so the limiter recovers by itself.
+        found out when used; the work is then retried on another connection, so the
+        limiter recovers by itself. Retrying is safe because every operation is
+        idempotent: releases and withdrawals by lease and request id, and an acquire
+        whose first attempt committed finds its lease or queue row again (``mine``).
         """
-        attempts = DEFAULT_POOL_MAX_SIZE + 1 if retry else 1
+        attempts = self._db.pool_max_size + 1 if retry else 1
         for attempt in range(attempts):
-            stage = _Stage()
             broken = False
             try:
                 with self._db.connection() as conn:
                     try:
-                        return work(conn, stage)
+                        return work(conn)
                     finally:
                         broken = conn.broken
             except ConcurrencyError as exc:
@@ -513,12 +530,14 @@ class PostgresConcurrencyLimiter:
                     raise request.error(type(exc), exc.message, limiter=self.name) from exc
                 raise
             except (psycopg.Error, PoolTimeout) as exc:
-                if broken and not stage.sent_writes and attempt + 1 < attempts:
+                if broken and attempt + 1 < attempts:
                     logger.info("runcell: retrying on a fresh connection after: %s", exc)
                     continue
                 message = f"limiter {self.name!r}: the database failed: {exc}"
                 if request is not None:
-                    raise request.error(ConcurrencyLimiterError, message, limiter=self.name) from exc
+                    raise request.error(
+                        ConcurrencyLimiterError, message, limiter=self.name
+                    ) from exc
                 raise ConcurrencyLimiterError(message, limiter=self.name) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -559,9 +578,8 @@ class PostgresConcurrencyLimiter:
         )
 
 
-def _lock_and_commit(conn: Connection, params: Mapping[str, Any], stage: _Stage) -> Any:
+def _lock_and_commit(conn: Connection, params: Mapping[str, Any]) -> Any:
     cursor = psycopg.ClientCursor(conn)
-    stage.sent_writes = True  # the release is written by the time an error shows
     try:
         cursor.execute(statements.LOCK_AND_COMMIT, params)
         cursor.nextset()  # past BEGIN's empty result
@@ -579,13 +597,13 @@ def _rollback_quietly(conn: Connection) -> None:
         conn.rollback()
 
 
-def _single(conn: Connection, query: statements.LiteralString, params: Mapping[str, Any]) -> Any:
+def _single(conn: Connection, query: LiteralString, params: Mapping[str, Any]) -> Any:
     rows = _all(conn, query, params)
     return rows[0]
 
 
 def _all(
-    conn: Connection, query: statements.LiteralString, params: Mapping[str, Any]
+    conn: Connection, query: LiteralString, params: Mapping[str, Any]
 ) -> list[tuple[Any, ...]]:
     # In autocommit mode one statement is its own transaction; a caller's pool may
     # not be in autocommit mode, and the pool rolls back what is left open.
@@ -624,6 +642,8 @@ def create_postgres_concurrency_limiter(
     ensure_schema: bool = True,
     on_conflict: Literal["error", "replace"] = "error",
     listen: bool = True,
+    pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
+    connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS,
 ) -> PostgresConcurrencyLimiter:
     """Create a limiter whose slots every process using ``name`` on ``db`` shares.
 
@@ -638,11 +658,16 @@ def create_postgres_concurrency_limiter(
         ``"replace"`` stores these limits instead.
     :param listen: wake waiters by ``LISTEN/NOTIFY`` (polling stays the fallback);
         turn off behind a transaction pooler to skip the self-check.
+    :param pool_max_size: connections the pool made from a DSN may open (per process).
+    :param connect_timeout_ms: how long to wait for a database connection before the
+        call fails closed with :class:`~runcell_celery.errors.ConcurrencyLimiterError`.
     The remaining options are those of :class:`~runcell_celery.config.LimiterConfig`.
     """
     for field, value, minimum in (
         ("poll_interval_ms", poll_interval_ms, 1),
         ("queue_entry_ttl_ms", queue_entry_ttl_ms, 1),
+        ("pool_max_size", pool_max_size, 1),
+        ("connect_timeout_ms", connect_timeout_ms, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConcurrencyConfigError(
@@ -664,7 +689,7 @@ def create_postgres_concurrency_limiter(
         options["workloads"] = workloads
     config = LimiterConfig.from_mapping(options)
     limiter = PostgresConcurrencyLimiter(
-        Database(db),
+        Database(db, pool_max_size=pool_max_size, timeout=connect_timeout_ms / 1000),
         config,
         poll_interval_ms=poll_interval_ms,
         queue_entry_ttl_ms=queue_entry_ttl_ms,
@@ -672,4 +697,3 @@ def create_postgres_concurrency_limiter(
     )
     limiter.register(ensure=ensure_schema, on_conflict=on_conflict)
     return limiter
-

@@ -118,7 +118,9 @@ def _redacted(conninfo: str) -> str:
         params = psycopg.conninfo.conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError:
         return "the database"
-    return f"{params.get('host', 'localhost')}:{params.get('port', 5432)}/{params.get('dbname', '')}"
+    return (
+        f"{params.get('host', 'localhost')}:{params.get('port', 5432)}/{params.get('dbname', '')}"
+    )
 
 
 def _listen_forever(listener_ref: weakref.ref[GrantListener]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from importlib import resources
+from typing import Any
 
 import psycopg
 
@@ -24,7 +25,7 @@ def postgres_concurrency_schema_sql() -> str:
     return resources.files(__package__).joinpath("schema.sql").read_text(encoding="utf-8")
 
 
-def ensure_schema(conn: psycopg.Connection[object]) -> None:
+def ensure_schema(conn: psycopg.Connection[Any]) -> None:
     """Create the tables and functions unless they exist.
 
     Workers starting at the same moment on a new database take turns on an advisory
@@ -35,4 +36,4 @@ def ensure_schema(conn: psycopg.Connection[object]) -> None:
         return
     with conn.transaction():
         conn.execute(statements.LOCK_SCHEMA, {"key": _SCHEMA_LOCK_KEY})
-        conn.execute(postgres_concurrency_schema_sql().encode())  # type: ignore[call-overload]
+        conn.execute(postgres_concurrency_schema_sql().encode())

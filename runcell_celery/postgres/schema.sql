@@ -77,12 +77,16 @@ CREATE INDEX IF NOT EXISTS runcell_queue_for_reap ON runcell_queue (limiter, exp
 --
 -- Returns: {"config_hash", "active": {workload: n}, "queued": n,
 --           "waiting": [[request_id, workload, position], ...] oldest first, at most
---           max_per_workload per workload (no more can be granted at once)}.
+--           max_per_workload per workload (no more can be granted at once),
+--           "mine": the lease or queue row p_request_id already has, or null}.
+-- "mine" makes a retried acquire idempotent: if the first attempt committed but its
+-- answer was lost with the connection, the retry finds what it already got.
 -- Returns NULL if the limiter row does not exist.
 CREATE OR REPLACE FUNCTION runcell_lock_v1(
     p_limiter text,
     p_release_lease uuid,
     p_withdraw_request text,
+    p_request_id text,
     p_max_per_workload integer
 ) RETURNS jsonb
 LANGUAGE plpgsql AS $$
@@ -91,6 +95,7 @@ DECLARE
     v_active jsonb;
     v_waiting jsonb;
     v_queued integer;
+    v_mine jsonb;
 BEGIN
     SELECT config_hash INTO v_hash FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
     IF NOT FOUND THEN
@@ -121,8 +126,22 @@ BEGIN
           FROM runcell_queue WHERE limiter = p_limiter) AS ranked
     WHERE nth <= p_max_per_workload;
 
+    IF p_request_id IS NOT NULL THEN
+        SELECT jsonb_build_object('lease', jsonb_build_object(
+                   'lease_id', lease_id, 'request_id', request_id, 'workload', workload,
+                   'fencing_token', fencing_token))
+        INTO v_mine FROM runcell_lease
+        WHERE request_id = p_request_id AND limiter = p_limiter;
+        IF NOT FOUND THEN
+            SELECT jsonb_build_object('queued', extract(epoch FROM deadline))
+            INTO v_mine FROM runcell_queue
+            WHERE request_id = p_request_id AND limiter = p_limiter;
+        END IF;
+    END IF;
+
     RETURN jsonb_build_object(
-        'config_hash', v_hash, 'active', v_active, 'queued', v_queued, 'waiting', v_waiting
+        'config_hash', v_hash, 'active', v_active, 'queued', v_queued, 'waiting', v_waiting,
+        'mine', v_mine
     );
 END;
 $$;

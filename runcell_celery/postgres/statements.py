@@ -11,7 +11,7 @@ from typing import LiteralString
 
 SCHEMA_IS_CURRENT: LiteralString = """
 SELECT to_regclass('runcell_schema') IS NOT NULL
-   AND to_regprocedure('runcell_poll_v1(text,text,integer)') IS NOT NULL
+   AND to_regprocedure('runcell_lock_v1(text,uuid,text,text,integer)') IS NOT NULL
 """
 
 #: Serialises schema creation between workers that start at the same moment.
@@ -41,14 +41,14 @@ WHERE name = %(name)s
 BEGIN_AND_LOCK: LiteralString = """
 BEGIN;
 SELECT runcell_lock_v1(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
-                       %(max_per_workload)s)
+                       %(request_id)s, %(max_per_workload)s)
 """
 
 #: A release or withdrawal that finds nobody to grant is done in this one round trip.
 LOCK_AND_COMMIT: LiteralString = """
 BEGIN;
 SELECT runcell_lock_v1(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
-                       %(max_per_workload)s);
+                       %(request_id)s, %(max_per_workload)s);
 COMMIT
 """
 

@@ -1,0 +1,143 @@
+"""Many OS processes share one PostgreSQL limiter; the fake provider is the witness."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+import psycopg
+import pytest
+
+from runcell_celery import ConcurrencyTimeoutError, run, slot
+from runcell_celery.postgres import create_postgres_concurrency_limiter
+from runcell_celery.testing import FakeProvider
+from tests.support import processes
+from tests.support.pg import pg_dsn, unique_name
+from tests.support.scale import stress_scale
+
+__all__ = ["pg_dsn", "stress_scale"]  # fixtures
+
+SPAWN = multiprocessing.get_context("spawn")
+LEASE_TTL_MS = 1500
+POLL_MS = 50
+
+
+@pytest.fixture
+def started() -> Iterator[list[SpawnProcess]]:
+    """Processes a test starts; all are killed and reaped by PID at teardown."""
+    children: list[SpawnProcess] = []
+    yield children
+    for child in children:
+        if child.is_alive() and child.pid is not None:
+            os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+
+
+def _start(children: list[SpawnProcess], target: Any, *args: Any) -> SpawnProcess:
+    child = SPAWN.Process(target=target, args=args, daemon=True)
+    child.start()
+    children.append(child)
+    return child
+
+
+def _rows_left(dsn: str, name: str) -> tuple[int, int]:
+    with psycopg.connect(dsn) as conn:
+        leases = conn.execute("SELECT count(*) FROM runcell_lease WHERE limiter = %s", [name])
+        queued = conn.execute("SELECT count(*) FROM runcell_queue WHERE limiter = %s", [name])
+        return leases.fetchone()[0], queued.fetchone()[0]  # type: ignore[index]
+
+
+def test_eight_processes_never_exceed_the_limit_even_when_a_holder_is_killed(
+    pg_dsn: str, started: list[SpawnProcess], stress_scale: float
+) -> None:
+    iterations = max(20, int(200 * stress_scale))
+    limits = {
+        "name": unique_name("processes"),
+        "max_concurrent": 3,
+        "lease_ttl_ms": LEASE_TTL_MS,
+        "poll_interval_ms": POLL_MS,
+    }
+    create_postgres_concurrency_limiter(pg_dsn, **limits)  # stores the limits first
+    with FakeProvider(latency_ms=5) as provider:
+        receive, send = SPAWN.Pipe(duplex=False)
+        victim = _start(started, processes.hold_until_killed, pg_dsn, limits, send)
+        assert receive.poll(30), "the holder never got its slot"
+        _victim_pid, victim_lease = receive.recv()
+
+        pipes = []
+        for seed in range(8):
+            receive_results, send_results = SPAWN.Pipe(duplex=False)
+            _start(
+                started,
+                processes.use_slots,
+                pg_dsn,
+                limits,
+                provider.url,
+                seed,
+                iterations,
+                send_results,
+            )
+            pipes.append(receive_results)
+        time.sleep(0.5)
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)  # mid-hold: its lease is never released
+        victim.join(10)
+
+        outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0}
+        for pipe in pipes:
+            assert pipe.poll(300), "a worker process did not finish"
+            for key, n in pipe.recv().items():
+                outcomes[key] += n
+        witness = provider.stats()
+
+    assert witness.max_in_flight <= 3, f"the provider saw {witness.max_in_flight} in flight"
+    assert witness.max_in_flight == 3, "the limit was never reached; the test proves nothing"
+    assert sum(outcomes.values()) == 8 * iterations
+    assert outcomes["completed"] > 0
+    assert outcomes["cancelled"] > 0
+    assert outcomes["timed_out"] > 0
+    # Every provider call ran inside a slot: those of completed uses, and of uses
+    # cancelled or out of budget while they held their slot (their call had started).
+    assert witness.total >= outcomes["completed"]
+    assert (witness.errors, witness.disconnected) == (0, 0)
+
+    # The killed holder's lease was reaped once its TTL passed: all three slots are
+    # free again, and nothing of the run is left in the tables.
+    limiter = create_postgres_concurrency_limiter(pg_dsn, **limits)
+    with slot(limiter), slot(limiter), slot(limiter):
+        pass
+    assert _rows_left(pg_dsn, limits["name"]) == (0, 0)
+    stats = limiter.stats()
+    assert (stats.active, stats.queued) == (0, 0)
+    assert victim_lease  # it held a real lease before it was killed
+
+
+def test_a_killed_holders_slot_returns_within_the_lease_ttl_and_one_poll(
+    pg_dsn: str, started: list[SpawnProcess]
+) -> None:
+    limits = {
+        "name": unique_name("killed"),
+        "max_concurrent": 1,
+        "lease_ttl_ms": LEASE_TTL_MS,
+        "poll_interval_ms": POLL_MS,
+    }
+    limiter = create_postgres_concurrency_limiter(pg_dsn, **limits)
+    receive, send = SPAWN.Pipe(duplex=False)
+    victim = _start(started, processes.hold_until_killed, pg_dsn, limits, send)
+    assert receive.poll(30), "the holder never got its slot"
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+
+    # Killing the process released nothing: the slot is still taken ...
+    with pytest.raises(ConcurrencyTimeoutError), run(timeout_ms=100), slot(limiter):
+        pass
+    # ... until the lease expires, in database time, and the next poll reaps it.
+    with run(timeout_ms=LEASE_TTL_MS + POLL_MS + 2000), slot(limiter) as held:
+        assert held.lease is not None
+    assert _rows_left(pg_dsn, limits["name"]) == (0, 0)

@@ -1,0 +1,155 @@
+"""The PostgreSQL limiter through PgBouncer in transaction mode.
+
+Every conformance case runs through a transaction pooler (``tests/support/pgbouncer``:
+4 server connections shared by all clients), polling (``listen=False``). With
+``listen=True`` the listener must find out that ``LISTEN`` through the pooler receives
+nothing and leave waiters to polling. The last tests show the traffic really went
+through the pooler, several clients sharing each server connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from runcell_celery import slot
+from runcell_celery.conformance import concurrency_conformance_cases
+from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+from tests.conftest import wait_until
+from tests.support.pg import unique_name
+from tests.support.pgbouncer import POOL_SIZE, PgBouncer
+
+CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
+
+#: A case in which requests wait and are granted by another request's release.
+WAITING_CASE = "waiters_are_served_in_arrival_order"
+
+
+def _factory(
+    dsn: str, *, listen: bool, made: list[PostgresConcurrencyLimiter] | None = None
+) -> Callable[..., PostgresConcurrencyLimiter]:
+    def create(**options: Any) -> PostgresConcurrencyLimiter:
+        # ensure_schema=True works through the pooler: the DDL is sent in one
+        # transaction (advisory lock, then the whole schema.sql), which transaction
+        # pooling keeps on one server connection.
+        limiter = create_postgres_concurrency_limiter(
+            dsn, name=unique_name("pgbouncer"), listen=listen, ensure_schema=True, **options
+        )
+        if made is not None:
+            made.append(limiter)
+        return limiter
+
+    return create
+
+
+def _database_row(rows: list[dict[str, Any]], dbname: str) -> dict[str, Any]:
+    found = [row for row in rows if row["database"] == dbname]
+    assert len(found) == 1, f"expected one row for {dbname!r}: {rows}"
+    return found[0]
+
+
+def _dbname(dsn: str) -> str:
+    return str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_postgres_limiter_conforms_through_a_transaction_pooler(
+    pgbouncer_dsn: str, name: str
+) -> None:
+    cases = {
+        case.name: case
+        for case in concurrency_conformance_cases(_factory(pgbouncer_dsn, listen=False))
+    }
+    cases[name].run()
+
+
+def test_listen_through_a_transaction_pooler_receives_nothing_from_other_sessions(
+    pg_dsn: str, pgbouncer_dsn: str
+) -> None:
+    # Directly, a LISTEN-ing session gets another session's NOTIFY.
+    for dsn, expected in ((pg_dsn, ["hello"]), (pgbouncer_dsn, [])):
+        with (
+            psycopg.connect(dsn, autocommit=True) as listening,
+            psycopg.connect(dsn, autocommit=True) as notifying,
+        ):
+            listening.execute("LISTEN runcell_pgbouncer_probe")
+            notifying.execute("NOTIFY runcell_pgbouncer_probe, 'hello'")
+            got = [n.payload for n in listening.notifies(timeout=1.0, stop_after=1)]
+            # Between transactions the pooler links the listening client to no server,
+            # so nothing can reach it.
+            assert got == expected, f"through {dsn}"
+            listening.execute("UNLISTEN *")
+
+
+def test_listen_true_through_a_transaction_pooler_falls_back_to_polling(
+    pgbouncer_dsn: str,
+) -> None:
+    made: list[PostgresConcurrencyLimiter] = []
+    cases = {
+        case.name: case
+        for case in concurrency_conformance_cases(_factory(pgbouncer_dsn, listen=True, made=made))
+    }
+    cases[WAITING_CASE].run()
+    (limiter,) = made
+    # The self-check takes up to SELF_CHECK_TIMEOUT_S to give up on LISTEN.
+    wait_until(lambda: limiter.listening is not None, "the listener checked itself")
+    assert limiter.listening is False
+
+
+def test_the_suite_runs_through_the_pooler_sharing_server_connections(
+    pgbouncer_server: PgBouncer, pgbouncer_dsn: str
+) -> None:
+    dbname = _dbname(pgbouncer_dsn)
+    pool = _database_row(pgbouncer_server.show("pools"), dbname)
+    assert pool["pool_mode"] == "transaction"
+    before = _database_row(pgbouncer_server.show("stats"), dbname)["total_xact_count"]
+
+    made: list[PostgresConcurrencyLimiter] = []
+    cases = {
+        case.name: case
+        for case in concurrency_conformance_cases(_factory(pgbouncer_dsn, listen=False, made=made))
+    }
+    cases["allocates_atomically_under_threads"].run()
+    after = _database_row(pgbouncer_server.show("stats"), dbname)["total_xact_count"]
+    # Every acquire and release is at least one transaction, counted by the pooler.
+    assert after - before >= 40, f"the pooler counted {after - before} transactions"
+
+    (limiter,) = made
+    assert limiter.database.conninfo == pgbouncer_dsn
+    clients = limiter.database.pool_max_size
+    assert clients > POOL_SIZE
+    with contextlib.ExitStack() as stack:
+        # All the connections the limiter's pool may open, checked out at once: each
+        # is a client of the pooler, and each statement runs on a shared server.
+        connections = [stack.enter_context(limiter.database.connection()) for _ in range(clients)]
+        backends = set()
+        for _ in range(3):
+            for conn in connections:
+                row = conn.execute("SELECT pg_backend_pid()").fetchone()
+                assert row is not None
+                backends.add(row[0])
+        pooled_clients = [c for c in pgbouncer_server.show("clients") if c["database"] == dbname]
+        servers = [s for s in pgbouncer_server.show("servers") if s["database"] == dbname]
+    assert len(pooled_clients) >= clients
+    assert 1 <= len(servers) <= POOL_SIZE
+    assert backends <= {s["remote_pid"] for s in servers}
+    assert len(backends) <= POOL_SIZE < clients
+
+
+def test_schema_is_created_through_the_pooler(pgbouncer_server: PgBouncer, fresh_dsn: str) -> None:
+    through_pooler = pgbouncer_server.with_dbname(_dbname(fresh_dsn))
+    limiter = create_postgres_concurrency_limiter(
+        through_pooler, name="created", max_concurrent=1, listen=False, ensure_schema=True
+    )
+    try:
+        with slot(limiter) as held:
+            assert held.lease is not None
+        with psycopg.connect(fresh_dsn) as conn:
+            names = conn.execute("SELECT name FROM runcell_limiter").fetchall()
+        assert names == [("created",)]
+    finally:
+        limiter.database.pool.close()  # its database is dropped after the test
