@@ -17,7 +17,8 @@ round trip plus the Python decision.
 
 No transaction or connection is held while a request waits or while a slot is held:
 a waiter polls every ``poll_interval_ms`` with one lock-free statement, and is woken
-earlier by ``LISTEN/NOTIFY`` when a listener connection is available. Expiry and
+at once by ``LISTEN/NOTIFY`` when a listener connection is up (then it polls ten
+times less often, as a safety net). Expiry and
 deadlines use database time. Errors fail closed: the caller gets
 :class:`~runcell_celery.errors.ConcurrencyLimiterError` and no slot.
 """
@@ -67,6 +68,9 @@ DEFAULT_POLL_INTERVAL_MS = 100
 DEFAULT_QUEUE_ENTRY_TTL_MS = 15_000
 #: A waiter also runs a full allocation pass every this many polls, as a safety net.
 ALLOCATE_EVERY_N_POLLS = 10
+#: While the listener is connected no grant goes unannounced, so waiters poll this
+#: many times less often (a safety net only); they poll at the full rate otherwise.
+NOTIFIED_POLL_FACTOR = 10
 
 _HOST = socket.gethostname()
 
@@ -247,7 +251,8 @@ class PostgresConcurrencyLimiter:
                 on_wait(deadline)
             polls = 0
             while True:
-                wake.wait(self._poll_s)
+                notified = listener is not None and listener.connected.is_set()
+                wake.wait(self._poll_s * NOTIFIED_POLL_FACTOR if notified else self._poll_s)
                 wake.clear()
                 if cancel is not None and cancel.is_set():
                     self._allocate(withdraw=request.request_id)

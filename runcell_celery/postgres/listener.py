@@ -7,8 +7,9 @@ per process and database listening on that channel (thread ``runcell-listener``)
 wakes exactly the local waiters whose request ids it names.
 
 Polling is never switched off: notifications sent while the listener is disconnected
-are lost, so waiters keep polling every ``poll_interval_ms`` and the listener only
-makes grants faster. Behind a transaction pooler ``LISTEN`` silently receives nothing,
+are lost. While it is connected, waiters poll ten times less often (a safety net);
+while it is not, at the full ``poll_interval_ms``, and when it reconnects it wakes
+every waiter to poll at once. Behind a transaction pooler ``LISTEN`` silently receives nothing,
 so the listener checks itself at start by notifying its own channel; if that
 notification does not arrive it gives up and waiters rely on polling alone.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -35,6 +37,7 @@ logger = logging.getLogger("runcell_celery.postgres.listener")
 SELF_CHECK_PREFIX = "?self-check "
 SELF_CHECK_TIMEOUT_S = 2.0
 RECONNECT_DELAY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+HEALTH_CHECK_S = 5.0
 
 Wake = Callable[[], None]
 
@@ -50,6 +53,8 @@ class GrantListener:
         self._stop = threading.Event()
         #: ``True`` once notifications proved to arrive; ``False`` if they cannot.
         self.available: bool | None = None
+        #: Set while the listening connection is up: no notification can be missed.
+        self.connected = threading.Event()
         self._thread = threading.Thread(
             target=_listen_forever, args=(weakref.ref(self),), name="runcell-listener", daemon=True
         )
@@ -70,6 +75,12 @@ class GrantListener:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def wake_all(self) -> None:
+        with self._lock:
+            wakes = list(self._waiters.values())
+        for wake in wakes:
+            wake()
 
     def dispatch(self, payload: str) -> None:
         """Wake the waiters named in a ``runcell_grant`` payload (limiter, then ids)."""
@@ -99,11 +110,21 @@ class GrantListener:
                 return
             self.available = True
             self._ready.set()
+            self.connected.set()
+            # Grants made while we were away were announced to nobody: let every
+            # waiter poll now.
+            self.wake_all()
+            checked_at = time.monotonic()
             while not self._stop.is_set():
                 for notify in conn.notifies(timeout=1.0):
                     if not notify.payload.startswith(SELF_CHECK_PREFIX):
                         self.dispatch(notify.payload)
+                if time.monotonic() - checked_at > HEALTH_CHECK_S:
+                    # A connection lost without a reset would otherwise look quiet.
+                    conn.execute("SELECT 1")
+                    checked_at = time.monotonic()
         finally:
+            self.connected.clear()
             conn.close()
 
     def _self_check(self, conn: psycopg.Connection[Any], nonce: str) -> bool:

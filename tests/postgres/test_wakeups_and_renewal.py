@@ -1,0 +1,103 @@
+"""Wake-ups by LISTEN/NOTIFY, batched renewal, and fencing tokens under concurrency."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from runcell_celery import slot
+from runcell_celery.postgres import create_postgres_concurrency_limiter
+from tests.support.pg import unique_name
+
+SOON_S = 15.0
+
+
+def _wait_listening(limiter: Any) -> None:
+    deadline = time.monotonic() + SOON_S
+    while limiter.listening is not True:
+        assert limiter.listening is not False, "the listener's self-check failed"
+        assert time.monotonic() < deadline, "the listener never became ready"
+        time.sleep(0.01)
+
+
+def test_a_release_wakes_the_granted_waiter_long_before_its_next_poll(pg_dsn: str) -> None:
+    # Polling once a minute: only a notification can serve the waiter within the join.
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name("notify"), max_concurrent=1, poll_interval_ms=60_000
+    )
+    _wait_listening(limiter)
+    granted = threading.Event()
+
+    def wait_for_the_slot() -> None:
+        with slot(limiter):
+            granted.set()
+
+    with slot(limiter):
+        waiter = threading.Thread(target=wait_for_the_slot)
+        waiter.start()
+        deadline = time.monotonic() + SOON_S
+        while limiter.stats().queued == 0:
+            assert time.monotonic() < deadline, "the waiter never queued"
+            time.sleep(0.01)
+    assert granted.wait(SOON_S), "the release did not wake the waiter"
+    waiter.join(SOON_S)
+
+
+class _CountingConnection(psycopg.Connection[Any]):
+    """Records every ``execute`` sent through the connection (not a mock: it runs them)."""
+
+    sent: list[tuple[str, Any]] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        _CountingConnection.sent.append((str(query), params))
+        return super().execute(query, params, **kwargs)
+
+
+def test_renewing_every_lease_a_process_holds_is_one_statement(pg_dsn: str) -> None:
+    pool: ConnectionPool[Any] = ConnectionPool(
+        pg_dsn,
+        connection_class=_CountingConnection,
+        kwargs={"autocommit": True, "prepare_threshold": None},
+        min_size=1,
+        max_size=4,
+        open=True,
+    )
+    try:
+        limiter = create_postgres_concurrency_limiter(
+            pool, name=unique_name("renew"), max_concurrent=4, lease_ttl_ms=300
+        )
+        _CountingConnection.sent.clear()
+        with slot(limiter), slot(limiter), slot(limiter), slot(limiter):
+            time.sleep(1.0)  # about ten renewal periods (a third of the TTL each)
+            assert limiter.stats().active == 4, "a held lease expired"
+        renewals = [p for q, p in _CountingConnection.sent if "UPDATE runcell_lease" in q]
+        assert len(renewals) >= 3, "the keeper did not renew"
+        assert all(len(params["lease_ids"]) == 4 for params in renewals), renewals
+    finally:
+        pool.close()
+
+
+def test_fencing_tokens_are_unique_and_increase_for_every_holder(pg_dsn: str) -> None:
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name("fencing"), max_concurrent=3, poll_interval_ms=10
+    )
+
+    def use(n: int) -> list[int]:
+        tokens = []
+        for _ in range(n):
+            with slot(limiter) as held:
+                assert held.fencing_token is not None
+                tokens.append(held.fencing_token)
+        return tokens
+
+    with ThreadPoolExecutor(6) as pool:
+        per_thread = list(pool.map(use, [20] * 6))
+    every = [token for tokens in per_thread for token in tokens]
+    assert len(set(every)) == len(every) == 120
+    for tokens in per_thread:
+        assert tokens == sorted(tokens), "a holder saw its fencing token go backwards"
