@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from .admission import Admission
 from .cancellation import CancellationToken
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
@@ -49,6 +50,7 @@ class RunContext:
     deadline: float | None = None
     cancel: CancellationToken | None = None
     name: str | None = None
+    admission: Admission | None = None
 
     @property
     def lineage(self) -> RunLineage:
@@ -101,6 +103,8 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
     :param root_run_id: with ``parent_run_id``, the lineage when the parent lives in
         another process (Celery headers); otherwise taken from the enclosing run.
     :param name: a label for the run, shown as the slot holder.
+    :param admission: how the run's first slot is admitted (see
+        :mod:`runcell_celery.admission`); not inherited by child runs.
     :raises ConcurrencyConfigError: the workload does not exist, or the limiter has
         several workloads, no default and none was selected. Raised at once, before
         anything waits.
@@ -119,6 +123,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         root_run_id: str | None = None,
         parent_run_id: str | None = None,
         name: str | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._options = {
             "limiter": limiter,
@@ -131,6 +136,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             "root_run_id": root_run_id,
             "parent_run_id": parent_run_id,
             "name": name,
+            "admission": admission,
         }
         self._token: Token[RunContext | None] | None = None
         self._own_cancel: CancellationToken | None = None
@@ -158,11 +164,20 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             workload = workload or parent.workload or o["default_workload"]
         else:
             workload = workload or o["default_workload"]
+        lineage = {"run_id": run_id, "root_run_id": root, "parent_run_id": parent_id}
         if limiter is not None:
-            workload = _validate(limiter, workload)
+            try:
+                workload = _validate(limiter, workload)
+            except ConcurrencyConfigError as exc:
+                # Name the run that failed to start, as every ConcurrencyError does.
+                raise ConcurrencyConfigError(
+                    exc.message, limiter=limiter.name, workload=exc.workload, **lineage
+                ) from None
         elif workload is not None:
             raise ConcurrencyConfigError(
-                f"run selects workload {workload!r} but has no limiter", workload=workload
+                f"run selects workload {workload!r} but has no limiter",
+                workload=workload,
+                **lineage,
             )
 
         deadline = _earliest(
@@ -180,6 +195,8 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             deadline=deadline,
             cancel=cancel,
             name=o["name"] or (parent.name if parent is not None else None),
+            # Never inherited: it is about this run's own first slot.
+            admission=o["admission"],
         )
 
     def _link_cancel(

@@ -142,8 +142,9 @@ def emit(event: ConcurrencyEvent) -> None:
 
 
 _SECRET_PATTERNS = (
-    re.compile(r"(://[^:/@\s]+:)[^@\s]+@"),  # scheme://user:secret@host
-    re.compile(r"(?i)((?:password|passwd|pwd|secret|token|api[_-]?key)\s*[=:]\s*)\S+"),
+    re.compile(r"(://[^:/@\s]*:)[^@\s]+@"),  # scheme://user:secret@host, scheme://:secret@
+    # key=value, key: value, and quoted keys as in a dict or JSON: 'password': 'x'
+    re.compile(r"(?i)((?:password|passwd|pwd|secret|token|api[_-]?key)['\"]?\s*[=:]\s*)\S+"),
 )
 
 

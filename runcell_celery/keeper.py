@@ -21,13 +21,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from .protocol import ConcurrencyLimiter, Lease
 
 __all__ = ["Hold", "LeaseKeeper", "get_keeper"]
 
 logger = logging.getLogger("runcell_celery.keeper")
+
+T = TypeVar("T")
 
 #: Renew when a third of the TTL has passed, so two renewals can fail before expiry.
 RENEW_FRACTION = 1 / 3
@@ -48,7 +50,10 @@ class Hold(Protocol):
 
     def lease_lost(self, error: BaseException | None) -> None: ...
 
-    def deadline_passed(self) -> None: ...
+    def deadline_passed(self) -> float | None:
+        """The deadline given to :meth:`LeaseKeeper.keep` passed; return a later
+        deadline (monotonic) to watch as well, or ``None``."""
+        ...
 
 
 class _Entry:
@@ -136,8 +141,8 @@ class LeaseKeeper:
                 self.forget(key)
                 continue
             if entry.deadline <= now:
-                entry.deadline = math.inf
-                _safely(hold.deadline_passed)
+                later = _safely(hold.deadline_passed)
+                entry.deadline = math.inf if later is None else later
                 if hold.kept_lease() is None:
                     self.forget(key)
                     continue
@@ -190,11 +195,12 @@ def _renew(limiter: ConcurrencyLimiter, leases: Sequence[Lease]) -> Mapping[str,
     return {lease.lease_id: limiter.renew(lease) for lease in leases}
 
 
-def _safely(call: Callable[..., object], *args: object) -> None:
+def _safely(call: Callable[..., T], *args: object) -> T | None:
     try:
-        call(*args)
+        return call(*args)
     except Exception:
         logger.exception("runcell lease keeper: a hold callback failed")
+        return None
 
 
 def _run_keeper(keeper_ref: weakref.ref[LeaseKeeper]) -> None:

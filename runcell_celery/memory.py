@@ -154,8 +154,11 @@ class InMemoryConcurrencyLimiter:
                 lease = self._settle(waiter, cancel)
                 if lease is not None:
                     return lease
+                # Not ``wait_for``: on Python 3.11 it swallows a cancellation that
+                # arrives as the event is set, and the cancelled task would get a slot.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), self._sleep_seconds(waiter))
+                    async with asyncio.timeout(self._sleep_seconds(waiter)):
+                        await event.wait()
                 event.clear()
         except BaseException:
             self._abandon(waiter)
@@ -278,10 +281,8 @@ class InMemoryConcurrencyLimiter:
     def reap(self) -> int:
         """Drop expired leases now (normally done lazily); return how many."""
         with self._lock:
-            before = len(self._held)
             self._next_expiry = -math.inf
-            self._reap_locked(self._clock.monotonic())
-            return before - len(self._held)
+            return self._reap_locked(self._clock.monotonic())
 
     # -- under the lock ---------------------------------------------------------------
 
@@ -334,9 +335,9 @@ class InMemoryConcurrencyLimiter:
         held.expires_at = now + held.lease.ttl_ms / 1000
         return held.lease
 
-    def _reap_locked(self, now: float) -> None:
+    def _reap_locked(self, now: float) -> int:
         if now < self._next_expiry:
-            return
+            return 0
         expired = [lease_id for lease_id, h in self._held.items() if h.expires_at <= now]
         for lease_id in expired:
             held = self._held.pop(lease_id)
@@ -344,6 +345,7 @@ class InMemoryConcurrencyLimiter:
         self._next_expiry = min((h.expires_at for h in self._held.values()), default=math.inf)
         if expired:
             self._allocate_locked(now)
+        return len(expired)
 
     # -- errors -----------------------------------------------------------------------
 

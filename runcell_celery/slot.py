@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
+from .admission import Admission, SlotDeferred
 from .cancellation import CancellationToken
 from .config import DEFAULT_WORKLOAD
 from .context import RunContext, current_run
@@ -67,10 +68,33 @@ _WAIT_FAILURE_EVENTS: tuple[tuple[type[ConcurrencyError], EventType], ...] = (
 )
 
 
+_interrupts: tuple[type[BaseException], ...] = ()
+
+
+def register_interrupt(exc_type: type[BaseException]) -> None:
+    """Treat ``exc_type`` as a cancellation, not a failure, wherever it interrupts a slot.
+
+    Anything that is not an ``Exception`` (``SystemExit`` from a terminating signal,
+    ``KeyboardInterrupt``, asyncio's ``CancelledError``, ``GeneratorExit`` of a stream
+    closed early) already is; the Celery integration registers ``SoftTimeLimitExceeded``
+    and ``Terminated``.
+    """
+    global _interrupts
+    if exc_type not in _interrupts:
+        _interrupts = (*_interrupts, exc_type)
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Tell whether ``exc`` stops the run from outside (a cancellation of some kind)."""
+    return not isinstance(exc, Exception) or isinstance(
+        exc, (ConcurrencyCancelledError, *_interrupts)
+    )
+
+
 def _outcome_of(exc: BaseException | None) -> Outcome:
     if exc is None:
         return "success"
-    if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | ConcurrencyCancelledError):
+    if is_interrupt(exc):
         return "cancelled"
     return "error"
 
@@ -85,6 +109,7 @@ class Slot:
 
     # Set when the slot is entered.
     _run: RunContext
+    _admission: Admission | None
     _limiter: ConcurrencyLimiter
     _request: AcquireRequest
     _cancel: CancellationToken | None
@@ -114,6 +139,9 @@ class Slot:
         self._task: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task_cancelled = False
+        # False while an async-generator guard has yielded to its consumer: the task
+        # then runs the consumer's code, which an abort must not cancel.
+        self._interruptible = True
         self._keeper_key: int | None = None
         self._max_hold_at: float | None = None
         self._held_since = 0.0
@@ -145,7 +173,10 @@ class Slot:
         request = self._prepare()
         started = time.monotonic()
         try:
-            lease = self._limiter.acquire(request, cancel=self._cancel, on_wait=self._on_wait)
+            if self._admission is not None:
+                lease = self._admission.acquire(self._limiter, request, self._cancel, self._on_wait)
+            else:
+                lease = self._limiter.acquire(request, cancel=self._cancel, on_wait=self._on_wait)
         except BaseException as exc:
             self._cleanup()
             error = self._wait_failed(exc, started)
@@ -171,7 +202,9 @@ class Slot:
         request = self._prepare()
         started = time.monotonic()
         try:
-            lease = await _acquire_async(self._limiter, request, self._cancel, self._on_wait)
+            lease = await _acquire_async(
+                self._limiter, request, self._cancel, self._on_wait, self._admission
+            )
         except BaseException as exc:
             self._cleanup()
             error = self._wait_failed(exc, started)
@@ -218,6 +251,9 @@ class Slot:
                 request_id=request_id,
             )
         self._limiter = limiter
+        self._admission = run.admission.take(limiter) if run.admission is not None else None
+        if self._admission is not None and self._request_id is None:
+            request_id = self._admission.request_id
         workload = self._workload_arg
         if workload is None and limiter is run.limiter:
             workload = run.workload
@@ -273,7 +309,9 @@ class Slot:
     def _wait_failed(self, exc: BaseException, started: float) -> BaseException:
         """Emit the event for a failed wait; return the error the caller should see."""
         wait_ms = (time.monotonic() - started) * 1000
-        if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
+        if isinstance(exc, SlotDeferred):
+            return exc  # parked by the run's admission: not a failure, no event
+        if is_interrupt(exc) and not isinstance(exc, ConcurrencyError):
             self._event("wait-cancelled", wait_ms=wait_ms)
             return exc
         for error_type, event_type in _WAIT_FAILURE_EVENTS:
@@ -368,25 +406,35 @@ class Slot:
     def lease_lost(self, error: BaseException | None) -> None:
         self._abort("lease-lost", error)
 
-    def deadline_passed(self) -> None:
-        if self._max_hold_at is not None and time.monotonic() >= self._max_hold_at:
+    def deadline_passed(self) -> float | None:
+        max_hold_at = self._max_hold_at
+        if max_hold_at is not None and time.monotonic() >= max_hold_at:
             self._abort("max-hold")
-        else:
-            self._abort("timed-out")
+            return None
+        self._abort("timed-out")
+        # A sync body cannot be stopped: max_hold_ms must still free the slot later.
+        return max_hold_at
 
     def _cancelled_while_held(self) -> None:
         self._abort("cancelled")
 
     def _abort(self, reason: AbortReason, error: BaseException | None = None) -> None:
         with self._state:
-            if self._phase != "held" or self._abort_reason is not None:
+            if self._phase != "held":
                 return
-            self._abort_reason = reason
-            self._abort_error = error
+            first = self._abort_reason is None
+            # max_hold_ms frees the slot even when an earlier abort (cancel, end of
+            # budget) could not stop a sync body that is still running.
             release_now = reason == "max-hold" and not self._released
+            if not first and not release_now:
+                return
+            callbacks: list[Callable[[], object]] = []
+            if first:
+                self._abort_reason = reason
+                self._abort_error = error
+                callbacks, self._abort_callbacks = self._abort_callbacks, []
             if release_now:
                 self._released = True
-            callbacks, self._abort_callbacks = self._abort_callbacks, []
         if reason in ("lease-lost", "max-hold"):
             self._event(
                 "lease-lost",
@@ -398,6 +446,8 @@ class Slot:
         if release_now:
             # max_hold_ms protects the limiter's accounting even if the call never ends.
             self._release("max-hold")
+        if not first:
+            return
         for callback in callbacks:
             _call_safely(callback)
         if self._loop is not None:
@@ -408,7 +458,12 @@ class Slot:
         # Runs on the event loop, between steps of the task: if the body is still
         # running, the cancellation is delivered inside it.
         with self._state:
-            if self._phase == "held" and self._task is not None and not self._task_cancelled:
+            if (
+                self._phase == "held"
+                and self._task is not None
+                and self._interruptible
+                and not self._task_cancelled
+            ):
                 self._task_cancelled = True
                 self._task.cancel()
 
@@ -462,27 +517,30 @@ async def _acquire_async(
     request: AcquireRequest,
     cancel: CancellationToken | None,
     on_wait: Callable[[float | None], None],
+    admission: Admission | None = None,
 ) -> Lease:
-    """Use the limiter's ``acquire_async``, or run its blocking ``acquire`` in a thread.
+    """Use the limiter's ``acquire_async``, or run a blocking acquire in a thread.
 
     In the thread case an asyncio cancellation cancels the thread's wait through a
     token, and a slot the thread was granted meanwhile is released, not leaked.
     """
     native = getattr(limiter, "acquire_async", None)
-    if native is not None:
+    if native is not None and admission is None:
         lease: Lease = await native(request, cancel=cancel, on_wait=on_wait)
         return lease
     stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
-    waiting = asyncio.ensure_future(
-        asyncio.to_thread(limiter.acquire, request, cancel=stop, on_wait=on_wait)
-    )
+    if admission is not None:
+        blocking = functools.partial(admission.acquire, limiter, request, stop, on_wait)
+    else:
+        blocking = functools.partial(limiter.acquire, request, cancel=stop, on_wait=on_wait)
+    waiting = asyncio.ensure_future(asyncio.to_thread(blocking))
     try:
         return await asyncio.shield(waiting)
     except asyncio.CancelledError:
         stop.cancel("the asyncio task was cancelled")
         try:
             granted = await waiting
-        except ConcurrencyError:
+        except (ConcurrencyError, SlotDeferred):
             pass
         else:
             limiter.release(granted, "cancelled")
@@ -563,9 +621,23 @@ def guard(
         if inspect.isasyncgenfunction(func):
 
             async def wrapper(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-                async with make():
-                    async for item in func(*args, **kwargs):
-                        yield item
+                async with make() as held:
+                    stream = func(*args, **kwargs)
+                    try:
+                        # An abort cancels the task only while the stream reads; one
+                        # that comes while the consumer has the item ends the stream
+                        # at its next step. Either way the consumer gets the error.
+                        while not held.aborted:
+                            held._interruptible = True
+                            try:
+                                item = await anext(stream)
+                            except StopAsyncIteration:
+                                break
+                            finally:
+                                held._interruptible = False
+                            yield item
+                    finally:
+                        await stream.aclose()
 
         elif inspect.iscoroutinefunction(func):
 
