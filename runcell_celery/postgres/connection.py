@@ -13,17 +13,18 @@ poolers such as PgBouncer work.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
-__all__ = ["Database"]
+__all__ = ["Database", "fetch_all", "fetch_one"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -69,6 +70,27 @@ def _shared_pool(conninfo: str, max_size: int, timeout: float) -> ConnectionPool
             )
             _pools[key] = pool
         return pool
+
+
+def fetch_all(
+    conn: Connection, query: LiteralString, params: Mapping[str, Any] | None = None
+) -> list[tuple[Any, ...]]:
+    """Run one statement as its own transaction and return its rows.
+
+    In autocommit mode (pools made here) a statement is its own transaction; a
+    caller's pool may not be in autocommit mode, and a pool rolls back whatever a
+    returned connection left open, so the statement is wrapped then.
+    """
+    context = contextlib.nullcontext() if conn.autocommit else conn.transaction()
+    with context:
+        return conn.execute(query, params).fetchall()
+
+
+def fetch_one(
+    conn: Connection, query: LiteralString, params: Mapping[str, Any] | None = None
+) -> tuple[Any, ...]:
+    """Run one statement that returns exactly one row (see :func:`fetch_all`)."""
+    return fetch_all(conn, query, params)[0]
 
 
 class Database:

@@ -34,8 +34,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, LiteralString, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -54,7 +54,14 @@ from ..errors import (
 )
 from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 from . import statements
-from .connection import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE, Connection, Database
+from .connection import (
+    DEFAULT_CONNECT_TIMEOUT_MS,
+    DEFAULT_POOL_MAX_SIZE,
+    Connection,
+    Database,
+    fetch_all,
+    fetch_one,
+)
 from .listener import GrantListener, get_listener
 from .schema import ensure_schema
 
@@ -89,6 +96,23 @@ class _Decision:
     queued: bool = False
     deadline: float | None = None
     refused: Literal["queue-full", "no-wait"] | None = None
+    #: The request already has a lease granted while it was parked: it belongs to
+    #: the task's re-published message, not to this caller.
+    parked_lease: bool = False
+    #: Lease ids this allocation granted to parked requests (to re-publish).
+    parked_granted: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Park:
+    """Park the request instead of waiting past ``until`` (``time.monotonic()``)."""
+
+    until: float
+    payload: str
+
+
+#: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
+AdmissionResult = Literal["parked", "duplicate"]
 
 
 def _config_hash(config: LimiterConfig) -> str:
@@ -120,6 +144,11 @@ class PostgresConcurrencyLimiter:
         self._listener_pid: int | None = None
         self._listener: GrantListener | None = None
         self._listener_lock = threading.Lock()
+        #: Called with the lease ids of parked requests an allocation in this process
+        #: just granted (after commit), so their tasks are re-published at once. The
+        #: Celery integration sets it; without it, listeners and the sweeper do it.
+        self.on_parked_granted: Callable[[PostgresConcurrencyLimiter, list[str]], None] | None
+        self.on_parked_granted = None
 
     def __repr__(self) -> str:
         config = self._config
@@ -212,6 +241,42 @@ class PostgresConcurrencyLimiter:
         on_wait: OnWait | None = None,
     ) -> Lease:
         """Wait for a slot; see :class:`~runcell_celery.protocol.ConcurrencyLimiter`."""
+        result = self._acquire(request, cancel, on_wait, park=None)
+        assert isinstance(result, Lease)
+        return result
+
+    def acquire_or_park(
+        self,
+        request: AcquireRequest,
+        *,
+        admission_wait_ms: float,
+        payload: str,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease | AdmissionResult:
+        """Wait up to ``admission_wait_ms`` for a slot, then park the request.
+
+        A parked request keeps its place in the queue, with ``payload`` (the task
+        message to re-publish) and no process polling for it. When allocation grants
+        it, the lease is held for it and the message is re-published (see
+        :mod:`runcell_celery.postgres.parking`); the re-published task takes the lease
+        with :meth:`claim_parked`.
+
+        :returns: the lease if one was granted in time; ``"parked"`` once the request
+            is parked; ``"duplicate"`` if this request already had a lease granted
+            while parked (another delivery of the same task owns it).
+        """
+        park = _Park(time.monotonic() + admission_wait_ms / 1000, payload)
+        return self._acquire(request, cancel, on_wait, park=park)
+
+    def _acquire(
+        self,
+        request: AcquireRequest,
+        cancel: CancellationToken | None,
+        on_wait: OnWait | None,
+        *,
+        park: _Park | None,
+    ) -> Lease | AdmissionResult:
         workload = self._resolve(request)
         if cancel is not None and cancel.is_set():
             raise self._cancelled(request)
@@ -219,6 +284,8 @@ class PostgresConcurrencyLimiter:
         decision = self._allocate(caller=request, workload=workload, wait_ms=wait_ms)
         if decision.lease is not None:
             return decision.lease
+        if decision.parked_lease:
+            return "duplicate"
         if decision.refused == "queue-full":
             max_queued = self._config.max_queued
             raise request.error(
@@ -229,7 +296,7 @@ class PostgresConcurrencyLimiter:
             )
         if decision.refused == "no-wait":
             raise self._timed_out(request, wait_ms)
-        return self._wait(request, workload, wait_ms, decision.deadline, cancel, on_wait)
+        return self._wait(request, workload, wait_ms, decision.deadline, cancel, on_wait, park)
 
     def _wait(
         self,
@@ -239,7 +306,8 @@ class PostgresConcurrencyLimiter:
         deadline: float | None,
         cancel: CancellationToken | None,
         on_wait: OnWait | None,
-    ) -> Lease:
+        park: _Park | None = None,
+    ) -> Lease | AdmissionResult:
         wake = threading.Event()
         listener = self._get_listener()
         if listener is not None:
@@ -252,7 +320,10 @@ class PostgresConcurrencyLimiter:
             polls = 0
             while True:
                 notified = listener is not None and listener.connected.is_set()
-                wake.wait(self._poll_s * NOTIFIED_POLL_FACTOR if notified else self._poll_s)
+                pause = self._poll_s * NOTIFIED_POLL_FACTOR if notified else self._poll_s
+                if park is not None:
+                    pause = min(pause, max(0.0, park.until - time.monotonic()))
+                wake.wait(pause)
                 wake.clear()
                 if cancel is not None and cancel.is_set():
                     self._allocate(withdraw=request.request_id)
@@ -279,6 +350,11 @@ class PostgresConcurrencyLimiter:
                         raise self._timed_out(request, wait_ms)
                 elif status == "needs-allocation" or polls % ALLOCATE_EVERY_N_POLLS == 0:
                     self._allocate()
+                if park is not None and time.monotonic() >= park.until:
+                    parked = self._park(request, park.payload)
+                    if parked is not None:
+                        settled = True
+                        return parked
         finally:
             unlink()
             if listener is not None:
@@ -289,6 +365,41 @@ class PostgresConcurrencyLimiter:
                 with contextlib.suppress(Exception):
                     self._allocate(withdraw=request.request_id)
 
+    def _park(self, request: AcquireRequest, payload: str) -> Lease | AdmissionResult | None:
+        """Turn the waiting row into a parked one; ``None`` if the row is gone."""
+        params = {"limiter": self.name, "request_id": request.request_id, "payload": payload}
+        result = self._run(request, lambda conn: fetch_one(conn, statements.PARK, params)[0])
+        if result["status"] == "parked":
+            return "parked"
+        if result["status"] == "granted":
+            return self._lease(result["lease"])
+        return None
+
+    def claim_parked(self, request_id: str, publication_id: str) -> Lease | None:
+        """Take the lease granted to a parked request, from its re-published message.
+
+        :returns: the lease, renewed; ``None`` if this publication cannot claim it
+            (another publication did, or the grant expired and the request is back in
+            line, or it was never granted).
+        """
+        params = {
+            "limiter": self.name,
+            "request_id": request_id,
+            "publication_id": publication_id,
+        }
+        rows = self._run(None, lambda conn: fetch_all(conn, statements.CLAIM_PARKED, params))
+        if not rows:
+            return None
+        lease_id, granted_request, workload, token = rows[0]
+        return self._lease(
+            {
+                "lease_id": lease_id,
+                "request_id": granted_request,
+                "workload": workload,
+                "fencing_token": token,
+            }
+        )
+
     def _poll(self, request: AcquireRequest) -> tuple[str, Lease | None]:
         params = {
             "limiter": self.name,
@@ -297,7 +408,7 @@ class PostgresConcurrencyLimiter:
         }
 
         def work(conn: Connection) -> Any:
-            return _single(conn, statements.POLL, params)[0]
+            return fetch_one(conn, statements.POLL, params)[0]
 
         result = self._run(request, work)
         status = result["status"]
@@ -350,10 +461,13 @@ class PostgresConcurrencyLimiter:
                 state = self._check_state(row[0] if row is not None else None)
                 mine = state["mine"]
                 if mine is not None:
-                    # A retry after a lost answer: keep what the first attempt got.
+                    # The request is known already (a retry after a lost answer, or
+                    # another delivery of the same task): keep what it has.
                     cursor.execute(statements.COMMIT)
                     if "lease" in mine:
                         decision.lease = self._lease(mine["lease"])
+                    elif "parked_lease" in mine:
+                        decision.parked_lease = True
                     else:
                         decision.queued, decision.deadline = True, mine["queued"]
                     return decision
@@ -394,6 +508,9 @@ class PostgresConcurrencyLimiter:
                 raise
             assert result is not None
             applied = result[0]
+            decision.parked_granted = [
+                lease["lease_id"] for lease in applied["leases"] if lease.get("parked")
+            ]
             if caller is not None:
                 for lease in applied["leases"]:
                     if lease["request_id"] == caller.request_id:
@@ -402,7 +519,14 @@ class PostgresConcurrencyLimiter:
                 decision.deadline = applied["deadline"]
             return decision
 
-        return self._run(caller, work)
+        decision = self._run(caller, work)
+        if decision.parked_granted and self.on_parked_granted is not None:
+            # After commit and with the connection returned: publishing may be slow.
+            try:
+                self.on_parked_granted(self, decision.parked_granted)
+            except Exception:  # listeners and the sweeper re-publish them later
+                logger.exception("runcell: re-publishing granted parked tasks failed")
+        return decision
 
     def _check_state(self, state: dict[str, Any] | None) -> dict[str, Any]:
         """Return the state read under the lock, if this worker may act on it."""
@@ -451,7 +575,7 @@ class PostgresConcurrencyLimiter:
         params = {"limiter": self.name, "lease_ids": [lease.lease_id for lease in leases]}
 
         def work(conn: Connection) -> set[str]:
-            return {row[0] for row in _all(conn, statements.RENEW, params)}
+            return {row[0] for row in fetch_all(conn, statements.RENEW, params)}
 
         renewed = self._run(None, work)
         return {lease.lease_id: lease if lease.lease_id in renewed else None for lease in leases}
@@ -465,7 +589,7 @@ class PostgresConcurrencyLimiter:
         params = {"limiter": self.name}
 
         def work(conn: Connection) -> list[tuple[Any, ...]]:
-            return _all(conn, statements.STATS, params)
+            return fetch_all(conn, statements.STATS, params)
 
         counts: dict[str, dict[str, int]] = {"active": {}, "queued": {}}
         for kind, workload, n in self._run(None, work):
@@ -602,21 +726,6 @@ def _rollback_quietly(conn: Connection) -> None:
         conn.rollback()
 
 
-def _single(conn: Connection, query: LiteralString, params: Mapping[str, Any]) -> Any:
-    rows = _all(conn, query, params)
-    return rows[0]
-
-
-def _all(
-    conn: Connection, query: LiteralString, params: Mapping[str, Any]
-) -> list[tuple[Any, ...]]:
-    # In autocommit mode one statement is its own transaction; a caller's pool may
-    # not be in autocommit mode, and the pool rolls back what is left open.
-    context = contextlib.nullcontext() if conn.autocommit else conn.transaction()
-    with context:
-        return conn.execute(query, params).fetchall()
-
-
 def _remaining_ms(deadline: float | None) -> float | None:
     return None if deadline is None else (deadline - time.time()) * 1000
 
@@ -668,7 +777,7 @@ def create_postgres_concurrency_limiter(
         call fails closed with :class:`~runcell_celery.errors.ConcurrencyLimiterError`.
     The remaining options are those of :class:`~runcell_celery.config.LimiterConfig`.
     """
-    for field, value, minimum in (
+    for option, value, minimum in (
         ("poll_interval_ms", poll_interval_ms, 1),
         ("queue_entry_ttl_ms", queue_entry_ttl_ms, 1),
         ("pool_max_size", pool_max_size, 1),
@@ -676,7 +785,7 @@ def create_postgres_concurrency_limiter(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConcurrencyConfigError(
-                f"{field} = {value!r} is invalid: must be a positive integer", limiter=name
+                f"{option} = {value!r} is invalid: must be a positive integer", limiter=name
             )
     if on_conflict not in ("error", "replace"):
         raise ConcurrencyConfigError(

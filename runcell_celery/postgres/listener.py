@@ -10,8 +10,9 @@ Polling is never switched off: notifications sent while the listener is disconne
 are lost. While it is connected, waiters poll ten times less often (a safety net);
 while it is not, at the full ``poll_interval_ms``, and when it reconnects it wakes
 every waiter to poll at once. Behind a transaction pooler ``LISTEN`` silently receives nothing,
-so the listener checks itself at start by notifying its own channel; if that
-notification does not arrive it gives up and waiters rely on polling alone.
+so the listener checks itself at start by notifying its channel from a second
+connection, as grants are sent; if that notification does not arrive it gives up and
+waiters rely on polling alone.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class GrantListener:
         self.available: bool | None = None
         #: Set while the listening connection is up: no notification can be missed.
         self.connected = threading.Event()
+        #: Called with (limiter, request ids) for grants to parked requests (lines
+        #: ``!request_id``), whose task messages must be re-published.
+        self.parked_handlers: list[Callable[[str, list[str]], None]] = []
         self._thread = threading.Thread(
             target=_listen_forever, args=(weakref.ref(self),), name="runcell-listener", daemon=True
         )
@@ -84,12 +88,20 @@ class GrantListener:
 
     def dispatch(self, payload: str) -> None:
         """Wake the waiters named in a ``runcell_grant`` payload (limiter, then ids)."""
-        _limiter, _, ids = payload.partition("\n")
+        limiter, _, ids = payload.partition("\n")
+        lines = ids.split("\n")
+        parked = [line[1:] for line in lines if line.startswith("!")]
         with self._lock:
-            wakes = [self._waiters.get(request_id) for request_id in ids.split("\n")]
+            wakes = [self._waiters.get(line) for line in lines if not line.startswith("!")]
         for wake in wakes:
             if wake is not None:
                 wake()
+        if parked:
+            for handler in list(self.parked_handlers):
+                try:
+                    handler(limiter, parked)
+                except Exception:
+                    logger.exception("runcell: a parked-grant handler failed")
 
     def _session(self) -> None:
         """One connection's life: connect, LISTEN, self-check, then dispatch until error."""
@@ -97,7 +109,11 @@ class GrantListener:
         try:
             conn.execute(statements.LISTEN)
             nonce = SELF_CHECK_PREFIX + uuid.uuid4().hex
-            conn.execute(statements.NOTIFY_SELF_CHECK, {"payload": nonce})
+            # Not from this connection: behind a transaction pooler its NOTIFY can run
+            # on the server connection that ran LISTEN and come back in the reply,
+            # while nothing reaches this connection between its own statements.
+            with self._database.direct_connection(connect_timeout=5) as other:
+                other.execute(statements.NOTIFY_SELF_CHECK, {"payload": nonce})
             if not self._self_check(conn, nonce):
                 logger.warning(
                     "runcell: LISTEN on %s receives no notifications (a transaction pooler?); "

@@ -41,6 +41,10 @@ CREATE TABLE IF NOT EXISTS runcell_lease (
     acquired_at timestamptz NOT NULL,
     renewed_at timestamptz NOT NULL,
     expires_at timestamptz NOT NULL,
+    -- A lease granted to a parked request (Celery admission deferral) is held for
+    -- its task until the re-published task starts again and picks it up.
+    parked boolean NOT NULL DEFAULT false,
+    picked_up_at timestamptz,
     CONSTRAINT runcell_lease_one_per_request UNIQUE (request_id)
 );
 CREATE INDEX IF NOT EXISTS runcell_lease_for_reap ON runcell_lease (limiter, expires_at);
@@ -64,11 +68,45 @@ CREATE TABLE IF NOT EXISTS runcell_queue (
     enqueued_at timestamptz NOT NULL,
     deadline timestamptz,
     expires_at timestamptz NOT NULL,
+    -- Parked (Celery admission deferral): no waiter polls the row; it carries the
+    -- task message. When granted it keeps its place until its task picks the lease
+    -- up: if the lease expires first, the row is simply back in line.
     parked boolean NOT NULL DEFAULT false,
-    payload jsonb
+    payload jsonb,
+    granted_lease_id uuid,
+    granted_at timestamptz,
+    published_at timestamptz,
+    publication_id uuid
 );
 CREATE INDEX IF NOT EXISTS runcell_queue_for_allocation ON runcell_queue (limiter, workload, position);
 CREATE INDEX IF NOT EXISTS runcell_queue_for_reap ON runcell_queue (limiter, expires_at);
+CREATE INDEX IF NOT EXISTS runcell_queue_for_expiry_of_parked ON runcell_queue (deadline)
+    WHERE parked;
+CREATE INDEX IF NOT EXISTS runcell_queue_for_republish ON runcell_queue (granted_at)
+    WHERE granted_lease_id IS NOT NULL AND published_at IS NULL;
+
+-- When each run first started, so a run's time budget survives redelivery and
+-- deferral (a Celery task's timeout_ms counts from its first start).
+CREATE TABLE IF NOT EXISTS runcell_run (
+    run_id text PRIMARY KEY,
+    first_started_at timestamptz NOT NULL,
+    deadline timestamptz
+);
+CREATE INDEX IF NOT EXISTS runcell_run_for_purge ON runcell_run (first_started_at);
+
+-- Admission counters per task name and limiter, summed over every worker: a
+-- deferral is counted apart from a failure.
+CREATE TABLE IF NOT EXISTS runcell_admission_counter (
+    task_name text NOT NULL,
+    limiter text NOT NULL,
+    deliveries bigint NOT NULL DEFAULT 0,
+    deferrals bigint NOT NULL DEFAULT 0,
+    provider_attempts bigint NOT NULL DEFAULT 0,
+    provider_failures bigint NOT NULL DEFAULT 0,
+    concurrency_failures bigint NOT NULL DEFAULT 0,
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (task_name, limiter)
+);
 
 -- Lock the limiter row, apply a release or a withdrawal, reap what expired, and
 -- return what allocation needs. A PL/pgSQL function so that every statement after
@@ -109,27 +147,44 @@ BEGIN
         -- A slot granted at the moment of the cancel is given back.
         DELETE FROM runcell_lease WHERE request_id = p_withdraw_request AND limiter = p_limiter;
     END IF;
-    DELETE FROM runcell_lease WHERE limiter = p_limiter AND expires_at <= clock_timestamp();
-    DELETE FROM runcell_queue WHERE limiter = p_limiter AND expires_at <= clock_timestamp();
+    WITH expired AS (
+        DELETE FROM runcell_lease WHERE limiter = p_limiter AND expires_at <= clock_timestamp()
+        RETURNING lease_id
+    )
+    -- A parked grant whose task never picked it up is back in line, in its place.
+    UPDATE runcell_queue q
+    SET granted_lease_id = NULL, granted_at = NULL, published_at = NULL, publication_id = NULL
+    FROM expired WHERE q.granted_lease_id = expired.lease_id;
+    -- Parked rows have no waiter to refresh them; the sweeper handles their deadline.
+    DELETE FROM runcell_queue
+    WHERE limiter = p_limiter AND expires_at <= clock_timestamp() AND NOT parked;
 
     SELECT coalesce(jsonb_object_agg(workload, n), '{}'::jsonb) INTO v_active
     FROM (SELECT workload, count(*) AS n FROM runcell_lease
           WHERE limiter = p_limiter GROUP BY workload) AS held;
 
-    SELECT count(*) INTO v_queued FROM runcell_queue WHERE limiter = p_limiter;
+    SELECT count(*) INTO v_queued FROM runcell_queue
+    WHERE limiter = p_limiter AND granted_lease_id IS NULL;
 
     SELECT coalesce(jsonb_agg(jsonb_build_array(request_id, workload, position) ORDER BY position),
                     '[]'::jsonb)
     INTO v_waiting
     FROM (SELECT request_id, workload, position,
                  row_number() OVER (PARTITION BY workload ORDER BY position) AS nth
-          FROM runcell_queue WHERE limiter = p_limiter) AS ranked
+          FROM runcell_queue
+          -- Stale work is dropped before it takes a slot: a request past its
+          -- deadline is never granted (its waiter or the sweeper removes it).
+          WHERE limiter = p_limiter AND granted_lease_id IS NULL
+            AND (deadline IS NULL OR deadline > clock_timestamp())) AS ranked
     WHERE nth <= p_max_per_workload;
 
     IF p_request_id IS NOT NULL THEN
-        SELECT jsonb_build_object('lease', jsonb_build_object(
-                   'lease_id', lease_id, 'request_id', request_id, 'workload', workload,
-                   'fencing_token', fencing_token))
+        -- A lease granted to this request while it was parked belongs to the task's
+        -- re-published message, never to another delivery: report it as such.
+        SELECT CASE WHEN parked THEN jsonb_build_object('parked_lease', lease_id)
+                    ELSE jsonb_build_object('lease', jsonb_build_object(
+                        'lease_id', lease_id, 'request_id', request_id, 'workload', workload,
+                        'fencing_token', fencing_token)) END
         INTO v_mine FROM runcell_lease
         WHERE request_id = p_request_id AND limiter = p_limiter;
         IF NOT FOUND THEN
@@ -181,25 +236,30 @@ BEGIN
 
     IF jsonb_array_length(p_grants) > 0 THEN
         WITH granted AS (
-            SELECT g.request_id, g.ord
+            SELECT q.*, g.ord
             FROM jsonb_array_elements_text(p_grants) WITH ORDINALITY AS g(request_id, ord)
-        ), gone AS (
-            DELETE FROM runcell_queue q USING granted
-            WHERE q.request_id = granted.request_id AND q.limiter = p_limiter
-            RETURNING q.*, granted.ord
+            JOIN runcell_queue q ON q.request_id = g.request_id AND q.limiter = p_limiter
         ), inserted AS (
             INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
                 root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
-                acquired_at, renewed_at, expires_at)
-            SELECT p_limiter, gone.workload, gone.request_id, v_first + gone.ord - 1,
-                gone.run_id, gone.root_run_id, gone.parent_run_id, gone.holder_name,
-                gone.holder_host, gone.holder_pid, p_ttl_ms, v_now, v_now,
-                v_now + p_ttl_ms * interval '1 millisecond'
-            FROM gone
-            RETURNING lease_id, request_id, workload, fencing_token
+                acquired_at, renewed_at, expires_at, parked)
+            SELECT p_limiter, granted.workload, granted.request_id, v_first + granted.ord - 1,
+                granted.run_id, granted.root_run_id, granted.parent_run_id, granted.holder_name,
+                granted.holder_host, granted.holder_pid, p_ttl_ms, v_now, v_now,
+                v_now + p_ttl_ms * interval '1 millisecond', granted.parked
+            FROM granted
+            RETURNING lease_id, request_id, workload, fencing_token, parked
+        ), waiting_gone AS (
+            DELETE FROM runcell_queue q USING inserted
+            WHERE q.request_id = inserted.request_id AND NOT inserted.parked
+        ), parked_granted AS (
+            UPDATE runcell_queue q SET granted_lease_id = inserted.lease_id, granted_at = v_now
+            FROM inserted WHERE q.request_id = inserted.request_id AND inserted.parked
         )
+        -- A parked grant is announced as "!request_id": its task must be re-published.
         SELECT coalesce(jsonb_agg(to_jsonb(inserted)), '[]'::jsonb),
-               string_agg(inserted.request_id, E'\n')
+               string_agg(CASE WHEN inserted.parked THEN '!' ELSE '' END
+                          || inserted.request_id, E'\n')
         INTO v_leases, v_notify FROM inserted;
         IF v_notify IS NOT NULL THEN
             PERFORM pg_notify('runcell_grant', p_limiter || E'\n' || v_notify);
@@ -257,7 +317,8 @@ BEGIN
     SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
                               'workload', workload, 'fencing_token', fencing_token)
     INTO v_lease FROM runcell_lease
-    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now;
+    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
+      AND NOT parked;
     IF FOUND THEN
         RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
     END IF;
@@ -270,7 +331,8 @@ BEGIN
         SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
                                   'workload', workload, 'fencing_token', fencing_token)
         INTO v_lease FROM runcell_lease
-        WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now;
+        WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
+          AND NOT parked;
         IF FOUND THEN
             RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
         END IF;
@@ -290,6 +352,36 @@ BEGIN
         EXISTS (SELECT 1 FROM runcell_lease WHERE limiter = p_limiter AND expires_at <= v_now)
         OR EXISTS (SELECT 1 FROM runcell_queue WHERE limiter = p_limiter AND expires_at <= v_now)
     );
+END;
+$$;
+
+-- Park a waiting request (Celery admission deferral): it keeps its place in the
+-- queue but nobody polls for it; its row carries the task message to re-publish.
+-- If it was granted at this very moment, return that lease instead.
+-- Returns {"status": "parked"} | {"status": "granted", "lease": {...}} | {"status": "missing"}.
+CREATE OR REPLACE FUNCTION runcell_park_v1(
+    p_limiter text,
+    p_request_id text,
+    p_payload jsonb
+) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_lease jsonb;
+BEGIN
+    UPDATE runcell_queue SET parked = true, payload = p_payload, expires_at = 'infinity'
+    WHERE request_id = p_request_id AND limiter = p_limiter;
+    IF FOUND THEN
+        RETURN jsonb_build_object('status', 'parked');
+    END IF;
+    SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
+                              'workload', workload, 'fencing_token', fencing_token)
+    INTO v_lease FROM runcell_lease
+    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > clock_timestamp()
+      AND NOT parked;
+    IF FOUND THEN
+        RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
+    END IF;
+    RETURN jsonb_build_object('status', 'missing');
 END;
 $$;
 

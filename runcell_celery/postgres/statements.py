@@ -11,7 +11,9 @@ from typing import LiteralString
 
 SCHEMA_IS_CURRENT: LiteralString = """
 SELECT to_regclass('runcell_schema') IS NOT NULL
+   AND to_regclass('runcell_admission_counter') IS NOT NULL
    AND to_regprocedure('runcell_lock_v1(text,uuid,text,text,integer)') IS NOT NULL
+   AND to_regprocedure('runcell_park_v1(text,text,jsonb)') IS NOT NULL
 """
 
 #: Serialises schema creation between workers that start at the same moment.
@@ -72,6 +74,80 @@ WHERE lease_id = ANY(%(lease_ids)s::uuid[])
   AND limiter = %(limiter)s
   AND expires_at > clock_timestamp()
 RETURNING lease_id::text
+"""
+
+PARK: LiteralString = "SELECT runcell_park_v1(%(limiter)s, %(request_id)s, %(payload)s::jsonb)"
+
+#: A re-published parked task takes the lease granted to it: its queue row goes and
+#: the lease is renewed. Only the publication it was sent as can claim it.
+CLAIM_PARKED: LiteralString = """
+WITH claimed AS (
+    DELETE FROM runcell_queue q
+    USING runcell_lease l
+    WHERE q.request_id = %(request_id)s AND q.limiter = %(limiter)s AND q.parked
+      AND q.publication_id = %(publication_id)s::uuid
+      AND l.lease_id = q.granted_lease_id AND l.expires_at > clock_timestamp()
+    RETURNING q.granted_lease_id
+)
+UPDATE runcell_lease l
+SET picked_up_at = clock_timestamp(), renewed_at = clock_timestamp(),
+    expires_at = clock_timestamp() + l.ttl_ms * interval '1 millisecond'
+FROM claimed WHERE l.lease_id = claimed.granted_lease_id
+RETURNING l.lease_id::text, l.request_id, l.workload, l.fencing_token
+"""
+
+#: Take the right to re-publish granted parked tasks, once per grant: those just
+#: granted (by lease id), and any whose grant nobody published within ``stale_ms``.
+CLAIM_REPUBLISH: LiteralString = """
+UPDATE runcell_queue
+SET published_at = clock_timestamp(), publication_id = gen_random_uuid()
+WHERE granted_lease_id IS NOT NULL AND published_at IS NULL
+  AND (granted_lease_id = ANY(%(lease_ids)s::uuid[])
+       OR granted_at < clock_timestamp() - %(stale_ms)s * interval '1 millisecond')
+RETURNING limiter, request_id, publication_id::text, payload::text
+"""
+
+#: Parked requests whose deadline passed while they waited: drop them (their tasks
+#: are re-published once more to be failed with a timeout, never run).
+TAKE_EXPIRED_PARKED: LiteralString = """
+DELETE FROM runcell_queue
+WHERE parked AND granted_lease_id IS NULL AND deadline <= clock_timestamp()
+RETURNING limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
+          payload::text
+"""
+
+#: Record a run's first start (or read it back on redelivery) in database time.
+FIRST_START: LiteralString = """
+INSERT INTO runcell_run (run_id, first_started_at, deadline)
+VALUES (%(run_id)s, clock_timestamp(),
+        clock_timestamp() + %(timeout_ms)s * interval '1 millisecond')
+ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
+RETURNING extract(epoch FROM deadline)::float8, extract(epoch FROM clock_timestamp())::float8
+"""
+
+#: Add a batch of counts (one row per task name and limiter) in one statement.
+ADD_ADMISSION_COUNTS: LiteralString = """
+INSERT INTO runcell_admission_counter AS c (task_name, limiter, deliveries, deferrals,
+    provider_attempts, provider_failures, concurrency_failures, updated_at)
+SELECT t, l, d, df, pa, pf, cf, clock_timestamp()
+FROM unnest(%(task_names)s::text[], %(limiters)s::text[], %(deliveries)s::bigint[],
+            %(deferrals)s::bigint[], %(provider_attempts)s::bigint[],
+            %(provider_failures)s::bigint[], %(concurrency_failures)s::bigint[])
+     AS batch(t, l, d, df, pa, pf, cf)
+ON CONFLICT (task_name, limiter) DO UPDATE SET
+    deliveries = c.deliveries + EXCLUDED.deliveries,
+    deferrals = c.deferrals + EXCLUDED.deferrals,
+    provider_attempts = c.provider_attempts + EXCLUDED.provider_attempts,
+    provider_failures = c.provider_failures + EXCLUDED.provider_failures,
+    concurrency_failures = c.concurrency_failures + EXCLUDED.concurrency_failures,
+    updated_at = clock_timestamp()
+RETURNING 1
+"""
+
+ADMISSION_COUNTS: LiteralString = """
+SELECT task_name, limiter, deliveries, deferrals, provider_attempts, provider_failures,
+       concurrency_failures
+FROM runcell_admission_counter ORDER BY task_name, limiter
 """
 
 STATS: LiteralString = """

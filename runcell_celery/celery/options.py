@@ -1,0 +1,161 @@
+"""The ``concurrency={...}`` task option, parsed and validated once per task.
+
+.. code-block:: python
+
+    @app.task(base=RunCellTask, bind=True,
+              concurrency={"limiter": "claude", "workload": "background",
+                           "timeout_ms": 120_000, "admission": "defer", "hold": "slot"})
+
+Validation runs when the task is bound to its app (decoration, or app finalisation
+for lazily evaluated tasks), so an unknown limiter or workload fails at startup,
+never when the first message arrives.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..errors import ConcurrencyConfigError
+
+__all__ = ["RunOverride", "TaskConcurrency"]
+
+Admission = Literal["wait", "defer"]
+Hold = Literal["slot", "task"]
+
+#: How long a deferrable run waits for its first slot before it is parked.
+DEFAULT_ADMISSION_WAIT_MS = 500
+
+_TASK_KEYS = ("limiter", "workload", "timeout_ms", "admission", "hold", "admission_wait_ms")
+_OVERRIDE_KEYS = ("workload", "timeout_ms")
+
+
+def _unknown(where: str, key: object, allowed: tuple[str, ...]) -> ConcurrencyConfigError:
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConcurrencyConfigError(
+        f"{where}[{key!r}] is invalid: unknown option; {hint}valid: "
+        + ", ".join(repr(k) for k in allowed)
+    )
+
+
+def _positive_number(where: str, key: str, value: object, *, allow_zero: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ConcurrencyConfigError(f"{where}[{key!r}] = {value!r} is invalid: must be a number")
+    if value < 0 or (value == 0 and not allow_zero):
+        rule = "must not be negative" if allow_zero else "must be positive"
+        raise ConcurrencyConfigError(f"{where}[{key!r}] = {value!r} is invalid: {rule}")
+    return float(value)
+
+
+def _choice(where: str, key: str, value: object, choices: tuple[str, ...]) -> Any:
+    if value not in choices:
+        raise ConcurrencyConfigError(
+            f"{where}[{key!r}] = {value!r} is invalid: must be one of "
+            + ", ".join(repr(c) for c in choices)
+        )
+    return value
+
+
+def _name(where: str, key: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConcurrencyConfigError(
+            f"{where}[{key!r}] = {value!r} is invalid: must be a non-empty string"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class TaskConcurrency:
+    """A task's declared concurrency settings.
+
+    :param limiter: the registry name of the limiter; ``None`` inherits the parent
+        run's limiter (a task sent from inside a limited task).
+    :param workload: the task's *default* workload: a parent's workload wins over it,
+        a per-call override wins over both.
+    :param timeout_ms: the run's total budget, counted from its first start.
+    :param admission: ``"wait"`` blocks the worker until a slot is free (or the
+        deadline passes); ``"defer"`` parks the run when its first slot finds no room.
+    :param hold: ``"slot"``: the body takes slots with ``slot()``; ``"task"``: the
+        whole body runs inside one slot.
+    :param admission_wait_ms: with ``"defer"``, how long the first slot waits before
+        the run is parked.
+    """
+
+    limiter: str | None = None
+    workload: str | None = None
+    timeout_ms: float | None = None
+    admission: Admission = "wait"
+    hold: Hold = "slot"
+    admission_wait_ms: float = DEFAULT_ADMISSION_WAIT_MS
+
+    @classmethod
+    def parse(cls, options: object, *, task_name: str) -> TaskConcurrency:
+        """Parse a task's ``concurrency`` option; errors name the task and the key."""
+        where = f"task {task_name!r} concurrency"
+        if not isinstance(options, Mapping):
+            raise ConcurrencyConfigError(f"{where} = {options!r} is invalid: must be a dict")
+        for key in options:
+            if key not in _TASK_KEYS:
+                raise _unknown(where, key, _TASK_KEYS)
+        limiter = options.get("limiter")
+        workload = options.get("workload")
+        timeout_ms = options.get("timeout_ms")
+        spec = cls(
+            limiter=None if limiter is None else _name(where, "limiter", limiter),
+            workload=None if workload is None else _name(where, "workload", workload),
+            timeout_ms=None
+            if timeout_ms is None
+            else _positive_number(where, "timeout_ms", timeout_ms, allow_zero=False),
+            admission=_choice(
+                where, "admission", options.get("admission", "wait"), ("wait", "defer")
+            ),
+            hold=_choice(where, "hold", options.get("hold", "slot"), ("slot", "task")),
+            admission_wait_ms=_positive_number(
+                where,
+                "admission_wait_ms",
+                options.get("admission_wait_ms", DEFAULT_ADMISSION_WAIT_MS),
+                allow_zero=True,
+            ),
+        )
+        if spec.workload is not None and spec.limiter is None:
+            raise ConcurrencyConfigError(
+                f"{where}['workload'] = {spec.workload!r} is invalid: a workload needs a "
+                "'limiter' to belong to"
+            )
+        return spec
+
+
+@dataclass(frozen=True, slots=True)
+class RunOverride:
+    """What one call selects: ``apply_async(..., concurrency={"workload": ...})``.
+
+    A selected workload always wins (over the task's and the parent's); a timeout
+    replaces the task's ``timeout_ms`` for this run.
+    """
+
+    workload: str | None = None
+    timeout_ms: float | None = None
+
+    @classmethod
+    def parse(cls, options: object, *, task_name: str) -> RunOverride:
+        where = f"{task_name}.apply_async(concurrency=...)"
+        if not isinstance(options, Mapping):
+            raise ConcurrencyConfigError(f"{where} = {options!r} is invalid: must be a dict")
+        for key in options:
+            if key not in _OVERRIDE_KEYS:
+                raise _unknown(where, key, _OVERRIDE_KEYS)
+        workload = options.get("workload")
+        timeout_ms = options.get("timeout_ms")
+        return cls(
+            workload=None if workload is None else _name(where, "workload", workload),
+            timeout_ms=None
+            if timeout_ms is None
+            else _positive_number(where, "timeout_ms", timeout_ms, allow_zero=False),
+        )
+
+    def to_header(self) -> dict[str, Any]:
+        chosen = {"workload": self.workload, "timeout_ms": self.timeout_ms}
+        return {key: value for key, value in chosen.items() if value is not None}

@@ -1,0 +1,185 @@
+"""The Celery app the Celery tests run: in-process workers and ``celery worker`` subprocesses.
+
+Both sides build it with :func:`create_app` from the same settings, so the test process
+and the worker processes agree on task names and limits. A worker subprocess gets its
+settings from the ``RUNCELL_TEST_CELERY`` environment variable (JSON) and is started as
+``celery -A tests.support.celery_app:app worker ...``.
+
+Every concurrency event of a worker is pushed to a Redis list (``events_key``), so a
+test can see what happened inside worker processes; the fake provider counts the
+provider calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.result import allow_join_result
+
+from runcell_celery import ConcurrencyEvent, add_event_listener, current_run, slot
+from runcell_celery.celery import RunCellTask
+from runcell_celery.testing import FakeProviderClient
+
+REDIS_URL = os.environ.get("RUNCELL_TEST_REDIS", "redis://127.0.0.1:6379/0")
+ENV = "RUNCELL_TEST_CELERY"
+
+
+def _run_info() -> dict[str, Any]:
+    context = current_run()
+    assert context is not None
+    remaining = context.remaining_ms()
+    return {
+        "run_id": context.run_id,
+        "root_run_id": context.root_run_id,
+        "parent_run_id": context.parent_run_id,
+        "limiter": context.limiter.name if context.limiter is not None else None,
+        "workload": context.workload,
+        "remaining_ms": remaining,
+        "pid": os.getpid(),
+    }
+
+
+def create_app(settings: dict[str, Any]) -> Celery:
+    """Build the test app.
+
+    ``settings``: ``queue`` (unique per test), ``runcell`` (the ``app.conf.runcell``
+    dict), ``provider_url``, ``events_key``, and optional Celery ``conf`` overrides.
+    """
+    app = Celery("runcell_tests", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
+    app.conf.update(
+        task_default_queue=settings["queue"],
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        result_expires=600,
+        broker_transport_options={"visibility_timeout": 30},
+        runcell=settings["runcell"],
+        **settings.get("conf", {}),
+    )
+    provider = FakeProviderClient(settings.get("provider_url", "http://127.0.0.1:9"), timeout=60)
+    events_key = settings.get("events_key")
+    if events_key:
+        sink = redis.Redis.from_url(REDIS_URL)
+
+        def record(event: ConcurrencyEvent) -> None:
+            sink.rpush(events_key, json.dumps(event.to_dict()))
+
+        add_event_listener(record)
+        app.runcell_test_listener = record  # type: ignore[attr-defined]  # removed by the fixture
+
+    def call_provider(latency_ms: float) -> dict[str, Any]:
+        with slot() as held:
+            assert held.lease is not None
+            provider.create("summarize", latency_ms=latency_ms)
+            return {"fencing_token": held.fencing_token, "workload": held.lease.workload}
+
+    @app.task(base=RunCellTask, bind=True, name="rc.wait", concurrency={"limiter": "llm"})
+    def wait_task(self: RunCellTask, latency_ms: float = 10) -> dict[str, Any]:
+        return {**call_provider(latency_ms), **_run_info(), "retries": self.request.retries}
+
+    @app.task(
+        base=RunCellTask,
+        bind=True,
+        name="rc.defer",
+        concurrency={"limiter": "llm", "admission": "defer", "admission_wait_ms": 50},
+    )
+    def defer_task(self: RunCellTask, latency_ms: float = 10) -> dict[str, Any]:
+        return {**call_provider(latency_ms), **_run_info(), "retries": self.request.retries}
+
+    @app.task(
+        base=RunCellTask,
+        bind=True,
+        name="rc.background",
+        concurrency={
+            "limiter": "llm",
+            "workload": "background",
+            "admission": "defer",
+            "admission_wait_ms": 50,
+        },
+    )
+    def background_task(self: RunCellTask, latency_ms: float = 10) -> dict[str, Any]:
+        started = time.time()
+        result = call_provider(latency_ms)
+        return {**result, **_run_info(), "started": started, "granted": time.time()}
+
+    @app.task(
+        base=RunCellTask,
+        bind=True,
+        name="rc.hold_task",
+        concurrency={"limiter": "llm", "hold": "task"},
+    )
+    def hold_task(self: RunCellTask, latency_ms: float = 10) -> dict[str, Any]:
+        provider.create("whole task", latency_ms=latency_ms)
+        return _run_info()
+
+    @app.task(
+        base=RunCellTask,
+        bind=True,
+        name="rc.flaky",
+        concurrency={"limiter": "llm", "timeout_ms": 200},
+        autoretry_for=(Exception,),
+        max_retries=3,
+        default_retry_delay=0,
+    )
+    def flaky_task(self: RunCellTask, hold_ms: float = 0) -> dict[str, Any]:
+        with slot():
+            time.sleep(hold_ms / 1000)
+        return {"retries": self.request.retries}
+
+    @app.task(
+        base=RunCellTask,
+        bind=True,
+        name="rc.child",
+        concurrency={"limiter": "llm", "workload": "background"},
+    )
+    def child_task(self: RunCellTask, latency_ms: float = 5) -> dict[str, Any]:
+        call_provider(latency_ms)
+        return _run_info()
+
+    @app.task(
+        base=RunCellTask,
+        bind=True,
+        name="rc.parent",
+        concurrency={"limiter": "llm", "timeout_ms": 60_000},
+    )
+    def parent_task(
+        self: RunCellTask, child_options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        call_provider(5)
+        child = child_task.apply_async((5,), **(child_options or {}))
+        with allow_join_result():
+            child_info = child.get(timeout=60)
+        call_provider(5)  # the parent continues after its child
+        return {"parent": _run_info(), "child": child_info}
+
+    @app.task(
+        base=RunCellTask,
+        bind=True,
+        name="rc.slow_wait",
+        concurrency={"limiter": "llm"},
+    )
+    def slow_wait_task(self: RunCellTask, latency_ms: float = 60_000) -> str:
+        try:
+            call_provider(latency_ms)
+        except SoftTimeLimitExceeded:
+            return "soft time limit"
+        return "done"
+
+    return app
+
+
+def _from_env() -> Celery | None:
+    raw = os.environ.get(ENV)
+    return create_app(json.loads(raw)) if raw else None
+
+
+app = _from_env()
