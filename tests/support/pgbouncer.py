@@ -11,6 +11,13 @@ PgBouncer refuses to run as root, so when the tests run as root it runs as the
 ``postgres`` user, and its files belong to that user. It is stopped by PID at the end
 of the session (SIGTERM, then SIGKILL). If it is missing or does not start, the
 fixture fails with its log: these tests never skip.
+
+A test that runs ``LISTEN`` through the pooler should start its own with
+:func:`run_pgbouncer`: in transaction mode nothing resets a server connection between
+clients, so the ``LISTEN`` stays on one of the pool's server connections for good,
+and every later ``NOTIFY`` on the channel reaches whichever client happens to use it
+(and, during PgBouncer 1.18's ``server_check_query``, releases the server connection
+before the check's reply: the next client reads ``select 1``'s result as its own).
 """
 
 from __future__ import annotations
@@ -32,7 +39,14 @@ from typing import Any, Literal, LiteralString
 import psycopg
 import pytest
 
-__all__ = ["POOL_SIZE", "AdminView", "PgBouncer", "pgbouncer_dsn", "pgbouncer_server"]
+__all__ = [
+    "POOL_SIZE",
+    "AdminView",
+    "PgBouncer",
+    "pgbouncer_dsn",
+    "pgbouncer_server",
+    "run_pgbouncer",
+]
 
 #: Server connections per database and user: fewer than the limiter's own pool
 #: (8 connections per process), so several clients share each server connection.
@@ -79,13 +93,15 @@ class PgBouncer:
 
     def log(self) -> str:
         """Its log file and what it wrote to stderr, for failure messages."""
-        parts = []
+        texts: dict[str, str] = {}
         for path in (self.logfile, self.logfile.with_name("stderr.log")):
             try:
-                parts.append(f"--- {path.name}\n{path.read_text(errors='replace')}")
+                text = path.read_text(errors="replace")
             except OSError as exc:
-                parts.append(f"--- {path.name}: {exc}")
-        return "\n".join(parts)
+                text = f"({exc})"
+            if text not in texts.values():  # both hold the same lines once it runs
+                texts[path.name] = text
+        return "\n".join(f"--- {name}\n{text}" for name, text in texts.items())
 
 
 def _free_port() -> int:
@@ -101,7 +117,7 @@ def _port_open(port: int) -> bool:
     return False
 
 
-def _ini(*, port: int, directory: Path, server: dict[str, Any], check_delay: int = int(os.environ.get("CHECKDELAY", "30"))) -> str:
+def _ini(*, port: int, directory: Path, server: dict[str, Any]) -> str:
     host = server.get("host", "127.0.0.1")
     backend = f"host={host} port={server.get('port', 5432)} user={server.get('user', 'postgres')}"
     return f"""\
@@ -123,7 +139,6 @@ min_pool_size = 0
 reserve_pool_size = 0
 max_client_conn = 500
 max_db_connections = {POOL_SIZE}
-server_check_delay = {check_delay}
 logfile = {directory / "pgbouncer.log"}
 pidfile = {directory / "pgbouncer.pid"}
 log_connections = 0
@@ -164,7 +179,10 @@ def run_pgbouncer(server_dsn: str) -> Iterator[PgBouncer]:
         )
         user: dict[str, Any] = {}
         if as_root:
-            account = pwd.getpwnam(RUN_AS)
+            try:
+                account = pwd.getpwnam(RUN_AS)
+            except KeyError:
+                pytest.fail(f"pgbouncer refuses to run as root and there is no {RUN_AS!r} user")
             for path in (directory, *directory.iterdir()):
                 os.chown(path, account.pw_uid, account.pw_gid)
             user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
