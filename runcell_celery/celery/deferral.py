@@ -216,6 +216,11 @@ class Sweeper:
         database = self._database()
         if database is None:
             return 0
+        for name in self._registry.names():
+            limiter = self._registry.get(name)
+            reap = getattr(limiter, "reap", None)
+            if reap is not None and getattr(limiter, "database", None) is not None:
+                reap()  # expired leases of dead holders go to parked runs
         claimed = claim_republish(
             database, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )

@@ -12,7 +12,12 @@ import threading
 from typing import Any
 
 from celery import Celery
-from celery.signals import before_task_publish, worker_ready, worker_shutdown
+from celery.signals import (
+    before_task_publish,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from ..context import current_run
 from ..events import add_event_listener
@@ -92,6 +97,10 @@ def ensure_wired(app: Celery) -> None:
                 sweeper.stop()
             counters.close()
 
+        def flush(**_: Any) -> None:
+            counters.close()  # a prefork pool process ends: write its last counts
+
         worker_ready.connect(start_sweeper, weak=False)
         worker_shutdown.connect(stop, weak=False)
+        worker_process_shutdown.connect(flush, weak=False)
         app._runcell_wired = True  # type: ignore[attr-defined]

@@ -584,6 +584,15 @@ class PostgresConcurrencyLimiter:
         """Return the slot and hand it to the next waiter by the allocation rules."""
         self._allocate(release=lease.lease_id)
 
+    def reap(self) -> None:
+        """Run one allocation pass: reap expired leases and queue rows, grant what frees.
+
+        Waiters do this as they poll; when nobody waits (every request parked, the
+        holders dead) a worker's sweeper calls it, so parked runs still get the slots
+        that expired leases give back.
+        """
+        self._allocate()
+
     def stats(self) -> LimiterStats:
         """Return active and queued counts, in total and per workload (database view)."""
         params = {"limiter": self.name}

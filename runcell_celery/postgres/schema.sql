@@ -6,8 +6,11 @@
 -- per held slot (a lease: who holds it and until when), one row per waiting request.
 -- Every time is database time (clock_timestamp(), never the workers' clocks).
 
+-- One row per applied revision of this file (its checksum), so that a worker with a
+-- newer file re-applies it (functions are replaced; tables only ever gain objects).
 CREATE TABLE IF NOT EXISTS runcell_schema (
-    version integer PRIMARY KEY,
+    checksum text PRIMARY KEY,
+    version integer NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
@@ -339,6 +342,17 @@ BEGIN
         RETURN jsonb_build_object('status', 'missing');
     END IF;
     IF v_entry.deadline IS NOT NULL AND v_entry.deadline <= v_now THEN
+        -- Leave the queue under the limiter row's lock: an allocation that chose us
+        -- just before the deadline may be writing our lease right now. Once we hold
+        -- the lock it has committed; if it granted us, the grant wins.
+        PERFORM 1 FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
+        SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
+                                  'workload', workload, 'fencing_token', fencing_token)
+        INTO v_lease FROM runcell_lease
+        WHERE request_id = p_request_id AND limiter = p_limiter AND NOT parked;
+        IF FOUND THEN
+            RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
+        END IF;
         DELETE FROM runcell_queue WHERE request_id = p_request_id;
         RETURN jsonb_build_object('status', 'timed-out');
     END IF;
@@ -368,6 +382,10 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_lease jsonb;
 BEGIN
+    -- Under the limiter row's lock, like every change to who waits: otherwise an
+    -- allocation that read this row as waiting could grant it a plain lease (and
+    -- drop the row) while we park it, and nobody would run the parked task.
+    PERFORM 1 FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
     UPDATE runcell_queue SET parked = true, payload = p_payload, expires_at = 'infinity'
     WHERE request_id = p_request_id AND limiter = p_limiter;
     IF FOUND THEN
@@ -385,4 +403,3 @@ BEGIN
 END;
 $$;
 
-INSERT INTO runcell_schema (version) VALUES (1) ON CONFLICT DO NOTHING;

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import LiteralString
 
-SCHEMA_IS_CURRENT: LiteralString = """
-SELECT to_regclass('runcell_schema') IS NOT NULL
-   AND to_regclass('runcell_admission_counter') IS NOT NULL
-   AND to_regprocedure('runcell_lock_v1(text,uuid,text,text,integer)') IS NOT NULL
-   AND to_regprocedure('runcell_park_v1(text,text,jsonb)') IS NOT NULL
-"""
+SCHEMA_EXISTS: LiteralString = "SELECT to_regclass('runcell_schema') IS NOT NULL"
+
+SCHEMA_IS_CURRENT: LiteralString = (
+    "SELECT EXISTS (SELECT 1 FROM runcell_schema WHERE checksum = %(checksum)s)"
+)
 
 #: Serialises schema creation between workers that start at the same moment.
 LOCK_SCHEMA: LiteralString = "SELECT pg_advisory_xact_lock(%(key)s)"

@@ -16,6 +16,7 @@ from runcell_celery.postgres import (
     create_postgres_concurrency_limiter,
     postgres_concurrency_schema_sql,
 )
+from runcell_celery.postgres.schema import schema_checksum
 from tests.support import processes
 from tests.support.pg import unique_name
 
@@ -52,8 +53,10 @@ def test_workers_starting_together_on_a_new_database_do_not_conflict(
     with psycopg.connect(fresh_dsn) as conn:
         names = conn.execute("SELECT name FROM runcell_limiter").fetchall()
         versions = conn.execute("SELECT version FROM runcell_schema").fetchall()
+        checksums = conn.execute("SELECT checksum FROM runcell_schema").fetchall()
     assert names == [("shared",)]
     assert versions == [(1,)]
+    assert checksums == [(schema_checksum(),)]
 
 
 def test_schema_sql_applied_as_a_migration_serves_a_limiter_without_ddl(fresh_dsn: str) -> None:

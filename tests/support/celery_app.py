@@ -52,19 +52,30 @@ def create_app(settings: dict[str, Any]) -> Celery:
     dict), ``provider_url``, ``events_key``, and optional Celery ``conf`` overrides.
     """
     app = Celery("runcell_tests", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
-    app.conf.update(
-        task_default_queue=settings["queue"],
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        result_expires=600,
-        broker_transport_options={"visibility_timeout": 30},
-        runcell=settings["runcell"],
-        **settings.get("conf", {}),
-    )
+    conf = {
+        "task_default_queue": settings["queue"],
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "worker_prefetch_multiplier": 1,
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": False,
+        "result_expires": 600,
+        # Unacked bookkeeping of our own: a worker killed by another test must not
+        # leave a restore mutex that delays ours.
+        "broker_transport_options": {
+            "visibility_timeout": 30,
+            "unacked_key": f"{settings['queue']}-unacked",
+            "unacked_index_key": f"{settings['queue']}-unacked-index",
+            "unacked_mutex_key": f"{settings['queue']}-unacked-mutex",
+            "unacked_mutex_expire": 30,
+            # Sweep for the unacked messages of a killed worker every 2 s, not 100 s.
+            "unacked_restore_interval": 2,
+            "unacked_restore_throttle": 1,
+        },
+        "runcell": settings["runcell"],
+    }
+    app.conf.update({**conf, **settings.get("conf", {})})
     provider = FakeProviderClient(settings.get("provider_url", "http://127.0.0.1:9"), timeout=60)
     events_key = settings.get("events_key")
     if events_key:

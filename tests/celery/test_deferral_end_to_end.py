@@ -1,0 +1,125 @@
+"""End to end: prefork worker processes defer tasks instead of blocking or failing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+from celery.result import AsyncResult
+
+from runcell_celery.celery import admission_counts
+from runcell_celery.postgres.connection import Database
+from runcell_celery.testing import FakeProvider
+
+LIMITS = {
+    "max_concurrent": 3,
+    "lease_ttl_ms": 5_000,
+    "workloads": {"interactive": {"priority": 10}, "background": {}},
+    "default_workload": "background",
+}
+
+
+def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def _counts(pg_dsn: str, task_name: str) -> dict[str, int]:
+    for count in admission_counts(Database(pg_dsn)):
+        if count.task_name == task_name:
+            return {
+                "deliveries": count.deliveries,
+                "deferrals": count.deferrals,
+                "provider_attempts": count.provider_attempts,
+                "provider_failures": count.provider_failures,
+                "concurrency_failures": count.concurrency_failures,
+            }
+    return {}
+
+
+def _parked(pg_dsn: str) -> int:
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM runcell_queue WHERE parked").fetchone()
+        return int(row[0]) if row else 0
+
+
+def test_two_hundred_deferred_tasks_complete_within_the_limit_with_no_retry_or_failure(
+    make_app, worker_processes, provider: FakeProvider, pg_dsn: str, celery_settings
+) -> None:
+    settings = {
+        **celery_settings,
+        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
+    }
+    app = make_app(**settings)
+    workers = worker_processes(**settings)
+    workers.start(concurrency=4)
+    workers.start(concurrency=4)
+
+    results = [app.tasks["rc.defer"].delay(20) for _ in range(200)]
+    try:
+        replies = [result.get(timeout=180) for result in results]
+    except Exception:
+        print(workers.logs())
+        raise
+    assert len(replies) == 200
+    assert {AsyncResult(r.id, app=app).state for r in results} == {"SUCCESS"}
+    assert [reply["retries"] for reply in replies] == [0] * 200
+
+    witness = provider.stats()
+    assert witness.max_in_flight <= 3, f"the provider saw {witness.max_in_flight} in flight"
+    assert witness.max_in_flight == 3, "the limit was never reached; the test proves nothing"
+    assert witness.completed == 200
+
+    _wait(lambda: _counts(pg_dsn, "rc.defer").get("provider_attempts", 0) >= 200, "counts flushed")
+    counts = _counts(pg_dsn, "rc.defer")
+    assert counts["deferrals"] > 0, counts
+    assert counts["deliveries"] == 200 + counts["deferrals"], counts
+    assert counts["provider_failures"] == 0, counts
+    assert counts["concurrency_failures"] == 0, counts
+    assert _parked(pg_dsn) == 0
+
+
+def test_a_worker_killed_while_tasks_are_parked_and_in_flight_loses_no_task(
+    make_app, worker_processes, provider: FakeProvider, pg_dsn: str, celery_settings
+) -> None:
+    queue = celery_settings["queue"]
+    conf = {
+        "broker_transport_options": {
+            "visibility_timeout": 8,
+            "unacked_key": f"{queue}-unacked",
+            "unacked_index_key": f"{queue}-unacked-index",
+            "unacked_mutex_key": f"{queue}-unacked-mutex",
+            "unacked_mutex_expire": 30,
+            "unacked_restore_interval": 2,
+            "unacked_restore_throttle": 1,
+        }
+    }
+    settings = {
+        **celery_settings,
+        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
+        "conf": conf,
+    }
+    app = make_app(**settings)
+    workers = worker_processes(**settings)
+    doomed = workers.start(concurrency=4)
+    workers.start(concurrency=4)
+
+    results = [app.tasks["rc.defer"].delay(150) for _ in range(60)]
+    _wait(
+        lambda: _parked(pg_dsn) > 0 and provider.stats().in_flight > 0,
+        "tasks parked and in flight",
+    )
+    workers.kill(doomed)
+
+    try:
+        replies = [result.get(timeout=240) for result in results]
+    except Exception:
+        print(workers.logs())
+        raise
+    assert len(replies) == 60
+    assert {AsyncResult(r.id, app=app).state for r in results} == {"SUCCESS"}
+    assert provider.stats().max_in_flight <= 3
+    assert _parked(pg_dsn) == 0

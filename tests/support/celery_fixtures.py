@@ -1,0 +1,202 @@
+"""Fixtures for the Celery tests: apps on a queue of their own, real workers, events.
+
+* ``celery_settings`` — settings for :func:`tests.support.celery_app.create_app`: a
+  unique queue and events key per test, the session's PostgreSQL database, a fake
+  provider started for the test.
+* ``make_app`` — builds an app from those settings (with overrides).
+* ``inprocess_worker`` — ``celery.contrib.testing.worker.start_worker`` (threads pool).
+* ``worker_processes`` — ``celery worker`` subprocesses (prefork), stopped by PID.
+* ``worker_events`` — the concurrency events the workers pushed to Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from runcell_celery import remove_event_listener
+from runcell_celery.testing import FakeProvider
+
+from .celery_app import ENV, REDIS_URL, create_app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LIMITS = {
+    "max_concurrent": 3,
+    "lease_ttl_ms": 5_000,
+    "workloads": {
+        "interactive": {"reserved": 1, "priority": 10},
+        "background": {},
+    },
+    "default_workload": "background",
+}
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    with FakeProvider(latency_ms=10) as fake:
+        yield fake
+
+
+@pytest.fixture
+def celery_settings(pg_dsn: str, provider: FakeProvider) -> Iterator[dict[str, Any]]:
+    tag = uuid.uuid4().hex[:10]
+    settings = {
+        "queue": f"runcell-test-{tag}",
+        "events_key": f"runcell-test-events-{tag}",
+        "provider_url": provider.url,
+        "runcell": {
+            "DATABASE": pg_dsn,
+            "LIMITERS": {"llm": copy.deepcopy(LIMITS)},
+            "POSTGRES": {"poll_interval_ms": 50},
+        },
+    }
+    yield settings
+    client = redis.Redis.from_url(REDIS_URL)
+    client.delete(settings["events_key"], settings["queue"])
+
+
+@pytest.fixture
+def make_app(celery_settings: dict[str, Any]) -> Iterator[Callable[..., Celery]]:
+    """``make_app(limits=..., **settings)``: an app on this test's queue and database."""
+    apps: list[Celery] = []
+
+    def make(limits: dict[str, Any] | None = None, **overrides: Any) -> Celery:
+        settings = {**copy.deepcopy(celery_settings), **overrides}
+        if limits is not None:
+            settings["runcell"]["LIMITERS"] = {"llm": limits}
+        app = create_app(settings)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        listener = getattr(app, "runcell_test_listener", None)
+        if listener is not None:
+            remove_event_listener(listener)
+        sweeper = getattr(app, "_runcell_sweeper", None)
+        if sweeper is not None:
+            sweeper.stop()
+
+
+@contextlib.contextmanager
+def inprocess_worker(app: Celery, *, concurrency: int = 4) -> Iterator[Any]:
+    """A real worker in this process (threads pool), on the app's queue."""
+    with start_worker(
+        app, pool="threads", concurrency=concurrency, perform_ping_check=False, loglevel="WARNING"
+    ) as worker:
+        yield worker
+
+
+class WorkerProcesses:
+    """``celery worker`` subprocesses (prefork); each in its own session, killed by PID."""
+
+    def __init__(self, settings: dict[str, Any], log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *, concurrency: int = 4, name: str | None = None) -> subprocess.Popen[bytes]:
+        name = name or f"w{len(self.procs) + 1}-{uuid.uuid4().hex[:6]}"
+        env = {**os.environ, ENV: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.support.celery_app:app",
+                "worker",
+                "--pool=prefork",
+                f"--concurrency={concurrency}",
+                "-Q",
+                self.settings["queue"],
+                f"--hostname={name}@%h",
+                "--loglevel=WARNING",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        proc.log = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL the worker and its pool processes (its whole process group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # stray pool children, if any
+            proc.log.close()  # type: ignore[attr-defined]
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
+            for path in sorted(self.log_dir.glob("*.log"))
+        )
+
+
+@pytest.fixture
+def worker_processes(
+    celery_settings: dict[str, Any], tmp_path: Path
+) -> Iterator[Callable[..., WorkerProcesses]]:
+    """``worker_processes(**settings)``: a set of worker subprocesses on this test's queue."""
+    groups: list[WorkerProcesses] = []
+
+    def make(**overrides: Any) -> WorkerProcesses:
+        settings = {**copy.deepcopy(celery_settings), **overrides}
+        group = WorkerProcesses(settings, tmp_path)
+        groups.append(group)
+        return group
+
+    yield make
+    for group in groups:
+        group.stop_all()
+
+
+@pytest.fixture
+def worker_events(celery_settings: dict[str, Any]) -> Callable[[], list[dict[str, Any]]]:
+    """Read every event the workers (and this process's apps) pushed so far."""
+    client = redis.Redis.from_url(REDIS_URL)
+
+    def read() -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in client.lrange(celery_settings["events_key"], 0, -1)]
+
+    return read
