@@ -93,11 +93,14 @@ def create_app(settings: dict[str, Any]) -> Celery:
             provider.create("summarize", latency_ms=latency_ms)
             return {"fencing_token": held.fencing_token, "workload": held.lease.workload}
 
-    @app.task(base=RunCellTask, bind=True, name="rc.wait", concurrency={"limiter": "llm"})
+    @app.task(
+        shared=False, base=RunCellTask, bind=True, name="rc.wait", concurrency={"limiter": "llm"}
+    )
     def wait_task(self: RunCellTask, latency_ms: float = 10) -> dict[str, Any]:
         return {**call_provider(latency_ms), **_run_info(), "retries": self.request.retries}
 
     @app.task(
+        shared=False,
         base=RunCellTask,
         bind=True,
         name="rc.defer",
@@ -107,6 +110,7 @@ def create_app(settings: dict[str, Any]) -> Celery:
         return {**call_provider(latency_ms), **_run_info(), "retries": self.request.retries}
 
     @app.task(
+        shared=False,
         base=RunCellTask,
         bind=True,
         name="rc.background",
@@ -123,6 +127,7 @@ def create_app(settings: dict[str, Any]) -> Celery:
         return {**result, **_run_info(), "started": started, "granted": time.time()}
 
     @app.task(
+        shared=False,
         base=RunCellTask,
         bind=True,
         name="rc.hold_task",
@@ -133,6 +138,7 @@ def create_app(settings: dict[str, Any]) -> Celery:
         return _run_info()
 
     @app.task(
+        shared=False,
         base=RunCellTask,
         bind=True,
         name="rc.flaky",
@@ -147,6 +153,7 @@ def create_app(settings: dict[str, Any]) -> Celery:
         return {"retries": self.request.retries}
 
     @app.task(
+        shared=False,
         base=RunCellTask,
         bind=True,
         name="rc.child",
@@ -157,6 +164,7 @@ def create_app(settings: dict[str, Any]) -> Celery:
         return _run_info()
 
     @app.task(
+        shared=False,
         base=RunCellTask,
         bind=True,
         name="rc.parent",
@@ -173,6 +181,7 @@ def create_app(settings: dict[str, Any]) -> Celery:
         return {"parent": _run_info(), "child": child_info}
 
     @app.task(
+        shared=False,
         base=RunCellTask,
         bind=True,
         name="rc.slow_wait",

@@ -63,7 +63,8 @@ def celery_settings(pg_dsn: str, provider: FakeProvider) -> Iterator[dict[str, A
         "runcell": {
             "DATABASE": pg_dsn,
             "LIMITERS": {"llm": copy.deepcopy(LIMITS)},
-            "POSTGRES": {"poll_interval_ms": 50},
+            # Tests run one after another with different limits under one name.
+            "POSTGRES": {"poll_interval_ms": 50, "on_conflict": "replace"},
         },
     }
     yield settings

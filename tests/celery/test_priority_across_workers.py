@@ -1,0 +1,75 @@
+"""Priority across worker processes: interactive work is served at the next hand-off."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+
+from runcell_celery.testing import FakeProvider
+
+LIMITS = {
+    "max_concurrent": 3,
+    "lease_ttl_ms": 10_000,
+    # No reservation: background may take every slot; only priority can help.
+    "workloads": {"interactive": {"priority": 10}, "background": {}},
+    "default_workload": "background",
+}
+
+
+def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+def _scalar(dsn: str, query: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(query).fetchone()  # type: ignore[call-overload]
+        return int(row[0]) if row and row[0] is not None else 0
+
+
+def test_an_interactive_task_takes_the_next_freed_slot_while_background_saturates(
+    make_app, worker_processes, provider: FakeProvider, pg_dsn: str, celery_settings
+) -> None:
+    settings = {
+        **celery_settings,
+        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
+    }
+    app = make_app(**settings)
+    workers = worker_processes(**settings)
+    workers.start(concurrency=4)
+    workers.start(concurrency=4)
+
+    background = [app.tasks["rc.background"].delay(400) for _ in range(24)]
+    _wait(lambda: provider.stats().in_flight == 3, "background holds every slot")
+    _wait(
+        lambda: _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'background'")
+        >= 10,
+        "a background backlog",
+    )
+    interactive = app.tasks["rc.wait"].apply_async((5,), concurrency={"workload": "interactive"})
+    _wait(
+        lambda: _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'interactive'")
+        == 1,
+        "the interactive request queued",
+    )
+    # Every lease gets the next fencing token, so tokens count hand-offs.
+    token_when_queued = _scalar(pg_dsn, "SELECT last_fencing_token FROM runcell_limiter")
+    backlog = _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'background'")
+
+    try:
+        reply = interactive.get(timeout=60)
+        for result in background:
+            result.get(timeout=120)
+    except Exception:
+        print(workers.logs())
+        raise
+    assert reply["workload"] == "interactive"
+    handoffs = reply["fencing_token"] - token_when_queued
+    assert handoffs <= 1, (
+        f"{handoffs - 1} background grants went first, with {backlog} background queued ahead"
+    )
+    assert provider.stats().max_in_flight <= 3
