@@ -25,8 +25,9 @@ from . import headers
 from .app_registry import registry_for
 from .counters import AdmissionCounters
 from .deferral import Sweeper, wire_publisher
+from .revocation import RevocationPublisher, RevocationWatcher
 
-__all__ = ["counters_for", "ensure_wired"]
+__all__ = ["counters_for", "ensure_wired", "revocations_for"]
 
 _lock = threading.Lock()
 _propagation_connected = False
@@ -58,6 +59,13 @@ def counters_for(app: Celery) -> AdmissionCounters:
     return counters
 
 
+def revocations_for(app: Celery) -> RevocationWatcher:
+    """Return ``app``'s revocation watcher (created with the app's wiring)."""
+    ensure_wired(app)
+    watcher: RevocationWatcher = app._runcell_revocations  # type: ignore[attr-defined]
+    return watcher
+
+
 def ensure_wired(app: Celery) -> None:
     """Connect what the integration needs, once per app (and once per process)."""
     global _propagation_connected
@@ -82,6 +90,7 @@ def ensure_wired(app: Celery) -> None:
         counters = AdmissionCounters(database)
         add_event_listener(counters.on_event)
         app._runcell_counters = counters  # type: ignore[attr-defined]
+        app._runcell_revocations = RevocationWatcher(database)  # type: ignore[attr-defined]
         wire_publisher(app, registry)
 
         def start_sweeper(sender: Any = None, **_: Any) -> None:
@@ -90,11 +99,19 @@ def ensure_wired(app: Celery) -> None:
             sweeper = Sweeper(app, registry)
             app._runcell_sweeper = sweeper  # type: ignore[attr-defined]
             sweeper.start()
+            db = database()
+            if db is not None:
+                from celery.worker import state as worker_state
+
+                publisher = RevocationPublisher(db, lambda: list(worker_state.revoked))
+                app._runcell_revocation_publisher = publisher  # type: ignore[attr-defined]
+                publisher.start()
 
         def stop(sender: Any = None, **_: Any) -> None:
-            sweeper = getattr(app, "_runcell_sweeper", None)
-            if sweeper is not None:
-                sweeper.stop()
+            for name in ("_runcell_sweeper", "_runcell_revocation_publisher"):
+                running = getattr(app, name, None)
+                if running is not None:
+                    running.stop()
             counters.close()
 
         def flush(**_: Any) -> None:

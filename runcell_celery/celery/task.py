@@ -41,7 +41,8 @@ from . import headers
 from .app_registry import registry_for
 from .deferral import DuplicateDelivery, admission_for
 from .options import RunOverride, TaskConcurrency
-from .runtime import counters_for, ensure_wired
+from .revocation import revoked_among
+from .runtime import counters_for, ensure_wired, revocations_for
 
 __all__ = ["RunCellTask"]
 
@@ -158,6 +159,7 @@ class RunCellTask(Task[Any, Any]):
             )
             limiter_name = context.limiter.name if context.limiter is not None else "-"
             counters.add(self.name, limiter_name, "deliveries")
+            self._watch_revocation(request, context.cancel, admission, stack)
             try:
                 remaining = context.remaining_ms()
                 if remaining is not None and remaining <= 0:
@@ -173,6 +175,30 @@ class RunCellTask(Task[Any, Any]):
             except SlotDeferred:
                 counters.add(self.name, limiter_name, "deferrals")
                 raise Ignore() from None
+
+    def _watch_revocation(
+        self,
+        request: Any,
+        cancel: CancellationToken | None,
+        admission: Any,
+        stack: contextlib.ExitStack,
+    ) -> None:
+        """Cancel this run if its root or parent run is revoked (now or later)."""
+        ancestors = {request.root_id, request.parent_id} - {None, request.id}
+        if not ancestors or cancel is None:
+            return
+        watcher = revocations_for(self.app)
+        stack.callback(watcher.watch(ancestors, cancel))
+        dsn = registry_for(self.app).database_dsn
+        if dsn is None:
+            return
+        from ..postgres.connection import Database
+
+        if revoked_among(Database(dsn), ancestors):
+            cancel.cancel("a parent run was revoked")
+            withdraw = getattr(admission.limiter if admission else None, "withdraw", None)
+            if withdraw is not None:
+                withdraw(admission.request_id)  # a parked place or grant it will not use
 
     def _deadline(
         self, request: Any, spec: TaskConcurrency, override: RunOverride, registry: Any

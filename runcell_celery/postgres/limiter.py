@@ -584,6 +584,11 @@ class PostgresConcurrencyLimiter:
         """Return the slot and hand it to the next waiter by the allocation rules."""
         self._allocate(release=lease.lease_id)
 
+    def withdraw(self, request_id: str) -> None:
+        """Take a request out of the queue (parked or waiting) and return any slot it
+        was granted; used when its run is cancelled before it starts waiting."""
+        self._allocate(withdraw=request_id)
+
     def reap(self) -> None:
         """Run one allocation pass: reap expired leases and queue rows, grant what frees.
 

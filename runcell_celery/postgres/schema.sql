@@ -97,6 +97,14 @@ CREATE TABLE IF NOT EXISTS runcell_run (
 );
 CREATE INDEX IF NOT EXISTS runcell_run_for_purge ON runcell_run (first_started_at);
 
+-- Runs revoked in Celery (copied from the workers' revoked sets), so that the
+-- children of a revoked root stop waiting on every worker, not only on one.
+CREATE TABLE IF NOT EXISTS runcell_revoked (
+    run_id text PRIMARY KEY,
+    revoked_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS runcell_revoked_for_purge ON runcell_revoked (revoked_at);
+
 -- Admission counters per task name and limiter, summed over every worker: a
 -- deferral is counted apart from a failure.
 CREATE TABLE IF NOT EXISTS runcell_admission_counter (

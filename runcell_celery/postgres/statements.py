@@ -149,6 +149,22 @@ SELECT task_name, limiter, deliveries, deferrals, provider_attempts, provider_fa
 FROM runcell_admission_counter ORDER BY task_name, limiter
 """
 
+ADD_REVOKED: LiteralString = """
+INSERT INTO runcell_revoked (run_id) SELECT unnest(%(run_ids)s::text[])
+ON CONFLICT (run_id) DO NOTHING
+RETURNING run_id
+"""
+
+REVOKED_AMONG: LiteralString = """
+SELECT run_id FROM runcell_revoked WHERE run_id = ANY(%(run_ids)s::text[])
+"""
+
+PURGE_REVOKED: LiteralString = """
+DELETE FROM runcell_revoked
+WHERE revoked_at < clock_timestamp() - %(keep_ms)s * interval '1 millisecond'
+RETURNING run_id
+"""
+
 STATS: LiteralString = """
 SELECT 'active' AS kind, workload, count(*) FROM runcell_lease
 WHERE limiter = %(limiter)s AND expires_at > clock_timestamp()

@@ -46,14 +46,18 @@ def test_an_interactive_task_takes_the_next_freed_slot_while_background_saturate
     background = [app.tasks["rc.background"].delay(400) for _ in range(24)]
     _wait(lambda: provider.stats().in_flight == 3, "background holds every slot")
     _wait(
-        lambda: _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'background'")
-        >= 10,
+        lambda: (
+            _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'background'")
+            >= 10
+        ),
         "a background backlog",
     )
     interactive = app.tasks["rc.wait"].apply_async((5,), concurrency={"workload": "interactive"})
     _wait(
-        lambda: _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'interactive'")
-        == 1,
+        lambda: (
+            _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'interactive'")
+            == 1
+        ),
         "the interactive request queued",
     )
     # Every lease gets the next fencing token, so tokens count hand-offs.

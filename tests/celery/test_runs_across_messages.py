@@ -43,7 +43,7 @@ def test_an_explicit_choice_for_the_child_wins_over_the_parents_workload(make_ap
     app = make_app()
     with inprocess_worker(app):
         result = app.tasks["rc.parent"].apply_async(
-            (dict(concurrency={"workload": "background"}),),
+            ({"concurrency": {"workload": "background"}},),
             concurrency={"workload": "interactive"},
         )
         info = result.get(timeout=60)
@@ -54,7 +54,7 @@ def test_an_explicit_choice_for_the_child_wins_over_the_parents_workload(make_ap
 def test_a_child_never_outlives_its_parents_budget(make_app) -> None:
     app = make_app()
     with inprocess_worker(app):
-        result = app.tasks["rc.parent"].delay(dict(concurrency={"timeout_ms": 600_000}))
+        result = app.tasks["rc.parent"].delay({"concurrency": {"timeout_ms": 600_000}})
         info = result.get(timeout=60)
     child_remaining = info["child"]["remaining_ms"]
     assert child_remaining is not None

@@ -194,6 +194,17 @@ def create_app(settings: dict[str, Any]) -> Celery:
             return "soft time limit"
         return "done"
 
+    @app.task(
+        shared=False,
+        base=RunCellTask,
+        bind=True,
+        name="rc.spawn",
+        concurrency={"limiter": "llm"},
+    )
+    def spawn_task(self: RunCellTask, children: int, latency_ms: float = 10) -> list[str]:
+        """Send children (which inherit this run) and return without waiting for them."""
+        return [wait_task.delay(latency_ms).id for _ in range(children)]
+
     return app
 
 
