@@ -135,6 +135,7 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         lock = threading.Lock()
         in_flight = 0
         most = 0
+        full = threading.Event()
 
         def work() -> None:
             nonlocal in_flight, most
@@ -143,6 +144,11 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 with lock:
                     in_flight += 1
                     most = max(most, in_flight)
+                    if in_flight == 3:
+                        full.set()
+                # Hold a moment, and until the limit was reached once: a slow backend
+                # (connections still opening) must still be seen at its limit.
+                full.wait(0.05)
                 time.sleep(0.001)
                 with lock:
                     in_flight -= 1

@@ -13,7 +13,8 @@
 Needs the ``postgres`` extra (psycopg 3 and psycopg_pool).
 """
 
-from .limiter import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+from .factory import create_postgres_concurrency_limiter
+from .limiter import PostgresConcurrencyLimiter
 from .schema import postgres_concurrency_schema_sql
 
 __all__ = [

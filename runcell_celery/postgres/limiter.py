@@ -1,24 +1,11 @@
 """The PostgreSQL limiter: one limit shared by every worker on every host.
 
-Every allocation is one short transaction that holds the limiter row's lock:
-
-1. ``runcell_lock_v1`` locks the row, applies a release or a withdrawal, reaps
-   expired leases and queue rows, and returns the slots held per workload and the
-   oldest waiters (one round trip);
-2. :func:`runcell_celery.allocation.allocate` decides in Python who is granted —
-   the same function every limiter uses;
-3. ``runcell_apply_v1`` writes the decision (new leases with fencing tokens, the
-   caller's queue row) and notifies the processes whose waiters were granted.
-
-Steps 1 and 3 are one round trip each: ``BEGIN`` travels with the lock and
-``COMMIT`` with the writes, as one simple-query message with client-side binding
-(measured faster here than psycopg's pipeline mode), so the row lock is held for one
-round trip plus the Python decision.
-
-No transaction or connection is held while a request waits or while a slot is held:
-a waiter polls every ``poll_interval_ms`` with one lock-free statement, and is woken
-at once by ``LISTEN/NOTIFY`` when a listener connection is up (then it polls ten
-times less often, as a safety net). Expiry and
+Each allocation is one short transaction holding the limiter row's lock (see
+:mod:`.transaction`); the decision is :func:`runcell_celery.allocation.allocate`, as
+in every limiter. No transaction or connection is held while a request waits or while
+a slot is held: a waiter polls every ``poll_interval_ms`` with one lock-free
+statement, and is woken at once by ``LISTEN/NOTIFY`` when the process's listener
+connection is up (then it polls ten times less often, as a safety net). Expiry and
 deadlines use database time. Errors fail closed: the caller gets
 :class:`~runcell_celery.errors.ConcurrencyLimiterError` and no slot.
 """
@@ -26,24 +13,19 @@ deadlines use database time. Errors fail closed: the caller gets
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import psycopg
-from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
-from ..allocation import allocate
 from ..cancellation import CancellationToken
-from ..config import DEFAULT_LEASE_TTL_MS, LimiterConfig, WorkloadConfig
+from ..config import LimiterConfig
 from ..errors import (
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
@@ -55,17 +37,23 @@ from ..errors import (
 from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 from . import statements
 from .connection import (
-    DEFAULT_CONNECT_TIMEOUT_MS,
-    DEFAULT_POOL_MAX_SIZE,
     Connection,
     Database,
     fetch_all,
     fetch_one,
 )
 from .listener import GrantListener, get_listener
-from .schema import ensure_schema
+from .registration import OnConflict, config_hash, store_limits
+from .transaction import (
+    Caller,
+    Decision,
+    Limits,
+    allocation_transaction,
+    lock_and_commit,
+    would_grant,
+)
 
-__all__ = ["PostgresConcurrencyLimiter", "create_postgres_concurrency_limiter"]
+__all__ = ["DEFAULT_POLL_INTERVAL_MS", "DEFAULT_QUEUE_ENTRY_TTL_MS", "PostgresConcurrencyLimiter"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -79,29 +67,6 @@ ALLOCATE_EVERY_N_POLLS = 10
 #: many times less often (a safety net only); they poll at the full rate otherwise.
 NOTIFIED_POLL_FACTOR = 10
 
-_HOST = socket.gethostname()
-
-
-@dataclass(frozen=True, slots=True)
-class _Waiting:
-    request_id: str
-    workload: str
-
-
-@dataclass(slots=True)
-class _Decision:
-    """What one allocation transaction did for its caller."""
-
-    lease: Lease | None = None
-    queued: bool = False
-    deadline: float | None = None
-    refused: Literal["queue-full", "no-wait"] | None = None
-    #: The request already has a lease granted while it was parked: it belongs to
-    #: the task's re-published message, not to this caller.
-    parked_lease: bool = False
-    #: Lease ids this allocation granted to parked requests (to re-publish).
-    parked_granted: list[str] = field(default_factory=list)
-
 
 @dataclass(frozen=True, slots=True)
 class _Park:
@@ -113,11 +78,6 @@ class _Park:
 
 #: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
 AdmissionResult = Literal["parked", "duplicate"]
-
-
-def _config_hash(config: LimiterConfig) -> str:
-    canonical = json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class PostgresConcurrencyLimiter:
@@ -137,7 +97,7 @@ class PostgresConcurrencyLimiter:
     ) -> None:
         self._db = database
         self._config = config
-        self._config_hash = _config_hash(config)
+        self._limits = Limits(config.name, config, config_hash(config), queue_entry_ttl_ms)
         self._poll_s = poll_interval_ms / 1000
         self._queue_ttl_ms = queue_entry_ttl_ms
         self._listen = listen
@@ -172,45 +132,23 @@ class PostgresConcurrencyLimiter:
 
     # -- setup ------------------------------------------------------------------------
 
-    def register(
-        self, *, ensure: bool = True, on_conflict: Literal["error", "replace"] = "error"
-    ) -> None:
+    def register(self, *, ensure: bool = True, on_conflict: OnConflict = "error") -> None:
         """Create the schema if asked, then store the limits or check the stored ones.
 
-        :raises ConcurrencyConfigError: the stored limits differ (``on_conflict="error"``).
+        :raises ConcurrencyConfigError: the stored limits differ (``on_conflict="error"``),
+            or the tables are missing and ``ensure`` is false.
         :raises ConcurrencyLimiterError: the database failed.
         """
-        config_json = Jsonb(self._config.to_dict())
-        params = {"name": self.name, "config": config_json, "config_hash": self._config_hash}
-
-        def work(conn: Connection) -> None:
-            if ensure:
-                ensure_schema(conn)
-            with conn.transaction():
-                if conn.execute(statements.REGISTER_LIMITER, params).fetchone() is not None:
-                    return
-                stored = conn.execute(statements.STORED_LIMITER, params).fetchone()
-                assert stored is not None
-                if stored[1] == self._config_hash:
-                    return
-                differences = self._describe_differences(stored[0])
-                if on_conflict == "replace":
-                    conn.execute(statements.REPLACE_LIMITER, params)
-                    logger.warning("runcell: replaced the limits of %r: %s", self.name, differences)
-                    return
-                raise ConcurrencyConfigError(
-                    f"limiter {self.name!r} is stored with different limits: {differences}. "
-                    "All workers sharing a name must use the same limits: use a new name, "
-                    "or deploy them together with on_conflict='replace'",
-                    limiter=self.name,
-                )
-
+        config = self._config
         try:
-            self._run(None, work, retry=False)
+            self._run(
+                None,
+                lambda conn: store_limits(conn, config, ensure=ensure, on_conflict=on_conflict),
+                retry=False,
+            )
         except ConcurrencyLimiterError as exc:
-            if isinstance(
-                exc.__cause__, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
-            ):
+            missing = psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
+            if isinstance(exc.__cause__, missing):
                 raise ConcurrencyConfigError(
                     f"limiter {self.name!r}: the runcell tables do not exist in this database; "
                     "apply postgres_concurrency_schema_sql() as a migration, or create the "
@@ -218,18 +156,6 @@ class PostgresConcurrencyLimiter:
                     limiter=self.name,
                 ) from exc
             raise
-
-    def _describe_differences(self, stored: Mapping[str, Any]) -> str:
-        try:
-            theirs = LimiterConfig.from_mapping(stored)
-        except ConcurrencyConfigError:
-            return f"stored {dict(stored)!r}"
-        mine = self._config.to_dict()
-        other = theirs.to_dict()
-        parts = []
-        for path in self._config.differences(theirs):
-            parts.append(f"{path} (stored {_dig(other, path)!r}, given {_dig(mine, path)!r})")
-        return "; ".join(parts)
 
     # -- acquire ----------------------------------------------------------------------
 
@@ -372,7 +298,7 @@ class PostgresConcurrencyLimiter:
         if result["status"] == "parked":
             return "parked"
         if result["status"] == "granted":
-            return self._lease(result["lease"])
+            return self._limits.lease(result["lease"])
         return None
 
     def claim_parked(self, request_id: str, publication_id: str) -> Lease | None:
@@ -391,7 +317,7 @@ class PostgresConcurrencyLimiter:
         if not rows:
             return None
         lease_id, granted_request, workload, token = rows[0]
-        return self._lease(
+        return self._limits.lease(
             {
                 "lease_id": lease_id,
                 "request_id": granted_request,
@@ -413,7 +339,7 @@ class PostgresConcurrencyLimiter:
         result = self._run(request, work)
         status = result["status"]
         if status == "granted":
-            return status, self._lease(result["lease"])
+            return status, self._limits.lease(result["lease"])
         if status == "waiting" and result["needs_allocation"]:
             return "needs-allocation", None
         return status, None
@@ -426,7 +352,7 @@ class PostgresConcurrencyLimiter:
         wait_ms: float | None = None,
         release: str | None = None,
         withdraw: str | None = None,
-    ) -> _Decision:
+    ) -> Decision:
         """Run one allocation transaction under the limiter row's lock.
 
         A release or withdrawal first tries the one-round-trip form (lock, apply,
@@ -434,92 +360,19 @@ class PostgresConcurrencyLimiter:
         hand it over. Nobody can take the slot in between out of turn: whoever locks
         the row next allocates over every waiter, by the same rules.
         """
-        config = self._config
-        lock_params = {
-            "limiter": self.name,
-            "release_lease": release,
-            "withdraw_request": withdraw,
-            "request_id": caller.request_id if caller is not None else None,
-            "max_per_workload": config.max_concurrent,
-        }
+        limits = self._limits
+        request_id = caller.request_id if caller is not None else None
+        params = limits.lock_params(release=release, withdraw=withdraw, request_id=request_id)
         if caller is None and (release is not None or withdraw is not None):
-            state = self._check_state(
-                self._run(None, lambda conn: _lock_and_commit(conn, lock_params))
-            )
-            waiting = [_Waiting(rid, w) for rid, w, _position in state["waiting"]]
-            if not allocate(config, state["active"], waiting):
-                return _Decision()
-            lock_params = {**lock_params, "release_lease": None, "withdraw_request": None}
-
-        def work(conn: Connection) -> _Decision:
-            decision = _Decision()
-            cursor = psycopg.ClientCursor(conn)
-            try:
-                cursor.execute(statements.BEGIN_AND_LOCK, lock_params)
-                cursor.nextset()  # past BEGIN's empty result
-                row = cursor.fetchone()
-                state = self._check_state(row[0] if row is not None else None)
-                mine = state["mine"]
-                if mine is not None:
-                    # The request is known already (a retry after a lost answer, or
-                    # another delivery of the same task): keep what it has.
-                    cursor.execute(statements.COMMIT)
-                    if "lease" in mine:
-                        decision.lease = self._lease(mine["lease"])
-                    elif "parked_lease" in mine:
-                        decision.parked_lease = True
-                    else:
-                        decision.queued, decision.deadline = True, mine["queued"]
-                    return decision
-                waiting = [_Waiting(rid, w) for rid, w, _position in state["waiting"]]
-                if caller is not None:
-                    assert workload is not None
-                    waiting.append(_Waiting(caller.request_id, workload))
-                granted = allocate(config, state["active"], waiting)
-                caller_index = len(waiting) - 1 if caller is not None else -1
-                grants = [waiting[i].request_id for i in granted if i != caller_index]
-                action: str | None = None
-                if caller is not None:
-                    if caller_index in granted:
-                        action = "grant"
-                    elif config.max_queued is not None and state["queued"] >= config.max_queued:
-                        decision.refused = "queue-full"
-                    elif wait_ms is not None and wait_ms <= 0:
-                        decision.refused = "no-wait"
-                    else:
-                        action = "enqueue"
-                if not grants and action is None:
-                    cursor.execute(statements.COMMIT)
-                    return decision
-                cursor.execute(
-                    statements.APPLY_AND_COMMIT,
-                    {
-                        "limiter": self.name,
-                        "grants": Jsonb(grants),
-                        "caller": Jsonb(self._caller(caller, workload, wait_ms)),
-                        "caller_action": action,
-                        "ttl_ms": config.lease_ttl_ms,
-                        "queue_ttl_ms": self._queue_ttl_ms,
-                    },
-                )
-                result = cursor.fetchone()
-            except BaseException:
-                _rollback_quietly(conn)
-                raise
-            assert result is not None
-            applied = result[0]
-            decision.parked_granted = [
-                lease["lease_id"] for lease in applied["leases"] if lease.get("parked")
-            ]
-            if caller is not None:
-                for lease in applied["leases"]:
-                    if lease["request_id"] == caller.request_id:
-                        decision.lease = self._lease(lease)
-                decision.queued = action == "enqueue"
-                decision.deadline = applied["deadline"]
-            return decision
-
-        decision = self._run(caller, work)
+            state = limits.check(self._run(None, lambda conn: lock_and_commit(conn, params)))
+            if not would_grant(limits, state):
+                return Decision()
+            params = limits.lock_params(release=None, withdraw=None, request_id=None)
+        who = None
+        if caller is not None:
+            assert workload is not None
+            who = Caller(caller, workload, wait_ms)
+        decision = self._run(caller, lambda conn: allocation_transaction(conn, limits, params, who))
         if decision.parked_granted and self.on_parked_granted is not None:
             # After commit and with the connection returned: publishing may be slow.
             try:
@@ -527,40 +380,6 @@ class PostgresConcurrencyLimiter:
             except Exception:  # listeners and the sweeper re-publish them later
                 logger.exception("runcell: re-publishing granted parked tasks failed")
         return decision
-
-    def _check_state(self, state: dict[str, Any] | None) -> dict[str, Any]:
-        """Return the state read under the lock, if this worker may act on it."""
-        if state is None:
-            raise ConcurrencyLimiterError(
-                f"limiter {self.name!r} is not registered in the database "
-                "(its row was deleted?); restart the workers to register it",
-                limiter=self.name,
-            )
-        if state["config_hash"] != self._config_hash:
-            raise ConcurrencyConfigError(
-                f"the limits of limiter {self.name!r} were replaced by another worker; "
-                "restart this worker with the new limits",
-                limiter=self.name,
-            )
-        return state
-
-    def _caller(
-        self, request: AcquireRequest | None, workload: str | None, wait_ms: float | None
-    ) -> dict[str, Any] | None:
-        if request is None:
-            return None
-        lineage = request.lineage
-        return {
-            "request_id": request.request_id,
-            "workload": workload,
-            "run_id": lineage.run_id,
-            "root_run_id": lineage.root_run_id,
-            "parent_run_id": lineage.parent_run_id,
-            "holder_name": request.holder_name,
-            "holder_host": _HOST,
-            "holder_pid": os.getpid(),
-            "wait_ms": wait_ms,
-        }
 
     # -- renew, release, stats ----------------------------------------------------------
 
@@ -684,16 +503,6 @@ class PostgresConcurrencyLimiter:
                 raise ConcurrencyLimiterError(message, limiter=self.name) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _lease(self, row: Mapping[str, Any]) -> Lease:
-        return Lease(
-            lease_id=str(row["lease_id"]),
-            limiter=self.name,
-            workload=row["workload"],
-            request_id=row["request_id"],
-            fencing_token=int(row["fencing_token"]),
-            ttl_ms=self._config.lease_ttl_ms,
-        )
-
     def _resolve(self, request: AcquireRequest) -> str:
         try:
             return self._config.resolve_workload(request.workload)
@@ -721,107 +530,9 @@ class PostgresConcurrencyLimiter:
         )
 
 
-def _lock_and_commit(conn: Connection, params: Mapping[str, Any]) -> Any:
-    cursor = psycopg.ClientCursor(conn)
-    try:
-        cursor.execute(statements.LOCK_AND_COMMIT, params)
-        cursor.nextset()  # past BEGIN's empty result
-        row = cursor.fetchone()
-    except BaseException:
-        _rollback_quietly(conn)
-        raise
-    return row[0] if row is not None else None
-
-
-def _rollback_quietly(conn: Connection) -> None:
-    if conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-        return
-    with contextlib.suppress(psycopg.Error):
-        conn.rollback()
-
-
 def _remaining_ms(deadline: float | None) -> float | None:
     return None if deadline is None else (deadline - time.time()) * 1000
 
 
-def _dig(tree: Mapping[str, Any], path: str) -> Any:
-    node: Any = tree
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    return node
-
-
 def _nothing() -> None:
     return None
-
-
-def create_postgres_concurrency_limiter(
-    db: str | ConnectionPool[Any],
-    *,
-    max_concurrent: int,
-    name: str = "default",
-    max_queued: int | None = None,
-    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = None,
-    default_workload: str | None = None,
-    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
-    max_hold_ms: int | None = None,
-    poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
-    queue_entry_ttl_ms: int = DEFAULT_QUEUE_ENTRY_TTL_MS,
-    ensure_schema: bool = True,
-    on_conflict: Literal["error", "replace"] = "error",
-    listen: bool = True,
-    pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
-    connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS,
-) -> PostgresConcurrencyLimiter:
-    """Create a limiter whose slots every process using ``name`` on ``db`` shares.
-
-    :param db: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool`.
-    :param poll_interval_ms: how often a waiting request checks for a slot. The
-        database load is about (waiting requests / poll interval) short statements.
-    :param queue_entry_ttl_ms: how long a crashed waiter's queue row survives.
-    :param ensure_schema: create tables and functions on first use; pass ``False``
-        after applying :func:`postgres_concurrency_schema_sql` as a migration.
-    :param on_conflict: when stored limits differ: ``"error"`` raises
-        :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the fields,
-        ``"replace"`` stores these limits instead.
-    :param listen: wake waiters by ``LISTEN/NOTIFY`` (polling stays the fallback);
-        turn off behind a transaction pooler to skip the self-check.
-    :param pool_max_size: connections the pool made from a DSN may open (per process).
-    :param connect_timeout_ms: how long to wait for a database connection before the
-        call fails closed with :class:`~runcell_celery.errors.ConcurrencyLimiterError`.
-    The remaining options are those of :class:`~runcell_celery.config.LimiterConfig`.
-    """
-    for option, value, minimum in (
-        ("poll_interval_ms", poll_interval_ms, 1),
-        ("queue_entry_ttl_ms", queue_entry_ttl_ms, 1),
-        ("pool_max_size", pool_max_size, 1),
-        ("connect_timeout_ms", connect_timeout_ms, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConcurrencyConfigError(
-                f"{option} = {value!r} is invalid: must be a positive integer", limiter=name
-            )
-    if on_conflict not in ("error", "replace"):
-        raise ConcurrencyConfigError(
-            f"on_conflict = {on_conflict!r} is invalid: must be 'error' or 'replace'", limiter=name
-        )
-    options: dict[str, Any] = {
-        "max_concurrent": max_concurrent,
-        "max_queued": max_queued,
-        "default_workload": default_workload,
-        "name": name,
-        "lease_ttl_ms": lease_ttl_ms,
-        "max_hold_ms": max_hold_ms,
-    }
-    if workloads is not None:
-        options["workloads"] = workloads
-    config = LimiterConfig.from_mapping(options)
-    limiter = PostgresConcurrencyLimiter(
-        Database(db, pool_max_size=pool_max_size, timeout=connect_timeout_ms / 1000),
-        config,
-        poll_interval_ms=poll_interval_ms,
-        queue_entry_ttl_ms=queue_entry_ttl_ms,
-        listen=listen,
-    )
-    limiter.register(ensure=ensure_schema, on_conflict=on_conflict)
-    return limiter

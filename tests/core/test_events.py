@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import runcell_celery.events as events_module
 from runcell_celery import (
     EVENT_TYPES,
     CancellationToken,
@@ -222,7 +223,8 @@ def test_a_removed_listener_hears_nothing_more() -> None:
     assert heard == ["acquired", "released"]
 
 
-def test_slots_work_without_any_listener() -> None:
+def test_slots_work_without_any_listener(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(events_module, "_listeners", ())
     assert not has_listeners()
     limiter = create_concurrency_limiter(1)
     with slot(limiter):

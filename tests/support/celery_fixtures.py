@@ -87,9 +87,12 @@ def make_app(celery_settings: dict[str, Any]) -> Iterator[Callable[..., Celery]]
 
     yield make
     for app in apps:
-        listener = getattr(app, "runcell_test_listener", None)
-        if listener is not None:
-            remove_event_listener(listener)
+        for listener in (
+            getattr(app, "runcell_test_listener", None),
+            getattr(getattr(app, "_runcell_counters", None), "on_event", None),
+        ):
+            if listener is not None:
+                remove_event_listener(listener)
         sweeper = getattr(app, "_runcell_sweeper", None)
         if sweeper is not None:
             sweeper.stop()

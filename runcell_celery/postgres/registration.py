@@ -1,0 +1,89 @@
+"""Stored limits: the first worker stores them, every other worker must agree.
+
+All workers that share a limiter name must apply the same rules, or two of them could
+grant slots under different limits. The first worker stores its limits (with a hash)
+in the limiter's row; a worker whose limits differ fails at startup with
+:class:`~runcell_celery.errors.ConcurrencyConfigError` naming each differing field,
+unless it was created with ``on_conflict="replace"`` (deploy all workers together).
+Every allocation then checks the hash, so a worker left running with old limits stops
+instead of granting by them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from psycopg.types.json import Jsonb
+
+from ..config import LimiterConfig
+from ..errors import ConcurrencyConfigError
+from . import statements
+from .connection import Connection
+from .schema import ensure_schema
+
+__all__ = ["OnConflict", "config_hash", "store_limits"]
+
+logger = logging.getLogger("runcell_celery.postgres")
+
+OnConflict = Literal["error", "replace"]
+
+
+def config_hash(config: LimiterConfig) -> str:
+    """A stable hash of the limits, compared by every allocation."""
+    canonical = json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def store_limits(
+    conn: Connection, config: LimiterConfig, *, ensure: bool, on_conflict: OnConflict
+) -> None:
+    """Create the schema if asked, then store ``config`` or check the stored limits."""
+    if ensure:
+        ensure_schema(conn)
+    params = {
+        "name": config.name,
+        "config": Jsonb(config.to_dict()),
+        "config_hash": config_hash(config),
+    }
+    with conn.transaction():
+        if conn.execute(statements.REGISTER_LIMITER, params).fetchone() is not None:
+            return
+        stored = conn.execute(statements.STORED_LIMITER, params).fetchone()
+        assert stored is not None
+        if stored[1] == params["config_hash"]:
+            return
+        differences = describe_differences(config, stored[0])
+        if on_conflict == "replace":
+            conn.execute(statements.REPLACE_LIMITER, params)
+            logger.warning("runcell: replaced the limits of %r: %s", config.name, differences)
+            return
+        raise ConcurrencyConfigError(
+            f"limiter {config.name!r} is stored with different limits: {differences}. "
+            "All workers sharing a name must use the same limits: use a new name, "
+            "or deploy them together with on_conflict='replace'",
+            limiter=config.name,
+        )
+
+
+def describe_differences(config: LimiterConfig, stored: Mapping[str, Any]) -> str:
+    """Name each differing field with the stored and the given value."""
+    try:
+        theirs = LimiterConfig.from_mapping(stored)
+    except ConcurrencyConfigError:
+        return f"stored {dict(stored)!r}"
+    mine, other = config.to_dict(), theirs.to_dict()
+    return "; ".join(
+        f"{path} (stored {_dig(other, path)!r}, given {_dig(mine, path)!r})"
+        for path in config.differences(theirs)
+    )
+
+
+def _dig(tree: Mapping[str, Any], path: str) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
