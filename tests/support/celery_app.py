@@ -198,6 +198,21 @@ def create_app(settings: dict[str, Any]) -> Celery:
         shared=False,
         base=RunCellTask,
         bind=True,
+        name="rc.defer_budget",
+        concurrency={
+            "limiter": "llm",
+            "admission": "defer",
+            "admission_wait_ms": 50,
+            "timeout_ms": 4_000,
+        },
+    )
+    def defer_budget_task(self: RunCellTask, latency_ms: float = 5) -> dict[str, Any]:
+        return {**call_provider(latency_ms), **_run_info(), "retries": self.request.retries}
+
+    @app.task(
+        shared=False,
+        base=RunCellTask,
+        bind=True,
         name="rc.spawn",
         concurrency={"limiter": "llm"},
     )
