@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_WORKLOAD",
     "LimiterConfig",
     "WorkloadConfig",
+    "limiter_config",
 ]
 
 DEFAULT_WORKLOAD = "default"
@@ -336,6 +337,33 @@ class LimiterConfig:
     def differences(self, other: LimiterConfig) -> list[str]:
         """Name the fields whose values differ from ``other``'s, as dotted paths."""
         return _diff(self.to_dict(), other.to_dict(), "")
+
+
+def limiter_config(
+    max_concurrent: int,
+    *,
+    max_queued: int | None = None,
+    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = None,
+    default_workload: str | None = None,
+    name: str = "default",
+    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
+    max_hold_ms: int | None = None,
+) -> LimiterConfig:
+    """Build limits from the keyword arguments the limiter factories take.
+
+    Workloads may be given as dicts; omitted workloads mean one ``"default"`` one.
+    """
+    options: dict[str, Any] = {
+        "max_concurrent": max_concurrent,
+        "max_queued": max_queued,
+        "default_workload": default_workload,
+        "name": name,
+        "lease_ttl_ms": lease_ttl_ms,
+        "max_hold_ms": max_hold_ms,
+    }
+    if workloads is not None:
+        options["workloads"] = workloads
+    return LimiterConfig.from_mapping(options)
 
 
 def _diff(mine: Any, theirs: Any, path: str) -> list[str]:

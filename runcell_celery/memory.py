@@ -23,15 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .allocation import allocate, has_room
+from .base import ConfiguredLimiter
 from .cancellation import CancellationToken
 from .clock import SYSTEM_CLOCK, Clock
-from .config import DEFAULT_LEASE_TTL_MS, LimiterConfig, WorkloadConfig
-from .errors import (
-    ConcurrencyCancelledError,
-    ConcurrencyConfigError,
-    ConcurrencyQueueFullError,
-    ConcurrencyTimeoutError,
-)
+from .config import DEFAULT_LEASE_TTL_MS, LimiterConfig, WorkloadConfig, limiter_config
 from .protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 
 __all__ = ["InMemoryConcurrencyLimiter", "create_concurrency_limiter"]
@@ -60,7 +55,7 @@ def _nothing() -> None:
     return None
 
 
-class InMemoryConcurrencyLimiter:
+class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     """Slots shared by the threads and coroutines of one process.
 
     Create it with :func:`create_concurrency_limiter`. For several processes or hosts
@@ -72,7 +67,7 @@ class InMemoryConcurrencyLimiter:
     """
 
     def __init__(self, config: LimiterConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
-        self._config = config
+        super().__init__(config)
         self._clock = clock
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
@@ -81,22 +76,6 @@ class InMemoryConcurrencyLimiter:
         self._tokens = itertools.count(1)
         self._id_prefix = f"{config.name}:{uuid.uuid4().hex[:12]}:"
         self._next_expiry = math.inf
-
-    def __repr__(self) -> str:
-        config = self._config
-        return f"<InMemoryConcurrencyLimiter {config.name!r} max={config.max_concurrent}>"
-
-    @property
-    def name(self) -> str:
-        return self._config.name
-
-    @property
-    def config(self) -> LimiterConfig:
-        return self._config
-
-    def validate_workload(self, workload: str | None) -> str:
-        """Return the workload a request uses; raise if it names none that exists."""
-        return self._config.resolve_workload(workload)
 
     # -- acquire --------------------------------------------------------------------
 
@@ -186,12 +165,7 @@ class InMemoryConcurrencyLimiter:
             max_queued = self._config.max_queued
             if max_queued is not None and len(self._waiting) > max_queued:
                 self._waiting.remove(waiter)
-                raise request.error(
-                    ConcurrencyQueueFullError,
-                    f"limiter {self.name!r} already has {max_queued} waiting requests "
-                    f"(max_queued={max_queued})",
-                    limiter=self.name,
-                )
+                raise self._queue_full(request)
             wait_ms = self._wait_ms(request, workload)
             if wait_ms is not None and wait_ms <= 0:
                 self._waiting.remove(waiter)
@@ -349,32 +323,6 @@ class InMemoryConcurrencyLimiter:
 
     # -- errors -----------------------------------------------------------------------
 
-    def _resolve(self, request: AcquireRequest) -> str:
-        try:
-            return self._config.resolve_workload(request.workload)
-        except ConcurrencyConfigError as exc:
-            raise request.error(ConcurrencyConfigError, exc.message, limiter=self.name) from None
-
-    def _wait_ms(self, request: AcquireRequest, workload: str) -> float | None:
-        limits = [request.timeout_ms, self._config.workloads[workload].max_wait_ms]
-        given = [x for x in limits if x is not None]
-        return min(given) if given else None
-
-    def _timed_out(self, request: AcquireRequest, wait_ms: float | None) -> ConcurrencyTimeoutError:
-        return request.error(
-            ConcurrencyTimeoutError,
-            f"no slot in limiter {self.name!r} (workload {request.workload!r}) "
-            f"within {wait_ms:g} ms",
-            limiter=self.name,
-        )
-
-    def _cancelled(self, request: AcquireRequest) -> ConcurrencyCancelledError:
-        return request.error(
-            ConcurrencyCancelledError,
-            f"cancelled while waiting for a slot in limiter {self.name!r}",
-            limiter=self.name,
-        )
-
 
 def create_concurrency_limiter(
     max_concurrent: int,
@@ -397,14 +345,13 @@ def create_concurrency_limiter(
     ...     8, name="claude", workloads={"interactive": {"reserved": 2}, "background": {}}
     ... )
     """
-    options: dict[str, Any] = {
-        "max_concurrent": max_concurrent,
-        "max_queued": max_queued,
-        "default_workload": default_workload,
-        "name": name,
-        "lease_ttl_ms": lease_ttl_ms,
-        "max_hold_ms": max_hold_ms,
-    }
-    if workloads is not None:
-        options["workloads"] = workloads
-    return InMemoryConcurrencyLimiter(LimiterConfig.from_mapping(options), clock=clock)
+    config = limiter_config(
+        max_concurrent,
+        max_queued=max_queued,
+        workloads=workloads,
+        default_workload=default_workload,
+        name=name,
+        lease_ttl_ms=lease_ttl_ms,
+        max_hold_ms=max_hold_ms,
+    )
+    return InMemoryConcurrencyLimiter(config, clock=clock)

@@ -7,7 +7,7 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from ..config import DEFAULT_LEASE_TTL_MS, LimiterConfig, WorkloadConfig
+from ..config import DEFAULT_LEASE_TTL_MS, WorkloadConfig, limiter_config
 from ..errors import ConcurrencyConfigError
 from .connection import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE, Database
 from .limiter import (
@@ -70,17 +70,15 @@ def create_postgres_concurrency_limiter(
         raise ConcurrencyConfigError(
             f"on_conflict = {on_conflict!r} is invalid: must be 'error' or 'replace'", limiter=name
         )
-    options: dict[str, Any] = {
-        "max_concurrent": max_concurrent,
-        "max_queued": max_queued,
-        "default_workload": default_workload,
-        "name": name,
-        "lease_ttl_ms": lease_ttl_ms,
-        "max_hold_ms": max_hold_ms,
-    }
-    if workloads is not None:
-        options["workloads"] = workloads
-    config = LimiterConfig.from_mapping(options)
+    config = limiter_config(
+        max_concurrent,
+        max_queued=max_queued,
+        workloads=workloads,
+        default_workload=default_workload,
+        name=name,
+        lease_ttl_ms=lease_ttl_ms,
+        max_hold_ms=max_hold_ms,
+    )
     limiter = PostgresConcurrencyLimiter(
         Database(db, pool_max_size=pool_max_size, timeout=connect_timeout_ms / 1000),
         config,

@@ -24,15 +24,13 @@ from typing import Any, Literal, TypeVar
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
 from ..config import LimiterConfig
 from ..errors import (
-    ConcurrencyCancelledError,
     ConcurrencyConfigError,
     ConcurrencyError,
     ConcurrencyLimiterError,
-    ConcurrencyQueueFullError,
-    ConcurrencyTimeoutError,
 )
 from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 from . import statements
@@ -80,7 +78,7 @@ class _Park:
 AdmissionResult = Literal["parked", "duplicate"]
 
 
-class PostgresConcurrencyLimiter:
+class PostgresConcurrencyLimiter(ConfiguredLimiter):
     """Slots shared through PostgreSQL by every process that uses the same name.
 
     Create it with :func:`create_postgres_concurrency_limiter`.
@@ -96,7 +94,7 @@ class PostgresConcurrencyLimiter:
         listen: bool = True,
     ) -> None:
         self._db = database
-        self._config = config
+        super().__init__(config)
         self._limits = Limits(config.name, config, config_hash(config), queue_entry_ttl_ms)
         self._poll_s = poll_interval_ms / 1000
         self._queue_ttl_ms = queue_entry_ttl_ms
@@ -110,25 +108,9 @@ class PostgresConcurrencyLimiter:
         self.on_parked_granted: Callable[[PostgresConcurrencyLimiter, list[str]], None] | None
         self.on_parked_granted = None
 
-    def __repr__(self) -> str:
-        config = self._config
-        return f"<PostgresConcurrencyLimiter {config.name!r} max={config.max_concurrent}>"
-
-    @property
-    def name(self) -> str:
-        return self._config.name
-
-    @property
-    def config(self) -> LimiterConfig:
-        return self._config
-
     @property
     def database(self) -> Database:
         return self._db
-
-    def validate_workload(self, workload: str | None) -> str:
-        """Return the workload a request uses; raise if it names none that exists."""
-        return self._config.resolve_workload(workload)
 
     # -- setup ------------------------------------------------------------------------
 
@@ -213,13 +195,7 @@ class PostgresConcurrencyLimiter:
         if decision.parked_lease:
             return "duplicate"
         if decision.refused == "queue-full":
-            max_queued = self._config.max_queued
-            raise request.error(
-                ConcurrencyQueueFullError,
-                f"limiter {self.name!r} already has {max_queued} waiting requests "
-                f"(max_queued={max_queued})",
-                limiter=self.name,
-            )
+            raise self._queue_full(request)
         if decision.refused == "no-wait":
             raise self._timed_out(request, wait_ms)
         return self._wait(request, workload, wait_ms, decision.deadline, cancel, on_wait, park)
@@ -502,32 +478,6 @@ class PostgresConcurrencyLimiter:
                     ) from exc
                 raise ConcurrencyLimiterError(message, limiter=self.name) from exc
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _resolve(self, request: AcquireRequest) -> str:
-        try:
-            return self._config.resolve_workload(request.workload)
-        except ConcurrencyConfigError as exc:
-            raise request.error(ConcurrencyConfigError, exc.message, limiter=self.name) from None
-
-    def _wait_ms(self, request: AcquireRequest, workload: str) -> float | None:
-        limits = [request.timeout_ms, self._config.workloads[workload].max_wait_ms]
-        given = [x for x in limits if x is not None]
-        return max(0.0, min(given)) if given else None
-
-    def _timed_out(self, request: AcquireRequest, wait_ms: float | None) -> ConcurrencyTimeoutError:
-        shown = "no time" if wait_ms is None else f"{wait_ms:g} ms"
-        return request.error(
-            ConcurrencyTimeoutError,
-            f"no slot in limiter {self.name!r} (workload {request.workload!r}) within {shown}",
-            limiter=self.name,
-        )
-
-    def _cancelled(self, request: AcquireRequest) -> ConcurrencyCancelledError:
-        return request.error(
-            ConcurrencyCancelledError,
-            f"cancelled while waiting for a slot in limiter {self.name!r}",
-            limiter=self.name,
-        )
 
 
 def _remaining_ms(deadline: float | None) -> float | None:

@@ -69,15 +69,17 @@ def test_renewing_every_lease_a_process_holds_is_one_statement(pg_dsn: str) -> N
     )
     try:
         limiter = create_postgres_concurrency_limiter(
-            pool, name=unique_name("renew"), max_concurrent=4, lease_ttl_ms=300
+            pool, name=unique_name("renew"), max_concurrent=4, lease_ttl_ms=1500
         )
         _CountingConnection.sent.clear()
         with slot(limiter), slot(limiter), slot(limiter), slot(limiter):
-            time.sleep(1.0)  # about ten renewal periods (a third of the TTL each)
+            time.sleep(3.0)  # about six renewal periods (a third of the TTL each)
             assert limiter.stats().active == 4, "a held lease expired"
         renewals = [p for q, p in _CountingConnection.sent if "UPDATE runcell_lease" in q]
         assert len(renewals) >= 3, "the keeper did not renew"
-        assert all(len(params["lease_ids"]) == 4 for params in renewals), renewals
+        # Once renewed together, the four leases stay in step: one statement renews all.
+        # (The very first batch may miss a lease acquired late on a loaded machine.)
+        assert all(len(params["lease_ids"]) == 4 for params in renewals[1:]), renewals
     finally:
         pool.close()
 
