@@ -132,8 +132,9 @@ class LeaseKeeper:
         """Do everything that is due now: deadlines, renewals, expiry."""
         entries = self._wait_for_due()
         now = time.monotonic()
-        to_renew: dict[int, list[tuple[int, _Entry, Lease]]] = {}
+        candidates: dict[int, list[tuple[int, _Entry, Lease]]] = {}
         limiters: dict[int, ConcurrencyLimiter] = {}
+        due: set[int] = set()
         for key, entry in entries:
             hold = entry.hold()
             kept = hold.kept_lease() if hold is not None else None
@@ -150,14 +151,17 @@ class LeaseKeeper:
                 self.forget(key)
                 _safely(hold.lease_lost, None)
                 continue
-            # Renew everything due within the next half period, so leases that one
-            # limiter holds are renewed together in one batch.
-            if entry.renew_at <= now + entry.ttl * RENEW_FRACTION / 2:
+            # When one lease of a limiter is due, renew with it every lease of that
+            # limiter due within the next period: from then on they stay in step, and
+            # each limiter costs one renew_many call (one SQL statement) per period.
+            if entry.renew_at <= now + entry.ttl * RENEW_FRACTION:
                 limiter, lease = kept
                 limiters[id(limiter)] = limiter
-                to_renew.setdefault(id(limiter), []).append((key, entry, lease))
-        for limiter_id, batch in to_renew.items():
-            self._renew_batch(limiters[limiter_id], batch)
+                candidates.setdefault(id(limiter), []).append((key, entry, lease))
+                if entry.renew_at <= now:
+                    due.add(id(limiter))
+        for limiter_id in due:
+            self._renew_batch(limiters[limiter_id], candidates[limiter_id])
 
     def _renew_batch(
         self, limiter: ConcurrencyLimiter, batch: Sequence[tuple[int, _Entry, Lease]]
