@@ -33,6 +33,7 @@ from .events import (
     add_event_listener,
     remove_event_listener,
 )
+from .guard import guard
 from .memory import InMemoryConcurrencyLimiter, create_concurrency_limiter
 from .protocol import (
     AcquireRequest,
@@ -42,7 +43,7 @@ from .protocol import (
     RunLineage,
     WorkloadStats,
 )
-from .slot import Slot, guard, slot
+from .slot import Slot, slot
 
 __all__ = [
     "EVENT_TYPES",

@@ -1,0 +1,107 @@
+"""``guard``: a decorator that holds one slot around every call of a provider function.
+
+Plain and ``async`` functions hold the slot for the call; generators and async
+generators hold it until the stream is exhausted or closed, as a streamed response
+should (a slot covers response streaming).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, ParamSpec, TypeVar, overload
+
+from .protocol import ConcurrencyLimiter
+from .slot import Slot
+
+__all__ = ["guard"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@overload
+def guard(fn: Callable[P, R], /) -> Callable[P, R]: ...
+
+
+@overload
+def guard(
+    fn: None = None,
+    /,
+    *,
+    limiter: ConcurrencyLimiter | None = None,
+    workload: str | None = None,
+    max_hold_ms: int | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+def guard(
+    fn: Callable[P, R] | None = None,
+    /,
+    *,
+    limiter: ConcurrencyLimiter | None = None,
+    workload: str | None = None,
+    max_hold_ms: int | None = None,
+) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a provider-call function so that every call holds one slot.
+
+    Works on plain and ``async`` functions, and on (async) generators, which hold the
+    slot until the stream is exhausted or closed, as a streamed response should::
+
+        @guard(limiter=claude)
+        def complete(prompt: str) -> str: ...
+
+        @guard
+        async def stream(prompt: str) -> AsyncIterator[str]: ...   # run's limiter
+    """
+
+    def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        def make() -> Slot:
+            return Slot(limiter, workload=workload, max_hold_ms=max_hold_ms)
+
+        wrapper: Callable[..., Any]
+        if inspect.isasyncgenfunction(func):
+
+            async def wrapper(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                async with make() as held:
+                    stream = func(*args, **kwargs)
+                    try:
+                        # An abort cancels the task only while the stream reads; one
+                        # that comes while the consumer has the item ends the stream
+                        # at its next step. Either way the consumer gets the error.
+                        while not held.aborted:
+                            held._interruptible = True
+                            try:
+                                item = await anext(stream)
+                            except StopAsyncIteration:
+                                break
+                            finally:
+                                held._interruptible = False
+                            yield item
+                    finally:
+                        await stream.aclose()
+
+        elif inspect.iscoroutinefunction(func):
+
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                async with make():
+                    return await func(*args, **kwargs)
+
+        elif inspect.isgeneratorfunction(func):
+
+            def wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:
+                with make():
+                    yield from func(*args, **kwargs)
+
+        else:
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                with make():
+                    return func(*args, **kwargs)
+
+        return functools.wraps(func)(wrapper)
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate
