@@ -2,4 +2,30 @@
 
 Add ``"runcell_django"`` to ``INSTALLED_APPS``. The source lives in ``django_app/``
 and is installed under the import name ``runcell_django``.
+
+.. code-block:: python
+
+    from runcell_django import get_limiter
+
+    with slot(get_limiter("claude"), workload="interactive"):
+        reply = client.messages.create(...)
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runcell_celery import ConcurrencyLimiter
+
+__all__ = ["get_limiter"]
+
+
+def get_limiter(name: str) -> ConcurrencyLimiter:
+    """Return the limiter ``RUNCELL["LIMITERS"][name]`` configures (one per process).
+
+    :raises runcell_celery.ConcurrencyConfigError: no such limiter (with a did-you-mean).
+    """
+    from .conf import registry
+
+    return registry().get(name)

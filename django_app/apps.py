@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.db.models.signals import post_migrate
 from django.utils.translation import gettext_lazy as _
 
 
@@ -9,3 +10,22 @@ class RunCellConfig(AppConfig):
     label = "runcell_django"
     verbose_name = _("Concurrency limits")
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        """Validate ``settings.RUNCELL``, share it with Celery, start the event recorder.
+
+        :raises runcell_celery.ConcurrencyConfigError: naming the bad setting's path.
+        """
+        from . import conf
+        from .recorder import start_recorder
+        from .schema import update_limiter_schema
+
+        conf.validate()
+        post_migrate.connect(update_limiter_schema, sender=self)
+        try:
+            from runcell_celery.celery import set_settings_provider
+        except ImportError:  # Celery is optional
+            pass
+        else:
+            set_settings_provider(conf.celery_settings_provider)
+        start_recorder()

@@ -1,0 +1,527 @@
+"""The admin: limiters, leases, the queue, events, admission counts and a dashboard.
+
+Everything here is read-only: leases, queue rows and counters are live state owned
+by the workers, and events are history. The one write is the **force release**
+action on leases, behind its own permission (``runcell_django.force_release_lease``),
+with a confirmation page and a ``force-released`` event naming the user.
+
+Nothing shows prompts or task arguments: a parked task's message
+(``runcell_queue.payload``) is mapped by no model, and events never carry them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.filters import DateFieldListFilter
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet, Sum
+from django.http import HttpRequest, HttpResponse
+from django.template.loader import render_to_string
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+
+from . import conf, operations
+from .filters import LimiterFilter, QueueStateFilter, WorkloadFilter
+from .models import (
+    EVENTS_DROPPED,
+    AdmissionCount,
+    ConcurrencyEvent,
+    Dashboard,
+    Lease,
+    Limiter,
+    QueueEntry,
+)
+from .state import LimiterState, format_duration, format_ms
+from .views import dashboard_view
+
+__all__ = [
+    "AdmissionCountAdmin",
+    "ConcurrencyEventAdmin",
+    "DashboardAdmin",
+    "LeaseAdmin",
+    "LimiterAdmin",
+    "QueueEntryAdmin",
+]
+
+#: Search by identifiers uses exact matches, served by indexes.
+_ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
+_ID_SEARCH_HELP = _("An exact run id (Celery task id), root run id or request id.")
+
+
+def _task(name: str | None, run_id: str | None) -> str:
+    """A task's name with its id (the run id) below it."""
+    return format_html(
+        '{}<br><span class="runcell-task-id" style="color:#666">{}</span>',
+        name or "-",
+        run_id or "-",
+    )
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Live state and history: viewable, never added, changed or deleted here."""
+
+    list_per_page = 100
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Limiter)
+class LimiterAdmin(ReadOnlyAdmin):
+    list_display = (
+        "name",
+        "limits",
+        "occupancy",
+        "queued",
+        "oldest_wait",
+        "p95_wait",
+        "settings_status",
+    )
+    fields = (
+        "name",
+        "limits",
+        "workload_table",
+        "occupancy",
+        "queued",
+        "oldest_wait",
+        "p95_wait",
+        "settings_status",
+        "last_fencing_token",
+        "created_at",
+        "updated_at",
+    )
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).with_live_stats()  # type: ignore[attr-defined]
+
+    def _state(self, obj: Limiter) -> LimiterState:
+        state: LimiterState | None = getattr(obj, "_runcell_state", None)
+        if state is None:
+            state = obj._runcell_state = LimiterState.of(obj)  # type: ignore[attr-defined]
+        return state
+
+    @admin.display(description=_("limits"))
+    def limits(self, obj: Limiter) -> str:
+        state = self._state(obj)
+        queue = _("no limit") if state.max_queued is None else state.max_queued
+        return format_html("{} {} · {} {}", state.limit, _("slots"), _("max queued"), queue)
+
+    @admin.display(description=_("held / limit"))
+    def occupancy(self, obj: Limiter) -> str:
+        bars = self._state(obj).bars()
+        return render_to_string("runcell_django/bars.html", {"bars": bars})
+
+    @admin.display(description=_("queued"))
+    def queued(self, obj: Limiter) -> str:
+        state = self._state(obj)
+        parts = ", ".join(f"{w.name} {w.queued}" for w in state.workloads if w.queued)
+        return format_html("{}{}", state.queued, f" ({parts})" if parts else "")
+
+    @admin.display(description=_("oldest wait"))
+    def oldest_wait(self, obj: Limiter) -> str:
+        return format_ms(self._state(obj).oldest_wait_ms)
+
+    @admin.display(description=_("p95 wait (15 min)"))
+    def p95_wait(self, obj: Limiter) -> str:
+        return format_ms(self._state(obj).p95_wait_ms)
+
+    @admin.display(description=_("settings"))
+    def settings_status(self, obj: Limiter) -> str:
+        registry = conf.registry()
+        if obj.name not in registry.names():
+            return str(_("not in RUNCELL"))
+        mine = registry.config(obj.name)
+        stored = obj.limits
+        if mine is None or stored is None:
+            return "-"
+        differences = mine.differences(stored)
+        if not differences:
+            return str(_("same as RUNCELL"))
+        return format_html("{} {}", _("differs from RUNCELL:"), ", ".join(differences))
+
+    @admin.display(description=_("workloads"))
+    def workload_table(self, obj: Limiter) -> str:
+        configured = (obj.config.get("workloads") or {}) if isinstance(obj.config, dict) else {}
+        header = format_html(
+            "<tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th><th>{}</th></tr>",
+            _("workload"),
+            _("max concurrent"),
+            _("reserved"),
+            _("priority"),
+            _("max wait"),
+        )
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    name,
+                    options.get("max_concurrent"),
+                    options.get("reserved", 0),
+                    options.get("priority", 0),
+                    format_ms(options.get("max_wait_ms")),
+                )
+                for name, options in sorted(configured.items())
+            ),
+        )
+        return format_html("<table>{}{}</table>", header, rows)
+
+
+@admin.register(Lease)
+class LeaseAdmin(ReadOnlyAdmin):
+    list_display = (
+        "lease",
+        "limiter_workload",
+        "task",
+        "holder",
+        "lineage",
+        "fencing_token",
+        "age",
+        "expires_in",
+        "parked_task",
+    )
+    list_filter = (LimiterFilter, WorkloadFilter)
+    search_fields = (*_ID_SEARCH, "holder_name__exact")
+    search_help_text = _("An exact task id, root run id, request id or task name.")
+    ordering = ("acquired_at", "lease_id")
+    actions = ("force_release",)
+    fields = (
+        "lease_id",
+        "limiter_name",
+        "workload",
+        "holder_name",
+        "run_id",
+        "root_run_id",
+        "parent_run_id",
+        "request_id",
+        "holder",
+        "fencing_token",
+        "acquired_at",
+        "age",
+        "renewed_at",
+        "expires_at",
+        "expires_in",
+        "ttl_ms",
+        "parked",
+        "picked_up_at",
+    )
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).with_age()  # type: ignore[attr-defined]
+
+    @admin.display(description=_("lease"), ordering="lease_id")
+    def lease(self, obj: Lease) -> str:
+        return str(obj.lease_id)[:8]
+
+    @admin.display(description=_("limiter"), ordering="limiter")
+    def limiter_name(self, obj: Lease) -> str:
+        return str(obj.limiter_id)
+
+    @admin.display(description=_("limiter / workload"), ordering="workload")
+    def limiter_workload(self, obj: Lease) -> str:
+        return f"{obj.limiter_id} / {obj.workload}"
+
+    @admin.display(description=_("task and task id"), ordering="holder_name")
+    def task(self, obj: Lease) -> str:
+        return _task(obj.holder_name, obj.run_id)
+
+    @admin.display(description=_("holder"))
+    def holder(self, obj: Lease) -> str:
+        return f"{obj.holder_host or '?'} pid {obj.holder_pid or '?'}"
+
+    @admin.display(description=_("root / parent run"))
+    def lineage(self, obj: Lease) -> str:
+        if obj.root_run_id in (None, obj.run_id) and obj.parent_run_id is None:
+            return "-"
+        return f"{obj.root_run_id or '-'} / {obj.parent_run_id or '-'}"
+
+    @admin.display(description=_("age"), ordering="acquired_at")
+    def age(self, obj: Lease) -> str:
+        return format_duration(getattr(obj, "age", None))
+
+    @admin.display(description=_("expires in"), ordering="expires_at")
+    def expires_in(self, obj: Lease) -> str:
+        left = getattr(obj, "expires_in", None)
+        if left is not None and left.total_seconds() <= 0:
+            return format_html(
+                '<span style="color:#ba2121">{} {}</span>', _("expired"), format_duration(-left)
+            )
+        return format_duration(left)
+
+    @admin.display(description=_("parked"), boolean=True, ordering="parked")
+    def parked_task(self, obj: Lease) -> bool:
+        """Held for a deferred task that has not started again yet."""
+        return obj.parked
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        opts = self.opts
+        return bool(request.user.has_perm(f"{opts.app_label}.force_release_lease"))
+
+    @admin.action(permissions=["force_release"], description=_("Force-release selected leases"))
+    def force_release(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> TemplateResponse | None:
+        if request.POST.get("post") == "yes":
+            if not self.has_force_release_permission(request):
+                raise PermissionDenied
+            released = operations.force_release(
+                [str(lease.lease_id) for lease in queryset], actor=request.user.get_username()
+            )
+            self.message_user(
+                request,
+                ngettext(
+                    "Released %(count)d lease; its holder loses the slot at its next renewal.",
+                    "Released %(count)d leases; their holders lose the slots at their next "
+                    "renewal.",
+                    len(released),
+                )
+                % {"count": len(released)},
+                messages.SUCCESS,
+            )
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Force-release leases?"),
+            "leases": queryset,
+            "opts": self.opts,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        return TemplateResponse(
+            request, "admin/runcell_django/lease/force_release_confirmation.html", context
+        )
+
+
+@admin.register(QueueEntry)
+class QueueEntryAdmin(ReadOnlyAdmin):
+    list_display = (
+        "place",
+        "limiter_workload",
+        "state",
+        "priority",
+        "waited",
+        "deadline_left",
+        "task",
+        "holder",
+    )
+    list_filter = (LimiterFilter, WorkloadFilter, QueueStateFilter)
+    # The workload's priority comes from its limiter's stored limits.
+    list_select_related = ("limiter",)
+    search_fields = _ID_SEARCH
+    search_help_text = _ID_SEARCH_HELP
+    ordering = ("limiter", "position")
+    fields = (
+        "request_id",
+        "limiter_name",
+        "workload",
+        "state",
+        "place",
+        "priority",
+        "enqueued_at",
+        "waited",
+        "deadline",
+        "deadline_left",
+        "holder_name",
+        "run_id",
+        "root_run_id",
+        "parent_run_id",
+        "holder",
+        "granted_lease_id",
+        "granted_at",
+        "published_at",
+    )
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return (
+            super().get_queryset(request).select_related("limiter").with_place()  # type: ignore[attr-defined]
+        )
+
+    @admin.display(description=_("limiter"), ordering="limiter")
+    def limiter_name(self, obj: QueueEntry) -> str:
+        return str(obj.limiter_id)
+
+    @admin.display(description=_("limiter / workload"), ordering="workload")
+    def limiter_workload(self, obj: QueueEntry) -> str:
+        return f"{obj.limiter_id} / {obj.workload}"
+
+    @admin.display(description=_("state"))
+    def state(self, obj: QueueEntry) -> str:
+        if obj.granted_lease_id is not None:
+            return str(_("granted, re-publishing"))
+        if obj.parked:
+            return str(_("parked"))
+        if getattr(obj, "stale", False):
+            return str(_("abandoned (waiter gone)"))
+        return str(_("waiting"))
+
+    @admin.display(description=_("place in workload"), ordering="position")
+    def place(self, obj: QueueEntry) -> str:
+        if obj.granted_lease_id is not None:
+            return "-"
+        return f"#{getattr(obj, 'ahead', 0) + 1}"
+
+    @admin.display(description=_("priority"))
+    def priority(self, obj: QueueEntry) -> str:
+        config = obj.limiter.config if isinstance(obj.limiter.config, dict) else {}
+        workload = (config.get("workloads") or {}).get(obj.workload) or {}
+        return str(workload.get("priority", 0))
+
+    @admin.display(description=_("waited"), ordering="enqueued_at")
+    def waited(self, obj: QueueEntry) -> str:
+        return format_duration(getattr(obj, "waited", None))
+
+    @admin.display(description=_("deadline in"), ordering="deadline")
+    def deadline_left(self, obj: QueueEntry) -> str:
+        left = getattr(obj, "deadline_in", None)
+        if obj.deadline is None:
+            return str(_("none"))
+        if left is not None and left.total_seconds() <= 0:
+            return str(_("passed"))
+        return format_duration(left)
+
+    @admin.display(description=_("task and task id"), ordering="holder_name")
+    def task(self, obj: QueueEntry) -> str:
+        return _task(obj.holder_name, obj.run_id)
+
+    @admin.display(description=_("holder"))
+    def holder(self, obj: QueueEntry) -> str:
+        if obj.parked:
+            return str(_("none (parked)"))
+        return f"{obj.holder_host or '?'} pid {obj.holder_pid or '?'}"
+
+
+@admin.register(AdmissionCount)
+class AdmissionCountAdmin(ReadOnlyAdmin):
+    list_display = (
+        "task_name",
+        "limiter",
+        "deliveries",
+        "deferrals",
+        "provider_attempts",
+        "provider_failures",
+        "concurrency_failures",
+        "updated_at",
+    )
+    list_display_links = None
+    list_filter = (LimiterFilter,)
+    search_fields = ("task_name",)
+
+
+@admin.register(ConcurrencyEvent)
+class ConcurrencyEventAdmin(ReadOnlyAdmin):
+    list_display = (
+        "occurred_at",
+        "type",
+        "limiter",
+        "workload",
+        "holder_name",
+        "run_id",
+        "request_id",
+        "wait",
+        "hold",
+        "detail",
+    )
+    list_filter = (
+        "type",
+        LimiterFilter,
+        WorkloadFilter,
+        ("occurred_at", DateFieldListFilter),
+    )
+    search_fields = _ID_SEARCH
+    search_help_text = _ID_SEARCH_HELP
+    # The paginator counts the filtered rows; the unfiltered total is not counted again,
+    # and no per-choice counts are offered over a table this large.
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    fieldsets = (
+        (None, {"fields": ("type", "occurred_at", "limiter", "workload")}),
+        (
+            _("run"),
+            {"fields": ("holder_name", "run_id", "root_run_id", "parent_run_id", "request_id")},
+        ),
+        (
+            _("slot"),
+            {
+                "fields": (
+                    "lease_id",
+                    "fencing_token",
+                    "deadline",
+                    "wait_ms",
+                    "hold_ms",
+                    "outcome",
+                    "reason",
+                    "error",
+                )
+            },
+        ),
+        (_("recorded by"), {"fields": ("host", "pid", "actor", "dropped")}),
+    )
+
+    @admin.display(description=_("wait"), ordering="wait_ms")
+    def wait(self, obj: ConcurrencyEvent) -> str:
+        return format_ms(obj.wait_ms) if obj.wait_ms is not None else ""
+
+    @admin.display(description=_("hold"), ordering="hold_ms")
+    def hold(self, obj: ConcurrencyEvent) -> str:
+        return format_ms(obj.hold_ms) if obj.hold_ms is not None else ""
+
+    @admin.display(description=_("details"))
+    def detail(self, obj: ConcurrencyEvent) -> str:
+        parts = [
+            obj.outcome,
+            obj.reason,
+            obj.error and obj.error[:80],
+            obj.actor and f"by {obj.actor}",
+            obj.dropped and f"{obj.dropped} dropped",
+            obj.fencing_token is not None and f"token {obj.fencing_token}",
+        ]
+        return " · ".join(str(p) for p in parts if p)
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        since = timezone.now() - datetime.timedelta(hours=24)
+        dropped = ConcurrencyEvent.objects.filter(
+            type=EVENTS_DROPPED, occurred_at__gte=since
+        ).aggregate(n=Sum("dropped"))["n"]
+        context = {"runcell_dropped_24h": dropped or 0, **(extra_context or {})}
+        return super().changelist_view(request, extra_context=context)
+
+
+@admin.register(Dashboard)
+class DashboardAdmin(ReadOnlyAdmin):
+    """The dashboard page, listed in the admin index under this app."""
+
+    def get_urls(self) -> list[URLPattern]:
+        info = self.opts.app_label, self.opts.model_name
+        return [
+            path(
+                "",
+                self.admin_site.admin_view(self.changelist_view),
+                name="{}_{}_changelist".format(*info),
+            )
+        ]
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return dashboard_view(request, self)

@@ -1,0 +1,165 @@
+"""Server-rendered SVG charts: geometry computed here, markup in templates.
+
+No JavaScript and nothing fetched from a CDN: a chart is a few ``<path>`` elements
+whose coordinates are computed from per-minute values.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["Bar", "Chart", "Line", "bar", "line_chart"]
+
+WIDTH = 640
+HEIGHT = 180
+LEFT = 48
+RIGHT = 12
+TOP = 12
+BOTTOM = 24
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    label: str
+    color: str
+    path: str
+    dashed: bool = False
+    last: str = ""
+    #: Each value's point, drawn as a dot (a minute alone has no line to show it).
+    dots: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    position: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Chart:
+    title: str
+    width: int
+    height: int
+    left: int
+    right: float
+    top: int
+    bottom: float
+    lines: tuple[Line, ...]
+    y_ticks: tuple[Tick, ...]
+    x_ticks: tuple[Tick, ...]
+    empty: bool
+
+
+def _nice_ceiling(value: float) -> float:
+    if value <= 0:
+        return 1.0
+    magnitude = 10 ** math.floor(math.log10(value))
+    for step in (1, 2, 2.5, 5, 10):
+        if value <= step * magnitude:
+            return step * magnitude
+    return 10 * magnitude  # pragma: no cover
+
+
+def line_chart(
+    title: str,
+    *,
+    start: datetime.datetime,
+    end: datetime.datetime,
+    series: Mapping[str, tuple[str, Mapping[datetime.datetime, float]]],
+    limit: tuple[str, float] | None = None,
+    unit: str = "",
+) -> Chart:
+    """Lay out per-minute ``series`` (label -> (color, {minute: value})) over ``start..end``.
+
+    ``limit`` draws a dashed horizontal line (label, value), e.g. ``max_concurrent``.
+    Minutes without a value leave a gap.
+    """
+    values = [v for _, points in series.values() for v in points.values()]
+    top_value = max([*values, limit[1] if limit else 0.0, 0.0])
+    y_max = _nice_ceiling(top_value * 1.1 if top_value else 1.0)
+    plot_w = WIDTH - LEFT - RIGHT
+    plot_h = HEIGHT - TOP - BOTTOM
+    span = max((end - start).total_seconds(), 1.0)
+
+    def x(at: datetime.datetime) -> float:
+        return LEFT + plot_w * min(max((at - start).total_seconds() / span, 0.0), 1.0)
+
+    def y(value: float) -> float:
+        return TOP + plot_h * (1 - min(value / y_max, 1.0))
+
+    lines: list[Line] = []
+    for label, (color, points) in series.items():
+        parts: list[str] = []
+        dots: list[tuple[float, float]] = []
+        previous: datetime.datetime | None = None
+        for at in sorted(points):
+            gap = previous is None or (at - previous) > datetime.timedelta(minutes=1, seconds=30)
+            dots.append((round(x(at), 1), round(y(points[at]), 1)))
+            parts.append(f"{'M' if gap else 'L'}{dots[-1][0]} {dots[-1][1]}")
+            previous = at
+        last = points[max(points)] if points else None
+        lines.append(
+            Line(
+                label,
+                color,
+                " ".join(parts),
+                last="" if last is None else _fmt(last, unit),
+                dots=tuple(dots),
+            )
+        )
+    if limit is not None:
+        lines.append(
+            Line(limit[0], "#ba2121", f"M{LEFT} {y(limit[1]):.1f} H{WIDTH - RIGHT}", dashed=True)
+        )
+    y_ticks = tuple(Tick(y(y_max * i / 4), _fmt(y_max * i / 4, unit)) for i in range(5))
+    x_ticks = []
+    for minutes_ago in (60, 45, 30, 15, 0):
+        at = end - datetime.timedelta(minutes=minutes_ago)
+        if at >= start:
+            x_ticks.append(Tick(x(at), "now" if minutes_ago == 0 else f"-{minutes_ago} min"))
+    return Chart(
+        title=title,
+        width=WIDTH,
+        height=HEIGHT,
+        left=LEFT,
+        right=WIDTH - RIGHT,
+        top=TOP,
+        bottom=HEIGHT - BOTTOM,
+        lines=tuple(lines),
+        y_ticks=y_ticks,
+        x_ticks=tuple(x_ticks),
+        empty=not values,
+    )
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "ms":
+        return f"{value / 1000:.1f} s" if value >= 1000 else f"{value:.0f} ms"
+    return f"{value:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    """A horizontal bar: ``active`` of ``limit`` slots (a small inline SVG).
+
+    :param name: what it measures (a workload, or all of them).
+    :param note: said after the numbers (e.g. the workload's reservation).
+    """
+
+    name: str
+    width: int
+    height: int
+    fill: float
+    color: str
+    label: str
+    note: str = ""
+
+
+def bar(name: str, active: int, limit: int | None, *, note: str = "", width: int = 120) -> Bar:
+    share = 0.0 if not limit else min(active / limit, 1.0)
+    color = "#ba2121" if limit and active >= limit else "#417690"
+    label = f"{active}/{limit}" if limit else str(active)
+    return Bar(name, width, 10, round(width * share, 1), color, label, note)

@@ -1,0 +1,232 @@
+"""The app's settings, read lazily from the one ``RUNCELL`` dict in ``settings.py``.
+
+.. code-block:: python
+
+    RUNCELL = {
+        "DATABASE": "default",        # a Django database alias, or a PostgreSQL DSN
+        "LIMITERS": {"claude": {"max_concurrent": 8, "workloads": {...}}},
+        "POSTGRES": {"poll_interval_ms": 100},
+        "EVENTS": {"ENABLED": True, "RETENTION_DAYS": 7},
+    }
+
+Nothing is read at import time: :func:`registry` and :func:`event_settings` read
+``settings.RUNCELL`` on first use and again after ``override_settings`` changes it.
+Limits are validated by the core (:class:`~runcell_celery.registry.LimiterRegistry`),
+so a mistake raises :class:`~runcell_celery.ConcurrencyConfigError` naming the exact
+key, e.g. ``RUNCELL["LIMITERS"]["claude"]["workloads"]["interactive"]["reserved"]``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.db import connections
+from django.dispatch import receiver
+
+from runcell_celery import ConcurrencyConfigError
+from runcell_celery.registry import LimiterRegistry
+
+__all__ = [
+    "SETTING",
+    "EventSettings",
+    "celery_settings_provider",
+    "database_alias",
+    "event_settings",
+    "registry",
+    "reset",
+    "resolve_database",
+    "runcell_settings",
+    "validate",
+]
+
+#: The name of the one Django setting this app reads.
+SETTING = "RUNCELL"
+
+
+@dataclass(frozen=True, slots=True)
+class EventSettings:
+    """``RUNCELL["EVENTS"]``: how concurrency events are recorded in PostgreSQL.
+
+    :param enabled: record events (and occupancy samples) in every process that
+        loads Django.
+    :param buffer_size: most events waiting to be written per process; more are
+        dropped and counted, never waited for.
+    :param flush_interval_ms: how often the recorder writes what it buffered.
+    :param batch_size: most rows per ``INSERT``.
+    :param retention_days: ``runcell_purge_events`` deletes what is older.
+    :param sample_interval_ms: how often slot occupancy is sampled for the dashboard
+        (once per interval for the whole fleet); ``0`` turns sampling off.
+    """
+
+    enabled: bool = True
+    buffer_size: int = 10_000
+    flush_interval_ms: int = 1_000
+    batch_size: int = 500
+    retention_days: int = 7
+    sample_interval_ms: int = 10_000
+
+
+_EVENT_OPTIONS: dict[str, tuple[str, int | None]] = {
+    # setting: (attribute, minimum; None for a boolean)
+    "ENABLED": ("enabled", None),
+    "BUFFER_SIZE": ("buffer_size", 1),
+    "FLUSH_INTERVAL_MS": ("flush_interval_ms", 1),
+    "BATCH_SIZE": ("batch_size", 1),
+    "RETENTION_DAYS": ("retention_days", 1),
+    "SAMPLE_INTERVAL_MS": ("sample_interval_ms", 0),
+}
+
+
+def _hint(value: str, choices: Any) -> str:
+    options = sorted(str(c) for c in choices)
+    close = difflib.get_close_matches(value, options, n=1)
+    shown = ", ".join(repr(o) for o in options) or "none"
+    return (f"did you mean {close[0]!r}? " if close else "") + f"valid: {shown}"
+
+
+def runcell_settings() -> Mapping[str, Any]:
+    """Return ``settings.RUNCELL`` (an empty dict when it is not set)."""
+    value = getattr(settings, SETTING, None)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConcurrencyConfigError(f"{SETTING} = {value!r} is invalid: must be a dict")
+    return value
+
+
+def event_settings() -> EventSettings:
+    """Return ``RUNCELL["EVENTS"]`` validated, with defaults filled in."""
+    given = runcell_settings().get("EVENTS", {})
+    path = f'{SETTING}["EVENTS"]'
+    if not isinstance(given, Mapping):
+        raise ConcurrencyConfigError(f"{path} = {given!r} is invalid: must be a dict")
+    values: dict[str, Any] = {}
+    for key, value in given.items():
+        if key not in _EVENT_OPTIONS:
+            raise ConcurrencyConfigError(
+                f'{path}["{key}"] is invalid: unknown option; {_hint(str(key), _EVENT_OPTIONS)}'
+            )
+        attribute, minimum = _EVENT_OPTIONS[key]
+        if minimum is None:
+            if not isinstance(value, bool):
+                raise ConcurrencyConfigError(
+                    f'{path}["{key}"] = {value!r} is invalid: must be True or False'
+                )
+        elif isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            rule = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+            raise ConcurrencyConfigError(f'{path}["{key}"] = {value!r} is invalid: must be {rule}')
+        values[attribute] = value
+    return EventSettings(**values)
+
+
+def _database_setting() -> str | None:
+    value = runcell_settings().get("DATABASE")
+    return value if isinstance(value, str) and value else None
+
+
+def _is_alias(value: str) -> bool:
+    return value in connections.settings
+
+
+def resolve_database(value: str) -> str:
+    """Turn ``RUNCELL["DATABASE"]`` into a DSN: an alias gives its database's DSN.
+
+    Read when a limiter is created, so tests that switch the alias to a test
+    database get limiters on the test database.
+    """
+    if not _is_alias(value):
+        return value
+    connection = connections[value]
+    if connection.vendor != "postgresql":
+        raise ConcurrencyConfigError(
+            f'{SETTING}["DATABASE"] = {value!r} is invalid: that alias uses '
+            f"{connection.settings_dict['ENGINE']}; the limiter needs PostgreSQL"
+        )
+    import psycopg
+
+    valid = {d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults()}
+    params = {
+        key: given
+        for key, given in connection.get_connection_params().items()
+        if key in valid and given not in (None, "")
+    }
+    return psycopg.conninfo.make_conninfo(**params)
+
+
+def database_alias() -> str | None:
+    """The alias the app's models use: ``RUNCELL["DATABASE"]`` when it is an alias.
+
+    ``None`` when it is a DSN (or unset): then Django's routers choose, by default
+    ``default``; that database must be the one the DSN names for the admin to show it.
+    """
+    value = _database_setting()
+    return value if value is not None and _is_alias(value) else None
+
+
+def _check_database(config: Mapping[str, Any]) -> None:
+    value = config.get("DATABASE")
+    if not isinstance(value, str) or not value or _is_alias(value):
+        if isinstance(value, str) and value:
+            resolve_database(value)  # rejects an alias that is not PostgreSQL
+        return
+    if "=" in value or "://" in value:
+        return  # a DSN (key=value or URI); the core reports connection failures
+    aliases = list(connections.settings)
+    raise ConcurrencyConfigError(
+        f'{SETTING}["DATABASE"] = {value!r} is invalid: neither a database alias nor a '
+        f"PostgreSQL DSN; {_hint(value, aliases)}"
+    )
+
+
+def validate() -> None:
+    """Check every part of ``RUNCELL``; raise :class:`ConcurrencyConfigError` if wrong."""
+    registry()
+    event_settings()
+
+
+_registry: LimiterRegistry | None = None
+_lock = threading.Lock()
+
+
+def registry() -> LimiterRegistry:
+    """The limiters of ``settings.RUNCELL``, validated on first use (one per process)."""
+    global _registry
+    found = _registry
+    if found is not None:
+        return found
+    with _lock:
+        if _registry is None:
+            config = runcell_settings()
+            _check_database(config)
+            made = LimiterRegistry(resolve_database=resolve_database)
+            made.configure(config, path=SETTING)
+            _registry = made
+        return _registry
+
+
+def reset() -> None:
+    """Forget the configured registry; the next :func:`registry` call reads settings."""
+    global _registry
+    with _lock:
+        _registry = None
+
+
+@receiver(setting_changed)
+def _on_setting_changed(*, setting: str, **_: Any) -> None:
+    if setting in (SETTING, "DATABASES"):
+        reset()
+
+
+def celery_settings_provider() -> tuple[Mapping[str, Any], str, Callable[[str], str]] | None:
+    """Where :func:`runcell_celery.celery.registry_for` reads settings when the Celery
+    app has no ``runcell`` setting of its own: ``settings.RUNCELL``."""
+    config = runcell_settings()
+    if not config:
+        return None
+    return config, SETTING, resolve_database

@@ -1,0 +1,20 @@
+"""Model fields for the limiter's columns that plain Django fields cannot read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+
+__all__ = ["EndlessDateTimeField"]
+
+
+class EndlessDateTimeField(models.DateTimeField):
+    """A ``timestamptz`` that may hold ``'infinity'`` (a parked request never expires).
+
+    Python's ``datetime`` has no infinity, so the column is read as ``NULL`` then;
+    comparisons in SQL still see the stored value.
+    """
+
+    def select_format(self, compiler: Any, sql: str, params: Any) -> tuple[str, Any]:
+        return f"NULLIF({sql}, 'infinity'::timestamptz)", params

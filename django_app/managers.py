@@ -1,0 +1,148 @@
+"""Managers: the queries the admin, the dashboard and the commands share.
+
+Every manager reads the database ``RUNCELL["DATABASE"]`` names when it is an alias
+(see :func:`runcell_django.conf.database_alias`); otherwise Django's routers choose.
+Times come from the database (``statement_timestamp()``, Django's ``Now()``), as the
+limiter's expiry does, never from the web server's clock.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from django.db import connections, models, router
+from django.db.models import (
+    BooleanField,
+    Count,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    IntegerField,
+    OuterRef,
+    Q,
+    Subquery,
+)
+from django.db.models.expressions import RawSQL
+from django.db.models.fields.json import JSONField
+from django.db.models.functions import Coalesce, Now
+
+from . import conf, sql
+
+__all__ = [
+    "AdmissionCountManager",
+    "EventManager",
+    "LeaseManager",
+    "LimiterManager",
+    "QueueEntryManager",
+]
+
+#: The window of the Limiters page's wait-time percentile.
+P95_WINDOW_MINUTES = 15
+
+
+class _RunCellManager(models.Manager[Any]):
+    """Reads the database of ``RUNCELL["DATABASE"]`` when it is an alias."""
+
+    def get_queryset(self) -> models.QuerySet[Any]:
+        queryset = super().get_queryset()
+        alias = conf.database_alias()
+        return queryset.using(alias) if alias is not None and self._db is None else queryset
+
+
+class LimiterQuerySet(models.QuerySet[Any]):
+    def with_live_stats(self) -> LimiterQuerySet:
+        """Annotate slots held and requests queued per workload, the oldest wait and
+        the p95 wait of the last 15 minutes: one query for any number of limiters."""
+        return self.annotate(
+            active_by_workload=RawSQL(sql.ACTIVE_BY_WORKLOAD, (), output_field=JSONField()),
+            queued_by_workload=RawSQL(sql.QUEUED_BY_WORKLOAD, (), output_field=JSONField()),
+            oldest_wait_ms=RawSQL(sql.OLDEST_WAIT_MS, (), output_field=FloatField()),
+            p95_wait_ms=RawSQL(sql.P95_WAIT_MS, (P95_WINDOW_MINUTES,), output_field=FloatField()),
+        )
+
+
+class LeaseQuerySet(models.QuerySet[Any]):
+    def with_age(self) -> LeaseQuerySet:
+        """Annotate ``age`` (since acquired) and ``expires_in``, in database time."""
+        return self.annotate(
+            age=ExpressionWrapper(Now() - F("acquired_at"), output_field=DurationField()),
+            expires_in=ExpressionWrapper(F("expires_at") - Now(), output_field=DurationField()),
+        )
+
+
+class QueueEntryQuerySet(models.QuerySet[Any]):
+    def with_place(self) -> QueueEntryQuerySet:
+        """Annotate ``ahead`` (requests of the same workload first in line),
+        ``waited`` (so far), ``deadline_in`` and ``stale`` (its waiter stopped polling)."""
+        live = Q(granted_lease_id__isnull=True) & (Q(parked=True) | Q(expires_at__gt=Now()))
+        ahead = (
+            self.model._default_manager.filter(
+                live,
+                limiter=OuterRef("limiter"),
+                workload=OuterRef("workload"),
+                position__lt=OuterRef("position"),
+            )
+            .order_by()
+            .values("limiter")
+            .annotate(n=Count("*"))
+            .values("n")
+        )
+        return self.annotate(
+            ahead=Coalesce(Subquery(ahead, output_field=IntegerField()), 0),
+            waited=ExpressionWrapper(Now() - F("enqueued_at"), output_field=DurationField()),
+            deadline_in=ExpressionWrapper(F("deadline") - Now(), output_field=DurationField()),
+            stale=ExpressionWrapper(
+                Q(parked=False) & Q(expires_at__lte=Now()), output_field=BooleanField()
+            ),
+        )
+
+
+LimiterManager = _RunCellManager.from_queryset(LimiterQuerySet)
+LeaseManager = _RunCellManager.from_queryset(LeaseQuerySet)
+QueueEntryManager = _RunCellManager.from_queryset(QueueEntryQuerySet)
+AdmissionCountManager = _RunCellManager
+
+
+class EventManager(_RunCellManager):
+    def _raw(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        alias = self.get_queryset().db
+        with connections[alias].cursor() as cursor:
+            cursor.execute(query, params)
+            return list(cursor.fetchall())
+
+    def wait_per_minute(self, minutes: int) -> list[tuple[Any, ...]]:
+        """``(limiter, minute, p50, p95, max, count)`` of acquired slots' waits."""
+        return self._raw(sql.WAIT_PER_MINUTE, {"minutes": minutes})
+
+    def occupancy_per_minute(self, minutes: int) -> list[tuple[Any, ...]]:
+        """``(limiter, minute, most active, most queued)`` from occupancy samples."""
+        return self._raw(sql.OCCUPANCY_PER_MINUTE, {"minutes": minutes})
+
+    def dropped_per_limiter(self, minutes: int) -> dict[str, int]:
+        """Events dropped by full recorder buffers in the window, per limiter."""
+        rows = self._raw(sql.DROPPED_PER_LIMITER, {"minutes": minutes})
+        return {limiter: int(n) for limiter, n in rows}
+
+    def purge(self, before: datetime.datetime, *, batch_size: int = 10_000) -> tuple[int, int]:
+        """Delete events and occupancy samples older than ``before``, in batches of
+        ``batch_size`` (short transactions); return how many of each were deleted."""
+        alias = self.get_queryset().db
+        counts = []
+        for query in (sql.PURGE_EVENTS, sql.PURGE_OCCUPANCY):
+            total = 0
+            while True:
+                with connections[alias].cursor() as cursor:
+                    cursor.execute(query, {"before": before, "limit": batch_size})
+                    deleted = cursor.rowcount
+                total += deleted
+                if deleted < batch_size:
+                    break
+            counts.append(total)
+        return counts[0], counts[1]
+
+
+def write_alias(model: type[models.Model]) -> str:
+    """The alias to write ``model``'s rows to (the recorder's inserts)."""
+    return conf.database_alias() or router.db_for_write(model)

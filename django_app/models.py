@@ -1,0 +1,361 @@
+"""Models over the PostgreSQL limiter's tables, and the event recorder's own tables.
+
+The limiter's tables (``runcell_limiter``, ``runcell_lease``, ``runcell_queue``,
+``runcell_admission_counter``) have one source of truth: the DDL of
+:func:`runcell_celery.postgres.postgres_concurrency_schema_sql`, which the migration
+applies. Their models are unmanaged and mirror it; ``tests/django`` proves they
+agree. They are live state written by the workers: the admin only reads them.
+
+``runcell_queue.payload`` (a parked task's message, with its arguments) is mapped by
+no model on purpose, so no query made through Django can show task arguments.
+
+The recorder's tables (``runcell_event``, ``runcell_occupancy``) belong to this app
+and are managed by its migrations, with index names that say which query they serve.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+from runcell_celery import EVENT_TYPES, ConcurrencyConfigError, LimiterConfig
+
+from .fields import EndlessDateTimeField
+from .managers import (
+    AdmissionCountManager,
+    EventManager,
+    LeaseManager,
+    LimiterManager,
+    QueueEntryManager,
+)
+
+__all__ = [
+    "APP_EVENT_TYPES",
+    "AdmissionCount",
+    "ConcurrencyEvent",
+    "Dashboard",
+    "Lease",
+    "Limiter",
+    "OccupancySample",
+    "QueueEntry",
+]
+
+#: Events the app adds to the core's: an admin's force release (an audit record
+#: naming the user) and events a full recorder buffer dropped (with their count).
+FORCE_RELEASED = "force-released"
+EVENTS_DROPPED = "events-dropped"
+APP_EVENT_TYPES = (FORCE_RELEASED, EVENTS_DROPPED)
+EVENT_TYPE_CHOICES = [(t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES)]
+
+_READ_ONLY = ("view",)
+
+
+class Limiter(models.Model):
+    """A limiter as stored by the first worker that used its name."""
+
+    name = models.TextField(_("name"), primary_key=True)
+    config = models.JSONField(
+        _("limits"),
+        help_text=_("The limits every worker using this name must share."),
+    )
+    config_hash = models.TextField(_("limits checksum"))
+    last_fencing_token = models.BigIntegerField(
+        _("last fencing token"), help_text=_("The token of the latest lease granted.")
+    )
+    created_at = models.DateTimeField(_("registered at"))
+    updated_at = models.DateTimeField(_("limits changed at"))
+
+    objects = LimiterManager()
+
+    class Meta:
+        managed = False
+        db_table = "runcell_limiter"
+        ordering = ("name",)
+        default_permissions = _READ_ONLY
+        verbose_name = _("limiter")
+        verbose_name_plural = _("limiters")
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def limits(self) -> LimiterConfig | None:
+        """The stored limits, parsed (``None`` if a newer version wrote them)."""
+        try:
+            return LimiterConfig.from_mapping(self.config)
+        except ConcurrencyConfigError:
+            return None
+
+    @property
+    def workload_names(self) -> list[str]:
+        workloads = self.config.get("workloads") if isinstance(self.config, dict) else None
+        return sorted(workloads) if isinstance(workloads, dict) else []
+
+
+class _Holder(models.Model):
+    """Who asked for a slot: the run lineage and the holder process."""
+
+    workload = models.TextField(_("workload"))
+    run_id = models.TextField(
+        _("run id"), null=True, help_text=_("For a Celery task, the task id.")
+    )
+    root_run_id = models.TextField(_("root run id"), null=True)
+    parent_run_id = models.TextField(_("parent run id"), null=True)
+    holder_name = models.TextField(
+        _("task"), null=True, help_text=_("The run's name: the Celery task name.")
+    )
+    holder_host = models.TextField(_("host"), null=True)
+    holder_pid = models.IntegerField(_("process id"), null=True)
+
+    class Meta:
+        abstract = True
+
+
+class Lease(_Holder):
+    """A held slot: one row per holder, renewed while its provider call runs."""
+
+    lease_id = models.UUIDField(_("lease id"), primary_key=True)
+    limiter = models.ForeignKey(
+        Limiter,
+        models.DO_NOTHING,
+        db_column="limiter",
+        db_constraint=False,
+        related_name="leases",
+        verbose_name=_("limiter"),
+    )
+    request_id = models.TextField(_("request id"), unique=True)
+    fencing_token = models.BigIntegerField(
+        _("fencing token"),
+        help_text=_(
+            "Grows with every lease of the limiter; a provider proxy can reject "
+            "holders with an older token."
+        ),
+    )
+    ttl_ms = models.IntegerField(_("lease TTL (ms)"))
+    acquired_at = models.DateTimeField(_("acquired at"))
+    renewed_at = models.DateTimeField(_("renewed at"))
+    expires_at = models.DateTimeField(
+        _("expires at"), help_text=_("Unless renewed before (database time).")
+    )
+    parked = models.BooleanField(
+        _("granted to a parked task"),
+        help_text=_("Held for a deferred Celery task until it starts again."),
+    )
+    picked_up_at = models.DateTimeField(_("picked up at"), null=True)
+
+    objects = LeaseManager()
+
+    class Meta:
+        managed = False
+        db_table = "runcell_lease"
+        ordering = ("acquired_at", "lease_id")
+        default_permissions = _READ_ONLY
+        permissions = [("force_release_lease", _("Can force-release leases"))]
+        verbose_name = _("lease")
+        verbose_name_plural = _("leases")
+
+    def __str__(self) -> str:
+        return f"{self.limiter_id}/{self.workload} #{self.fencing_token}"
+
+
+class QueueEntry(_Holder):
+    """A request waiting for a slot, or parked (a deferred Celery task)."""
+
+    request_id = models.TextField(_("request id"), primary_key=True)
+    limiter = models.ForeignKey(
+        Limiter,
+        models.DO_NOTHING,
+        db_column="limiter",
+        db_constraint=False,
+        related_name="queue_entries",
+        verbose_name=_("limiter"),
+    )
+    position = models.BigIntegerField(_("arrival order"))
+    enqueued_at = models.DateTimeField(_("queued at"))
+    deadline = models.DateTimeField(
+        _("deadline"), null=True, help_text=_("When the request stops waiting.")
+    )
+    expires_at = EndlessDateTimeField(
+        _("expires at"),
+        help_text=_("A waiter that stops polling leaves the queue then; never when parked."),
+    )
+    parked = models.BooleanField(
+        _("parked"), help_text=_("A deferred Celery task: no process waits for it.")
+    )
+    granted_lease_id = models.UUIDField(_("granted lease"), null=True)
+    granted_at = models.DateTimeField(_("granted at"), null=True)
+    published_at = models.DateTimeField(_("re-published at"), null=True)
+    publication_id = models.UUIDField(_("publication id"), null=True)
+
+    objects = QueueEntryManager()
+
+    class Meta:
+        managed = False
+        db_table = "runcell_queue"
+        ordering = ("limiter", "position")
+        default_permissions = _READ_ONLY
+        verbose_name = _("queued request")
+        verbose_name_plural = _("queued requests")
+
+    def __str__(self) -> str:
+        return f"{self.limiter_id}/{self.workload} {self.request_id}"
+
+
+class AdmissionCount(models.Model):
+    """Fleet-wide admission counts of one task name on one limiter.
+
+    Read through the view ``runcell_admission`` (made by this app's migration) over
+    ``runcell_admission_counter``, whose key is (task name, limiter): the view gives
+    each row the single-column key Django needs.
+    """
+
+    id = models.TextField(primary_key=True)
+    task_name = models.TextField(_("task"))
+    limiter = models.TextField(_("limiter"))
+    deliveries = models.BigIntegerField(
+        _("deliveries"), help_text=_("Times the task started: first, redelivered, re-published.")
+    )
+    deferrals = models.BigIntegerField(
+        _("deferrals"),
+        help_text=_("Times it was parked until a slot freed. Not a failure, not a retry."),
+    )
+    provider_attempts = models.BigIntegerField(
+        _("provider attempts"), help_text=_("Slots it took: one per provider request.")
+    )
+    provider_failures = models.BigIntegerField(
+        _("provider failures"), help_text=_("Provider calls that raised while holding a slot.")
+    )
+    concurrency_failures = models.BigIntegerField(
+        _("concurrency failures"),
+        help_text=_("Runs stopped by the limiter: timeout, full queue, lost lease, outage."),
+    )
+    updated_at = models.DateTimeField(_("last counted at"))
+
+    objects = AdmissionCountManager()
+
+    class Meta:
+        managed = False
+        db_table = "runcell_admission"
+        ordering = ("task_name", "limiter")
+        default_permissions = _READ_ONLY
+        verbose_name = _("admission count")
+        verbose_name_plural = _("admission counts")
+
+    def __str__(self) -> str:
+        return f"{self.task_name} on {self.limiter}"
+
+
+class ConcurrencyEvent(models.Model):
+    """One recorded step of a slot's life (see :mod:`runcell_celery.events`)."""
+
+    id = models.BigAutoField(primary_key=True)
+    type = models.CharField(_("type"), max_length=32, choices=EVENT_TYPE_CHOICES)
+    occurred_at = models.DateTimeField(_("occurred at"))
+    limiter = models.CharField(_("limiter"), max_length=200)
+    workload = models.CharField(_("workload"), max_length=200, null=True, blank=True)
+    run_id = models.CharField(
+        _("run id"),
+        max_length=255,
+        null=True,
+        blank=True,
+        help_text=_("For a Celery task, the task id."),
+    )
+    root_run_id = models.CharField(_("root run id"), max_length=255, null=True, blank=True)
+    parent_run_id = models.CharField(_("parent run id"), max_length=255, null=True, blank=True)
+    request_id = models.CharField(_("request id"), max_length=255, null=True, blank=True)
+    holder_name = models.CharField(
+        _("task"),
+        max_length=255,
+        null=True,
+        blank=True,
+        help_text=_("The run's name: the Celery task name."),
+    )
+    host = models.CharField(_("host"), max_length=255, null=True, blank=True)
+    pid = models.IntegerField(_("process id"), null=True, blank=True)
+    deadline = models.DateTimeField(_("wait deadline"), null=True, blank=True)
+    lease_id = models.CharField(_("lease id"), max_length=100, null=True, blank=True)
+    fencing_token = models.BigIntegerField(_("fencing token"), null=True, blank=True)
+    wait_ms = models.FloatField(_("wait (ms)"), null=True, blank=True)
+    hold_ms = models.FloatField(_("hold (ms)"), null=True, blank=True)
+    outcome = models.CharField(_("outcome"), max_length=32, null=True, blank=True)
+    reason = models.CharField(_("reason"), max_length=32, null=True, blank=True)
+    error = models.TextField(_("error"), null=True, blank=True)
+    actor = models.CharField(
+        _("user"),
+        max_length=150,
+        null=True,
+        blank=True,
+        help_text=_("Who forced a release (force-released events)."),
+    )
+    dropped = models.IntegerField(
+        _("dropped events"),
+        null=True,
+        blank=True,
+        help_text=_("Events a full recorder buffer dropped (events-dropped)."),
+    )
+
+    objects = EventManager()
+
+    class Meta:
+        db_table = "runcell_event"
+        ordering = ("-occurred_at", "-id")
+        default_permissions = _READ_ONLY
+        verbose_name = _("event")
+        verbose_name_plural = _("events")
+        indexes = [
+            # The changelist's order, its date filter, and the purge.
+            models.Index(fields=["-occurred_at", "-id"], name="runcell_event_for_list"),
+            # Filters by limiter and type; wait-time statistics per limiter.
+            models.Index(fields=["limiter", "type", "occurred_at"], name="runcell_event_for_stats"),
+            models.Index(fields=["type", "occurred_at"], name="runcell_event_for_type"),
+            models.Index(fields=["workload", "occurred_at"], name="runcell_event_for_workload"),
+            # Search by run, root run and request id (exact match).
+            models.Index(fields=["run_id"], name="runcell_event_for_run"),
+            models.Index(fields=["root_run_id"], name="runcell_event_for_root"),
+            models.Index(fields=["request_id"], name="runcell_event_for_request"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.limiter}/{self.workload or '-'}"
+
+
+class OccupancySample(models.Model):
+    """Slots held and requests queued per workload at one moment (for the dashboard).
+
+    Each recorder tries to sample once per interval; the unique key keeps one row per
+    workload and interval for the whole fleet.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    limiter = models.CharField(_("limiter"), max_length=200)
+    workload = models.CharField(_("workload"), max_length=200)
+    sampled_at = models.DateTimeField(_("sampled at"))
+    active = models.IntegerField(_("active"))
+    queued = models.IntegerField(_("queued"))
+
+    class Meta:
+        db_table = "runcell_occupancy"
+        ordering = ("-sampled_at",)
+        default_permissions = ()
+        verbose_name = _("occupancy sample")
+        verbose_name_plural = _("occupancy samples")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["limiter", "workload", "sampled_at"],
+                name="runcell_occupancy_one_per_sample",
+            )
+        ]
+        indexes = [models.Index(fields=["sampled_at"], name="runcell_occupancy_for_chart")]
+
+    def __str__(self) -> str:
+        return f"{self.limiter}/{self.workload} {self.active} active at {self.sampled_at}"
+
+
+class Dashboard(Limiter):
+    """The dashboard's entry in the admin index, and its ``view_dashboard`` permission."""
+
+    class Meta:
+        proxy = True
+        default_permissions = _READ_ONLY
+        verbose_name = _("dashboard")
+        verbose_name_plural = _("dashboard")

@@ -1,0 +1,137 @@
+"""The SQL the app sends that the ORM cannot say simply, named after what it does.
+
+Parameters are always bound (``%(name)s`` or ``%s``), never formatted into the text.
+Reads compare with ``statement_timestamp()``, as Django's ``Now()`` does: unlike the
+limiter's ``clock_timestamp()`` it is stable within a statement, so ranges on it use
+indexes, and unlike ``now()`` it is not the start of a long transaction. The one write
+to the limiter's state (force release) uses ``clock_timestamp()``, as the limiter does.
+Every query here is bounded by an index: the limiter's own (``runcell_lease_for_counts``,
+``runcell_queue_for_allocation``) or this app's (``runcell_event_for_stats``,
+``runcell_event_for_type``, ``runcell_occupancy_for_chart``).
+"""
+
+from __future__ import annotations
+
+from typing import LiteralString
+
+# -- live state of each limiter (annotations on runcell_limiter rows) ------------------
+
+#: {workload: slots held} for the limiter of the outer row; expired leases not counted.
+ACTIVE_BY_WORKLOAD: LiteralString = """
+SELECT coalesce(jsonb_object_agg(held.workload, held.n), '{}'::jsonb)
+FROM (SELECT workload, count(*) AS n FROM runcell_lease
+      WHERE runcell_lease.limiter = runcell_limiter.name
+        AND runcell_lease.expires_at > statement_timestamp()
+      GROUP BY workload) AS held
+"""
+
+#: {workload: requests waiting for a slot} (waiting or parked, not yet granted).
+QUEUED_BY_WORKLOAD: LiteralString = """
+SELECT coalesce(jsonb_object_agg(waiting.workload, waiting.n), '{}'::jsonb)
+FROM (SELECT workload, count(*) AS n FROM runcell_queue
+      WHERE runcell_queue.limiter = runcell_limiter.name
+        AND runcell_queue.granted_lease_id IS NULL
+        AND runcell_queue.expires_at > statement_timestamp()
+      GROUP BY workload) AS waiting
+"""
+
+#: How long the oldest of those has waited, in milliseconds (NULL: none waits).
+OLDEST_WAIT_MS: LiteralString = """
+SELECT extract(epoch FROM statement_timestamp() - min(runcell_queue.enqueued_at)) * 1000
+FROM runcell_queue
+WHERE runcell_queue.limiter = runcell_limiter.name AND runcell_queue.granted_lease_id IS NULL
+  AND runcell_queue.expires_at > statement_timestamp()
+"""
+
+#: The 95th percentile of the waits of slots acquired in the last ``%s`` minutes.
+P95_WAIT_MS: LiteralString = """
+SELECT percentile_cont(0.95) WITHIN GROUP (ORDER BY runcell_event.wait_ms)
+FROM runcell_event
+WHERE runcell_event.limiter = runcell_limiter.name AND runcell_event.type = 'acquired'
+  AND runcell_event.occurred_at > statement_timestamp() - %s * interval '1 minute'
+"""
+
+# -- dashboard ------------------------------------------------------------------------
+
+#: Per limiter and minute: the most slots held and requests queued at any sample.
+OCCUPANCY_PER_MINUTE: LiteralString = """
+SELECT limiter, date_trunc('minute', sampled_at) AS minute, max(active), max(queued)
+FROM (SELECT limiter, sampled_at, sum(active) AS active, sum(queued) AS queued
+      FROM runcell_occupancy
+      WHERE sampled_at > statement_timestamp() - %(minutes)s * interval '1 minute'
+      GROUP BY limiter, sampled_at) AS per_sample
+GROUP BY limiter, minute
+ORDER BY limiter, minute
+"""
+
+#: Per limiter and minute: p50, p95 and maximum wait of the slots acquired.
+WAIT_PER_MINUTE: LiteralString = """
+SELECT limiter, date_trunc('minute', occurred_at) AS minute,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY wait_ms),
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY wait_ms),
+       max(wait_ms), count(*)
+FROM runcell_event
+WHERE type = 'acquired' AND occurred_at > statement_timestamp() - %(minutes)s * interval '1 minute'
+GROUP BY limiter, minute
+ORDER BY limiter, minute
+"""
+
+#: Per limiter: events that full recorder buffers dropped in the window.
+DROPPED_PER_LIMITER: LiteralString = """
+SELECT limiter, sum(dropped)
+FROM runcell_event
+WHERE type = 'events-dropped'
+  AND occurred_at > statement_timestamp() - %(minutes)s * interval '1 minute'
+GROUP BY limiter
+"""
+
+# -- recorder -------------------------------------------------------------------------
+
+#: One occupancy sample per configured workload, once per interval for the whole fleet:
+#: the first recorder to reach an interval writes it; the others find it and skip.
+SAMPLE_OCCUPANCY: LiteralString = """
+WITH sample AS (
+    SELECT to_timestamp(floor(extract(epoch FROM statement_timestamp()) * 1000
+                              / %(interval_ms)s) * %(interval_ms)s / 1000.0) AS at
+), workloads AS (
+    SELECT l.name AS limiter, w.workload
+    FROM runcell_limiter AS l, jsonb_object_keys(l.config -> 'workloads') AS w(workload)
+)
+INSERT INTO runcell_occupancy (limiter, workload, sampled_at, active, queued)
+SELECT w.limiter, w.workload, sample.at,
+       (SELECT count(*) FROM runcell_lease AS a
+        WHERE a.limiter = w.limiter AND a.workload = w.workload
+          AND a.expires_at > statement_timestamp()),
+       (SELECT count(*) FROM runcell_queue AS q
+        WHERE q.limiter = w.limiter AND q.workload = w.workload
+          AND q.granted_lease_id IS NULL AND q.expires_at > statement_timestamp())
+FROM sample, workloads AS w
+WHERE NOT EXISTS (SELECT 1 FROM runcell_occupancy AS o WHERE o.sampled_at = sample.at)
+ON CONFLICT (limiter, workload, sampled_at) DO NOTHING
+"""
+
+# -- retention ------------------------------------------------------------------------
+
+#: Delete at most ``limit`` events older than ``before`` (purge in short transactions).
+PURGE_EVENTS: LiteralString = """
+DELETE FROM runcell_event WHERE id IN (
+    SELECT id FROM runcell_event WHERE occurred_at < %(before)s LIMIT %(limit)s
+)
+"""
+
+PURGE_OCCUPANCY: LiteralString = """
+DELETE FROM runcell_occupancy WHERE id IN (
+    SELECT id FROM runcell_occupancy WHERE sampled_at < %(before)s LIMIT %(limit)s
+)
+"""
+
+# -- force release --------------------------------------------------------------------
+
+#: Expire leases now, so the next allocation pass reaps them like crashed holders' (a
+#: parked task's grant goes back in line) and their holders' renewals fail.
+EXPIRE_LEASES: LiteralString = """
+UPDATE runcell_lease SET expires_at = clock_timestamp()
+WHERE lease_id = ANY(%(lease_ids)s::uuid[]) AND expires_at > clock_timestamp()
+RETURNING lease_id::text, limiter, workload, request_id, fencing_token, run_id, root_run_id,
+          parent_run_id, holder_name
+"""

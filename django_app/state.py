@@ -1,0 +1,115 @@
+"""Each limiter's live state, as the admin, the dashboard and ``runcell_status`` show it."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.utils.translation import gettext as _
+
+from .charts import Bar, bar
+from .models import Limiter
+
+__all__ = ["LimiterState", "WorkloadState", "format_duration", "format_ms", "live_states"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadState:
+    """Slots one workload holds against its ceiling, and its requests waiting."""
+
+    name: str
+    active: int
+    limit: int | None
+    reserved: int
+    priority: int
+    queued: int
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterState:
+    """A limiter's stored limits and live counts (database time)."""
+
+    name: str
+    active: int
+    limit: int | None
+    max_queued: int | None
+    queued: int
+    oldest_wait_ms: float | None
+    p95_wait_ms: float | None
+    workloads: tuple[WorkloadState, ...]
+
+    @classmethod
+    def of(cls, limiter: Limiter) -> LimiterState:
+        """Build from a row of ``Limiter.objects.with_live_stats()``."""
+        config: Mapping[str, Any] = limiter.config if isinstance(limiter.config, dict) else {}
+        configured: Mapping[str, Any] = config.get("workloads") or {}
+        active: Mapping[str, int] = getattr(limiter, "active_by_workload", None) or {}
+        queued: Mapping[str, int] = getattr(limiter, "queued_by_workload", None) or {}
+        names = [*sorted(configured), *sorted({*active, *queued} - set(configured))]
+        workloads = tuple(
+            WorkloadState(
+                name=name,
+                active=int(active.get(name, 0)),
+                limit=(configured.get(name) or {}).get("max_concurrent"),
+                reserved=int((configured.get(name) or {}).get("reserved") or 0),
+                priority=int((configured.get(name) or {}).get("priority") or 0),
+                queued=int(queued.get(name, 0)),
+            )
+            for name in names
+        )
+        return cls(
+            name=limiter.name,
+            active=sum(w.active for w in workloads),
+            limit=config.get("max_concurrent"),
+            max_queued=config.get("max_queued"),
+            queued=sum(w.queued for w in workloads),
+            oldest_wait_ms=getattr(limiter, "oldest_wait_ms", None),
+            p95_wait_ms=getattr(limiter, "p95_wait_ms", None),
+            workloads=workloads,
+        )
+
+    def bars(self) -> tuple[Bar, ...]:
+        """Slots held against the limit: all workloads, then each workload's ceiling."""
+        return (
+            bar(_("all workloads"), self.active, self.limit),
+            *(
+                bar(
+                    w.name,
+                    w.active,
+                    w.limit,
+                    note=_("%d reserved") % w.reserved if w.reserved else "",
+                )
+                for w in self.workloads
+            ),
+        )
+
+
+def live_states(limiters: Iterable[Limiter] | None = None) -> list[LimiterState]:
+    """The live state of every stored limiter (one query)."""
+    rows = Limiter.objects.with_live_stats() if limiters is None else limiters
+    return [LimiterState.of(row) for row in rows]
+
+
+def format_ms(ms: float | None) -> str:
+    """``850 ms``, ``12.3 s``, ``4 min 05 s``, ``2 h 03 min``; ``-`` for nothing."""
+    if ms is None:
+        return "-"
+    if ms < 0:
+        return "-" + format_ms(-ms)
+    if ms < 1_000:
+        return f"{ms:.0f} ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, seconds = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def format_duration(value: datetime.timedelta | None) -> str:
+    """A database interval, as :func:`format_ms` writes it."""
+    return "-" if value is None else format_ms(value.total_seconds() * 1000)
