@@ -71,11 +71,12 @@ def line_chart(
     series: Mapping[str, tuple[str, Mapping[datetime.datetime, float]]],
     limit: tuple[str, float] | None = None,
     unit: str = "",
+    bucket_s: int = 60,
 ) -> Chart:
-    """Lay out per-minute ``series`` (label -> (color, {minute: value})) over ``start..end``.
+    """Lay out bucketed ``series`` (label -> (color, {time: value})) over ``start..end``.
 
     ``limit`` draws a dashed horizontal line (label, value), e.g. ``max_concurrent``.
-    Minutes without a value leave a gap.
+    Buckets (``bucket_s`` seconds) without a value leave a gap.
     """
     values = [v for _, points in series.values() for v in points.values()]
     top_value = max([*values, limit[1] if limit else 0.0, 0.0])
@@ -96,7 +97,7 @@ def line_chart(
         dots: list[tuple[float, float]] = []
         previous: datetime.datetime | None = None
         for at in sorted(points):
-            gap = previous is None or (at - previous) > datetime.timedelta(minutes=1, seconds=30)
+            gap = previous is None or (at - previous) > datetime.timedelta(seconds=bucket_s * 1.5)
             dots.append((round(x(at), 1), round(y(points[at]), 1)))
             parts.append(f"{'M' if gap else 'L'}{dots[-1][0]} {dots[-1][1]}")
             previous = at

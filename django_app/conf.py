@@ -69,7 +69,7 @@ class EventSettings:
     flush_interval_ms: int = 1_000
     batch_size: int = 500
     retention_days: int = 7
-    sample_interval_ms: int = 10_000
+    sample_interval_ms: int = 5_000
 
 
 _EVENT_OPTIONS: dict[str, tuple[str, int | None]] = {

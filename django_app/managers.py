@@ -112,13 +112,13 @@ class EventManager(_RunCellManager):
             cursor.execute(query, params)
             return list(cursor.fetchall())
 
-    def wait_per_minute(self, minutes: int) -> list[tuple[Any, ...]]:
-        """``(limiter, minute, p50, p95, max, count)`` of acquired slots' waits."""
-        return self._raw(sql.WAIT_PER_MINUTE, {"minutes": minutes})
+    def wait_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
+        """``(limiter, bucket, p50, p95, max, count)`` of acquired slots' waits."""
+        return self._raw(sql.WAIT_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
 
-    def occupancy_per_minute(self, minutes: int) -> list[tuple[Any, ...]]:
-        """``(limiter, minute, most active, most queued)`` from occupancy samples."""
-        return self._raw(sql.OCCUPANCY_PER_MINUTE, {"minutes": minutes})
+    def occupancy_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
+        """``(limiter, bucket, most active, most queued)`` from occupancy samples."""
+        return self._raw(sql.OCCUPANCY_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
 
     def dropped_per_limiter(self, minutes: int) -> dict[str, int]:
         """Events dropped by full recorder buffers in the window, per limiter."""

@@ -53,27 +53,31 @@ WHERE runcell_event.limiter = runcell_limiter.name AND runcell_event.type = 'acq
 
 # -- dashboard ------------------------------------------------------------------------
 
-#: Per limiter and minute: the most slots held and requests queued at any sample.
-OCCUPANCY_PER_MINUTE: LiteralString = """
-SELECT limiter, date_trunc('minute', sampled_at) AS minute, max(active), max(queued)
+#: Per limiter and time bucket (``bucket_s`` seconds): the most slots held and requests
+#: queued at any sample. Buckets are short so that a few minutes already draw a line.
+OCCUPANCY_PER_BUCKET: LiteralString = """
+SELECT limiter,
+       to_timestamp(floor(extract(epoch FROM sampled_at) / %(bucket_s)s) * %(bucket_s)s) AS bucket,
+       max(active), max(queued)
 FROM (SELECT limiter, sampled_at, sum(active) AS active, sum(queued) AS queued
       FROM runcell_occupancy
       WHERE sampled_at > statement_timestamp() - %(minutes)s * interval '1 minute'
       GROUP BY limiter, sampled_at) AS per_sample
-GROUP BY limiter, minute
-ORDER BY limiter, minute
+GROUP BY limiter, bucket
+ORDER BY limiter, bucket
 """
 
-#: Per limiter and minute: p50, p95 and maximum wait of the slots acquired.
-WAIT_PER_MINUTE: LiteralString = """
-SELECT limiter, date_trunc('minute', occurred_at) AS minute,
+#: Per limiter and time bucket: p50, p95 and maximum wait of the slots acquired.
+WAIT_PER_BUCKET: LiteralString = """
+SELECT limiter,
+       to_timestamp(floor(extract(epoch FROM occurred_at) / %(bucket_s)s) * %(bucket_s)s) AS bucket,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY wait_ms),
        percentile_cont(0.95) WITHIN GROUP (ORDER BY wait_ms),
        max(wait_ms), count(*)
 FROM runcell_event
 WHERE type = 'acquired' AND occurred_at > statement_timestamp() - %(minutes)s * interval '1 minute'
-GROUP BY limiter, minute
-ORDER BY limiter, minute
+GROUP BY limiter, bucket
+ORDER BY limiter, bucket
 """
 
 #: Per limiter: events that full recorder buffers dropped in the window.

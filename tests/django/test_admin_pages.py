@@ -28,6 +28,7 @@ from runcell_django.models import (
     Limiter,
     QueueEntry,
 )
+from runcell_django.views import REFRESH_SECONDS
 from tests.support.django_fixtures import SECRET_ARGUMENT, TASK, Scenario
 
 pytestmark = pytest.mark.django_db
@@ -270,7 +271,7 @@ def test_the_dashboard_charts_occupancy_and_waits_and_refreshes_itself(
     superuser: Client, scenario: Scenario
 ) -> None:
     html = _text(superuser, f"{ADMIN}/dashboard/")
-    assert '<meta http-equiv="refresh" content="30">' in html
+    assert f'<meta http-equiv="refresh" content="{REFRESH_SECONDS}">' in html
     assert 'id="limiter-claude"' in html
     assert '<span class="runcell-held">3</span>/3' in html
     assert '<span class="runcell-queued">4</span>' in html
