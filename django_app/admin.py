@@ -332,6 +332,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "workload",
         "state",
         "place",
+        "in_progress",
         "priority",
         "enqueued_at",
         "waited",
@@ -369,6 +370,8 @@ class QueueEntryAdmin(ReadOnlyAdmin):
             return str(_("parked"))
         if getattr(obj, "stale", False):
             return str(_("abandoned (waiter gone)"))
+        if obj.in_progress:
+            return str(_("waiting (run in progress)"))
         return str(_("waiting"))
 
     @admin.display(description=_("place in workload"), ordering="position")

@@ -74,15 +74,19 @@ class LeaseQuerySet(models.QuerySet[Any]):
 
 class QueueEntryQuerySet(models.QuerySet[Any]):
     def with_place(self) -> QueueEntryQuerySet:
-        """Annotate ``ahead`` (requests of the same workload first in line),
-        ``waited`` (so far), ``deadline_in`` and ``stale`` (its waiter stopped polling)."""
+        """Annotate ``ahead`` (requests of the same workload served first: runs in
+        progress, then by arrival, as allocation serves them), ``waited`` (so far),
+        ``deadline_in`` and ``stale`` (its waiter stopped polling)."""
         live = Q(granted_lease_id__isnull=True) & (Q(parked=True) | Q(expires_at__gt=Now()))
+        served_first = Q(in_progress=True, in_progress__gt=OuterRef("in_progress")) | Q(
+            in_progress=OuterRef("in_progress"), position__lt=OuterRef("position")
+        )
         ahead = (
             self.model._default_manager.filter(
                 live,
+                served_first,
                 limiter=OuterRef("limiter"),
                 workload=OuterRef("workload"),
-                position__lt=OuterRef("position"),
             )
             .order_by()
             .values("limiter")

@@ -179,6 +179,13 @@ class QueueEntry(_Holder):
         _("expires at"),
         help_text=_("A waiter that stops polling leaves the queue then; never when parked."),
     )
+    in_progress = models.BooleanField(
+        _("run in progress"),
+        help_text=_(
+            "Its run took a slot before (an agent's next call): it goes before new runs "
+            "of its workload."
+        ),
+    )
     parked = models.BooleanField(
         _("parked"), help_text=_("A deferred Celery task: no process waits for it.")
     )

@@ -16,7 +16,14 @@ The rules (from the spec's "Workloads" section):
   all together never more than the limiter's.
 * **Priority picks among workloads with room**; a tie goes to the request that has
   waited longest. A workload at its ceiling never blocks another workload.
-* **FIFO within a workload.** Only the oldest waiter of a workload can be granted.
+* **Work in progress first, then FIFO, within a workload.** Only a workload's first
+  waiter can be granted: a request of a run that already took a slot (an agent's
+  second call, whose task holds a worker process) goes before the first requests of
+  runs not yet started; within each group, arrival order. This is where we differ from
+  plain FIFO on purpose: a slot granted to a run that cannot run yet (a parked Celery
+  task while every worker process waits for a *second* slot) would sit idle and, lease
+  after lease, starve the runs that could use it. Finishing started runs first also
+  keeps fewer runs half done.
 * **Work-conserving.** It grants until no waiter's workload has room.
 """
 
@@ -31,13 +38,18 @@ __all__ = ["Waiting", "allocate", "has_room"]
 
 
 class Waiting(Protocol):
-    """A waiting request as allocation sees it: its workload, nothing else.
+    """A waiting request as allocation sees it: its workload (and, if it has one, an
+    ``in_progress`` flag: its run already took a slot before).
 
     Waiters are passed in arrival order, so position is age.
     """
 
     @property
     def workload(self) -> str: ...
+
+
+def _in_progress(request: Waiting) -> bool:
+    return bool(getattr(request, "in_progress", False))
 
 
 def has_room(config: LimiterConfig, active: Mapping[str, int], workload: str) -> bool:
@@ -71,10 +83,13 @@ def allocate(
     """
     if not waiting:
         return []
-    # Each workload's queue, oldest first, as positions into ``waiting``.
+    # Each workload's queue as positions into ``waiting``: runs in progress first, and
+    # within each group the oldest first.
     queues: dict[str, list[int]] = {}
     for position, request in enumerate(waiting):
         queues.setdefault(request.workload, []).append(position)
+    for queue in queues.values():
+        queue.sort(key=lambda p: (not _in_progress(waiting[p]), p))
     heads = dict.fromkeys(queues, 0)
     counts = dict(active)
     granted: list[int] = []

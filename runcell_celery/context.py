@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextvars import ContextVar, Token
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -30,7 +30,14 @@ from .errors import ConcurrencyConfigError
 from .ids import new_run_id
 from .protocol import ConcurrencyLimiter, RunLineage
 
-__all__ = ["RunContext", "current_run", "run"]
+__all__ = ["RunContext", "RunProgress", "current_run", "run"]
+
+
+@dataclass(slots=True)
+class RunProgress:
+    """What a run has done so far, shared by its slots (the one mutable part)."""
+
+    slots_taken: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,7 @@ class RunContext:
     cancel: CancellationToken | None = None
     name: str | None = None
     admission: Admission | None = None
+    progress: RunProgress = field(default_factory=RunProgress, compare=False)
 
     @property
     def lineage(self) -> RunLineage:

@@ -41,11 +41,12 @@ class _Held:
 
 
 class _Waiter:
-    __slots__ = ("deadline", "lease", "request", "wake", "workload")
+    __slots__ = ("deadline", "in_progress", "lease", "request", "wake", "workload")
 
     def __init__(self, request: AcquireRequest, workload: str) -> None:
         self.request = request
         self.workload = workload
+        self.in_progress = request.in_progress
         self.deadline = math.inf
         self.lease: Lease | None = None
         self.wake: Callable[[], None] = _nothing

@@ -61,6 +61,9 @@ class AcquireRequest:
         ``min(workload max_wait_ms, timeout_ms)``. ``None``: no run budget.
     :param holder_name: a label for who holds the slot (e.g. the Celery task name);
         shown in the admin, never used for decisions.
+    :param in_progress: the run already took a slot before (an agent's second call):
+        allocation serves it before new runs of its workload (see
+        :mod:`runcell_celery.allocation`).
     """
 
     request_id: str
@@ -68,6 +71,7 @@ class AcquireRequest:
     lineage: RunLineage
     timeout_ms: float | None = None
     holder_name: str | None = None
+    in_progress: bool = False
 
     def error(self, cls: type[E], message: str, *, limiter: str) -> E:
         """Build a ``ConcurrencyError`` subclass that names this request and its run."""

@@ -273,6 +273,7 @@ class Slot:
             lineage=run.lineage,
             timeout_ms=remaining,
             holder_name=run.name,
+            in_progress=run.progress.slots_taken > 0,
         )
         self._cancel = self._combined_cancel(run.cancel)
         if self._cancel is not None and self._cancel.is_set():
@@ -335,6 +336,7 @@ class Slot:
         self.lease = lease
         self._held_since = now
         self._phase = "held"
+        self._run.progress.slots_taken += 1
         if has_listeners():
             self._event(
                 "acquired",

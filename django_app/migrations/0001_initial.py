@@ -231,6 +231,13 @@ class Migration(migrations.Migration):
                             ),
                         ),
                         (
+                            "in_progress",
+                            models.BooleanField(
+                                help_text="Its run took a slot before (an agent's next call): it goes before new runs of its workload.",
+                                verbose_name="run in progress",
+                            ),
+                        ),
+                        (
                             "parked",
                             models.BooleanField(
                                 help_text="A deferred Celery task: no process waits for it.",

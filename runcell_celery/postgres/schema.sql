@@ -71,6 +71,8 @@ CREATE TABLE IF NOT EXISTS runcell_queue (
     enqueued_at timestamptz NOT NULL,
     deadline timestamptz,
     expires_at timestamptz NOT NULL,
+    -- The request's run already took a slot: served before new runs of its workload.
+    in_progress boolean NOT NULL DEFAULT false,
     -- Parked (Celery admission deferral): no waiter polls the row; it carries the
     -- task message. When granted it keeps its place until its task picks the lease
     -- up: if the lease expires first, the row is simply back in line.
@@ -125,8 +127,9 @@ CREATE TABLE IF NOT EXISTS runcell_admission_counter (
 -- read rows as of before it waited for the lock) and all of it is one round trip.
 --
 -- Returns: {"config_hash", "active": {workload: n}, "queued": n,
---           "waiting": [[request_id, workload, position], ...] oldest first, at most
---           max_per_workload per workload (no more can be granted at once),
+--           "waiting": [[request_id, workload, position, in_progress], ...] oldest
+--           first: the first max_per_workload of each workload in the order allocation
+--           serves it (runs in progress first), as no more can be granted at once,
 --           "mine": the lease or queue row p_request_id already has, or null}.
 -- "mine" makes a retried acquire idempotent: if the first attempt committed but its
 -- answer was lost with the connection, the retry finds what it already got.
@@ -177,11 +180,13 @@ BEGIN
     SELECT count(*) INTO v_queued FROM runcell_queue
     WHERE limiter = p_limiter AND granted_lease_id IS NULL;
 
-    SELECT coalesce(jsonb_agg(jsonb_build_array(request_id, workload, position) ORDER BY position),
+    SELECT coalesce(jsonb_agg(jsonb_build_array(request_id, workload, position, in_progress)
+                              ORDER BY position),
                     '[]'::jsonb)
     INTO v_waiting
-    FROM (SELECT request_id, workload, position,
-                 row_number() OVER (PARTITION BY workload ORDER BY position) AS nth
+    FROM (SELECT request_id, workload, position, in_progress,
+                 row_number() OVER (PARTITION BY workload
+                                    ORDER BY in_progress DESC, position) AS nth
           FROM runcell_queue
           -- Stale work is dropped before it takes a slot: a request past its
           -- deadline is never granted (its waiter or the sweeper removes it).
@@ -294,12 +299,13 @@ BEGIN
         v_deadline := v_now + (p_caller->>'wait_ms')::double precision * interval '1 millisecond';
         INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
             parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
-            expires_at)
+            expires_at, in_progress)
         VALUES (p_caller->>'request_id', p_limiter, p_caller->>'workload',
             p_caller->>'run_id', p_caller->>'root_run_id', p_caller->>'parent_run_id',
             p_caller->>'holder_name', p_caller->>'holder_host',
             (p_caller->>'holder_pid')::integer, v_now, v_deadline,
-            v_now + p_queue_ttl_ms * interval '1 millisecond');
+            v_now + p_queue_ttl_ms * interval '1 millisecond',
+            coalesce((p_caller->>'in_progress')::boolean, false));
     END IF;
 
     RETURN jsonb_build_object(
@@ -364,7 +370,9 @@ BEGIN
         DELETE FROM runcell_queue WHERE request_id = p_request_id;
         RETURN jsonb_build_object('status', 'timed-out');
     END IF;
-    IF v_entry.expires_at - v_now < p_queue_ttl_ms * interval '1 millisecond' * 2 / 3 THEN
+    -- Parked rows expire at 'infinity' and have nobody polling them: leave them be.
+    IF NOT v_entry.parked
+       AND v_entry.expires_at - v_now < p_queue_ttl_ms * interval '1 millisecond' * 2 / 3 THEN
         UPDATE runcell_queue SET expires_at = v_now + p_queue_ttl_ms * interval '1 millisecond'
         WHERE request_id = p_request_id;
     END IF;

@@ -171,7 +171,7 @@ WHERE limiter = %(limiter)s AND expires_at > clock_timestamp()
 GROUP BY workload
 UNION ALL
 SELECT 'queued', workload, count(*) FROM runcell_queue
-WHERE limiter = %(limiter)s AND expires_at > clock_timestamp()
+WHERE limiter = %(limiter)s AND expires_at > clock_timestamp() AND granted_lease_id IS NULL
 GROUP BY workload
 """
 

@@ -41,6 +41,7 @@ _HOST = socket.gethostname()
 class _Waiting:
     request_id: str
     workload: str
+    in_progress: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class Caller:
             "holder_host": _HOST,
             "holder_pid": os.getpid(),
             "wait_ms": self.wait_ms,
+            "in_progress": self.request.in_progress,
         }
 
 
@@ -130,7 +132,10 @@ class Limits:
 
 
 def _waiting(state: Mapping[str, Any]) -> list[_Waiting]:
-    return [_Waiting(request_id, workload) for request_id, workload, _ in state["waiting"]]
+    return [
+        _Waiting(request_id, workload, in_progress)
+        for request_id, workload, _position, in_progress in state["waiting"]
+    ]
 
 
 def would_grant(limits: Limits, state: Mapping[str, Any]) -> bool:
@@ -177,7 +182,9 @@ def allocation_transaction(
             return decision
         waiting = _waiting(state)
         if caller is not None:
-            waiting.append(_Waiting(caller.request.request_id, caller.workload))
+            waiting.append(
+                _Waiting(caller.request.request_id, caller.workload, caller.request.in_progress)
+            )
         granted = allocate(config, state["active"], waiting)
         caller_index = len(waiting) - 1 if caller is not None else -1
         grants = [waiting[i].request_id for i in granted if i != caller_index]

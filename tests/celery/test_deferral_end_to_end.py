@@ -123,3 +123,29 @@ def test_a_worker_killed_while_tasks_are_parked_and_in_flight_loses_no_task(
     assert {AsyncResult(r.id, app=app).state for r in results} == {"SUCCESS"}
     assert provider.stats().max_in_flight <= 3
     assert _parked(pg_dsn) == 0
+
+
+def test_agents_needing_a_second_slot_are_not_starved_by_parked_tasks(
+    make_app, worker_processes, provider: FakeProvider, pg_dsn: str, celery_settings
+) -> None:
+    # More agents than worker processes: while both processes hold agents that wait for
+    # their second call's slot, freed slots must go to them, not to parked agents that
+    # no process is free to run (their grants would expire unused, again and again).
+    limits = {**LIMITS, "max_concurrent": 2, "lease_ttl_ms": 3_000}
+    settings = {
+        **celery_settings,
+        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": limits}},
+    }
+    app = make_app(**settings)
+    workers = worker_processes(**settings)
+    workers.start(concurrency=4)
+    results = [app.tasks["rc.agent"].delay(100, 400) for _ in range(12)]
+    try:
+        retries = [result.get(timeout=90) for result in results]
+    except Exception:
+        print(workers.logs())
+        raise
+    assert retries == [0] * 12
+    assert provider.stats().completed == 24
+    assert provider.stats().max_in_flight <= 2
+    assert _parked(pg_dsn) == 0

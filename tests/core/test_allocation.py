@@ -331,3 +331,84 @@ def test_reference_model_agrees_on_hand_picked_cases(
     config = claude()
     assert reference_allocate(config, held, waiting) == expected
     assert run_allocate(config, held, waiting) == expected
+
+
+# -- runs in progress go first within their workload -------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProgressRequest:
+    workload: str
+    in_progress: bool
+
+
+def reference_allocate_with_progress(
+    config: LimiterConfig, active: Mapping[str, int], waiting: Sequence[tuple[str, bool]]
+) -> list[int]:
+    """The same brute force, where a workload's first waiter is its oldest request of a
+    run in progress, else its oldest request."""
+    held = {name: active.get(name, 0) for name in config.workloads}
+    granted: list[int] = []
+    while True:
+        candidates: list[tuple[int, int]] = []
+        for name, workload in config.workloads.items():
+            ungranted = [p for p, (w, _) in enumerate(waiting) if w == name and p not in granted]
+            if not ungranted:
+                continue
+            started = [p for p in ungranted if waiting[p][1]]
+            head = (started or ungranted)[0]
+            if is_valid(config, {**held, name: held[name] + 1}):
+                candidates.append((-workload.priority, head))
+        if not candidates:
+            return granted
+        _, chosen = min(candidates)
+        granted.append(chosen)
+        held[waiting[chosen][0]] += 1
+
+
+@st.composite
+def situations_with_progress(
+    draw: st.DrawFn,
+) -> tuple[LimiterConfig, dict[str, int], list[tuple[str, bool]]]:
+    config = draw(configs())
+    held = draw(valid_states(config))
+    waiting = draw(
+        st.lists(st.tuples(st.sampled_from(sorted(config.workloads)), st.booleans()), max_size=14)
+    )
+    return config, held, waiting
+
+
+@EXAMPLES
+@given(situations_with_progress())
+def test_with_runs_in_progress_allocation_matches_the_reference_model(
+    situation: tuple[LimiterConfig, dict[str, int], list[tuple[str, bool]]],
+) -> None:
+    config, held, waiting = situation
+    requests = [ProgressRequest(w, started) for w, started in waiting]
+    assert allocate(config, held, requests) == reference_allocate_with_progress(
+        config, held, waiting
+    )
+
+
+@EXAMPLES
+@given(situations_with_progress())
+def test_a_workload_serves_runs_in_progress_first_then_by_arrival(
+    situation: tuple[LimiterConfig, dict[str, int], list[tuple[str, bool]]],
+) -> None:
+    config, held, waiting = situation
+    granted = allocate(config, held, [ProgressRequest(w, s) for w, s in waiting])
+    for name in config.workloads:
+        mine = [p for p, (w, _) in enumerate(waiting) if w == name]
+        order = [p for p in mine if waiting[p][1]] + [p for p in mine if not waiting[p][1]]
+        served = [p for p in granted if waiting[p][0] == name]
+        assert served == order[: len(served)], f"{name}: served {served}, expected {order}"
+
+
+def test_an_agents_second_call_goes_before_new_runs_that_queued_earlier() -> None:
+    config = LimiterConfig(max_concurrent=1)
+    waiting = [
+        ProgressRequest("default", in_progress=False),  # a new run (e.g. a parked task)
+        ProgressRequest("default", in_progress=False),
+        ProgressRequest("default", in_progress=True),  # a running agent's second call
+    ]
+    assert allocate(config, {}, waiting) == [2]

@@ -252,3 +252,39 @@ def test_migrate_brings_the_limiter_schema_up_to_the_installed_version() -> None
     with connection.cursor() as cursor:
         cursor.execute("SELECT checksum FROM runcell_schema")
         assert [row[0] for row in cursor.fetchall()] == [schema_checksum()]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_queue_places_runs_in_progress_first_as_allocation_serves_them(
+    pg_limiter: MakeLimiter,
+) -> None:
+    limiter = pg_limiter(max_concurrent=1)
+    held = limiter.acquire(_plain_request("holder"))
+    payload = json.dumps({"task": "example"})
+    for name in ("parked-1", "parked-2"):
+        assert (
+            limiter.acquire_or_park(_plain_request(name), admission_wait_ms=0, payload=payload)
+            == "parked"
+        )
+    queued = threading.Event()
+    second_call = threading.Thread(
+        target=lambda: limiter.release(
+            limiter.acquire(
+                AcquireRequest("second-call", "default", RunLineage("r", "r"), in_progress=True),
+                on_wait=lambda _deadline: queued.set(),
+            )
+        )
+    )
+    second_call.start()
+    assert queued.wait(10)
+    places = {
+        entry.request_id: entry.ahead
+        for entry in QueueEntry.objects.filter(limiter=limiter.name).with_place()
+    }
+    assert places == {"second-call": 0, "parked-1": 1, "parked-2": 2}
+    limiter.release(held)
+    second_call.join(10)
+
+
+def _plain_request(request_id: str) -> AcquireRequest:
+    return AcquireRequest(request_id, "default", RunLineage(request_id, request_id))

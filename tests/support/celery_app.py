@@ -213,6 +213,20 @@ def create_app(settings: dict[str, Any]) -> Celery:
         shared=False,
         base=RunCellTask,
         bind=True,
+        name="rc.agent",
+        concurrency={"limiter": "llm", "admission": "defer", "admission_wait_ms": 50},
+    )
+    def agent_task(self: RunCellTask, latency_ms: float = 50, tool_ms: float = 50) -> int:
+        """Call the provider, run a tool (no slot held), call again: two slots a run."""
+        call_provider(latency_ms)
+        time.sleep(tool_ms / 1000)
+        call_provider(latency_ms)
+        return self.request.retries
+
+    @app.task(
+        shared=False,
+        base=RunCellTask,
+        bind=True,
         name="rc.spawn",
         concurrency={"limiter": "llm"},
     )

@@ -96,6 +96,9 @@ def make_app(celery_settings: dict[str, Any]) -> Iterator[Callable[..., Celery]]
         sweeper = getattr(app, "_runcell_sweeper", None)
         if sweeper is not None:
             sweeper.stop()
+        counters = getattr(app, "_runcell_counters", None)
+        if counters is not None:
+            counters.close()  # a last write while the test's database still exists
 
 
 @contextlib.contextmanager

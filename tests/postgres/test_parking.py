@@ -1,0 +1,124 @@
+"""Parked requests in PostgreSQL: their place, their grants, their re-publication."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+
+from runcell_celery import AcquireRequest, Lease, RunLineage
+from runcell_celery.postgres.connection import Database
+from runcell_celery.postgres.parking import claim_republish
+from tests.support.pg import unique_name
+
+PAYLOAD = '{"task": "demo.summarize", "args": [42]}'
+
+
+def _request(request_id: str, *, in_progress: bool = False) -> AcquireRequest:
+    return AcquireRequest(
+        request_id=request_id,
+        workload="default",
+        lineage=RunLineage(request_id, request_id),
+        in_progress=in_progress,
+    )
+
+
+def _queue(dsn: str, name: str) -> list[tuple[str, bool, bool]]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT request_id, parked, granted_lease_id IS NOT NULL FROM runcell_queue "
+            "WHERE limiter = %s ORDER BY position",
+            [name],
+        ).fetchall()
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def test_parked_requests_keep_their_place_and_their_grant_is_published_once(
+    make_limiter, pg_dsn: str
+) -> None:
+    limiter = make_limiter(max_concurrent=1)
+    held = limiter.acquire(_request(unique_name("holder")))
+    first, second = unique_name("first"), unique_name("second")
+    assert (
+        limiter.acquire_or_park(_request(first), admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    )
+    assert (
+        limiter.acquire_or_park(_request(second), admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    )
+    assert _queue(pg_dsn, limiter.name) == [(first, True, False), (second, True, False)]
+
+    limiter.release(held)  # the freed slot goes to the oldest parked request ...
+    assert _queue(pg_dsn, limiter.name) == [(first, True, True), (second, True, False)]
+    stats = limiter.stats()
+    assert (stats.active, stats.queued) == (1, 1)
+
+    database = Database(pg_dsn)
+    (claim,) = claim_republish(database, stale_ms=0)  # ... to be published exactly once
+    assert claim.request_id == first
+    assert json.loads(claim.payload) == json.loads(PAYLOAD)
+    assert claim_republish(database, stale_ms=0) == []
+
+    assert limiter.claim_parked(first, "00000000-0000-0000-0000-000000000000") is None
+    lease = limiter.claim_parked(first, claim.publication_id)
+    assert isinstance(lease, Lease)
+    assert limiter.claim_parked(first, claim.publication_id) is None, "claimed twice"
+    assert _queue(pg_dsn, limiter.name) == [(second, True, False)]
+    limiter.release(lease)
+    assert _queue(pg_dsn, limiter.name) == [(second, True, True)]
+
+
+def test_a_grant_nobody_picks_up_returns_the_request_to_its_place(
+    make_limiter, pg_dsn: str
+) -> None:
+    limiter = make_limiter(max_concurrent=1, lease_ttl_ms=300)
+    held = limiter.acquire(_request(unique_name("holder")))
+    first, second = unique_name("first"), unique_name("second")
+    limiter.acquire_or_park(_request(first), admission_wait_ms=0, payload=PAYLOAD)
+    limiter.acquire_or_park(_request(second), admission_wait_ms=0, payload=PAYLOAD)
+    limiter.release(held)
+    assert _queue(pg_dsn, limiter.name)[0] == (first, True, True)
+    time.sleep(0.5)  # the grant's lease expires: its task never started
+    limiter.reap()
+    # Back in line in its old place, and granted again at once (the slot is free).
+    assert [row[0] for row in _queue(pg_dsn, limiter.name)] == [first, second]
+    assert _queue(pg_dsn, limiter.name)[0] == (first, True, True)
+
+
+def test_a_run_in_progress_goes_before_parked_requests_that_queued_earlier(
+    make_limiter, pg_dsn: str
+) -> None:
+    limiter = make_limiter(max_concurrent=1)
+    held = limiter.acquire(_request(unique_name("holder")))
+    parked = unique_name("parked")
+    limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD)
+    queued = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        # A running agent's second call: its task holds a worker process.
+        second_call = pool.submit(
+            limiter.acquire,
+            _request(unique_name("second-call"), in_progress=True),
+            on_wait=lambda _deadline: queued.set(),
+        )
+        assert queued.wait(10)
+        limiter.release(held)
+        lease = second_call.result(10)
+    assert _queue(pg_dsn, limiter.name) == [(parked, True, False)], "the parked one jumped in"
+    limiter.release(lease)
+    assert _queue(pg_dsn, limiter.name) == [(parked, True, True)]
+
+
+def test_another_delivery_of_a_parked_request_parks_it_again_without_error(
+    make_limiter, pg_dsn: str
+) -> None:
+    limiter = make_limiter(max_concurrent=1)
+    held = limiter.acquire(_request(unique_name("holder")))
+    request = _request(unique_name("redelivered"))
+    assert limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    # The same task delivered again (its message was redelivered): it waits a moment on
+    # the parked row it already has, polling it, then leaves it parked.
+    assert limiter.acquire_or_park(request, admission_wait_ms=300, payload=PAYLOAD) == "parked"
+    assert _queue(pg_dsn, limiter.name) == [(request.request_id, True, False)]
+    limiter.release(held)
