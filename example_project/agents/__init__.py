@@ -1,0 +1,1 @@
+"""The example app: tasks that call an LLM provider the way real agent code does."""

@@ -1,0 +1,8 @@
+"""A Django + Celery project whose tasks call an LLM provider under one fleet-wide limit.
+
+The Celery app is loaded with Django so ``@shared_task`` binds to it.
+"""
+
+from .celery import app as celery_app
+
+__all__ = ["celery_app"]
