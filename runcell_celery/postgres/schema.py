@@ -37,9 +37,12 @@ def postgres_concurrency_schema_sql() -> str:
     limiter with ``ensure_schema=False``. It is idempotent, and records its own
     checksum so that workers know the database is current.
     """
+    checksum = schema_checksum()
+    # Only the revision applied last is kept: workers compare their own against it.
     record = (
+        f"DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '{checksum}';\n"
         "INSERT INTO runcell_schema (checksum, version) "
-        f"VALUES ('{schema_checksum()}', {SCHEMA_VERSION}) ON CONFLICT (checksum) DO NOTHING;\n"
+        f"VALUES ('{checksum}', {SCHEMA_VERSION}) ON CONFLICT DO NOTHING;\n"
     )
     return _schema_file() + "\n" + record
 

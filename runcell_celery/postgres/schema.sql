@@ -121,6 +121,21 @@ CREATE TABLE IF NOT EXISTS runcell_admission_counter (
     PRIMARY KEY (task_name, limiter)
 );
 
+-- Upgrades: a database created by an earlier revision of this file has the tables but
+-- not every column. CREATE TABLE IF NOT EXISTS leaves an existing table as it is, so
+-- each column added since is added here too (a no-op on a new database). Functions
+-- below are replaced whole.
+ALTER TABLE runcell_schema ADD COLUMN IF NOT EXISTS checksum text;
+ALTER TABLE runcell_lease ADD COLUMN IF NOT EXISTS parked boolean NOT NULL DEFAULT false;
+ALTER TABLE runcell_lease ADD COLUMN IF NOT EXISTS picked_up_at timestamptz;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS in_progress boolean NOT NULL DEFAULT false;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS parked boolean NOT NULL DEFAULT false;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS payload jsonb;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS granted_lease_id uuid;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS granted_at timestamptz;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS published_at timestamptz;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS publication_id uuid;
+
 -- Lock the limiter row, apply a release or a withdrawal, reap what expired, and
 -- return what allocation needs. A PL/pgSQL function so that every statement after
 -- the lock reads a fresh snapshot (under READ COMMITTED a single statement would

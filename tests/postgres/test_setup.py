@@ -135,3 +135,28 @@ def test_invalid_postgres_options_are_rejected_by_name(
 def test_db_must_be_a_dsn_or_a_pool() -> None:
     with pytest.raises(TypeError, match=r"DSN string or a psycopg_pool\.ConnectionPool"):
         create_postgres_concurrency_limiter(42, max_concurrent=1)  # type: ignore[arg-type]
+
+
+def test_a_database_from_an_earlier_revision_is_upgraded_in_place(fresh_dsn: str) -> None:
+    # A database made before later columns existed (as an early adopter's would be).
+    with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+        conn.execute(postgres_concurrency_schema_sql().encode())
+        conn.execute(
+            "ALTER TABLE runcell_queue DROP COLUMN in_progress, DROP COLUMN publication_id;"
+            "ALTER TABLE runcell_lease DROP COLUMN picked_up_at;"
+            "DELETE FROM runcell_schema;"
+        )
+    limiter = create_postgres_concurrency_limiter(fresh_dsn, name="upgraded", max_concurrent=2)
+    with slot(limiter), slot(limiter):
+        assert limiter.stats().active == 2
+    with psycopg.connect(fresh_dsn) as conn:
+        columns = {
+            row[0]
+            for row in conn.execute(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_name IN ('runcell_queue', 'runcell_lease')"
+            )
+        }
+        checksums = conn.execute("SELECT checksum FROM runcell_schema").fetchall()
+    assert {"in_progress", "publication_id", "picked_up_at"} <= columns
+    assert checksums == [(schema_checksum(),)]
