@@ -121,14 +121,22 @@ class Progress:
         values = {k.decode(): int(v) for k, v in raw.items()}
         return values.get("succeeded", 0), values.get("failed", 0)
 
-    def wait(self, timeout_s: float) -> Finished:
-        """Draw the bar until every task finished or ``timeout_s`` passed."""
+    def wait(self, timeout_s: float, *, stall_s: float = 30.0) -> Finished:
+        """Draw the bar until every task finished, ``timeout_s`` passed, or nothing
+        moved for ``stall_s`` (no task finished, no provider call in flight): then the
+        summary says so at once instead of waiting out the timeout."""
         started = time.monotonic()
         last_line = 0.0
+        last_change, last_seen = started, (-1, -1, -1)
         while True:
             succeeded, failed = self.counts()
             stats = self.provider.stats()
-            elapsed = time.monotonic() - started
+            now = time.monotonic()
+            elapsed = now - started
+            seen = (succeeded, failed, stats.total)
+            if seen != last_seen or stats.in_flight:
+                last_change, last_seen = now, seen
+            stalled = now - last_change > stall_s
             done = succeeded + failed >= self.plan.tasks
             line = self._line(
                 succeeded + failed, failed, stats.in_flight, stats.max_in_flight, elapsed
@@ -140,9 +148,11 @@ class Progress:
                 self.out.write(line + "\n")
                 self.out.flush()
                 last_line = elapsed
-            if done or elapsed > timeout_s:
+            if done or stalled or elapsed > timeout_s:
                 if not done and self._tty:
                     self.out.write("\n")
+                if stalled and not done:
+                    self.out.write(f"  nothing moved for {stall_s:.0f} s: stopping the wait\n")
                 return Finished(succeeded, failed, self.plan.tasks, elapsed)
             time.sleep(0.2)
 
