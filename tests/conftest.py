@@ -80,13 +80,16 @@ class EventRecorder:
                 self._cond.wait(left)
 
 
-def wait_until(check: Callable[[], object], what: str, timeout: float = SOON_S) -> None:
-    """Poll ``check`` until it is true; fail naming ``what`` after ``timeout``."""
+def wait_until(
+    check: Callable[[], object], what: str, timeout: float = SOON_S, *, interval: float = 0.002
+) -> None:
+    """Poll ``check`` every ``interval`` s until it is true; fail naming ``what`` after
+    ``timeout``."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.002)
+        time.sleep(interval)
 
 
 @pytest.fixture

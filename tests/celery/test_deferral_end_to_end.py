@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psycopg
@@ -11,6 +10,7 @@ from celery.result import AsyncResult
 from runcell_celery.celery import admission_counts
 from runcell_celery.postgres.connection import Database
 from runcell_celery.testing import FakeProvider
+from tests.conftest import wait_until
 
 LIMITS = {
     "max_concurrent": 3,
@@ -21,10 +21,7 @@ LIMITS = {
 
 
 def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
+    wait_until(check, what, timeout, interval=0.05)
 
 
 def _counts(pg_dsn: str, task_name: str) -> dict[str, int]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psycopg
 
 from runcell_celery.testing import FakeProvider
+from tests.conftest import wait_until
 
 LIMITS = {
     "max_concurrent": 3,
@@ -19,10 +19,7 @@ LIMITS = {
 
 
 def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
+    wait_until(check, what, timeout, interval=0.05)
 
 
 def _scalar(dsn: str, query: str) -> int:

@@ -10,6 +10,7 @@ from celery.result import AsyncResult
 
 from runcell_celery import ConcurrencyTimeoutError, slot
 from runcell_celery.celery import registry_for
+from tests.conftest import wait_until
 
 LIMITS = {
     "max_concurrent": 1,
@@ -21,10 +22,7 @@ BUDGET_MS = 4_000  # rc.defer_budget's timeout_ms
 
 
 def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
+    wait_until(check, what, timeout, interval=0.05)
 
 
 @pytest.fixture
