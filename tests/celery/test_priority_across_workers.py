@@ -29,7 +29,12 @@ def _scalar(dsn: str, query: str) -> int:
 
 
 def test_an_interactive_task_takes_the_next_freed_slot_while_background_saturates(
-    make_app, worker_processes, provider: FakeProvider, pg_dsn: str, celery_settings
+    make_app,
+    worker_processes,
+    provider: FakeProvider,
+    pg_dsn: str,
+    celery_settings,
+    worker_events,
 ) -> None:
     settings = {
         **celery_settings,
@@ -40,7 +45,9 @@ def test_an_interactive_task_takes_the_next_freed_slot_while_background_saturate
     workers.start(concurrency=4)
     workers.start(concurrency=4)
 
-    background = [app.tasks["rc.background"].delay(400) for _ in range(24)]
+    # Long holds: slots free about every 400 ms, so the test sees the interactive
+    # request queued before the next hand-off.
+    background = [app.tasks["rc.background"].delay(1_200) for _ in range(18)]
     _wait(lambda: provider.stats().in_flight == 3, "background holds every slot")
     _wait(
         lambda: (
@@ -51,9 +58,9 @@ def test_an_interactive_task_takes_the_next_freed_slot_while_background_saturate
     )
     interactive = app.tasks["rc.wait"].apply_async((5,), concurrency={"workload": "interactive"})
     _wait(
-        lambda: (
-            _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'interactive'")
-            == 1
+        lambda: any(
+            e["type"] == "wait-started" and e.get("run_id") == interactive.id
+            for e in worker_events()
         ),
         "the interactive request queued",
     )
