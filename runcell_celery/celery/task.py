@@ -32,7 +32,7 @@ from billiard.exceptions import Terminated
 from celery import Celery, Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
-from ..admission import SlotDeferred
+from ..admission import Admission, SlotDeferred
 from ..cancellation import CancellationToken
 from ..context import current_run, run
 from ..errors import ConcurrencyError, ConcurrencyLimiterError
@@ -163,7 +163,9 @@ class RunCellTask(Task[Any, Any]):
             try:
                 remaining = context.remaining_ms()
                 if remaining is not None and remaining <= 0:
-                    # Stale work is dropped before it takes a slot (timed-out event).
+                    # Stale work is dropped before it takes a slot (timed-out event),
+                    # and gives up any place or grant a deferral left it.
+                    _withdraw(admission)
                     with slot():
                         pass
                 if spec.hold == "task":
@@ -180,7 +182,7 @@ class RunCellTask(Task[Any, Any]):
         self,
         request: Any,
         cancel: CancellationToken | None,
-        admission: Any,
+        admission: Admission | None,
         stack: contextlib.ExitStack,
     ) -> None:
         """Cancel this run if its root or parent run is revoked (now or later)."""
@@ -196,9 +198,7 @@ class RunCellTask(Task[Any, Any]):
 
         if revoked_among(Database(dsn), ancestors):
             cancel.cancel("a parent run was revoked")
-            withdraw = getattr(admission.limiter if admission else None, "withdraw", None)
-            if withdraw is not None:
-                withdraw(admission.request_id)  # a parked place or grant it will not use
+            _withdraw(admission)
 
     def _deadline(
         self, request: Any, spec: TaskConcurrency, override: RunOverride, registry: Any
@@ -236,3 +236,10 @@ class RunCellTask(Task[Any, Any]):
         if isinstance(exc, ConcurrencyError):
             raise exc
         return super().retry(*args, **kwargs)
+
+
+def _withdraw(admission: Admission | None) -> None:
+    """Give up the queue place (or parked grant) of a run that will not use it."""
+    withdraw = getattr(admission.limiter, "withdraw", None) if admission is not None else None
+    if withdraw is not None and admission is not None:
+        withdraw(admission.request_id)
