@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from django.db import connections, router, transaction
 from django.utils import timezone
-from psycopg_pool import ConnectionPool
 
 from runcell_celery import LimiterConfig
 from runcell_celery.postgres import PostgresConcurrencyLimiter
@@ -98,21 +97,11 @@ def _reap(alias: str, names: Sequence[str]) -> None:
     """
     if not names:
         return
-    pool = ConnectionPool(
-        conf.resolve_database(alias),
-        min_size=1,
-        max_size=1,
-        kwargs={"autocommit": True, "prepare_threshold": None},
-        name="runcell-force-release",
-        open=True,
-    )
-    try:
-        database = Database(pool)
-        for row in Limiter.objects.using(alias).filter(name__in=names):
-            try:
-                config = LimiterConfig.from_mapping(row.config)
-                PostgresConcurrencyLimiter(database, config, listen=False).reap()
-            except Exception:
-                logger.exception("runcell: reaping %r after a force release failed", row.name)
-    finally:
-        pool.close()
+    # The process's shared pool for this DSN (the one its limiters use).
+    database = Database(conf.resolve_database(alias))
+    for row in Limiter.objects.using(alias).filter(name__in=names):
+        try:
+            config = LimiterConfig.from_mapping(row.config)
+            PostgresConcurrencyLimiter(database, config, listen=False).reap()
+        except Exception:
+            logger.exception("runcell: reaping %r after a force release failed", row.name)

@@ -22,6 +22,7 @@ executed again from the start.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -96,37 +97,25 @@ def admission_for(
             lease: Lease | None = claim(slot_request.request_id, publication)
             if lease is not None:
                 return lease
-        result = acquire_or_park(
-            slot_request,
-            admission_wait_ms=spec.admission_wait_ms,
-            payload=_payload(task, request, deadline_at=deadline_at, admission_id=admission_id),
-            cancel=cancel,
-            on_wait=on_wait,
-        )
+
+        def wait_or_park(request_id: str) -> Lease | str:
+            return acquire_or_park(  # type: ignore[no-any-return]
+                dataclasses.replace(slot_request, request_id=request_id),
+                admission_wait_ms=spec.admission_wait_ms,
+                payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
+                cancel=cancel,
+                on_wait=on_wait,
+            )
+
+        result = wait_or_park(slot_request.request_id)
+        if result == "duplicate":
+            if not redelivered:
+                raise DuplicateDelivery()
+            # A redelivery whose earlier execution died holding the granted lease:
+            # run, with a request of its own (that lease expires with the dead holder).
+            result = wait_or_park(f"{admission_id}/{uuid.uuid4().hex[:8]}")
         if isinstance(result, Lease):
             return result
-        if result == "parked":
-            raise SlotDeferred()
-        if not redelivered:
-            raise DuplicateDelivery()
-        # A redelivery whose earlier execution died holding the granted lease: run,
-        # but with a request of its own (the lease expires with the dead holder).
-        fresh = f"{admission_id}/{uuid.uuid4().hex[:8]}"
-        retried = acquire_or_park(
-            AcquireRequest(
-                request_id=fresh,
-                workload=slot_request.workload,
-                lineage=slot_request.lineage,
-                timeout_ms=slot_request.timeout_ms,
-                holder_name=slot_request.holder_name,
-            ),
-            admission_wait_ms=spec.admission_wait_ms,
-            payload=_payload(task, request, deadline_at=deadline_at, admission_id=fresh),
-            cancel=cancel,
-            on_wait=on_wait,
-        )
-        if isinstance(retried, Lease):
-            return retried
         raise SlotDeferred()
 
     return Admission(acquire, limiter=limiter, request_id=admission_id)
