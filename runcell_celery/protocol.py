@@ -2,8 +2,9 @@
 
 The slot runtime owns the lifecycle (deadlines, renewal, release, events); a limiter
 owns allocation, queue order and storage. Any object with ``name``, ``acquire``,
-``renew`` and ``release`` can back a limit; ``validate_workload``, ``stats``,
-``acquire_async`` and ``renew_many`` are optional and used when present.
+``renew`` and ``release`` can back a limit; further abilities (``stats``,
+``renew_many``, ``acquire_async``, ...) are declared as the runtime-checkable
+``Supports*`` protocols below and used when a limiter has them.
 
 A custom limiter must allocate atomically, hand out leases that expire, make renewal
 and release idempotent, never reuse a lease id and make ``acquire`` safe to cancel;
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
 
 from .cancellation import CancellationToken
 from .errors import ConcurrencyError
+
+if TYPE_CHECKING:
+    from .config import LimiterConfig
 
 __all__ = [
     "AcquireRequest",
@@ -27,7 +31,15 @@ __all__ = [
     "OnWait",
     "Outcome",
     "RunLineage",
+    "SupportsAsyncAcquire",
+    "SupportsConfig",
+    "SupportsReap",
+    "SupportsRenewMany",
+    "SupportsStats",
+    "SupportsValidateWorkload",
+    "SupportsWithdraw",
     "WorkloadStats",
+    "supports",
 ]
 
 #: How a hold ended, passed to :meth:`ConcurrencyLimiter.release` and in ``released``.
@@ -157,13 +169,81 @@ class ConcurrencyLimiter(Protocol):
         ...
 
 
+# -- optional abilities ----------------------------------------------------------------
+#
+# What a limiter may do beyond the protocol above. The runtime and the integration
+# layers ask with ``isinstance(limiter, SupportsX)`` (or :func:`supports`, which caches
+# the answer per class for the hot path), never by probing attributes.
+
+
+@runtime_checkable
 class SupportsStats(Protocol):
+    """Reports slots held and requests waiting."""
+
     def stats(self) -> LimiterStats: ...
 
 
+@runtime_checkable
 class SupportsRenewMany(Protocol):
+    """Renews several leases in one call (the keeper batches renewals per limiter)."""
+
     def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]: ...
 
 
+@runtime_checkable
 class SupportsValidateWorkload(Protocol):
+    """Resolves a workload name (``None``: the default) or raises
+    :class:`~runcell_celery.errors.ConcurrencyConfigError` before anything waits."""
+
     def validate_workload(self, workload: str | None) -> str: ...
+
+
+@runtime_checkable
+class SupportsConfig(Protocol):
+    """Built from a :class:`~runcell_celery.config.LimiterConfig` (limits, ``max_hold_ms``)."""
+
+    @property
+    def config(self) -> LimiterConfig: ...
+
+
+@runtime_checkable
+class SupportsAsyncAcquire(Protocol):
+    """Waits for a slot without occupying a thread."""
+
+    async def acquire_async(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease: ...
+
+
+@runtime_checkable
+class SupportsWithdraw(Protocol):
+    """Takes a request out of the queue and returns any slot it was granted."""
+
+    def withdraw(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class SupportsReap(Protocol):
+    """Runs one allocation pass on demand: reaps expired rows, grants what frees."""
+
+    def reap(self) -> None: ...
+
+
+_ability_cache: dict[tuple[type, type], bool] = {}
+
+
+def supports(limiter: object, ability: type) -> bool:
+    """``isinstance(limiter, ability)`` for a runtime-checkable ability, cached per class.
+
+    ``isinstance`` against a protocol inspects every member on each call; a limiter's
+    class does not change its abilities, so the answer is remembered.
+    """
+    key = (type(limiter), ability)
+    found = _ability_cache.get(key)
+    if found is None:
+        found = _ability_cache[key] = isinstance(limiter, ability)
+    return found
