@@ -21,7 +21,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["BackgroundLoop", "ProcessLocal"]
 
@@ -143,7 +143,7 @@ class ProcessLocal(Generic[T]):
         self._lock = threading.Lock()
 
 
-_instances: weakref.WeakSet[ProcessLocal[object]] = weakref.WeakSet()
+_instances: weakref.WeakSet[ProcessLocal[Any]] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
