@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from .cancellation import CancellationToken
 from .config import LimiterConfig
-from .protocol import ConcurrencyLimiter
+from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
 
 __all__ = [
     "AdmissionCount",
@@ -28,6 +29,7 @@ __all__ = [
     "Republish",
     "RevocationStore",
     "RunStore",
+    "SupportsParking",
 ]
 
 
@@ -140,3 +142,33 @@ class ParkingStore(Protocol):
         """Call ``handler(limiter, request_ids)`` when any process grants parked
         requests (the backend's wake-up channel)."""
         ...
+
+
+@runtime_checkable
+class SupportsParking(Protocol):
+    """A limiter whose waiting requests can be parked with a task message.
+
+    ``acquire_or_park`` waits up to ``admission_wait_ms`` and then parks the request
+    (it keeps its place in the queue with ``payload``); it returns the lease, or
+    ``"parked"``, or ``"duplicate"`` when another delivery owns a lease granted to the
+    request while it was parked. ``claim_parked`` takes a parked grant from the
+    re-published message ``publication_id``. ``set_parked_granted_handler`` installs
+    what to call, after commit, with the lease ids of parked requests this process
+    just granted (to re-publish their tasks at once).
+    """
+
+    def acquire_or_park(
+        self,
+        request: AcquireRequest,
+        *,
+        admission_wait_ms: float,
+        payload: str,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease | str: ...
+
+    def claim_parked(self, request_id: str, publication_id: str) -> Lease | None: ...
+
+    def withdraw(self, request_id: str) -> None: ...
+
+    def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None: ...
