@@ -7,7 +7,7 @@ what lets the in-memory and PostgreSQL limiters (and any custom one) agree on or
 priority and reservations, and what lets it be property-tested against a reference
 model without threads or a database.
 
-The rules (from the spec's "Workloads" section):
+The rules (README, "Settings reference": workloads):
 
 * **Reservations are strict and never lent.** A workload may take a slot only if the
   slots other workloads have reserved but do not use stay free. Idle reserved slots
@@ -38,8 +38,8 @@ __all__ = ["Waiting", "allocate", "has_room"]
 
 
 class Waiting(Protocol):
-    """A waiting request as allocation sees it: its workload (and, if it has one, an
-    ``in_progress`` flag: its run already took a slot before).
+    """A waiting request as allocation sees it: its workload, and whether its run
+    already took a slot before (``in_progress``: it goes first in its workload).
 
     Waiters are passed in arrival order, so position is age.
     """
@@ -47,9 +47,8 @@ class Waiting(Protocol):
     @property
     def workload(self) -> str: ...
 
-
-def _in_progress(request: Waiting) -> bool:
-    return bool(getattr(request, "in_progress", False))
+    @property
+    def in_progress(self) -> bool: ...
 
 
 def has_room(config: LimiterConfig, active: Mapping[str, int], workload: str) -> bool:
@@ -89,7 +88,7 @@ def allocate(
     for position, request in enumerate(waiting):
         queues.setdefault(request.workload, []).append(position)
     for queue in queues.values():
-        queue.sort(key=lambda p: (not _in_progress(waiting[p]), p))
+        queue.sort(key=lambda p: (not waiting[p].in_progress, p))
     heads = dict.fromkeys(queues, 0)
     counts = dict(active)
     granted: list[int] = []

@@ -14,13 +14,13 @@ limit is a limit that does not hold.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from .errors import ConcurrencyConfigError
+from .hints import did_you_mean
 
 __all__ = [
     "DEFAULT_LEASE_TTL_MS",
@@ -74,13 +74,6 @@ def _render_path(prefix: str, path: FieldPath) -> str:
     return head + "".join(f'["{part}"]' for part in rest)
 
 
-def _did_you_mean(value: str, choices: Iterable[str]) -> str:
-    options = sorted(choices)
-    close = difflib.get_close_matches(value, options, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"{hint}valid: {', '.join(repr(o) for o in options)}"
-
-
 def _check_int(path: FieldPath, value: object, *, minimum: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _InvalidSettingError(path, value, "must be an integer")
@@ -105,7 +98,7 @@ def _check_name(path: FieldPath, value: object) -> str:
 def _check_keys(path: FieldPath, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
     for key in options:
         if key not in allowed:
-            hint = _did_you_mean(str(key), allowed)
+            hint = did_you_mean(str(key), allowed)
             raise _InvalidSettingError((*path, str(key)), options[key], f"unknown option; {hint}")
 
 
@@ -259,7 +252,7 @@ class LimiterConfig:
                 raise _InvalidSettingError(
                     ("default_workload",),
                     self.default_workload,
-                    f"no such workload; {_did_you_mean(self.default_workload, self.workloads)}",
+                    f"no such workload; {did_you_mean(self.default_workload, self.workloads)}",
                 )
             return self.default_workload
         if DEFAULT_WORKLOAD in self.workloads:
@@ -310,7 +303,7 @@ class LimiterConfig:
         if workload not in self.workloads:
             raise ConcurrencyConfigError(
                 f"limiter {self.name!r} has no workload {workload!r}; "
-                f"{_did_you_mean(str(workload), self.workloads)}",
+                f"{did_you_mean(str(workload), self.workloads)}",
                 limiter=self.name,
                 workload=str(workload),
             )

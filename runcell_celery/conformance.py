@@ -36,7 +36,14 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .ids import new_request_id
-from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, LimiterStats, RunLineage
+from .protocol import (
+    AcquireRequest,
+    ConcurrencyLimiter,
+    Lease,
+    LimiterStats,
+    RunLineage,
+    SupportsStats,
+)
 
 __all__ = ["ConformanceCase", "concurrency_conformance_cases"]
 
@@ -65,8 +72,7 @@ def _request(workload: str = "default", timeout_ms: float | None = None) -> Acqu
 
 
 def _stats(limiter: ConcurrencyLimiter) -> LimiterStats | None:
-    stats: Callable[[], LimiterStats] | None = getattr(limiter, "stats", None)
-    return stats() if stats is not None else None
+    return limiter.stats() if isinstance(limiter, SupportsStats) else None
 
 
 def _assert_idle(limiter: ConcurrencyLimiter) -> None:

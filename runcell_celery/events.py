@@ -2,7 +2,7 @@
 
 The runtime emits one event at each step of a slot's life; listeners turn them into
 logs, metrics or rows (the Django app records them). Events identify the limiter, the
-workload, the run lineage and the request, plus the extra fields of the spec's table:
+workload, the run lineage and the request, plus these extra fields (README, "Errors"):
 
 ============== ==============================
 type           extra fields

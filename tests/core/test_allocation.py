@@ -29,6 +29,7 @@ EXAMPLES = settings(max_examples=600, deadline=None)
 @dataclass(frozen=True)
 class Request:
     workload: str
+    in_progress: bool = False
 
 
 # -- the reference model ---------------------------------------------------------------------
