@@ -1,7 +1,7 @@
 """runcell_django: limiters from ``settings.RUNCELL`` and their state in Django admin.
 
-Add ``"runcell_django"`` to ``INSTALLED_APPS``. The source lives in ``django_app/``
-and is installed under the import name ``runcell_django``.
+Add ``"runcell_django"`` to ``INSTALLED_APPS``. Its source root is ``django_app/``
+(put it on the path to import the package from a checkout).
 
 .. code-block:: python
 

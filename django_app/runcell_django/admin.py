@@ -12,7 +12,7 @@ Nothing shows prompts or task arguments: a parked task's message
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
@@ -30,6 +30,7 @@ from django.utils.translation import ngettext
 
 from . import conf, operations
 from .filters import LimiterFilter, QueueStateFilter, WorkloadFilter
+from .managers import LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import (
     EVENTS_DROPPED,
     AdmissionCount,
@@ -52,6 +53,11 @@ __all__ = [
 ]
 
 #: Search by identifiers uses exact matches, served by indexes.
+if TYPE_CHECKING:  # the stubs' ModelAdmin is generic; Django's class is not subscriptable
+    _ModelAdmin = admin.ModelAdmin[Any]
+else:
+    _ModelAdmin = admin.ModelAdmin
+
 _ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
 _ID_SEARCH_HELP = _("An exact run id (Celery task id), root run id or request id.")
 
@@ -65,7 +71,7 @@ def _task(name: str | None, run_id: str | None) -> str:
     )
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(_ModelAdmin):
     """Live state and history: viewable, never added, changed or deleted here."""
 
     list_per_page = 100
@@ -107,7 +113,7 @@ class LimiterAdmin(ReadOnlyAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return super().get_queryset(request).with_live_stats()  # type: ignore[attr-defined]
+        return cast("LimiterQuerySet", super().get_queryset(request)).with_live_stats()
 
     def _state(self, obj: Limiter) -> LimiterState:
         state: LimiterState | None = getattr(obj, "_runcell_state", None)
@@ -223,7 +229,7 @@ class LeaseAdmin(ReadOnlyAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return super().get_queryset(request).with_age()  # type: ignore[attr-defined]
+        return cast("LeaseQuerySet", super().get_queryset(request)).with_age()
 
     @admin.display(description=_("lease"), ordering="lease_id")
     def lease(self, obj: Lease) -> str:
@@ -350,9 +356,8 @@ class QueueEntryAdmin(ReadOnlyAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return (
-            super().get_queryset(request).select_related("limiter").with_place()  # type: ignore[attr-defined]
-        )
+        queryset = cast("QueueEntryQuerySet", super().get_queryset(request))
+        return queryset.select_related("limiter").with_place()
 
     @admin.display(description=_("limiter"), ordering="limiter")
     def limiter_name(self, obj: QueueEntry) -> str:

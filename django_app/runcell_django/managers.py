@@ -9,7 +9,7 @@ limiter's expiry does, never from the web server's clock.
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, cast
 
 from django.db import connections, models, router
 from django.db.models import (
@@ -55,20 +55,28 @@ class LimiterQuerySet(models.QuerySet[Any]):
     def with_live_stats(self) -> LimiterQuerySet:
         """Annotate slots held and requests queued per workload, the oldest wait and
         the p95 wait of the last 15 minutes: one query for any number of limiters."""
-        return self.annotate(
-            active_by_workload=RawSQL(sql.ACTIVE_BY_WORKLOAD, (), output_field=JSONField()),
-            queued_by_workload=RawSQL(sql.QUEUED_BY_WORKLOAD, (), output_field=JSONField()),
-            oldest_wait_ms=RawSQL(sql.OLDEST_WAIT_MS, (), output_field=FloatField()),
-            p95_wait_ms=RawSQL(sql.P95_WAIT_MS, (P95_WINDOW_MINUTES,), output_field=FloatField()),
+        return cast(
+            LimiterQuerySet,
+            self.annotate(
+                active_by_workload=RawSQL(sql.ACTIVE_BY_WORKLOAD, (), output_field=JSONField()),
+                queued_by_workload=RawSQL(sql.QUEUED_BY_WORKLOAD, (), output_field=JSONField()),
+                oldest_wait_ms=RawSQL(sql.OLDEST_WAIT_MS, (), output_field=FloatField()),
+                p95_wait_ms=RawSQL(
+                    sql.P95_WAIT_MS, (P95_WINDOW_MINUTES,), output_field=FloatField()
+                ),
+            ),
         )
 
 
 class LeaseQuerySet(models.QuerySet[Any]):
     def with_age(self) -> LeaseQuerySet:
         """Annotate ``age`` (since acquired) and ``expires_in``, in database time."""
-        return self.annotate(
-            age=ExpressionWrapper(Now() - F("acquired_at"), output_field=DurationField()),
-            expires_in=ExpressionWrapper(F("expires_at") - Now(), output_field=DurationField()),
+        return cast(
+            LeaseQuerySet,
+            self.annotate(
+                age=ExpressionWrapper(Now() - F("acquired_at"), output_field=DurationField()),
+                expires_in=ExpressionWrapper(F("expires_at") - Now(), output_field=DurationField()),
+            ),
         )
 
 
@@ -93,12 +101,15 @@ class QueueEntryQuerySet(models.QuerySet[Any]):
             .annotate(n=Count("*"))
             .values("n")
         )
-        return self.annotate(
-            ahead=Coalesce(Subquery(ahead, output_field=IntegerField()), 0),
-            waited=ExpressionWrapper(Now() - F("enqueued_at"), output_field=DurationField()),
-            deadline_in=ExpressionWrapper(F("deadline") - Now(), output_field=DurationField()),
-            stale=ExpressionWrapper(
-                Q(parked=False) & Q(expires_at__lte=Now()), output_field=BooleanField()
+        return cast(
+            QueueEntryQuerySet,
+            self.annotate(
+                ahead=Coalesce(Subquery(ahead, output_field=IntegerField()), 0),
+                waited=ExpressionWrapper(Now() - F("enqueued_at"), output_field=DurationField()),
+                deadline_in=ExpressionWrapper(F("deadline") - Now(), output_field=DurationField()),
+                stale=ExpressionWrapper(
+                    Q(parked=False) & Q(expires_at__lte=Now()), output_field=BooleanField()
+                ),
             ),
         )
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import models
 
 __all__ = ["EndlessDateTimeField"]
 
+if TYPE_CHECKING:  # the stubs' field is generic; Django's class is not subscriptable
+    _DateTimeField = models.DateTimeField[Any, Any]
+else:
+    _DateTimeField = models.DateTimeField
 
-class EndlessDateTimeField(models.DateTimeField):
+
+class EndlessDateTimeField(_DateTimeField):
     """A ``timestamptz`` that may hold ``'infinity'`` (a parked request never expires).
 
     Python's ``datetime`` has no infinity, so the column is read as ``NULL`` then;
