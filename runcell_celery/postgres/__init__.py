@@ -1,4 +1,4 @@
-"""The PostgreSQL limiter: one concurrency limit shared by every worker on every host.
+"""The PostgreSQL backend: concurrency limits shared by every worker on every host.
 
 .. code-block:: python
 
@@ -10,15 +10,29 @@
                    "background": {"max_concurrent": 6}},
     )
 
+The integration layers use :class:`PostgresBackend` (one per registry and process):
+it creates limiters and offers the stores of :mod:`runcell_celery.ports`. Everything
+they need is exported here; the other modules of this package are internal.
+
 Needs the ``postgres`` extra (psycopg 3 and psycopg_pool).
 """
 
+from .backend import LimiterState, PostgresBackend, ReleasedLease
 from .factory import create_postgres_concurrency_limiter
 from .limiter import PostgresConcurrencyLimiter
-from .schema import postgres_concurrency_schema_sql
+from .options import OnConflict, PostgresOptions
+from .parking import REPUBLISH_AFTER_MS
+from .schema import ensure_schema, postgres_concurrency_schema_sql
 
 __all__ = [
+    "REPUBLISH_AFTER_MS",
+    "LimiterState",
+    "OnConflict",
+    "PostgresBackend",
     "PostgresConcurrencyLimiter",
+    "PostgresOptions",
+    "ReleasedLease",
     "create_postgres_concurrency_limiter",
+    "ensure_schema",
     "postgres_concurrency_schema_sql",
 ]

@@ -3,8 +3,9 @@
 Celery's prefork pool forks worker children from a parent that may already have
 created limiters. A connection (or a pool's threads) inherited through ``fork`` must
 never be used by the child, nor closed by it (closing sends a terminate message on
-the parent's socket). So a pool made from a DSN belongs to the process that made it:
-a child that finds a pool from another PID leaves it untouched and opens its own.
+the parent's socket). So pools made from a DSN live in a
+:class:`~runcell_celery.background.ProcessLocal`: a forked child leaves the parent's
+untouched and opens its own.
 
 Connections are in autocommit mode with server-side prepared statements off
 (``prepare_threshold=None``): the limiter keeps no session state, so transaction-mode
@@ -24,52 +25,46 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg_pool import ConnectionPool
 
-__all__ = ["Database", "fetch_all", "fetch_one"]
+from ..background import ProcessLocal
+from .options import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE
+
+__all__ = ["Database", "fetch_all", "fetch_one", "redacted"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
 Connection = psycopg.Connection[Any]
 
-#: Connections a pool made from a DSN may open (waiters hold one only while polling).
-DEFAULT_POOL_MAX_SIZE = 8
-#: How long to wait for a pooled connection before failing closed.
-DEFAULT_CONNECT_TIMEOUT_MS = 5_000
 
-_pools: dict[tuple[int, str, int, float], ConnectionPool[Connection]] = {}
-_inherited: list[object] = []  # kept alive after fork so they are never closed here
-_pools_lock = threading.Lock()
+class _Pools:
+    """This process's pools, one per (DSN, size, timeout): every limiter and store on
+    the same database shares one."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, int, float], ConnectionPool[Connection]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, conninfo: str, max_size: int, timeout: float) -> ConnectionPool[Connection]:
+        key = (conninfo, max_size, timeout)
+        with self.lock:
+            pool = self.by_key.get(key)
+            if pool is None:
+                pool = self.by_key[key] = ConnectionPool(
+                    conninfo,
+                    min_size=1,
+                    max_size=max_size,
+                    timeout=timeout,
+                    kwargs={
+                        "autocommit": True,
+                        "prepare_threshold": None,
+                        "connect_timeout": max(1, int(timeout)),
+                    },
+                    name=f"runcell-{os.getpid()}",
+                    open=True,
+                )
+            return pool
 
 
-def _after_fork_in_child() -> None:
-    global _pools_lock
-    _inherited.extend(_pools.values())
-    _pools.clear()
-    _pools_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _shared_pool(conninfo: str, max_size: int, timeout: float) -> ConnectionPool[Connection]:
-    key = (os.getpid(), conninfo, max_size, timeout)
-    with _pools_lock:
-        pool = _pools.get(key)
-        if pool is None:
-            pool = ConnectionPool(
-                conninfo,
-                min_size=1,
-                max_size=max_size,
-                timeout=timeout,
-                kwargs={
-                    "autocommit": True,
-                    "prepare_threshold": None,
-                    "connect_timeout": max(1, int(timeout)),
-                },
-                name=f"runcell-{os.getpid()}",
-                open=True,
-            )
-            _pools[key] = pool
-        return pool
+_pools: ProcessLocal[_Pools] = ProcessLocal(_Pools)
 
 
 def fetch_all(
@@ -130,7 +125,7 @@ class Database:
         if self._given_pool is not None:
             return self._given_pool
         assert self._dsn is not None
-        return _shared_pool(self._dsn, self.pool_max_size, self._timeout)
+        return _pools.get().get(self._dsn, self.pool_max_size, self._timeout)
 
     @contextmanager
     def connection(self) -> Iterator[Connection]:
@@ -141,3 +136,14 @@ class Database:
     def direct_connection(self, **kwargs: Any) -> Connection:
         """Open a connection outside the pool (the listener's), in autocommit mode."""
         return psycopg.connect(self.conninfo, autocommit=True, **kwargs)
+
+
+def redacted(conninfo: str) -> str:
+    """``host:port/dbname`` of a DSN, for logs and reprs (never the password)."""
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        return "the database"
+    return (
+        f"{params.get('host', 'localhost')}:{params.get('port', 5432)}/{params.get('dbname', '')}"
+    )

@@ -1,4 +1,9 @@
-"""``create_postgres_concurrency_limiter``: validate the options, build, register."""
+"""``create_postgres_concurrency_limiter``: one limiter from keyword arguments.
+
+A thin wrapper: the limits go through :func:`~runcell_celery.config.limiter_config`,
+the PostgreSQL options through :class:`PostgresOptions`, and a
+:class:`~runcell_celery.postgres.PostgresBackend` builds and registers the limiter.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,16 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from ..config import DEFAULT_LEASE_TTL_MS, WorkloadConfig, limiter_config
-from ..errors import ConcurrencyConfigError
-from .connection import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE, Database
-from .limiter import (
+from .backend import PostgresBackend
+from .limiter import PostgresConcurrencyLimiter
+from .options import (
+    DEFAULT_CONNECT_TIMEOUT_MS,
     DEFAULT_POLL_INTERVAL_MS,
+    DEFAULT_POOL_MAX_SIZE,
     DEFAULT_QUEUE_ENTRY_TTL_MS,
-    PostgresConcurrencyLimiter,
+    OnConflict,
+    PostgresOptions,
 )
-from .registration import OnConflict
 
 __all__ = ["create_postgres_concurrency_limiter"]
 
@@ -41,35 +48,26 @@ def create_postgres_concurrency_limiter(
     """Create a limiter whose slots every process using ``name`` on ``db`` shares.
 
     :param db: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool`.
-    :param poll_interval_ms: how often a waiting request checks for a slot. The
-        database load is about (waiting requests / poll interval) short statements.
-    :param queue_entry_ttl_ms: how long a crashed waiter's queue row survives.
-    :param ensure_schema: create tables and functions on first use; pass ``False``
-        after applying :func:`postgres_concurrency_schema_sql` as a migration.
-    :param on_conflict: when stored limits differ: ``"error"`` raises
-        :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the fields,
-        ``"replace"`` stores these limits instead.
-    :param listen: wake waiters by ``LISTEN/NOTIFY`` (polling stays the fallback);
-        turn off behind a transaction pooler to skip the self-check.
-    :param pool_max_size: connections the pool made from a DSN may open (per process).
-    :param connect_timeout_ms: how long to wait for a database connection before the
-        call fails closed with :class:`~runcell_celery.errors.ConcurrencyLimiterError`.
-    The remaining options are those of :class:`~runcell_celery.config.LimiterConfig`.
+
+    ``poll_interval_ms``, ``queue_entry_ttl_ms``, ``ensure_schema``, ``on_conflict``,
+    ``listen``, ``pool_max_size`` and ``connect_timeout_ms`` are the fields of
+    :class:`~runcell_celery.postgres.PostgresOptions` (documented there); the others
+    those of :class:`~runcell_celery.config.LimiterConfig`.
+
+    :raises ConcurrencyConfigError: an option or limit is invalid, or the stored
+        limits differ (``on_conflict="error"``).
     """
-    for option, value, minimum in (
-        ("poll_interval_ms", poll_interval_ms, 1),
-        ("queue_entry_ttl_ms", queue_entry_ttl_ms, 1),
-        ("pool_max_size", pool_max_size, 1),
-        ("connect_timeout_ms", connect_timeout_ms, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConcurrencyConfigError(
-                f"{option} = {value!r} is invalid: must be a positive integer", limiter=name
-            )
-    if on_conflict not in ("error", "replace"):
-        raise ConcurrencyConfigError(
-            f"on_conflict = {on_conflict!r} is invalid: must be 'error' or 'replace'", limiter=name
-        )
+    options = PostgresOptions.from_mapping(
+        {
+            "poll_interval_ms": poll_interval_ms,
+            "queue_entry_ttl_ms": queue_entry_ttl_ms,
+            "ensure_schema": ensure_schema,
+            "on_conflict": on_conflict,
+            "listen": listen,
+            "pool_max_size": pool_max_size,
+            "connect_timeout_ms": connect_timeout_ms,
+        }
+    )
     config = limiter_config(
         max_concurrent,
         max_queued=max_queued,
@@ -79,12 +77,4 @@ def create_postgres_concurrency_limiter(
         lease_ttl_ms=lease_ttl_ms,
         max_hold_ms=max_hold_ms,
     )
-    limiter = PostgresConcurrencyLimiter(
-        Database(db, pool_max_size=pool_max_size, timeout=connect_timeout_ms / 1000),
-        config,
-        poll_interval_ms=poll_interval_ms,
-        queue_entry_ttl_ms=queue_entry_ttl_ms,
-        listen=listen,
-    )
-    limiter.register(ensure=ensure_schema, on_conflict=on_conflict)
-    return limiter
+    return PostgresBackend.from_options(db, options).create_limiter(config)

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -27,6 +26,7 @@ from psycopg_pool import PoolTimeout
 from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
 from ..config import LimiterConfig
+from ..deadline import Deadline
 from ..errors import (
     ConcurrencyConfigError,
     ConcurrencyError,
@@ -41,7 +41,13 @@ from .connection import (
     fetch_one,
 )
 from .listener import GrantListener, get_listener
-from .registration import OnConflict, config_hash, store_limits
+from .options import (
+    DEFAULT_POLL_INTERVAL_MS,
+    DEFAULT_QUEUE_ENTRY_TTL_MS,
+    OnConflict,
+    PostgresOptions,
+)
+from .registration import config_hash, store_limits
 from .transaction import (
     Caller,
     Decision,
@@ -57,8 +63,6 @@ logger = logging.getLogger("runcell_celery.postgres")
 
 T = TypeVar("T")
 
-DEFAULT_POLL_INTERVAL_MS = 100
-DEFAULT_QUEUE_ENTRY_TTL_MS = 15_000
 #: A waiter also runs a full allocation pass every this many polls, as a safety net.
 ALLOCATE_EVERY_N_POLLS = 10
 #: While the listener is connected no grant goes unannounced, so waiters poll this
@@ -68,9 +72,9 @@ NOTIFIED_POLL_FACTOR = 10
 
 @dataclass(frozen=True, slots=True)
 class _Park:
-    """Park the request instead of waiting past ``until`` (``time.monotonic()``)."""
+    """Park the request instead of waiting past ``until``."""
 
-    until: float
+    until: Deadline
     payload: str
 
 
@@ -81,36 +85,38 @@ AdmissionResult = Literal["parked", "duplicate"]
 class PostgresConcurrencyLimiter(ConfiguredLimiter):
     """Slots shared through PostgreSQL by every process that uses the same name.
 
-    Create it with :func:`create_postgres_concurrency_limiter`.
+    Create it with :meth:`PostgresBackend.create_limiter
+    <runcell_celery.postgres.PostgresBackend.create_limiter>` or
+    :func:`create_postgres_concurrency_limiter`.
     """
 
     def __init__(
         self,
         database: Database,
         config: LimiterConfig,
-        *,
-        poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
-        queue_entry_ttl_ms: int = DEFAULT_QUEUE_ENTRY_TTL_MS,
-        listen: bool = True,
+        options: PostgresOptions = PostgresOptions(),  # noqa: B008 - frozen, shared safely
     ) -> None:
         self._db = database
         super().__init__(config)
-        self._limits = Limits(config.name, config, config_hash(config), queue_entry_ttl_ms)
-        self._poll_s = poll_interval_ms / 1000
-        self._queue_ttl_ms = queue_entry_ttl_ms
-        self._listen = listen
+        self._options = options
+        self._limits = Limits(config.name, config, config_hash(config), options.queue_entry_ttl_ms)
+        self._poll_s = options.poll_interval_ms / 1000
+        self._queue_ttl_ms = options.queue_entry_ttl_ms
+        self._listen = options.listen
         self._listener_pid: int | None = None
         self._listener: GrantListener | None = None
         self._listener_lock = threading.Lock()
-        #: Called with the lease ids of parked requests an allocation in this process
-        #: just granted (after commit), so their tasks are re-published at once. The
-        #: Celery integration sets it; without it, listeners and the sweeper do it.
-        self.on_parked_granted: Callable[[PostgresConcurrencyLimiter, list[str]], None] | None
-        self.on_parked_granted = None
+        self._on_parked_granted: Callable[[list[str]], None] | None = None
 
     @property
-    def database(self) -> Database:
-        return self._db
+    def options(self) -> PostgresOptions:
+        return self._options
+
+    def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None:
+        """Call ``handler(lease_ids)`` after an allocation in this process granted
+        parked requests, so their tasks are re-published at once (the Celery
+        integration installs it; without it, listeners and the sweeper do it)."""
+        self._on_parked_granted = handler
 
     # -- setup ------------------------------------------------------------------------
 
@@ -174,7 +180,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             is parked; ``"duplicate"`` if this request already had a lease granted
             while parked (another delivery of the same task owns it).
         """
-        park = _Park(time.monotonic() + admission_wait_ms / 1000, payload)
+        park = _Park(Deadline.after_ms(admission_wait_ms), payload)
         return self._acquire(request, cancel, on_wait, park=park)
 
     def _acquire(
@@ -198,14 +204,17 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             raise self._queue_full(request)
         if decision.refused == "no-wait":
             raise self._timed_out(request, wait_ms)
-        return self._wait(request, workload, wait_ms, decision.deadline, cancel, on_wait, park)
+        deadline = None
+        if decision.wait_ms_left is not None:
+            deadline = Deadline.after_ms(decision.wait_ms_left)
+        return self._wait(request, workload, wait_ms, deadline, cancel, on_wait, park)
 
     def _wait(
         self,
         request: AcquireRequest,
         workload: str,
         wait_ms: float | None,
-        deadline: float | None,
+        deadline: Deadline | None,
         cancel: CancellationToken | None,
         on_wait: OnWait | None,
         park: _Park | None = None,
@@ -218,13 +227,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         settled = False
         try:
             if on_wait is not None:
-                on_wait(deadline)
+                on_wait(None if deadline is None else deadline.to_unix())
             polls = 0
             while True:
                 notified = listener is not None and listener.connected.is_set()
                 pause = self._poll_s * NOTIFIED_POLL_FACTOR if notified else self._poll_s
                 if park is not None:
-                    pause = min(pause, max(0.0, park.until - time.monotonic()))
+                    pause = min(pause, park.until.remaining_s())
                 wake.wait(pause)
                 wake.clear()
                 if cancel is not None and cancel.is_set():
@@ -242,7 +251,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 if status == "missing":
                     # Our queue row was reaped (this process stalled past
                     # queue_entry_ttl_ms): take a new place, with the time left.
-                    remaining = _remaining_ms(deadline)
+                    remaining = None if deadline is None else deadline.remaining_ms()
                     decision = self._allocate(caller=request, workload=workload, wait_ms=remaining)
                     if decision.lease is not None:
                         settled = True
@@ -252,7 +261,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                         raise self._timed_out(request, wait_ms)
                 elif status == "needs-allocation" or polls % ALLOCATE_EVERY_N_POLLS == 0:
                     self._allocate()
-                if park is not None and time.monotonic() >= park.until:
+                if park is not None and park.until.passed():
                     parked = self._park(request, park.payload)
                     if parked is not None:
                         settled = True
@@ -349,10 +358,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             assert workload is not None
             who = Caller(caller, workload, wait_ms)
         decision = self._run(caller, lambda conn: allocation_transaction(conn, limits, params, who))
-        if decision.parked_granted and self.on_parked_granted is not None:
+        handler = self._on_parked_granted
+        if decision.parked_granted and handler is not None:
             # After commit and with the connection returned: publishing may be slow.
             try:
-                self.on_parked_granted(self, decision.parked_granted)
+                handler(decision.parked_granted)
             except Exception:  # listeners and the sweeper re-publish them later
                 logger.exception("runcell: re-publishing granted parked tasks failed")
         return decision
@@ -478,10 +488,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     ) from exc
                 raise ConcurrencyLimiterError(message, limiter=self.name) from exc
         raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _remaining_ms(deadline: float | None) -> float | None:
-    return None if deadline is None else (deadline - time.time()) * 1000
 
 
 def _nothing() -> None:

@@ -18,18 +18,17 @@ waiters rely on polling alone.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 
+from ..background import BackgroundLoop, ProcessLocal
 from . import statements
-from .connection import Database
+from .connection import Database, redacted
 
 __all__ = ["GrantListener", "get_listener"]
 
@@ -39,19 +38,26 @@ SELF_CHECK_PREFIX = "?self-check "
 SELF_CHECK_TIMEOUT_S = 2.0
 RECONNECT_DELAY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 HEALTH_CHECK_S = 5.0
+#: How long one step waits for notifications before checking whether to stop.
+NOTIFIES_TIMEOUT_S = 1.0
 
 Wake = Callable[[], None]
 
 
 class GrantListener:
-    """Listens on ``runcell_grant`` for one database and wakes registered waiters."""
+    """Listens on ``runcell_grant`` for one database and wakes registered waiters.
+
+    Its thread (``runcell-listener``) is a :class:`~runcell_celery.background.BackgroundLoop`
+    whose step either (re)connects or dispatches the notifications of one second.
+    """
 
     def __init__(self, database: Database) -> None:
         self._database = database
         self._waiters: dict[str, Wake] = {}
         self._lock = threading.Lock()
-        self._ready = threading.Event()
-        self._stop = threading.Event()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._failures = 0
+        self._checked_at = 0.0
         #: ``True`` once notifications proved to arrive; ``False`` if they cannot.
         self.available: bool | None = None
         #: Set while the listening connection is up: no notification can be missed.
@@ -59,10 +65,8 @@ class GrantListener:
         #: Called with (limiter, request ids) for grants to parked requests (lines
         #: ``!request_id``), whose task messages must be re-published.
         self.parked_handlers: list[Callable[[str, list[str]], None]] = []
-        self._thread = threading.Thread(
-            target=_listen_forever, args=(weakref.ref(self),), name="runcell-listener", daemon=True
-        )
-        self._thread.start()
+        self._loop = BackgroundLoop("runcell-listener", self, GrantListener._step)
+        self._loop.start()
 
     def register(self, request_id: str, wake: Wake) -> None:
         with self._lock:
@@ -72,13 +76,8 @@ class GrantListener:
         with self._lock:
             self._waiters.pop(request_id, None)
 
-    def wait_ready(self, timeout: float) -> bool | None:
-        """Wait until the self-check decided; return :attr:`available`."""
-        self._ready.wait(timeout)
-        return self.available
-
     def stop(self) -> None:
-        self._stop.set()
+        self._loop.stop()
 
     def wake_all(self) -> None:
         with self._lock:
@@ -103,8 +102,28 @@ class GrantListener:
                 except Exception:
                     logger.exception("runcell: a parked-grant handler failed")
 
-    def _session(self) -> None:
-        """One connection's life: connect, LISTEN, self-check, then dispatch until error."""
+    def _step(self) -> float | None:
+        """Connect if needed, else dispatch what arrives within a second.
+
+        :returns: the pause before the next step (a back-off after a failure), or
+            ``None`` once ``LISTEN`` proved useless here (waiters then poll only).
+        """
+        try:
+            if self._conn is None:
+                return self._connect()
+            self._listen_once(self._conn)
+        except Exception as exc:  # reconnect: waiters poll in the meantime
+            self._disconnect()
+            if self.available is False:
+                return None
+            delay = RECONNECT_DELAY_S[min(self._failures, len(RECONNECT_DELAY_S) - 1)]
+            self._failures += 1
+            logger.info("runcell listener disconnected (%s); retrying in %.1fs", exc, delay)
+            return delay
+        return 0
+
+    def _connect(self) -> float | None:
+        """Connect, LISTEN and check that notifications from other sessions arrive."""
         conn = self._database.direct_connection(connect_timeout=5)
         try:
             conn.execute(statements.LISTEN)
@@ -114,33 +133,42 @@ class GrantListener:
             # while nothing reaches this connection between its own statements.
             with self._database.direct_connection(connect_timeout=5) as other:
                 other.execute(statements.NOTIFY_SELF_CHECK, {"payload": nonce})
-            if not self._self_check(conn, nonce):
-                logger.warning(
-                    "runcell: LISTEN on %s receives no notifications (a transaction pooler?); "
-                    "waiters will poll only",
-                    _redacted(self._database.conninfo),
-                )
-                self.available = False
-                self._ready.set()
-                self._stop.set()
-                return
-            self.available = True
-            self._ready.set()
-            self.connected.set()
-            # Grants made while we were away were announced to nobody: let every
-            # waiter poll now.
-            self.wake_all()
-            checked_at = time.monotonic()
-            while not self._stop.is_set():
-                for notify in conn.notifies(timeout=1.0):
-                    if not notify.payload.startswith(SELF_CHECK_PREFIX):
-                        self.dispatch(notify.payload)
-                if time.monotonic() - checked_at > HEALTH_CHECK_S:
-                    # A connection lost without a reset would otherwise look quiet.
-                    conn.execute("SELECT 1")
-                    checked_at = time.monotonic()
-        finally:
-            self.connected.clear()
+            arrived = self._self_check(conn, nonce)
+        except BaseException:
+            conn.close()
+            raise
+        if not arrived:
+            conn.close()
+            logger.warning(
+                "runcell: LISTEN on %s receives no notifications (a transaction pooler?); "
+                "waiters will poll only",
+                redacted(self._database.conninfo),
+            )
+            self.available = False
+            return None
+        self._conn = conn
+        self._failures = 0
+        self._checked_at = time.monotonic()
+        self.available = True
+        self.connected.set()
+        # Grants made while we were away were announced to nobody: let every
+        # waiter poll now.
+        self.wake_all()
+        return 0
+
+    def _listen_once(self, conn: psycopg.Connection[Any]) -> None:
+        for notify in conn.notifies(timeout=NOTIFIES_TIMEOUT_S):
+            if not notify.payload.startswith(SELF_CHECK_PREFIX):
+                self.dispatch(notify.payload)
+        if time.monotonic() - self._checked_at > HEALTH_CHECK_S:
+            # A connection lost without a reset would otherwise look quiet.
+            conn.execute("SELECT 1")
+            self._checked_at = time.monotonic()
+
+    def _disconnect(self) -> None:
+        self.connected.clear()
+        conn, self._conn = self._conn, None
+        if conn is not None:
             conn.close()
 
     def _self_check(self, conn: psycopg.Connection[Any], nonce: str) -> bool:
@@ -150,64 +178,22 @@ class GrantListener:
         return False
 
 
-def _redacted(conninfo: str) -> str:
-    try:
-        params = psycopg.conninfo.conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError:
-        return "the database"
-    return (
-        f"{params.get('host', 'localhost')}:{params.get('port', 5432)}/{params.get('dbname', '')}"
-    )
+class _Listeners:
+    """This process's listeners, one per database."""
+
+    def __init__(self) -> None:
+        self.by_conninfo: dict[str, GrantListener] = {}
+        self.lock = threading.Lock()
 
 
-def _listen_forever(listener_ref: weakref.ref[GrantListener]) -> None:
-    failures = 0
-    while True:
-        listener = listener_ref()
-        if listener is None or listener._stop.is_set():
-            return
-        try:
-            listener._session()
-            failures = 0
-        except Exception as exc:  # reconnect: waiters poll in the meantime
-            delay = RECONNECT_DELAY_S[min(failures, len(RECONNECT_DELAY_S) - 1)]
-            failures += 1
-            logger.info("runcell listener disconnected (%s); retrying in %.1fs", exc, delay)
-            if listener.available is None:
-                listener._ready.set()
-            stop = listener._stop
-            del listener
-            if stop.wait(delay):
-                return
-            continue
-        del listener
-
-
-_listeners: dict[tuple[int, str], GrantListener] = {}
-_listeners_lock = threading.Lock()
+_listeners: ProcessLocal[_Listeners] = ProcessLocal(_Listeners)
 
 
 def get_listener(database: Database) -> GrantListener:
     """Return this process's listener for ``database``, starting it on first use."""
-    key = (os.getpid(), database.conninfo)
-    with _listeners_lock:
-        listener = _listeners.get(key)
+    listeners = _listeners.get()
+    with listeners.lock:
+        listener = listeners.by_conninfo.get(database.conninfo)
         if listener is None:
-            listener = GrantListener(database)
-            _listeners[key] = listener
+            listener = listeners.by_conninfo[database.conninfo] = GrantListener(database)
         return listener
-
-
-_inherited: list[GrantListener] = []
-
-
-def _after_fork_in_child() -> None:
-    # The parent's listener threads do not exist here. Keep the objects alive so their
-    # connections (the parent's sockets) are never closed from this process.
-    global _listeners_lock
-    _inherited.extend(_listeners.values())
-    _listeners.clear()
-    _listeners_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

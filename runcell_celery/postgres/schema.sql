@@ -136,6 +136,15 @@ ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS granted_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS published_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS publication_id uuid;
 
+-- A lease as the limiter reads it back: {lease_id, request_id, workload, fencing_token}.
+-- Every function that answers with a lease builds it here.
+CREATE OR REPLACE FUNCTION runcell_lease_json(p_lease runcell_lease) RETURNS jsonb
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_build_object('lease_id', p_lease.lease_id, 'request_id', p_lease.request_id,
+                              'workload', p_lease.workload,
+                              'fencing_token', p_lease.fencing_token)
+$$;
+
 -- Lock the limiter row, apply a release or a withdrawal, reap what expired, and
 -- return what allocation needs. A PL/pgSQL function so that every statement after
 -- the lock reads a fresh snapshot (under READ COMMITTED a single statement would
@@ -145,11 +154,12 @@ ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS publication_id uuid;
 --           "waiting": [[request_id, workload, position, in_progress], ...] oldest
 --           first: the first max_per_workload of each workload in the order allocation
 --           serves it (runs in progress first), as no more can be granted at once,
---           "mine": the lease or queue row p_request_id already has, or null}.
+--           "mine": the lease or queue row p_request_id already has, or null:
+--           {"lease": {...}} | {"parked_lease": id} | {"queued": ms left to wait or null}}.
 -- "mine" makes a retried acquire idempotent: if the first attempt committed but its
 -- answer was lost with the connection, the retry finds what it already got.
 -- Returns NULL if the limiter row does not exist.
-CREATE OR REPLACE FUNCTION runcell_lock_v1(
+CREATE OR REPLACE FUNCTION runcell_lock_v2(
     p_limiter text,
     p_release_lease uuid,
     p_withdraw_request text,
@@ -212,14 +222,14 @@ BEGIN
     IF p_request_id IS NOT NULL THEN
         -- A lease granted to this request while it was parked belongs to the task's
         -- re-published message, never to another delivery: report it as such.
-        SELECT CASE WHEN parked THEN jsonb_build_object('parked_lease', lease_id)
-                    ELSE jsonb_build_object('lease', jsonb_build_object(
-                        'lease_id', lease_id, 'request_id', request_id, 'workload', workload,
-                        'fencing_token', fencing_token)) END
-        INTO v_mine FROM runcell_lease
-        WHERE request_id = p_request_id AND limiter = p_limiter;
+        SELECT CASE WHEN l.parked THEN jsonb_build_object('parked_lease', l.lease_id)
+                    ELSE jsonb_build_object('lease', runcell_lease_json(l)) END
+        INTO v_mine FROM runcell_lease AS l
+        WHERE l.request_id = p_request_id AND l.limiter = p_limiter;
         IF NOT FOUND THEN
-            SELECT jsonb_build_object('queued', extract(epoch FROM deadline))
+            -- A duration, never an instant: the worker's clock may differ from ours.
+            SELECT jsonb_build_object('queued',
+                       extract(epoch FROM deadline - clock_timestamp()) * 1000)
             INTO v_mine FROM runcell_queue
             WHERE request_id = p_request_id AND limiter = p_limiter;
         END IF;
@@ -233,15 +243,16 @@ END;
 $$;
 
 -- Apply an allocation decided by runcell_celery.allocation.allocate() while the
--- limiter row is still locked (same transaction as runcell_lock_v1):
+-- limiter row is still locked (same transaction as runcell_lock_v2):
 --   p_grants:  [request_id, ...] waiting requests to grant, in grant order;
 --   p_caller:  the calling request as {request_id, workload, run_id, ...} or NULL;
 --   p_caller_action: 'grant' (a lease now), 'enqueue' (wait) or NULL.
 -- Grants get fencing tokens in order, their queue rows go, and the processes that
 -- wait for them are told on channel runcell_grant (only when someone was granted:
 -- NOTIFY takes a cluster-wide lock at commit). Returns the new leases as
--- [{lease_id, request_id, workload, fencing_token}] and the caller's queue deadline.
-CREATE OR REPLACE FUNCTION runcell_apply_v1(
+-- [{lease_id, request_id, workload, fencing_token, parked}] and how long the caller
+-- may wait in the queue (wait_ms_left; a duration, so no host clock is involved).
+CREATE OR REPLACE FUNCTION runcell_apply_v2(
     p_limiter text,
     p_grants jsonb,
     p_caller jsonb,
@@ -306,9 +317,7 @@ BEGIN
             p_caller->>'parent_run_id', p_caller->>'holder_name', p_caller->>'holder_host',
             (p_caller->>'holder_pid')::integer, p_ttl_ms, v_now, v_now,
             v_now + p_ttl_ms * interval '1 millisecond')
-        RETURNING v_leases || jsonb_build_array(jsonb_build_object(
-            'lease_id', lease_id, 'request_id', request_id, 'workload', workload,
-            'fencing_token', fencing_token))
+        RETURNING v_leases || jsonb_build_array(runcell_lease_json(runcell_lease))
         INTO v_leases;
     ELSIF p_caller_action = 'enqueue' THEN
         v_deadline := v_now + (p_caller->>'wait_ms')::double precision * interval '1 millisecond';
@@ -325,7 +334,7 @@ BEGIN
 
     RETURN jsonb_build_object(
         'leases', v_leases,
-        'deadline', extract(epoch FROM v_deadline)
+        'wait_ms_left', extract(epoch FROM v_deadline - clock_timestamp()) * 1000
     );
 END;
 $$;
@@ -346,11 +355,9 @@ DECLARE
     v_lease jsonb;
     v_entry runcell_queue%ROWTYPE;
 BEGIN
-    SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
-                              'workload', workload, 'fencing_token', fencing_token)
-    INTO v_lease FROM runcell_lease
-    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
-      AND NOT parked;
+    SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
+    WHERE l.request_id = p_request_id AND l.limiter = p_limiter AND l.expires_at > v_now
+      AND NOT l.parked;
     IF FOUND THEN
         RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
     END IF;
@@ -360,11 +367,9 @@ BEGIN
     IF NOT FOUND THEN
         -- Each statement reads a new snapshot: a grant that committed between the
         -- two reads above deleted the queue row and created the lease. Look again.
-        SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
-                                  'workload', workload, 'fencing_token', fencing_token)
-        INTO v_lease FROM runcell_lease
-        WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
-          AND NOT parked;
+        SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
+        WHERE l.request_id = p_request_id AND l.limiter = p_limiter AND l.expires_at > v_now
+          AND NOT l.parked;
         IF FOUND THEN
             RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
         END IF;
@@ -375,10 +380,8 @@ BEGIN
         -- just before the deadline may be writing our lease right now. Once we hold
         -- the lock it has committed; if it granted us, the grant wins.
         PERFORM 1 FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
-        SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
-                                  'workload', workload, 'fencing_token', fencing_token)
-        INTO v_lease FROM runcell_lease
-        WHERE request_id = p_request_id AND limiter = p_limiter AND NOT parked;
+        SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
+        WHERE l.request_id = p_request_id AND l.limiter = p_limiter AND NOT l.parked;
         IF FOUND THEN
             RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
         END IF;
@@ -422,11 +425,9 @@ BEGIN
     IF FOUND THEN
         RETURN jsonb_build_object('status', 'parked');
     END IF;
-    SELECT jsonb_build_object('lease_id', lease_id, 'request_id', request_id,
-                              'workload', workload, 'fencing_token', fencing_token)
-    INTO v_lease FROM runcell_lease
-    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > clock_timestamp()
-      AND NOT parked;
+    SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
+    WHERE l.request_id = p_request_id AND l.limiter = p_limiter
+      AND l.expires_at > clock_timestamp() AND NOT l.parked;
     IF FOUND THEN
         RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
     END IF;

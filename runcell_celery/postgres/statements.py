@@ -36,26 +36,26 @@ WHERE name = %(name)s
 """
 
 # An allocation transaction is two round trips: these statements are sent together
-# as one simple-query message (client-side binding, see limiter._Transaction).
+# as one simple-query message (client-side binding, see transaction.py).
 
 #: Round trip 1: start the transaction and take the limiter row's lock.
 BEGIN_AND_LOCK: LiteralString = """
 BEGIN;
-SELECT runcell_lock_v1(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
+SELECT runcell_lock_v2(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
                        %(request_id)s, %(max_per_workload)s)
 """
 
 #: A release or withdrawal that finds nobody to grant is done in this one round trip.
 LOCK_AND_COMMIT: LiteralString = """
 BEGIN;
-SELECT runcell_lock_v1(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
+SELECT runcell_lock_v2(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
                        %(request_id)s, %(max_per_workload)s);
 COMMIT
 """
 
 #: Round trip 2: write the decision and commit.
 APPLY_AND_COMMIT: LiteralString = """
-SELECT runcell_apply_v1(%(limiter)s, %(grants)s, %(caller)s, %(caller_action)s,
+SELECT runcell_apply_v2(%(limiter)s, %(grants)s, %(caller)s, %(caller_action)s,
                         %(ttl_ms)s, %(queue_ttl_ms)s);
 COMMIT
 """
@@ -115,13 +115,14 @@ RETURNING limiter, request_id, workload, run_id, root_run_id, parent_run_id, hol
           payload::text
 """
 
-#: Record a run's first start (or read it back on redelivery) in database time.
+#: Record a run's first start (or read it back on redelivery) in database time, and
+#: answer with the milliseconds left in its budget (a duration: no host clock involved).
 FIRST_START: LiteralString = """
 INSERT INTO runcell_run (run_id, first_started_at, deadline)
 VALUES (%(run_id)s, clock_timestamp(),
         clock_timestamp() + %(timeout_ms)s * interval '1 millisecond')
 ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
-RETURNING extract(epoch FROM deadline)::float8, extract(epoch FROM clock_timestamp())::float8
+RETURNING (extract(epoch FROM deadline - clock_timestamp()) * 1000)::float8
 """
 
 #: Add a batch of counts (one row per task name and limiter) in one statement.
@@ -173,6 +174,47 @@ UNION ALL
 SELECT 'queued', workload, count(*) FROM runcell_queue
 WHERE limiter = %(limiter)s AND expires_at > clock_timestamp() AND granted_lease_id IS NULL
 GROUP BY workload
+"""
+
+#: Expire leases now (force release), so the next allocation pass reaps them like a
+#: crashed holder's (a parked task's grant goes back in line) and renewals fail.
+EXPIRE_LEASES: LiteralString = """
+UPDATE runcell_lease SET expires_at = clock_timestamp()
+WHERE lease_id = ANY(%(lease_ids)s::uuid[]) AND expires_at > clock_timestamp()
+RETURNING lease_id::text, limiter, workload, request_id, fencing_token, run_id, root_run_id,
+          parent_run_id, holder_name
+"""
+
+#: The limits stored for every limiter (or the named ones).
+STORED_LIMITS: LiteralString = """
+SELECT name, config FROM runcell_limiter
+WHERE %(names)s::text[] IS NULL OR name = ANY(%(names)s::text[])
+ORDER BY name
+"""
+
+#: Per limiter: its configured workloads, slots held and requests queued (waiting or
+#: parked, not granted) per workload, and how long the oldest of those has waited.
+#: The counts are those of ``STATS`` (the limiter's own view), for every limiter at once.
+LIMITER_STATES: LiteralString = """
+SELECT l.name,
+       (SELECT coalesce(jsonb_agg(w ORDER BY w), '[]'::jsonb)
+        FROM jsonb_object_keys(l.config -> 'workloads') AS w),
+       (SELECT coalesce(jsonb_object_agg(held.workload, held.n), '{}'::jsonb)
+        FROM (SELECT workload, count(*) AS n FROM runcell_lease AS a
+              WHERE a.limiter = l.name AND a.expires_at > clock_timestamp()
+              GROUP BY workload) AS held),
+       (SELECT coalesce(jsonb_object_agg(waiting.workload, waiting.n), '{}'::jsonb)
+        FROM (SELECT workload, count(*) AS n FROM runcell_queue AS q
+              WHERE q.limiter = l.name AND q.granted_lease_id IS NULL
+                AND q.expires_at > clock_timestamp()
+              GROUP BY workload) AS waiting),
+       (SELECT extract(epoch FROM clock_timestamp() - min(q.enqueued_at)) * 1000
+        FROM runcell_queue AS q
+        WHERE q.limiter = l.name AND q.granted_lease_id IS NULL
+          AND q.expires_at > clock_timestamp())::float8
+FROM runcell_limiter AS l
+WHERE %(names)s::text[] IS NULL OR l.name = ANY(%(names)s::text[])
+ORDER BY l.name
 """
 
 NOTIFY_SELF_CHECK: LiteralString = "SELECT pg_notify('runcell_grant', %(payload)s)"

@@ -2,10 +2,10 @@
 
 Two round trips, both sent as one simple-query message with client-side binding:
 
-1. ``BEGIN`` + ``runcell_lock_v1``: take the limiter row's lock, apply a release or a
+1. ``BEGIN`` + ``runcell_lock_v2``: take the limiter row's lock, apply a release or a
    withdrawal, reap what expired, read the slots held per workload and the oldest
    waiters;
-2. ``runcell_apply_v1`` + ``COMMIT``: write the decision (leases with fencing
+2. ``runcell_apply_v2`` + ``COMMIT``: write the decision (leases with fencing
    tokens, the caller's queue row), notifying processes whose waiters were granted.
 
 Between them :func:`runcell_celery.allocation.allocate` decides in Python — the same
@@ -75,7 +75,9 @@ class Decision:
 
     lease: Lease | None = None
     queued: bool = False
-    deadline: float | None = None
+    #: How long the caller may wait in the queue, in ms measured by the database when
+    #: it answered (``None``: no limit). A duration, so no host clock is involved.
+    wait_ms_left: float | None = None
     refused: Literal["queue-full", "no-wait"] | None = None
     #: The request already has a lease granted while it was parked: it belongs to
     #: the task's re-published message, not to this caller.
@@ -178,7 +180,7 @@ def allocation_transaction(
             elif "parked_lease" in mine:
                 decision.parked_lease = True
             else:
-                decision.queued, decision.deadline = True, mine["queued"]
+                decision.queued, decision.wait_ms_left = True, mine["queued"]
             return decision
         waiting = _waiting(state)
         if caller is not None:
@@ -225,7 +227,7 @@ def allocation_transaction(
             if lease["request_id"] == caller.request.request_id:
                 decision.lease = limits.lease(lease)
         decision.queued = action == "enqueue"
-        decision.deadline = applied["deadline"]
+        decision.wait_ms_left = applied["wait_ms_left"]
     return decision
 
 

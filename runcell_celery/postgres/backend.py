@@ -1,0 +1,325 @@
+"""The PostgreSQL backend: the one port the Celery and Django layers use.
+
+A :class:`PostgresBackend` is built once per registry and process from the
+``DATABASE`` setting and the ``RUNCELL["POSTGRES"]`` section (it validates that section
+itself into :class:`~runcell_celery.postgres.PostgresOptions`). It owns one
+:class:`~.connection.Database` (one pool per process): every limiter it creates and
+every store call shares it. Besides limiters it offers the stores of
+:mod:`runcell_celery.ports` (first starts, revocations, admission counters, parked
+tasks) and what an operator's dashboard needs (live state, stored limits, force
+release), so no other layer reads or writes the ``runcell_*`` tables itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ..config import LimiterConfig
+from ..errors import ConcurrencyConfigError, ConcurrencyLimiterError
+from ..ports import AdmissionCount, ExpiredParked, Republish
+from ..protocol import LimiterStats, WorkloadStats
+from . import statements
+from .connection import Database, fetch_all, redacted
+from .limiter import PostgresConcurrencyLimiter
+from .listener import get_listener
+from .options import PostgresOptions
+
+__all__ = ["LimiterState", "PostgresBackend", "ReleasedLease"]
+
+logger = logging.getLogger("runcell_celery.postgres")
+
+_COUNT_FIELDS = (
+    "deliveries",
+    "deferrals",
+    "provider_attempts",
+    "provider_failures",
+    "concurrency_failures",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasedLease:
+    """A lease an operator took back with :meth:`PostgresBackend.force_release`."""
+
+    lease_id: str
+    limiter: str
+    workload: str
+    request_id: str
+    fencing_token: int
+    run_id: str | None
+    root_run_id: str | None
+    parent_run_id: str | None
+    holder_name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterState:
+    """One limiter's live counts, read in database time.
+
+    :param workloads: the workloads of its stored limits (each appears in the counts'
+        keys of :meth:`stats` even when idle).
+    :param active: slots held per workload (expired leases not counted).
+    :param queued: requests waiting per workload: waiting or parked, not yet granted.
+    :param oldest_wait_ms: how long the oldest of those has waited; ``None``: none waits.
+    """
+
+    limiter: str
+    workloads: tuple[str, ...]
+    active: Mapping[str, int] = field(default_factory=dict)
+    queued: Mapping[str, int] = field(default_factory=dict)
+    oldest_wait_ms: float | None = None
+
+    @property
+    def total_active(self) -> int:
+        return sum(self.active.values())
+
+    @property
+    def total_queued(self) -> int:
+        return sum(self.queued.values())
+
+    def stats(self) -> LimiterStats:
+        """The same counts as the limiter's own :meth:`~PostgresConcurrencyLimiter.stats`."""
+        names = list(self.workloads)
+        names += [w for counts in (self.active, self.queued) for w in counts if w not in names]
+        return LimiterStats(
+            active=self.total_active,
+            queued=self.total_queued,
+            workloads={
+                w: WorkloadStats(active=self.active.get(w, 0), queued=self.queued.get(w, 0))
+                for w in names
+            },
+        )
+
+
+class PostgresBackend:
+    """Limiters and stores on one PostgreSQL database, sharing one pool per process.
+
+    :param database: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool` the
+        caller owns. ``None`` builds a backend that only checked its options: any call
+        that needs the database raises :class:`~runcell_celery.errors.ConcurrencyConfigError`.
+    :param options: the ``RUNCELL["POSTGRES"]`` section (see :class:`PostgresOptions`).
+    :param path: how the settings spell that section, for error messages.
+    :raises ConcurrencyConfigError: an option is unknown or invalid (naming
+        ``path["option"]`` and the value).
+    :raises TypeError: ``database`` is neither a DSN nor a pool.
+    """
+
+    def __init__(
+        self,
+        *,
+        database: str | ConnectionPool[Any] | None,
+        options: Mapping[str, Any] = {},
+        path: str = 'RUNCELL["POSTGRES"]',
+    ) -> None:
+        self._init(database, PostgresOptions.from_mapping(options, path=path))
+
+    @classmethod
+    def from_options(
+        cls, database: str | ConnectionPool[Any], options: PostgresOptions
+    ) -> PostgresBackend:
+        """Build from options already validated (``create_postgres_concurrency_limiter``)."""
+        backend = cls.__new__(cls)
+        backend._init(database, options)
+        return backend
+
+    def _init(self, database: str | ConnectionPool[Any] | None, options: PostgresOptions) -> None:
+        self.options = options
+        self._db: Database | None = None
+        if database is not None:
+            self._db = Database(
+                database,
+                pool_max_size=options.pool_max_size,
+                timeout=options.connect_timeout_ms / 1000,
+            )
+
+    def __repr__(self) -> str:
+        where = "no database" if self._db is None else redacted(self._db.conninfo)
+        return f"<PostgresBackend {where}>"
+
+    @property
+    def pool(self) -> ConnectionPool[Any]:
+        """This process's connection pool (every limiter and store call uses it)."""
+        return self._database().pool
+
+    # -- limiters ---------------------------------------------------------------------
+
+    def create_limiter(self, config: LimiterConfig) -> PostgresConcurrencyLimiter:
+        """Build a limiter on this backend's pool; store its limits or check the stored.
+
+        :raises ConcurrencyConfigError: the stored limits differ
+            (``on_conflict="error"``), or the tables are missing and ``ensure_schema``
+            is off.
+        :raises ConcurrencyLimiterError: the database failed.
+        """
+        limiter = PostgresConcurrencyLimiter(self._database(), config, self.options)
+        limiter.register(ensure=self.options.ensure_schema, on_conflict=self.options.on_conflict)
+        return limiter
+
+    def close(self) -> None:
+        """Release what this backend owns in this process: nothing to close.
+
+        A pool made from a DSN is shared by every backend and limiter on that database
+        in this process (and lives as long as it); a caller's pool belongs to the
+        caller. The grant listener is per process and database too.
+        """
+
+    # -- RunStore ---------------------------------------------------------------------
+
+    def first_start(self, run_id: str, timeout_ms: float) -> float:
+        """Record the run's first start (or find it); return the ms left in its budget.
+
+        A redelivered or re-published run finds the deadline of its first start, so
+        its budget is never restarted. The answer is computed by the database (its
+        deadline minus its clock), so this host's clock does not shift it.
+        """
+        params = {"run_id": run_id, "timeout_ms": timeout_ms}
+        return float(self._fetch(statements.FIRST_START, params)[0][0])
+
+    # -- RevocationStore --------------------------------------------------------------
+
+    def add_revoked(self, run_ids: Sequence[str]) -> int:
+        """Record revoked runs; return how many were new."""
+        if not run_ids:
+            return 0
+        return len(self._fetch(statements.ADD_REVOKED, {"run_ids": list(run_ids)}))
+
+    def revoked_among(self, run_ids: Iterable[str]) -> set[str]:
+        """Return those of ``run_ids`` that any worker recorded as revoked."""
+        ids = list(run_ids)
+        if not ids:
+            return set()
+        return {row[0] for row in self._fetch(statements.REVOKED_AMONG, {"run_ids": ids})}
+
+    def purge_revoked(self, keep_ms: int) -> int:
+        """Forget revocations older than ``keep_ms``; return how many went."""
+        return len(self._fetch(statements.PURGE_REVOKED, {"keep_ms": keep_ms}))
+
+    # -- CounterStore -----------------------------------------------------------------
+
+    def add_counts(self, counts: Sequence[AdmissionCount]) -> None:
+        """Add a batch of counts to the fleet-wide totals, in one statement."""
+        if not counts:
+            return
+        params: dict[str, list[Any]] = {
+            "task_names": [c.task_name for c in counts],
+            "limiters": [c.limiter for c in counts],
+        }
+        for name in _COUNT_FIELDS:
+            params[name] = [getattr(c, name) for c in counts]
+        self._fetch(statements.ADD_ADMISSION_COUNTS, params)
+
+    def admission_counts(self) -> list[AdmissionCount]:
+        """Every worker's counts summed, per task name and limiter."""
+        return [AdmissionCount(*row) for row in self._fetch(statements.ADMISSION_COUNTS)]
+
+    # -- ParkingStore -----------------------------------------------------------------
+
+    def claim_republish(self, lease_ids: Sequence[str] = (), *, stale_ms: int) -> list[Republish]:
+        """Take the right to publish these grants (and any left unpublished past
+        ``stale_ms``); exactly one caller gets each (see :mod:`.parking`)."""
+        params = {"lease_ids": list(lease_ids), "stale_ms": stale_ms}
+        return [Republish(*row) for row in self._fetch(statements.CLAIM_REPUBLISH, params)]
+
+    def take_expired_parked(self) -> list[ExpiredParked]:
+        """Remove parked requests whose deadline passed; return them to be failed."""
+        return [ExpiredParked(*row) for row in self._fetch(statements.TAKE_EXPIRED_PARKED)]
+
+    def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
+        """Call ``handler(limiter, request_ids)`` when any process grants parked
+        requests: hooks this process's ``LISTEN`` connection (started if need be)."""
+        get_listener(self._database()).parked_handlers.append(handler)
+
+    # -- operators ----------------------------------------------------------------------
+
+    def force_release(self, lease_ids: Sequence[str]) -> list[ReleasedLease]:
+        """Take slots back from their holders now and give them to the next waiters.
+
+        The leases are expired in database time, then each affected limiter runs an
+        allocation pass with its stored limits, exactly as when a crashed holder's
+        lease runs out: a parked task's grant goes back in line, waiters are granted
+        by the allocation rules. The holder finds out at its next renewal and its
+        provider call is aborted; until then the fencing token protects the provider.
+
+        :returns: the leases released (those already gone are left out).
+        """
+        params = {"lease_ids": [str(lease_id) for lease_id in lease_ids]}
+        released = [ReleasedLease(*row) for row in self._fetch(statements.EXPIRE_LEASES, params)]
+        self.reap(sorted({lease.limiter for lease in released}))
+        return released
+
+    def reap(self, limiter_names: Sequence[str]) -> None:
+        """Run one allocation pass on each named limiter, with its stored limits.
+
+        Any worker's next allocation would do it too; doing it now hands freed slots
+        to waiters at once. A limiter that fails is logged and the others still run.
+        """
+        if not limiter_names:
+            return
+        database = self._database()
+        for name, config in self.stored_limits(limiter_names).items():
+            quiet = PostgresOptions(
+                poll_interval_ms=self.options.poll_interval_ms,
+                queue_entry_ttl_ms=self.options.queue_entry_ttl_ms,
+                listen=False,
+            )
+            try:
+                PostgresConcurrencyLimiter(database, config, quiet).reap()
+            except Exception:
+                logger.exception("runcell: an allocation pass on %r failed", name)
+
+    def stored_limits(self, names: Sequence[str] | None = None) -> dict[str, LimiterConfig]:
+        """The limits stored for each limiter (or the named ones), by name.
+
+        A row whose stored limits no longer parse (written by another version) is
+        left out and logged.
+        """
+        params = {"names": None if names is None else list(names)}
+        found: dict[str, LimiterConfig] = {}
+        for name, stored in self._fetch(statements.STORED_LIMITS, params):
+            try:
+                found[name] = LimiterConfig.from_mapping(stored, name=name)
+            except ConcurrencyConfigError as exc:
+                logger.warning("runcell: the stored limits of %r are unreadable: %s", name, exc)
+        return found
+
+    def limiter_states(self, names: Sequence[str] | None = None) -> dict[str, LimiterState]:
+        """Live counts of every stored limiter (or the named ones), in one query."""
+        params = {"names": None if names is None else list(names)}
+        return {
+            name: LimiterState(
+                limiter=name,
+                workloads=tuple(workloads),
+                active={w: int(n) for w, n in active.items()},
+                queued={w: int(n) for w, n in queued.items()},
+                oldest_wait_ms=None if oldest is None else float(oldest),
+            )
+            for name, workloads, active, queued, oldest in self._fetch(
+                statements.LIMITER_STATES, params
+            )
+        }
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _database(self) -> Database:
+        if self._db is None:
+            raise ConcurrencyConfigError(
+                "the PostgreSQL backend has no database: set DATABASE to a PostgreSQL DSN "
+                "(or, with Django, a database alias)"
+            )
+        return self._db
+
+    def _fetch(
+        self, query: LiteralString, params: Mapping[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        """Run one statement on a pooled connection; fail closed on database errors."""
+        try:
+            with self._database().connection() as conn:
+                return fetch_all(conn, query, params)
+        except (psycopg.Error, PoolTimeout) as exc:
+            raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
