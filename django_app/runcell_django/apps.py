@@ -1,5 +1,4 @@
 from django.apps import AppConfig
-from django.db.models.signals import post_migrate
 from django.utils.translation import gettext_lazy as _
 
 
@@ -18,10 +17,8 @@ class RunCellConfig(AppConfig):
         """
         from . import conf
         from .recorder import start_recorder
-        from .schema import update_limiter_schema
 
         conf.validate()
-        post_migrate.connect(update_limiter_schema, sender=self)
         try:
             from runcell_celery.celery import set_settings_provider
         except ImportError:  # Celery is optional

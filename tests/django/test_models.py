@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import socket
@@ -10,7 +9,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection, models
@@ -22,7 +20,7 @@ from runcell_celery import (
     RunLineage,
 )
 from runcell_celery.celery.counters import AdmissionCounters
-from runcell_celery.postgres import PostgresConcurrencyLimiter, postgres_concurrency_schema_sql
+from runcell_celery.postgres import PostgresConcurrencyLimiter
 from runcell_celery.postgres.connection import Database
 from runcell_django.models import (
     AdmissionCount,
@@ -32,7 +30,6 @@ from runcell_django.models import (
     QueueEntry,
 )
 from tests.conftest import wait_until
-from tests.support.pg import create_database, drop_database
 
 pytestmark = pytest.mark.django_db
 
@@ -222,36 +219,6 @@ def test_the_event_table_has_the_indexes_the_admin_uses() -> None:
         "runcell_event_for_request",
     }
     assert names <= set(constraints)
-
-
-def test_the_schema_migration_undoes_everything_it_creates() -> None:
-    migration = importlib.import_module("runcell_django.migrations.0001_initial")
-    dsn = create_database("runcell_migration")
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(postgres_concurrency_schema_sql().encode())
-            conn.execute(migration.CREATE_ADMISSION_VIEW)
-            conn.execute(migration.DROP_ADMISSION_VIEW)
-            conn.execute(migration.DROP_LIMITER_SCHEMA)
-            left = conn.execute(
-                "SELECT relname FROM pg_class WHERE relname LIKE 'runcell%' "
-                "UNION ALL SELECT proname FROM pg_proc WHERE proname LIKE 'runcell%'"
-            ).fetchall()
-        assert left == []
-    finally:
-        drop_database(dsn)
-
-
-@pytest.mark.django_db(transaction=True)
-def test_migrate_brings_the_limiter_schema_up_to_the_installed_version() -> None:
-    from runcell_celery.postgres.schema import schema_checksum
-
-    with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM runcell_schema")  # as if an older version made it
-    call_command("migrate", "runcell_django", verbosity=0)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT checksum FROM runcell_schema")
-        assert [row[0] for row in cursor.fetchall()] == [schema_checksum()]
 
 
 @pytest.mark.django_db(transaction=True)
