@@ -3,73 +3,58 @@
 The same shape serves ``app.conf.runcell`` and Django's ``settings.RUNCELL``::
 
     {
+        "BACKEND": "postgres",                   # or "memory" (one process)
         "DATABASE": "postgresql://app@db/app",   # a DSN (Django: also an alias)
         "LIMITERS": {"claude": {"max_concurrent": 8, "workloads": {...}}},
-        "POSTGRES": {"poll_interval_ms": 100},  # options of the PostgreSQL limiter
+        "POSTGRES": {"poll_interval_ms": 100},  # the PostgreSQL backend's own options
     }
 
-Settings are validated when the registry is configured (every limiter's limits
-through :class:`~runcell_celery.config.LimiterConfig`, errors naming the settings
-path), but limiters are created lazily, on first use in each process: a Celery
-prefork parent that configures the registry never opens a connection its children
-would inherit. Limiters can also be registered in code.
+Settings are validated when the registry is configured: every limiter's limits
+through :class:`~runcell_celery.config.LimiterConfig` and the backend's own section
+by the backend class (:data:`runcell_celery.backends.BACKENDS`), errors naming the
+settings path. The backend and the limiters are created lazily, once per process
+(:class:`~runcell_celery.background.ProcessLocal`): a Celery prefork parent that
+configures the registry never opens a connection its children would inherit.
+Limiters can also be registered in code.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
+from .backends import NEEDS_DATABASE, load_backend
+from .background import ProcessLocal
 from .config import LimiterConfig
 from .errors import ConcurrencyConfigError
-from .memory import InMemoryConcurrencyLimiter
-from .protocol import ConcurrencyLimiter
+from .hints import did_you_mean
+from .ports import Backend, BackendFactory
+from .protocol import ConcurrencyLimiter, SupportsConfig, supports
 
 __all__ = ["LimiterRegistry"]
 
 _SETTINGS_KEYS = ("DATABASE", "LIMITERS", "POSTGRES", "BACKEND", "EVENTS")
-_POSTGRES_KEYS = (
-    "poll_interval_ms",
-    "queue_entry_ttl_ms",
-    "ensure_schema",
-    "on_conflict",
-    "listen",
-    "pool_max_size",
-    "connect_timeout_ms",
-)
-_BACKENDS = ("postgres", "memory")
 
 LimiterFactory = Callable[[], ConcurrencyLimiter]
-
-
-def _hint(value: str, choices: Any) -> str:
-    options = sorted(str(c) for c in choices)
-    close = difflib.get_close_matches(value, options, n=1)
-    return (
-        (f"did you mean {close[0]!r}? " if close else "")
-        + "valid: "
-        + ", ".join(repr(o) for o in options)
-    )
 
 
 class LimiterRegistry:
     """Named limiters for one application.
 
     :param resolve_database: turns the ``DATABASE`` setting into a DSN (the Django
-        app passes one that accepts database aliases).
+        app passes one that accepts database aliases). Called when the backend is
+        built in a process, never at configuration time.
     """
 
     def __init__(self, *, resolve_database: Callable[[str], str] | None = None) -> None:
         self._resolve_database = resolve_database or (lambda value: value)
         self._configs: dict[str, LimiterConfig] = {}
         self._factories: dict[str, LimiterFactory] = {}
-        self._instances: dict[tuple[int, str], ConcurrencyLimiter] = {}
+        self._instances: ProcessLocal[dict[str, ConcurrencyLimiter]] = ProcessLocal(dict)
         self._lock = threading.Lock()
         self._database: str | None = None
-        self._postgres_options: dict[str, Any] = {}
+        self._backend: ProcessLocal[Backend] | None = None
         self._on_create: list[Callable[[ConcurrencyLimiter], None]] = []
         self.settings_path = "RUNCELL"
 
@@ -84,52 +69,62 @@ class LimiterRegistry:
             raise ConcurrencyConfigError(f"{path} = {settings!r} is invalid: must be a dict")
         for key in settings:
             if key not in _SETTINGS_KEYS:
-                hint = _hint(str(key), _SETTINGS_KEYS)
+                hint = did_you_mean(str(key), _SETTINGS_KEYS)
                 raise ConcurrencyConfigError(f'{path}["{key}"] is invalid: unknown setting; {hint}')
-        backend = settings.get("BACKEND", "postgres")
-        if backend not in _BACKENDS:
+        name = settings.get("BACKEND", "postgres")
+        factory = load_backend(name, setting=f'{path}["BACKEND"]')
+        database = settings.get("DATABASE") if name in NEEDS_DATABASE else None
+        has_database = isinstance(database, str) and bool(database)
+        if name in NEEDS_DATABASE and settings.get("LIMITERS") and not has_database:
             raise ConcurrencyConfigError(
-                f'{path}["BACKEND"] = {backend!r} is invalid: {_hint(str(backend), _BACKENDS)}'
+                f'{path}["DATABASE"] = {database!r} is invalid: the PostgreSQL limiter '
+                'needs a DSN (or, with Django, a database alias); set "BACKEND": "memory" '
+                "for limiters that live in one process"
             )
-        database = settings.get("DATABASE")
-        needs_database = backend == "postgres" and settings.get("LIMITERS")
-        if needs_database and (not isinstance(database, str) or not database):
-            raise ConcurrencyConfigError(
-                f'{path}["DATABASE"] = {database!r} is invalid: the PostgreSQL limiter needs '
-                'a DSN (or, with Django, a database alias); set "BACKEND": "memory" for '
-                "limiters that live in one process"
-            )
-        postgres = settings.get("POSTGRES", {})
-        if not isinstance(postgres, Mapping):
-            raise ConcurrencyConfigError(
-                f'{path}["POSTGRES"] = {postgres!r} is invalid: must be a dict'
-            )
-        for key in postgres:
-            if key not in _POSTGRES_KEYS:
-                raise ConcurrencyConfigError(
-                    f'{path}["POSTGRES"]["{key}"] is invalid: unknown option; '
-                    f"{_hint(str(key), _POSTGRES_KEYS)}"
-                )
+        section = str(name).upper()
+        options = settings.get(section, {})
+        options_path = f'{path}["{section}"]'
+        # The backend checks its own section now; it is built for real once per process.
+        factory(database=None, options=options, path=options_path)
         limiters = settings.get("LIMITERS", {})
         if not isinstance(limiters, Mapping):
             raise ConcurrencyConfigError(
                 f'{path}["LIMITERS"] = {limiters!r} is invalid: must be a dict'
             )
         configs = {
-            name: LimiterConfig.from_mapping(
-                options, name=name, path=f'{path}["LIMITERS"]["{name}"]'
+            limiter: LimiterConfig.from_mapping(
+                limits, name=limiter, path=f'{path}["LIMITERS"]["{limiter}"]'
             )
-            for name, options in limiters.items()
+            for limiter, limits in limiters.items()
         }
+        backend: ProcessLocal[Backend] | None = None
+        if name not in NEEDS_DATABASE or has_database:
+            backend = ProcessLocal(self._backend_maker(factory, database, options, options_path))
         with self._lock:
+            previous = self._backend
             self.settings_path = path
             self._configs = configs
-            self._database = database if backend == "postgres" else None
-            self._postgres_options = dict(postgres)
+            self._database = database
+            self._backend = backend
             self._factories = {
-                name: factory for name, factory in self._factories.items() if name not in configs
+                limiter: made for limiter, made in self._factories.items() if limiter not in configs
             }
-            self._instances.clear()
+            self._instances = ProcessLocal(dict)
+        if previous is not None and (made := previous.peek()) is not None:
+            made.close()
+
+    def _backend_maker(
+        self,
+        factory: BackendFactory,
+        database: str | None,
+        options: Mapping[str, Any],
+        path: str,
+    ) -> Callable[[], Backend]:
+        def make() -> Backend:
+            dsn = None if database is None else self._resolve_database(database)
+            return factory(database=dsn, options=options, path=path)
+
+        return make
 
     def register(
         self, limiter: ConcurrencyLimiter | LimiterFactory, *, name: str | None = None
@@ -147,7 +142,7 @@ class LimiterRegistry:
         with self._lock:
             self._factories[name] = factory
             self._configs.pop(name, None)
-            self._instances = {k: v for k, v in self._instances.items() if k[1] != name}
+            self._instances.get().pop(name, None)
 
     def on_create(self, hook: Callable[[ConcurrencyLimiter], None]) -> None:
         """Call ``hook`` on every limiter this registry creates (e.g. to wire a publisher)."""
@@ -155,19 +150,27 @@ class LimiterRegistry:
 
     # -- lookup -----------------------------------------------------------------------
 
+    @property
+    def backend(self) -> Backend | None:
+        """This process's backend, built on first use; ``None`` when the registry was
+        not configured from settings, or its backend lacks the ``DATABASE`` it needs."""
+        backend = self._backend
+        return None if backend is None else backend.get()
+
     def names(self) -> list[str]:
         with self._lock:
             return sorted({*self._configs, *self._factories})
 
     def config(self, name: str) -> LimiterConfig | None:
-        """The limits of a configured limiter (``None`` for one registered in code)."""
+        """The limits of a configured limiter (``None`` for one registered in code
+        whose limiter does not declare its limits)."""
         self.require(name)
         with self._lock:
             config = self._configs.get(name)
-        if config is None:
-            found = getattr(self.get(name), "config", None)
-            return found if isinstance(found, LimiterConfig) else None
-        return config
+        if config is not None:
+            return config
+        limiter = self.get(name)
+        return cast(SupportsConfig, limiter).config if supports(limiter, SupportsConfig) else None
 
     def require(self, name: str) -> None:
         """Raise :class:`ConcurrencyConfigError` unless ``name`` is a known limiter."""
@@ -175,12 +178,9 @@ class LimiterRegistry:
             known = name in self._configs or name in self._factories
             names = sorted({*self._configs, *self._factories})
         if not known:
-            choices = ", ".join(repr(n) for n in names) or "none configured"
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConcurrencyConfigError(
                 f'no limiter named {name!r} in {self.settings_path}["LIMITERS"]; '
-                f"{hint}known: {choices}",
+                f"{did_you_mean(name, names, label='known')}",
                 limiter=name,
             )
 
@@ -192,19 +192,17 @@ class LimiterRegistry:
 
     def get(self, name: str) -> ConcurrencyLimiter:
         """Return this process's limiter called ``name``, creating it on first use."""
-        key = (os.getpid(), name)
-        limiter = self._instances.get(key)
+        instances = self._instances.get()
+        limiter = instances.get(name)
         if limiter is not None:
             return limiter
         self.require(name)
         with self._lock:
-            limiter = self._instances.get(key)
+            instances = self._instances.get()
+            limiter = instances.get(name)
+            created = limiter is None
             if limiter is None:
-                limiter = self._create(name)
-                self._instances[key] = limiter
-                created = True
-            else:
-                created = False
+                limiter = instances[name] = self._create(name)
         if created:
             for hook in self._on_create:
                 hook(limiter)
@@ -216,16 +214,10 @@ class LimiterRegistry:
         return None if self._database is None else self._resolve_database(self._database)
 
     def _create(self, name: str) -> ConcurrencyLimiter:
+        """Build a limiter (the registry's lock is held)."""
         factory = self._factories.get(name)
         if factory is not None:
             return factory()
-        config = self._configs[name]
-        if self._database is None:
-            return InMemoryConcurrencyLimiter(config)
-        from .postgres import create_postgres_concurrency_limiter
-
-        limits = {k: v for k, v in config.to_dict().items() if k != "workloads"}
-        limits["workloads"] = {n: w.to_dict() for n, w in config.workloads.items()}
-        return create_postgres_concurrency_limiter(
-            self._resolve_database(self._database), **limits, **self._postgres_options
-        )
+        backend = self._backend
+        assert backend is not None, "configure() refuses limiters without their backend"
+        return backend.get().create_limiter(self._configs[name])
