@@ -28,8 +28,9 @@ from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from . import conf, operations
+from . import conf
 from .filters import LimiterFilter, QueueStateFilter, WorkloadFilter
+from .force_release import force_release as release_leases
 from .managers import LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import (
     EVENTS_DROPPED,
@@ -286,7 +287,7 @@ class LeaseAdmin(ReadOnlyAdmin):
         if request.POST.get("post") == "yes":
             if not self.has_force_release_permission(request):
                 raise PermissionDenied
-            released = operations.force_release(
+            released = release_leases(
                 [str(lease.lease_id) for lease in queryset], actor=request.user.get_username()
             )
             self.message_user(

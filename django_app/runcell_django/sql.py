@@ -3,8 +3,8 @@
 Parameters are always bound (``%(name)s`` or ``%s``), never formatted into the text.
 Reads compare with ``statement_timestamp()``, as Django's ``Now()`` does: unlike the
 limiter's ``clock_timestamp()`` it is stable within a statement, so ranges on it use
-indexes, and unlike ``now()`` it is not the start of a long transaction. The one write
-to the limiter's state (force release) uses ``clock_timestamp()``, as the limiter does.
+indexes, and unlike ``now()`` it is not the start of a long transaction. Nothing here
+writes the limiter's tables: force release is the backend's.
 Every query here is bounded by an index: the limiter's own (``runcell_lease_for_counts``,
 ``runcell_queue_for_allocation``) or this app's (``runcell_event_for_stats``,
 ``runcell_event_for_type``, ``runcell_occupancy_for_chart``).
@@ -127,15 +127,4 @@ PURGE_OCCUPANCY: LiteralString = """
 DELETE FROM runcell_occupancy WHERE id IN (
     SELECT id FROM runcell_occupancy WHERE sampled_at < %(before)s LIMIT %(limit)s
 )
-"""
-
-# -- force release --------------------------------------------------------------------
-
-#: Expire leases now, so the next allocation pass reaps them like crashed holders' (a
-#: parked task's grant goes back in line) and their holders' renewals fail.
-EXPIRE_LEASES: LiteralString = """
-UPDATE runcell_lease SET expires_at = clock_timestamp()
-WHERE lease_id = ANY(%(lease_ids)s::uuid[]) AND expires_at > clock_timestamp()
-RETURNING lease_id::text, limiter, workload, request_id, fencing_token, run_id, root_run_id,
-          parent_run_id, holder_name
 """

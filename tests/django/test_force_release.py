@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
-from django.test import Client
+from django.test import Client, override_settings
 
-from runcell_celery import ConcurrencyLeaseLostError, run, slot
+from runcell_celery import ConcurrencyConfigError, ConcurrencyLeaseLostError, run, slot
 from runcell_celery.postgres import PostgresConcurrencyLimiter
+from runcell_django.force_release import force_release
 from runcell_django.models import ConcurrencyEvent, Lease
 from tests.conftest import EventRecorder, wait_until
 
@@ -86,3 +87,13 @@ def test_force_release_confirms_then_hands_the_slot_on_and_records_who_did_it(
         for thread in threads:
             thread.join(20)
     assert outcomes["next"] is None
+
+
+def test_force_release_without_the_postgresql_backend_says_what_to_configure() -> None:
+    memory = {"BACKEND": "memory", "LIMITERS": {"claude": {"max_concurrent": 1}}}
+    with (
+        override_settings(RUNCELL=memory),
+        pytest.raises(ConcurrencyConfigError, match="needs the PostgreSQL backend"),
+    ):
+        force_release(["00000000-0000-0000-0000-000000000000"], actor="admin")
+    assert not ConcurrencyEvent.objects.exists()

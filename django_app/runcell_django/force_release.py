@@ -1,0 +1,90 @@
+"""Force release: an operator takes stuck slots back, and the app records who did it.
+
+The limiter's tables belong to the limiter: the release itself is the PostgreSQL
+backend's (:meth:`runcell_celery.postgres.PostgresBackend.force_release`). This app
+only writes its own audit events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+
+from django.db import router, transaction
+from django.utils import timezone
+
+from runcell_celery import ConcurrencyConfigError
+from runcell_celery.postgres import PostgresBackend, ReleasedLease
+
+from . import conf
+from .models import FORCE_RELEASED, ConcurrencyEvent
+
+__all__ = ["ReleasedLease", "force_release", "postgres_backend"]
+
+logger = logging.getLogger("runcell_django.force_release")
+
+
+def postgres_backend() -> PostgresBackend:
+    """The PostgreSQL backend of ``settings.RUNCELL`` (this process's, with its pool).
+
+    :raises ConcurrencyConfigError: ``RUNCELL`` configures no backend, or another one
+        (the admin reads the PostgreSQL backend's tables).
+    """
+    backend = conf.registry().backend
+    if not isinstance(backend, PostgresBackend):
+        raise ConcurrencyConfigError(
+            f'{conf.SETTING}["BACKEND"] gives {type(backend).__name__}: runcell_django '
+            'needs the PostgreSQL backend with a DATABASE (set RUNCELL["DATABASE"] to a '
+            "PostgreSQL alias or DSN)"
+        )
+    return backend
+
+
+def force_release(lease_ids: Sequence[str], *, actor: str) -> list[ReleasedLease]:
+    """Take slots back from their holders now and give them to the next waiters.
+
+    The backend expires the leases (database time) and runs an allocation pass on each
+    limiter, as when a crashed holder's lease runs out. The holder finds out at its
+    next renewal and its provider call is aborted with ``ConcurrencyLeaseLostError``;
+    until then its call may still run, so the fencing token is what protects the
+    provider. Each release is recorded as a ``force-released`` event naming ``actor``.
+
+    :returns: the leases released (those already gone are left out).
+    :raises ConcurrencyConfigError: no PostgreSQL backend is configured.
+    """
+    released = postgres_backend().force_release([str(i) for i in lease_ids])
+    now = timezone.now()
+    alias = conf.database_alias() or router.db_for_write(ConcurrencyEvent)
+    with transaction.atomic(using=alias):
+        ConcurrencyEvent.objects.using(alias).bulk_create(
+            ConcurrencyEvent(
+                type=FORCE_RELEASED,
+                occurred_at=now,
+                limiter=lease.limiter,
+                workload=lease.workload,
+                run_id=lease.run_id,
+                root_run_id=lease.root_run_id,
+                parent_run_id=lease.parent_run_id,
+                request_id=lease.request_id,
+                holder_name=lease.holder_name,
+                lease_id=lease.lease_id,
+                fencing_token=lease.fencing_token,
+                host=socket.gethostname()[:255],
+                pid=os.getpid(),
+                actor=actor[:150],
+            )
+            for lease in released
+        )
+    for lease in released:
+        logger.warning(
+            "runcell: %s force-released lease %s of %s/%s (run %s, token %s)",
+            actor,
+            lease.lease_id,
+            lease.limiter,
+            lease.workload,
+            lease.run_id,
+            lease.fencing_token,
+        )
+    return released
