@@ -163,7 +163,7 @@ class LimiterAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("workloads"))
     def workload_table(self, obj: Limiter) -> str:
-        configured = (obj.config.get("workloads") or {}) if isinstance(obj.config, dict) else {}
+        configured = obj.limits.workloads if obj.limits is not None else {}
         header = format_html(
             "<tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th><th>{}</th></tr>",
             _("workload"),
@@ -178,10 +178,10 @@ class LimiterAdmin(ReadOnlyAdmin):
             (
                 (
                     name,
-                    options.get("max_concurrent"),
-                    options.get("reserved", 0),
-                    options.get("priority", 0),
-                    format_ms(options.get("max_wait_ms")),
+                    options.max_concurrent,
+                    options.reserved,
+                    options.priority,
+                    format_ms(options.max_wait_ms),
                 )
                 for name, options in sorted(configured.items())
             ),
@@ -388,9 +388,9 @@ class QueueEntryAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("priority"))
     def priority(self, obj: QueueEntry) -> str:
-        config = obj.limiter.config if isinstance(obj.limiter.config, dict) else {}
-        workload = (config.get("workloads") or {}).get(obj.workload) or {}
-        return str(workload.get("priority", 0))
+        limits = obj.limiter.limits
+        workload = limits.workloads.get(obj.workload) if limits is not None else None
+        return str(workload.priority if workload is not None else 0)
 
     @admin.display(description=_("waited"), ordering="enqueued_at")
     def waited(self, obj: QueueEntry) -> str:

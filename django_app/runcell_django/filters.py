@@ -10,16 +10,18 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
+from runcell_celery import LimiterConfig
+
 from .models import Limiter
 
 __all__ = ["LimiterFilter", "QueueStateFilter", "WorkloadFilter"]
 
 
-def _stored_limits(request: HttpRequest) -> dict[str, dict[str, Any]]:
+def _stored_limits(request: HttpRequest) -> dict[str, LimiterConfig | None]:
     """Every stored limiter's limits, read once per request (for the filters)."""
-    cached: dict[str, dict[str, Any]] | None = getattr(request, "_runcell_limits", None)
+    cached: dict[str, LimiterConfig | None] | None = getattr(request, "_runcell_limits", None)
     if cached is None:
-        cached = dict(Limiter.objects.order_by("name").values_list("name", "config"))
+        cached = Limiter.objects.stored_limits()
         request._runcell_limits = cached  # type: ignore[attr-defined]
     return cached
 
@@ -43,9 +45,9 @@ class WorkloadFilter(admin.SimpleListFilter):
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         chosen = request.GET.get(LimiterFilter.parameter_name)
         names: set[str] = set()
-        for limiter, config in _stored_limits(request).items():
-            if chosen in (None, limiter) and isinstance(config, dict):
-                names.update(config.get("workloads") or {})
+        for limiter, limits in _stored_limits(request).items():
+            if chosen in (None, limiter) and limits is not None:
+                names.update(limits.workloads)
         return [(name, name) for name in sorted(names)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:

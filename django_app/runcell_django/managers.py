@@ -28,6 +28,8 @@ from django.db.models.expressions import RawSQL
 from django.db.models.fields.json import JSONField
 from django.db.models.functions import Coalesce, Now
 
+from runcell_celery import LimiterConfig
+
 from . import conf, sql
 
 __all__ = [
@@ -66,6 +68,10 @@ class LimiterQuerySet(models.QuerySet[Any]):
                 ),
             ),
         )
+
+    def stored_limits(self) -> dict[str, LimiterConfig | None]:
+        """Each limiter's parsed stored limits by name (``None``: unreadable), one query."""
+        return {row.name: row.limits for row in self.order_by("name").only("name", "config")}
 
 
 class LeaseQuerySet(models.QuerySet[Any]):

@@ -16,6 +16,7 @@ and are managed by its migrations, with index names that say which query they se
 from __future__ import annotations
 
 from django.db import models
+from django.utils.functional import cached_property
 from django.utils.translation import gettext_lazy as _
 
 from runcell_celery import EVENT_TYPES, ConcurrencyConfigError, LimiterConfig
@@ -78,18 +79,20 @@ class Limiter(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    @property
+    @cached_property
     def limits(self) -> LimiterConfig | None:
-        """The stored limits, parsed (``None`` if a newer version wrote them)."""
+        """The stored limits, parsed: the one place the app reads the stored JSON.
+
+        ``None`` when they do not parse (a newer version of the library wrote them).
+        """
         try:
-            return LimiterConfig.from_mapping(self.config)
+            return LimiterConfig.from_mapping(self.config, name=self.name)
         except ConcurrencyConfigError:
             return None
 
     @property
     def workload_names(self) -> list[str]:
-        workloads = self.config.get("workloads") if isinstance(self.config, dict) else None
-        return sorted(workloads) if isinstance(workloads, dict) else []
+        return sorted(self.limits.workloads) if self.limits is not None else []
 
 
 class _Holder(models.Model):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from django.utils.translation import gettext as _
 
@@ -43,8 +42,8 @@ class LimiterState:
     @classmethod
     def of(cls, limiter: Limiter) -> LimiterState:
         """Build from a row of ``Limiter.objects.with_live_stats()``."""
-        config: Mapping[str, Any] = limiter.config if isinstance(limiter.config, dict) else {}
-        configured: Mapping[str, Any] = config.get("workloads") or {}
+        limits = limiter.limits
+        configured = limits.workloads if limits is not None else {}
         active: Mapping[str, int] = getattr(limiter, "active_by_workload", None) or {}
         queued: Mapping[str, int] = getattr(limiter, "queued_by_workload", None) or {}
         names = [*sorted(configured), *sorted({*active, *queued} - set(configured))]
@@ -52,9 +51,9 @@ class LimiterState:
             WorkloadState(
                 name=name,
                 active=int(active.get(name, 0)),
-                limit=(configured.get(name) or {}).get("max_concurrent"),
-                reserved=int((configured.get(name) or {}).get("reserved") or 0),
-                priority=int((configured.get(name) or {}).get("priority") or 0),
+                limit=configured[name].max_concurrent if name in configured else None,
+                reserved=configured[name].reserved if name in configured else 0,
+                priority=configured[name].priority if name in configured else 0,
                 queued=int(queued.get(name, 0)),
             )
             for name in names
@@ -62,8 +61,8 @@ class LimiterState:
         return cls(
             name=limiter.name,
             active=sum(w.active for w in workloads),
-            limit=config.get("max_concurrent"),
-            max_queued=config.get("max_queued"),
+            limit=limits.max_concurrent if limits is not None else None,
+            max_queued=limits.max_queued if limits is not None else None,
             queued=sum(w.queued for w in workloads),
             oldest_wait_ms=getattr(limiter, "oldest_wait_ms", None),
             p95_wait_ms=getattr(limiter, "p95_wait_ms", None),
