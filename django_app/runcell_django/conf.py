@@ -18,7 +18,6 @@ key, e.g. ``RUNCELL["LIMITERS"]["claude"]["workloads"]["interactive"]["reserved"
 
 from __future__ import annotations
 
-import difflib
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from django.db import connections
 from django.dispatch import receiver
 
 from runcell_celery import ConcurrencyConfigError
+from runcell_celery.hints import did_you_mean
 from runcell_celery.registry import LimiterRegistry
 
 __all__ = [
@@ -83,13 +83,6 @@ _EVENT_OPTIONS: dict[str, tuple[str, int | None]] = {
 }
 
 
-def _hint(value: str, choices: Any) -> str:
-    options = sorted(str(c) for c in choices)
-    close = difflib.get_close_matches(value, options, n=1)
-    shown = ", ".join(repr(o) for o in options) or "none"
-    return (f"did you mean {close[0]!r}? " if close else "") + f"valid: {shown}"
-
-
 def runcell_settings() -> Mapping[str, Any]:
     """Return ``settings.RUNCELL`` (an empty dict when it is not set)."""
     value = getattr(settings, SETTING, None)
@@ -110,7 +103,7 @@ def event_settings() -> EventSettings:
     for key, value in given.items():
         if key not in _EVENT_OPTIONS:
             raise ConcurrencyConfigError(
-                f'{path}["{key}"] is invalid: unknown option; {_hint(str(key), _EVENT_OPTIONS)}'
+                f'{path}["{key}"] is invalid: unknown option; {did_you_mean(key, _EVENT_OPTIONS)}'
             )
         attribute, minimum = _EVENT_OPTIONS[key]
         if minimum is None:
@@ -180,7 +173,7 @@ def _check_database(config: Mapping[str, Any]) -> None:
     aliases = list(connections.settings)
     raise ConcurrencyConfigError(
         f'{SETTING}["DATABASE"] = {value!r} is invalid: neither a database alias nor a '
-        f"PostgreSQL DSN; {_hint(value, aliases)}"
+        f"PostgreSQL DSN; {did_you_mean(value, aliases)}"
     )
 
 
