@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import psycopg
-from psycopg_pool import PoolTimeout
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
@@ -111,6 +111,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     @property
     def options(self) -> PostgresOptions:
         return self._options
+
+    @property
+    def pool(self) -> ConnectionPool[Any]:
+        """The connection pool this limiter uses in this process (shared per database)."""
+        return self._db.pool
 
     def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None:
         """Call ``handler(lease_ids)`` after an allocation in this process granted

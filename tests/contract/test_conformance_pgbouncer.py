@@ -17,9 +17,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from runcell_celery import AcquireRequest, RunLineage
+from runcell_celery import AcquireRequest, LimiterConfig, RunLineage
 from runcell_celery.conformance import concurrency_conformance_cases
-from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+from runcell_celery.postgres import (
+    PostgresBackend,
+    PostgresConcurrencyLimiter,
+    create_postgres_concurrency_limiter,
+)
 from tests.conftest import wait_until
 from tests.support.pg import unique_name
 from tests.support.pgbouncer import POOL_SIZE, PgBouncer, run_pgbouncer
@@ -127,13 +131,13 @@ def test_the_suite_runs_through_the_pooler_sharing_server_connections(
     assert after - before >= 12, f"the pooler counted {after - before} transactions"
 
     (limiter,) = made
-    assert limiter.database.conninfo == pgbouncer_dsn
-    clients = limiter.database.pool_max_size
+    assert limiter.pool.conninfo == pgbouncer_dsn
+    clients = limiter.options.pool_max_size
     assert clients > POOL_SIZE
     with contextlib.ExitStack() as stack:
         # All the connections the limiter's pool may open, checked out at once: each
         # is a client of the pooler, and each statement runs on a shared server.
-        connections = [stack.enter_context(limiter.database.connection()) for _ in range(clients)]
+        connections = [stack.enter_context(limiter.pool.connection()) for _ in range(clients)]
         backends = set()
         for _ in range(3):
             for conn in connections:
@@ -161,4 +165,34 @@ def test_schema_is_created_through_the_pooler(pgbouncer_server: PgBouncer, fresh
             names = conn.execute("SELECT name FROM runcell_limiter").fetchall()
         assert names == [("created",)]
     finally:
-        limiter.database.pool.close()  # its database is dropped after the test
+        limiter.pool.close()  # its database is dropped after the test
+
+
+def test_the_backends_stores_work_through_the_pooler(pgbouncer_dsn: str) -> None:
+    backend = PostgresBackend(database=pgbouncer_dsn, options={"listen": False})
+    config = LimiterConfig.from_mapping({"max_concurrent": 1}, name=unique_name("stores"))
+    limiter = backend.create_limiter(config)
+    held = limiter.acquire(_request())
+    parked = _request()
+    assert limiter.acquire_or_park(parked, admission_wait_ms=0, payload="{}") == "parked"
+    run_id = unique_name("run")
+    assert 0 < backend.first_start(run_id, 60_000) <= 60_000
+    assert backend.add_revoked([run_id]) == 1
+    assert backend.revoked_among([run_id]) == {run_id}
+    assert backend.stored_limits([config.name]) == {config.name: config}
+    assert backend.limiter_states([config.name])[config.name].stats() == limiter.stats()
+
+    (released,) = backend.force_release([held.lease_id])
+
+    assert released.lease_id == held.lease_id
+    claims = backend.claim_republish(stale_ms=0)  # with others' grants left unpublished
+    assert [c.request_id for c in claims if c.limiter == config.name] == [parked.request_id]
+
+
+def _request() -> AcquireRequest:
+    request_id = unique_name("request")
+    return AcquireRequest(
+        request_id=request_id,
+        workload="default",
+        lineage=RunLineage(run_id=request_id, root_run_id=request_id),
+    )
