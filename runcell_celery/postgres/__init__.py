@@ -22,7 +22,7 @@ from .factory import create_postgres_concurrency_limiter
 from .limiter import PostgresConcurrencyLimiter
 from .options import OnConflict, PostgresOptions
 from .parking import REPUBLISH_AFTER_MS
-from .schema import ensure_schema, postgres_concurrency_schema_sql
+from .schema import ensure_schema, postgres_concurrency_schema_sql, schema_checksum
 
 __all__ = [
     "REPUBLISH_AFTER_MS",
@@ -35,4 +35,5 @@ __all__ = [
     "create_postgres_concurrency_limiter",
     "ensure_schema",
     "postgres_concurrency_schema_sql",
+    "schema_checksum",
 ]
