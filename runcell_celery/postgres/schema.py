@@ -12,7 +12,7 @@ import psycopg
 from . import statements
 from .connection import fetch_one
 
-__all__ = ["ensure_schema", "postgres_concurrency_schema_sql"]
+__all__ = ["ensure_schema", "postgres_concurrency_schema_sql", "schema_checksum"]
 
 #: Advisory lock key for schema creation (stable across processes and versions).
 _SCHEMA_LOCK_KEY = zlib.crc32(b"runcell_celery.schema")
