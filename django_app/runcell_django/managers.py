@@ -37,6 +37,7 @@ __all__ = [
     "EventManager",
     "LeaseManager",
     "LimiterManager",
+    "OccupancyManager",
     "QueueEntryManager",
 ]
 
@@ -124,6 +125,15 @@ LimiterManager = _RunCellManager.from_queryset(LimiterQuerySet)
 LeaseManager = _RunCellManager.from_queryset(LeaseQuerySet)
 QueueEntryManager = _RunCellManager.from_queryset(QueueEntryQuerySet)
 AdmissionCountManager = _RunCellManager
+
+
+class OccupancyManager(_RunCellManager):
+    def sample(self, interval_ms: int) -> None:
+        """Record slots held and queued per configured workload, once per interval for
+        the whole fleet: the first process to reach an interval writes it."""
+        alias = write_alias(self.model)
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.SAMPLE_OCCUPANCY, {"interval_ms": interval_ms})
 
 
 class EventManager(_RunCellManager):

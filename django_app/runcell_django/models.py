@@ -27,6 +27,7 @@ from .managers import (
     EventManager,
     LeaseManager,
     LimiterManager,
+    OccupancyManager,
     QueueEntryManager,
 )
 
@@ -342,6 +343,8 @@ class OccupancySample(models.Model):
     sampled_at = models.DateTimeField(_("sampled at"))
     active = models.IntegerField(_("active"))
     queued = models.IntegerField(_("queued"))
+
+    objects = OccupancyManager()
 
     class Meta:
         db_table = "runcell_occupancy"

@@ -11,9 +11,12 @@ written as ``events-dropped`` rows, so the admin shows what is missing.
 The same thread samples slot occupancy every ``SAMPLE_INTERVAL_MS`` for the dashboard
 (one sample per interval for the whole fleet, whichever process is first).
 
-Fork-safe: a child process (Celery prefork) starts with an empty buffer and its own
-thread and database connection, on its first event; the parent's buffered events are
-the parent's to write.
+Fork-safe by the library's one policy (:mod:`runcell_celery.background`): the buffer
+and its counters are a :class:`~runcell_celery.background.ProcessLocal`, so a child
+process (Celery prefork) starts with an empty buffer, and the writer is a
+:class:`~runcell_celery.background.BackgroundLoop`, started again in the child on its
+first event with its own database connection. The parent's buffered events are the
+parent's to write.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -33,11 +35,12 @@ from django.db import connections
 from django.utils import timezone
 
 from runcell_celery import add_event_listener, remove_event_listener
+from runcell_celery.background import BackgroundLoop, ProcessLocal
 from runcell_celery.events import ConcurrencyEvent as CoreEvent
 
-from . import conf, sql
+from . import conf
 from .managers import write_alias
-from .models import EVENTS_DROPPED, ConcurrencyEvent
+from .models import EVENTS_DROPPED, ConcurrencyEvent, OccupancySample
 
 __all__ = ["EventRecorder", "RecorderStats", "get_recorder", "start_recorder", "stop_recorder"]
 
@@ -67,6 +70,21 @@ def _cut(value: str | None, length: int) -> str | None:
     return value if value is None or len(value) <= length else value[:length]
 
 
+class _Buffer:
+    """One process's buffered events and counters (a child starts with a new one)."""
+
+    def __init__(self, sample_interval_ms: int) -> None:
+        self.lock = threading.Lock()
+        self.events: deque[CoreEvent] = deque()
+        self.unreported_drops: Counter[str] = Counter()
+        self.recorded = 0
+        self.dropped = 0
+        #: Set when a batch is ready (or on stop): the writer does not wait the interval.
+        self.wake = threading.Event()
+        self.next_sample = time.monotonic() + sample_interval_ms / 1000
+        self.last_error_log = 0.0
+
+
 class EventRecorder:
     """Records the concurrency events of this process in PostgreSQL.
 
@@ -90,88 +108,62 @@ class EventRecorder:
         self.sample_interval_ms = sample_interval_ms
         self._host = socket.gethostname()
         self._listening = False
-        self._reset()
-        _recorders.add(self)
-
-    def _reset(self) -> None:
-        """Start from nothing: at creation, and in a forked child."""
-        self._lock = threading.Lock()
-        self._buffer: deque[CoreEvent] = deque()
-        self._unreported_drops: Counter[str] = Counter()
-        self._recorded = 0
-        self._dropped = 0
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._next_sample = time.monotonic() + self.sample_interval_ms / 1000
-        self._last_error_log = 0.0
+        self._buffer = ProcessLocal(lambda: _Buffer(sample_interval_ms))
+        self._loop = BackgroundLoop(THREAD_NAME, self, _write_step)
 
     # -- the listener: the only part on the hot path ----------------------------------
 
     def __call__(self, event: CoreEvent) -> None:
         """Buffer ``event`` for the writer thread; drop and count it if the buffer is full."""
-        with self._lock:
-            if len(self._buffer) >= self.buffer_size:
-                self._dropped += 1
-                self._unreported_drops[event.limiter] += 1
+        buffer = self._buffer.get()
+        with buffer.lock:
+            if len(buffer.events) >= self.buffer_size:
+                buffer.dropped += 1
+                buffer.unreported_drops[event.limiter] += 1
                 return
-            self._buffer.append(event)
-            batch_ready = len(self._buffer) >= self.batch_size
+            buffer.events.append(event)
+            batch_ready = len(buffer.events) >= self.batch_size
         if batch_ready:
-            self._wake.set()
-        if self._thread is None and self._listening:
-            self._start_thread()  # first event after start() or after a fork
+            buffer.wake.set()
+        if self._listening and not self._loop.running:
+            self._loop.start()  # first event after a fork: this process's own thread
 
     # -- lifecycle --------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether this process's writer thread runs."""
+        return self._loop.running
 
     def start(self) -> None:
         """Listen to this process's events and start the writer thread."""
         self._listening = True
         add_event_listener(self)
-        self._start_thread()
+        self._loop.start()
 
-    def stop(self, *, timeout: float = 10.0) -> None:
-        """Stop listening, stop the thread, then write what is left (in this thread)."""
+    def stop(self, *, timeout: float = 10.0, flush: bool = True) -> None:
+        """Stop listening and stop the thread, then (``flush``) write what is left here."""
         self._listening = False
         remove_event_listener(self)
-        thread = self._thread
-        self._stop.set()
-        self._wake.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-        self._thread = None
+        self._loop.stopping.set()
+        self._buffer.get().wake.set()
+        self._loop.stop(timeout)
+        if not flush:
+            return
         try:
             self.flush()
         except Exception:
             logger.exception("runcell: writing the last events failed")
 
-    def _start_thread(self) -> None:
-        with self._lock:
-            if self._thread is not None:
-                return
-            self._stop = threading.Event()
-            thread = threading.Thread(
-                target=_write_forever,
-                args=(weakref.ref(self), self._stop, self._wake, self.flush_interval_s),
-                name=THREAD_NAME,
-                daemon=True,
-            )
-            self._thread = thread
-        thread.start()
-
-    def _after_fork_in_child(self) -> None:
-        listening = self._listening
-        self._reset()
-        self._listening = listening  # the thread starts again on the child's first event
-
     # -- writing ----------------------------------------------------------------------
 
     def stats(self) -> RecorderStats:
-        with self._lock:
+        buffer = self._buffer.get()
+        with buffer.lock:
             return RecorderStats(
-                buffered=len(self._buffer),
-                recorded=self._recorded,
-                dropped=self._dropped,
+                buffered=len(buffer.events),
+                recorded=buffer.recorded,
+                dropped=buffer.dropped,
                 buffer_size=self.buffer_size,
             )
 
@@ -180,47 +172,46 @@ class EventRecorder:
 
         :raises Exception: the database failed; the batch is counted as dropped.
         """
+        buffer = self._buffer.get()
         written = 0
         while True:
-            with self._lock:
-                size = min(self.batch_size, len(self._buffer))
-                batch = [self._buffer.popleft() for _ in range(size)]
-                drops = dict(self._unreported_drops)
-                self._unreported_drops.clear()
+            with buffer.lock:
+                size = min(self.batch_size, len(buffer.events))
+                batch = [buffer.events.popleft() for _ in range(size)]
+                drops = dict(buffer.unreported_drops)
+                buffer.unreported_drops.clear()
             if not batch and not drops:
                 return written
             rows = [self._row(event) for event in batch] + self._drop_rows(drops)
             try:
                 ConcurrencyEvent.objects.using(write_alias(ConcurrencyEvent)).bulk_create(rows)
             except Exception:
-                with self._lock:
-                    self._dropped += len(batch)
-                    self._unreported_drops.update(event.limiter for event in batch)
-                    self._unreported_drops.update(drops)
+                with buffer.lock:
+                    buffer.dropped += len(batch)
+                    buffer.unreported_drops.update(event.limiter for event in batch)
+                    buffer.unreported_drops.update(drops)
                 raise
-            with self._lock:
-                self._recorded += len(batch)
+            with buffer.lock:
+                buffer.recorded += len(batch)
             written += len(batch)
 
     def sample_occupancy(self) -> None:
         """Record slots held and queued per workload, unless this interval has a sample."""
-        interval_ms = self.sample_interval_ms or 10_000
-        alias = write_alias(ConcurrencyEvent)
-        with connections[alias].cursor() as cursor:
-            cursor.execute(sql.SAMPLE_OCCUPANCY, {"interval_ms": interval_ms})
+        OccupancySample.objects.sample(self.sample_interval_ms or 10_000)
 
     def _tick(self) -> None:
         """One round of the writer thread: flush, then sample when it is time."""
+        buffer = self._buffer.get()
         try:
             self.flush()
-            if self.sample_interval_ms and time.monotonic() >= self._next_sample:
-                self._next_sample = time.monotonic() + self.sample_interval_ms / 1000
+            if self.sample_interval_ms and time.monotonic() >= buffer.next_sample:
+                buffer.next_sample = time.monotonic() + self.sample_interval_ms / 1000
                 self.sample_occupancy()
         except Exception as exc:
             connections[write_alias(ConcurrencyEvent)].close()  # reconnect next time
             now = time.monotonic()
-            if now - self._last_error_log >= _LOG_EVERY_S:
-                self._last_error_log = now
+            if now - buffer.last_error_log >= _LOG_EVERY_S:
+                buffer.last_error_log = now
                 logger.warning("runcell: recording events failed (will retry): %s", exc)
 
     def _row(self, event: CoreEvent) -> ConcurrencyEvent:
@@ -261,34 +252,17 @@ class EventRecorder:
         ]
 
 
-def _write_forever(
-    ref: weakref.ref[EventRecorder],
-    stop: threading.Event,
-    wake: threading.Event,
-    interval_s: float,
-) -> None:
-    try:
-        while not stop.is_set():
-            wake.wait(interval_s)
-            wake.clear()
-            recorder = ref()
-            if recorder is None:
-                return
-            recorder._tick()
-            del recorder
-    finally:
+def _write_step(recorder: EventRecorder) -> float | None:
+    """The writer thread's step: wait for a batch or the interval, then write."""
+    buffer = recorder._buffer.get()
+    buffer.wake.wait(recorder.flush_interval_s)
+    buffer.wake.clear()
+    if recorder._loop.stopping.is_set():
         connections.close_all()  # this thread's connections only
+        return None
+    recorder._tick()
+    return 0
 
-
-_recorders: weakref.WeakSet[EventRecorder] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for recorder in list(_recorders):
-        recorder._after_fork_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _recorder: EventRecorder | None = None
 _recorder_lock = threading.Lock()
