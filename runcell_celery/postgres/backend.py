@@ -12,6 +12,7 @@ release), so no other layer reads or writes the ``runcell_*`` tables itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -262,12 +263,9 @@ class PostgresBackend:
         if not limiter_names:
             return
         database = self._database()
+        # A pass waits for nothing: no listener needed.
+        quiet = dataclasses.replace(self.options, listen=False)
         for name, config in self.stored_limits(limiter_names).items():
-            quiet = PostgresOptions(
-                poll_interval_ms=self.options.poll_interval_ms,
-                queue_entry_ttl_ms=self.options.queue_entry_ttl_ms,
-                listen=False,
-            )
             try:
                 PostgresConcurrencyLimiter(database, config, quiet).reap()
             except Exception:

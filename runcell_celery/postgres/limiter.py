@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -103,9 +102,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._poll_s = options.poll_interval_ms / 1000
         self._queue_ttl_ms = options.queue_entry_ttl_ms
         self._listen = options.listen
-        self._listener_pid: int | None = None
-        self._listener: GrantListener | None = None
-        self._listener_lock = threading.Lock()
         self._on_parked_granted: Callable[[list[str]], None] | None = None
 
     @property
@@ -443,15 +439,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     # -- plumbing -----------------------------------------------------------------------
 
     def _get_listener(self) -> GrantListener | None:
+        """This process's listener (one per process and database), unless off or useless."""
         if not self._listen:
             return None
-        pid = os.getpid()
-        if self._listener is None or self._listener_pid != pid:
-            with self._listener_lock:
-                if self._listener is None or self._listener_pid != pid:
-                    self._listener = get_listener(self._db)
-                    self._listener_pid = pid
-        listener = self._listener
+        listener = get_listener(self._db)
         return None if listener.available is False else listener
 
     def _run(

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import time
+import traceback
 from collections.abc import Iterator
 from multiprocessing.context import SpawnProcess
 from typing import Any
@@ -14,7 +15,8 @@ import psycopg
 import pytest
 
 from runcell_celery import ConcurrencyTimeoutError, run, slot
-from runcell_celery.postgres import create_postgres_concurrency_limiter
+from runcell_celery.postgres import PostgresBackend, create_postgres_concurrency_limiter
+from runcell_celery.registry import LimiterRegistry
 from runcell_celery.testing import FakeProvider
 from tests.support import processes
 from tests.support.pg import pg_dsn, unique_name
@@ -141,3 +143,48 @@ def test_a_killed_holders_slot_returns_within_the_lease_ttl_and_one_poll(
     with run(timeout_ms=LEASE_TTL_MS + POLL_MS + 2000), slot(limiter) as held:
         assert held.lease is not None
     assert _rows_left(pg_dsn, limits["name"]) == (0, 0)
+
+
+def test_a_forked_child_builds_its_own_backend_and_never_touches_the_parents(
+    pg_dsn: str,
+) -> None:
+    # Celery's prefork pool: the parent configured the registry and used a limiter
+    # (its pool and grant listener are open) before forking its children.
+    name = unique_name("forked")
+    registry = LimiterRegistry()
+    registry.configure({"DATABASE": pg_dsn, "LIMITERS": {name: {"max_concurrent": 1}}})
+    parent_backend = registry.backend
+    parent_limiter = registry.get(name)
+    assert isinstance(parent_backend, PostgresBackend)
+    parent_pool = parent_backend.pool
+    with slot(parent_limiter):
+        pass
+
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        status = 1
+        try:
+            backend = registry.backend
+            limiter = registry.get(name)
+            assert isinstance(backend, PostgresBackend)
+            assert backend is not parent_backend
+            assert limiter is not parent_limiter
+            assert backend.pool is not parent_pool
+            assert limiter.pool is backend.pool
+            with slot(limiter):
+                pass
+            status = 0
+        except BaseException:
+            traceback.print_exc()  # shown by pytest with the parent's failure
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could not use its own backend"
+
+    # The child closed nothing of ours: the parent's pooled connections still work.
+    assert registry.backend is parent_backend
+    assert parent_backend.pool is parent_pool
+    with parent_pool.connection() as conn:  # no retry here: a closed socket would raise
+        conn.execute("SELECT 1")
+    with slot(parent_limiter):
+        assert parent_limiter.stats().active == 1
