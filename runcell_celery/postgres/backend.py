@@ -118,26 +118,21 @@ class PostgresBackend:
         options: Mapping[str, Any] = {},
         path: str = 'RUNCELL["POSTGRES"]',
     ) -> None:
-        self._init(database, PostgresOptions.from_mapping(options, path=path))
+        self.options = PostgresOptions.from_mapping(options, path=path)
+        self._db: Database | None = None
+        if database is not None:
+            self._db = Database(
+                database,
+                pool_max_size=self.options.pool_max_size,
+                timeout=self.options.connect_timeout_ms / 1000,
+            )
 
     @classmethod
     def from_options(
         cls, database: str | ConnectionPool[Any], options: PostgresOptions
     ) -> PostgresBackend:
         """Build from options already validated (``create_postgres_concurrency_limiter``)."""
-        backend = cls.__new__(cls)
-        backend._init(database, options)
-        return backend
-
-    def _init(self, database: str | ConnectionPool[Any] | None, options: PostgresOptions) -> None:
-        self.options = options
-        self._db: Database | None = None
-        if database is not None:
-            self._db = Database(
-                database,
-                pool_max_size=options.pool_max_size,
-                timeout=options.connect_timeout_ms / 1000,
-            )
+        return cls(database=database, options=dataclasses.asdict(options))
 
     def __repr__(self) -> str:
         where = "no database" if self._db is None else redacted(self._db.conninfo)
