@@ -16,14 +16,25 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, LiteralString
+from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..config import LimiterConfig
 from ..errors import ConcurrencyConfigError, ConcurrencyLimiterError
-from ..ports import AdmissionCount, ExpiredParked, Republish
+from ..ports import (
+    AdmissionCount,
+    Backend,
+    BackendFactory,
+    CounterStore,
+    ExpiredParked,
+    ParkingStore,
+    Republish,
+    RevocationStore,
+    RunStore,
+    SupportsParking,
+)
 from ..protocol import LimiterStats, WorkloadStats
 from . import statements
 from .connection import Database, fetch_all, redacted
@@ -316,3 +327,18 @@ class PostgresBackend:
                 return fetch_all(conn, query, params)
         except (psycopg.Error, PoolTimeout) as exc:
             raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
+
+
+if TYPE_CHECKING:  # mypy checks that the backend fills every port it claims
+
+    def _ports(backend: PostgresBackend, limiter: PostgresConcurrencyLimiter) -> None:
+        factory: BackendFactory = PostgresBackend
+        stores: tuple[Backend, RunStore, RevocationStore, CounterStore, ParkingStore] = (
+            backend,
+            backend,
+            backend,
+            backend,
+            backend,
+        )
+        parking: SupportsParking = limiter
+        del factory, stores, parking
