@@ -10,8 +10,9 @@ run's first slot; then it is **parked**:
    parking committed (deferrable tasks are ``acks_late``), no retry is spent, no
    ``task_failure`` fires and no FAILURE state is stored;
 3. when a release grants the parked row, the granting process re-publishes the
-   message at once; listeners and a sweeper in every worker do it if that process
-   cannot (see :mod:`runcell_celery.postgres.parking`);
+   message at once (the limiter's parked-granted handler); the backend's wake-up
+   channel and a sweeper in every worker do it if that process cannot (see
+   :class:`~runcell_celery.ports.ParkingStore`);
 4. the re-published task (same task id) takes its granted lease and runs from the
    start. Stale work — a parked run whose deadline passed — is re-published only to
    fail with ``ConcurrencyTimeoutError`` before it takes a slot.
@@ -25,8 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import threading
 import uuid
 import weakref
 from collections.abc import Iterable
@@ -36,8 +35,10 @@ from celery import Celery, Task
 from kombu.utils.json import dumps as kombu_dumps
 
 from ..admission import Admission, SlotDeferred
+from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
-from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
+from ..ports import ParkingStore, Republish, SupportsParking
+from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, SupportsReap
 from ..registry import LimiterRegistry
 from . import headers
 from .options import TaskConcurrency
@@ -48,6 +49,11 @@ logger = logging.getLogger("runcell_celery.celery.deferral")
 
 #: How often the sweeper looks for grants nobody published and for stale parked runs.
 SWEEP_INTERVAL_S = 2.0
+#: A grant nobody published within this long is published by the sweeper.
+REPUBLISH_AFTER_MS = 2_000
+#: The publication id of a re-published expired run: it has no lease to claim and
+#: fails on its deadline before it asks for one.
+NO_PUBLICATION = str(uuid.UUID(int=0))
 
 
 class DuplicateDelivery(SlotDeferred):
@@ -76,7 +82,11 @@ def admission_for(
     *,
     deadline_at: float | None,
 ) -> Admission:
-    """The admission of a deferrable run's first slot."""
+    """The admission of a deferrable run's first slot.
+
+    Only a limiter that can park (:class:`~runcell_celery.ports.SupportsParking`)
+    defers; with any other the first slot waits as usual.
+    """
     task_id = request.id or str(uuid.uuid4())
     admission_id = headers.read(request, headers.ADMISSION) or f"{task_id}/admission"
     publication = headers.read(request, headers.PUBLICATION)
@@ -88,18 +98,16 @@ def admission_for(
         cancel: CancellationToken | None,
         on_wait: OnWait,
     ) -> Lease:
-        acquire_or_park = getattr(limiter, "acquire_or_park", None)
-        if acquire_or_park is None:
-            # Only a shared (PostgreSQL) limiter can park: wait as usual.
+        if not isinstance(limiter, SupportsParking):
             return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
-        claim = getattr(limiter, "claim_parked", None)
-        if publication is not None and claim is not None:
-            lease: Lease | None = claim(slot_request.request_id, publication)
+        parking: SupportsParking = limiter
+        if publication is not None:
+            lease = parking.claim_parked(slot_request.request_id, publication)
             if lease is not None:
                 return lease
 
         def wait_or_park(request_id: str) -> Lease | str:
-            return acquire_or_park(  # type: ignore[no-any-return]
+            return parking.acquire_or_park(
                 dataclasses.replace(slot_request, request_id=request_id),
                 admission_wait_ms=spec.admission_wait_ms,
                 payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
@@ -121,7 +129,7 @@ def admission_for(
     return Admission(acquire, limiter=limiter, request_id=admission_id)
 
 
-def publish_grants(app: Celery, items: Iterable[Any]) -> int:
+def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
     """Publish re-publications claimed with ``claim_republish``; return how many."""
     published = 0
     for item in items:
@@ -140,18 +148,25 @@ def publish_grants(app: Celery, items: Iterable[Any]) -> int:
 
 
 def wire_publisher(app: Celery, registry: LimiterRegistry) -> None:
-    """Make PostgreSQL limiters created by ``registry`` re-publish their parked grants."""
+    """Make limiters created by ``registry`` re-publish the parked tasks they grant.
+
+    The hook holds the app weakly: the registry belongs to the app's state, which
+    must not keep the app alive.
+    """
+    app_ref = weakref.ref(app)
 
     def on_create(limiter: ConcurrencyLimiter) -> None:
-        database = getattr(limiter, "database", None)
-        if database is None or not hasattr(limiter, "on_parked_granted"):
+        if not isinstance(limiter, SupportsParking):
             return
-        from ..postgres.parking import claim_republish
 
-        def republish(_limiter: object, lease_ids: list[str]) -> None:
-            publish_grants(app, claim_republish(database, lease_ids))
+        def republish(lease_ids: list[str]) -> None:
+            app = app_ref()
+            store: object = registry.backend  # a Backend that may also be a ParkingStore
+            if app is None or not isinstance(store, ParkingStore):
+                return
+            publish_grants(app, store.claim_republish(lease_ids, stale_ms=REPUBLISH_AFTER_MS))
 
-        limiter.on_parked_granted = republish
+        limiter.set_parked_granted_handler(republish)
 
     registry.on_create(on_create)
 
@@ -159,84 +174,61 @@ def wire_publisher(app: Celery, registry: LimiterRegistry) -> None:
 class Sweeper:
     """Re-publishes grants nobody published and stale parked runs, in the background.
 
-    One per worker process (thread ``runcell-sweeper``); it also listens for grants
-    to parked requests made by processes that cannot publish (a web server).
+    One per worker (loop ``runcell-sweeper``, started by the worker bootstep); it also
+    reacts to grants to parked requests made by processes that cannot publish (a web
+    server), which the backend reports through its wake-up channel.
     """
 
     def __init__(self, app: Celery, registry: LimiterRegistry) -> None:
         self._app = app
         self._registry = registry
-        self._stop = threading.Event()
-        self._pid = os.getpid()
-        self._thread = threading.Thread(
-            target=_sweep_forever,
-            args=(weakref.ref(self), self._stop),
-            name="runcell-sweeper",
-            daemon=True,
-        )
+        self._loop = BackgroundLoop("runcell-sweeper", self, Sweeper._step)
 
     def start(self) -> None:
-        database = self._database()
-        if database is None:
+        """Start sweeping, if the registry's backend parks tasks."""
+        store = self._store()
+        if store is None:
             return
-        from ..postgres.listener import get_listener
+        ref = weakref.ref(self)
 
-        get_listener(database).parked_handlers.append(self._on_parked_granted)
-        self._thread.start()
+        def on_parked_granted(_limiter: str, _request_ids: list[str]) -> None:
+            sweeper = ref()
+            if sweeper is not None and sweeper._loop.running:
+                sweeper.sweep(stale_ms=0)
 
-    def stop(self) -> None:
-        self._stop.set()
+        store.on_parked_granted(on_parked_granted)
+        self._loop.start()
 
-    def _database(self) -> Any:
-        dsn = self._registry.database_dsn
-        if dsn is None:
-            return None
-        from ..postgres.connection import Database
+    def stop(self, timeout: float | None = None) -> None:
+        self._loop.stop(timeout)
 
-        return Database(dsn)
-
-    def _on_parked_granted(self, _limiter: str, _request_ids: list[str]) -> None:
-        self.sweep(stale_ms=0)
+    def _store(self) -> ParkingStore | None:
+        store: object = self._registry.backend  # a Backend that may also be a ParkingStore
+        return store if isinstance(store, ParkingStore) else None
 
     def sweep(self, *, stale_ms: int | None = None) -> int:
         """Publish what is due now; return how many messages were published."""
-        from ..postgres.parking import REPUBLISH_AFTER_MS, claim_republish, take_expired_parked
-
-        database = self._database()
-        if database is None:
+        store = self._store()
+        if store is None:
             return 0
         for name in self._registry.names():
             limiter = self._registry.get(name)
-            reap = getattr(limiter, "reap", None)
-            if reap is not None and getattr(limiter, "database", None) is not None:
-                reap()  # expired leases of dead holders go to parked runs
-        claimed = claim_republish(
-            database, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
+            if isinstance(limiter, SupportsReap):
+                limiter.reap()  # expired leases of dead holders go to parked runs
+        claimed = store.claim_republish(
+            stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
         published = publish_grants(self._app, claimed)
-        expired = take_expired_parked(database)
         # Their deadline passed: re-published, they fail at start without a slot.
-        published += publish_grants(self._app, [_Expired(e.request_id, e.payload) for e in expired])
-        return published
+        expired = [
+            Republish(e.limiter, e.request_id, NO_PUBLICATION, e.payload)
+            for e in store.take_expired_parked()
+        ]
+        return published + publish_grants(self._app, expired)
 
-
-class _Expired:
-    __slots__ = ("payload", "publication_id", "request_id")
-
-    def __init__(self, request_id: str, payload: str) -> None:
-        self.request_id = request_id
-        self.payload = payload
-        # No lease to claim: the run fails on its deadline before it asks for one.
-        self.publication_id = str(uuid.UUID(int=0))
-
-
-def _sweep_forever(ref: weakref.ref[Sweeper], stop: threading.Event) -> None:
-    while not stop.wait(SWEEP_INTERVAL_S):
-        sweeper = ref()
-        if sweeper is None:
-            return
+    def _step(self) -> float:
         try:
-            sweeper.sweep()
+            self.sweep()
         except Exception as exc:  # never die: parked runs depend on it
             logger.warning("runcell sweeper: %s", exc)
-        del sweeper
+        return SWEEP_INTERVAL_S

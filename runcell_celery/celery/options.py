@@ -13,12 +13,12 @@ never when the first message arrives.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ConcurrencyConfigError
+from ..hints import did_you_mean
 
 __all__ = ["RunOverride", "TaskConcurrency"]
 
@@ -33,11 +33,8 @@ _OVERRIDE_KEYS = ("workload", "timeout_ms")
 
 
 def _unknown(where: str, key: object, allowed: tuple[str, ...]) -> ConcurrencyConfigError:
-    close = difflib.get_close_matches(str(key), allowed, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
     return ConcurrencyConfigError(
-        f"{where}[{key!r}] is invalid: unknown option; {hint}valid: "
-        + ", ".join(repr(k) for k in allowed)
+        f"{where}[{key!r}] is invalid: unknown option; {did_you_mean(key, allowed)}"
     )
 
 

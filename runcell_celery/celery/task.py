@@ -24,7 +24,6 @@ failure at all (:mod:`.deferral`).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -35,14 +34,17 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from ..admission import Admission, SlotDeferred
 from ..cancellation import CancellationToken
 from ..context import current_run, run
+from ..deadline import Deadline
 from ..errors import ConcurrencyError, ConcurrencyLimiterError
+from ..ports import RunStore
+from ..protocol import SupportsWithdraw
+from ..registry import LimiterRegistry
 from ..slot import register_interrupt, slot
 from . import headers
-from .app_registry import registry_for
 from .deferral import DuplicateDelivery, admission_for
 from .options import RunOverride, TaskConcurrency
-from .revocation import revoked_among
-from .runtime import counters_for, ensure_wired, revocations_for
+from .state import registry_for
+from .wiring import ensure_wired
 
 __all__ = ["RunCellTask"]
 
@@ -117,9 +119,9 @@ class RunCellTask(Task[Any, Any]):
         parent = headers.read(request, headers.PARENT)
         if spec.limiter is None and parent is None and current_run() is None:
             return super().__call__(*args, **kwargs)  # nothing to limit
-        app = self.app
-        registry = registry_for(app)
-        counters = counters_for(app)
+        state = ensure_wired(self.app)
+        registry = state.registry
+        counters = state.counters
         override = RunOverride(**(headers.read(request, headers.SELECT) or {}))
         with contextlib.ExitStack() as stack:
             local_parent = current_run()
@@ -139,16 +141,22 @@ class RunCellTask(Task[Any, Any]):
             limiter = registry.get(spec.limiter) if spec.limiter is not None else None
             inherited = current_run()
             effective = limiter or (inherited.limiter if inherited is not None else None)
-            deadline_at = self._deadline(request, spec, override, registry)
+            deadline = self._deadline(request, spec, override, registry)
             admission = None
             if spec.admission == "defer" and effective is not None and not request.is_eager:
-                admission = admission_for(self, request, effective, spec, deadline_at=deadline_at)
+                admission = admission_for(
+                    self,
+                    request,
+                    effective,
+                    spec,
+                    deadline_at=deadline.to_unix() if deadline is not None else None,
+                )
             context = stack.enter_context(
                 run(
                     limiter=limiter,
                     workload=override.workload,
                     default_workload=spec.workload,
-                    deadline_at=deadline_at,
+                    deadline=deadline,
                     cancel=CancellationToken(),
                     run_id=request.id,
                     root_run_id=request.root_id or request.id,
@@ -189,43 +197,49 @@ class RunCellTask(Task[Any, Any]):
         ancestors = {request.root_id, request.parent_id} - {None, request.id}
         if not ancestors or cancel is None:
             return
-        watcher = revocations_for(self.app)
+        watcher = ensure_wired(self.app).revocations
         stack.callback(watcher.watch(ancestors, cancel))
-        dsn = registry_for(self.app).database_dsn
-        if dsn is None:
-            return
-        from ..postgres.connection import Database
-
-        if revoked_among(Database(dsn), ancestors):
+        store = watcher.store()
+        if store is not None and store.revoked_among(ancestors):
             cancel.cancel("a parent run was revoked")
             _withdraw(admission)
 
     def _deadline(
-        self, request: Any, spec: TaskConcurrency, override: RunOverride, registry: Any
-    ) -> float | None:
-        """This run's deadline (Unix time), fixed at its first start."""
+        self,
+        request: Any,
+        spec: TaskConcurrency,
+        override: RunOverride,
+        registry: LimiterRegistry,
+    ) -> Deadline | None:
+        """This run's deadline, fixed at its first start.
+
+        With a backend that records runs (:class:`~runcell_celery.ports.RunStore`) the
+        budget is counted from the run's first start in the store's clock: every
+        delivery (first, redelivered, re-published) asks it for the milliseconds left,
+        so neither this host's wall clock nor another worker's moves the deadline.
+        """
+        timeout_ms = override.timeout_ms if override.timeout_ms is not None else spec.timeout_ms
+        store: object = registry.backend  # a Backend that may also be a RunStore
+        if (
+            timeout_ms is not None
+            and isinstance(store, RunStore)
+            and request.id is not None
+            and not request.is_eager
+        ):
+            try:
+                remaining_ms = store.first_start(request.id, timeout_ms)
+            except Exception as exc:  # fail closed, as a slot request would
+                raise ConcurrencyLimiterError(
+                    f"task {self.name!r}: could not record the run's first start: {exc}",
+                    run_id=request.id,
+                    root_run_id=request.root_id,
+                    parent_run_id=request.parent_id,
+                ) from exc
+            return Deadline.after_ms(remaining_ms)
         carried = headers.read(request, headers.DEADLINE)
         if carried is not None:
-            return float(carried)
-        timeout_ms = override.timeout_ms if override.timeout_ms is not None else spec.timeout_ms
-        if timeout_ms is None:
-            return None
-        dsn = registry.database_dsn
-        if dsn is None or request.id is None or request.is_eager:
-            return time.time() + timeout_ms / 1000
-        from ..postgres.connection import Database
-        from ..postgres.parking import record_first_start
-
-        try:
-            remaining = record_first_start(Database(dsn), request.id, timeout_ms)
-        except Exception as exc:  # fail closed, as a slot request would
-            raise ConcurrencyLimiterError(
-                f"task {self.name!r}: could not record the run's first start: {exc}",
-                run_id=request.id,
-                root_run_id=request.root_id,
-                parent_run_id=request.parent_id,
-            ) from exc
-        return time.time() + remaining / 1000
+            return Deadline.from_unix(float(carried))
+        return None if timeout_ms is None else Deadline.after_ms(timeout_ms)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Retry, except after a ``ConcurrencyError``: that stops the run for good.
@@ -240,6 +254,5 @@ class RunCellTask(Task[Any, Any]):
 
 def _withdraw(admission: Admission | None) -> None:
     """Give up the queue place (or parked grant) of a run that will not use it."""
-    withdraw = getattr(admission.limiter, "withdraw", None) if admission is not None else None
-    if withdraw is not None and admission is not None:
-        withdraw(admission.request_id)
+    if admission is not None and isinstance(admission.limiter, SupportsWithdraw):
+        admission.limiter.withdraw(admission.request_id)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from celery import Celery
 from celery.result import AsyncResult
 
 from runcell_celery.celery import admission_counts
-from runcell_celery.postgres.connection import Database
 from runcell_celery.testing import FakeProvider
 from tests.conftest import wait_until
 
@@ -24,8 +24,8 @@ def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
     wait_until(check, what, timeout, interval=0.05)
 
 
-def _counts(pg_dsn: str, task_name: str) -> dict[str, int]:
-    for count in admission_counts(Database(pg_dsn)):
+def _counts(app: Celery, task_name: str) -> dict[str, int]:
+    for count in admission_counts(app):
         if count.task_name == task_name:
             return {
                 "deliveries": count.deliveries,
@@ -70,8 +70,8 @@ def test_two_hundred_deferred_tasks_complete_within_the_limit_with_no_retry_or_f
     assert witness.max_in_flight == 3, "the limit was never reached; the test proves nothing"
     assert witness.completed == 200
 
-    _wait(lambda: _counts(pg_dsn, "rc.defer").get("provider_attempts", 0) >= 200, "counts flushed")
-    counts = _counts(pg_dsn, "rc.defer")
+    _wait(lambda: _counts(app, "rc.defer").get("provider_attempts", 0) >= 200, "counts flushed")
+    counts = _counts(app, "rc.defer")
     assert counts["deferrals"] > 0, counts
     assert counts["deliveries"] == 200 + counts["deferrals"], counts
     assert counts["provider_failures"] == 0, counts

@@ -9,7 +9,7 @@ from celery.signals import task_failure
 
 from runcell_celery import ConcurrencyTimeoutError, slot
 from runcell_celery.celery import registry_for
-from runcell_celery.celery.runtime import counters_for
+from runcell_celery.celery.state import state_for
 from tests.support.celery_fixtures import inprocess_worker
 
 TWO_WORKLOADS = {"interactive": {}, "background": {}}
@@ -91,7 +91,7 @@ def test_a_concurrency_error_stops_the_run_and_autoretry_never_retries_it(make_a
         task_failure.disconnect(on_failure)
     assert len(failures) == 1
     assert isinstance(failures[0], ConcurrencyTimeoutError)
-    counts = {c.task_name: c for c in counters_for(app).local()}
+    counts = {c.task_name: c for c in state_for(app).counters.local()}
     assert counts["rc.flaky"].deliveries == 1, "autoretry_for=(Exception,) retried it"
     assert counts["rc.flaky"].concurrency_failures == 1
     assert counts["rc.flaky"].provider_failures == 0
@@ -115,7 +115,7 @@ def test_deferred_tasks_fire_no_task_failure_and_keep_retries_at_zero(make_app, 
         task_failure.disconnect(on_failure)
     assert failures == []
     assert [reply["retries"] for reply in replies] == [0] * 8
-    counts = {c.task_name: c for c in counters_for(app).local()}["rc.defer"]
+    counts = {c.task_name: c for c in state_for(app).counters.local()}["rc.defer"]
     assert counts.deferrals > 0
     assert counts.deliveries == 8 + counts.deferrals
     assert counts.concurrency_failures == 0

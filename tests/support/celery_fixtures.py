@@ -5,7 +5,7 @@
   provider started for the test.
 * ``make_app`` — builds an app from those settings (with overrides).
 * ``inprocess_worker`` — ``celery.contrib.testing.worker.start_worker`` (threads pool).
-* ``worker_processes`` — ``celery worker`` subprocesses (prefork), stopped by PID.
+* ``worker_processes`` — ``celery worker`` subprocesses (prefork or solo), stopped by PID.
 * ``worker_events`` — the concurrency events the workers pushed to Redis.
 """
 
@@ -30,9 +30,10 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from runcell_celery import remove_event_listener
+from runcell_celery.celery.state import state_for
 from runcell_celery.testing import FakeProvider
 
-from .celery_app import ENV, REDIS_URL, create_app
+from .celery_app import ENV, EVENT_RECORDERS, REDIS_URL, create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,18 +88,12 @@ def make_app(celery_settings: dict[str, Any]) -> Iterator[Callable[..., Celery]]
 
     yield make
     for app in apps:
-        for listener in (
-            getattr(app, "runcell_test_listener", None),
-            getattr(getattr(app, "_runcell_counters", None), "on_event", None),
-        ):
-            if listener is not None:
-                remove_event_listener(listener)
-        sweeper = getattr(app, "_runcell_sweeper", None)
-        if sweeper is not None:
-            sweeper.stop()
-        counters = getattr(app, "_runcell_counters", None)
-        if counters is not None:
-            counters.close()  # a last write while the test's database still exists
+        state = state_for(app)
+        remove_event_listener(state.counters.on_event)
+        listener = EVENT_RECORDERS.pop(app, None)
+        if listener is not None:
+            remove_event_listener(listener)
+        state.counters.close()  # a last write while the test's database still exists
 
 
 @contextlib.contextmanager
@@ -111,14 +106,16 @@ def inprocess_worker(app: Celery, *, concurrency: int = 4) -> Iterator[Any]:
 
 
 class WorkerProcesses:
-    """``celery worker`` subprocesses (prefork); each in its own session, killed by PID."""
+    """``celery worker`` subprocesses; each in its own session, killed by PID."""
 
     def __init__(self, settings: dict[str, Any], log_dir: Path) -> None:
         self.settings = settings
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *, concurrency: int = 4, name: str | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, *, concurrency: int = 4, name: str | None = None, pool: str = "prefork"
+    ) -> subprocess.Popen[bytes]:
         name = name or f"w{len(self.procs) + 1}-{uuid.uuid4().hex[:6]}"
         env = {**os.environ, ENV: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
@@ -130,7 +127,7 @@ class WorkerProcesses:
                 "-A",
                 "tests.support.celery_app:app",
                 "worker",
-                "--pool=prefork",
+                f"--pool={pool}",
                 f"--concurrency={concurrency}",
                 "-Q",
                 self.settings["queue"],

@@ -1,0 +1,68 @@
+"""The worker bootstep: what runs beside a worker while it consumes.
+
+Celery's documented way to run something for a worker's lifetime is a bootstep in
+the worker blueprint (``app.steps["worker"].add(...)``, added by
+:func:`~runcell_celery.celery.wiring.ensure_wired`). :class:`RunCellStep` starts, in
+the worker's main process and after the pool (so prefork children are already
+forked and inherit none of these threads):
+
+* the :class:`~runcell_celery.celery.deferral.Sweeper` (``runcell-sweeper``), which
+  re-publishes parked tasks whose wake-up was lost, when the backend parks tasks;
+* the :class:`~runcell_celery.celery.revocation.RevocationPublisher`
+  (``runcell-revocation-publisher``), which shares the worker's revoked task ids, when
+  the backend stores revocations.
+
+On stop it stops both and writes the main process's last admission counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from .deferral import Sweeper
+from .revocation import RevocationPublisher
+from .state import state_for
+
+__all__ = ["RunCellStep"]
+
+#: How long stopping waits for a loop's current round to end.
+STOP_TIMEOUT_S = 5.0
+
+
+def _revoked() -> list[str]:
+    return list(worker_state.revoked)
+
+
+class RunCellStep(bootsteps.StartStopStep):
+    """Runs the sweeper and the revocation publisher for one worker."""
+
+    label = "runcell"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.sweeper: Sweeper | None = None
+        self.publisher: RevocationPublisher | None = None
+
+    def start(self, parent: Any) -> None:
+        app = parent.app
+        state = state_for(app)
+        self.sweeper = Sweeper(app, state.registry)
+        self.sweeper.start()
+        store = state.revocations.store()
+        if store is not None:
+            self.publisher = RevocationPublisher(store, _revoked)
+            self.publisher.start()
+
+    def stop(self, parent: Any) -> None:
+        for loop in (self.sweeper, self.publisher):
+            if loop is not None:
+                loop.stop(STOP_TIMEOUT_S)
+        self.sweeper = self.publisher = None
+        state_for(parent.app).counters.close()
+
+    def terminate(self, parent: Any) -> None:
+        self.stop(parent)

@@ -1,0 +1,142 @@
+"""What the integration keeps per Celery app: one :class:`AppState`, never attributes on the app.
+
+A process may hold several Celery apps (tests do; so can a web server that sends to
+two brokers), each with its own settings. Everything the integration remembers about
+an app — its limiter registry, its admission counters, its revocation watcher,
+whether its signals and bootstep are wired — lives in one object kept in a
+:class:`weakref.WeakKeyDictionary` keyed by the app, so a dropped app takes its state
+with it and the app's own namespace is never touched.
+
+When the app has no ``runcell`` setting, the registry asks a settings provider: the
+Django app installs one that reads ``settings.RUNCELL`` (and resolves database
+aliases), so Celery and Django share one configuration.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+
+from ..ports import AdmissionCount, Backend, CounterStore
+from ..registry import LimiterRegistry
+from .counters import AdmissionCounters
+from .revocation import RevocationWatcher
+
+__all__ = [
+    "AppState",
+    "admission_counts",
+    "live_states",
+    "registry_for",
+    "set_settings_provider",
+    "state_for",
+]
+
+SettingsProvider = Callable[[], tuple[Mapping[str, Any], str, Callable[[str], str] | None] | None]
+
+_provider: SettingsProvider | None = None
+_states: weakref.WeakKeyDictionary[Celery, AppState] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+@dataclass(eq=False)
+class AppState:
+    """The integration's state for one Celery app.
+
+    :param registry: the app's limiters, configured from ``app.conf.runcell`` (or the
+        settings provider) on first use.
+    :param counters: admission counts of this app's tasks, written through the
+        registry's backend when it is a :class:`~runcell_celery.ports.CounterStore`.
+    :param revocations: cancels this process's runs whose root or parent is revoked.
+    :param wired: signals and the worker bootstep are connected (see :mod:`.wiring`).
+    """
+
+    registry: LimiterRegistry
+    counters: AdmissionCounters
+    revocations: RevocationWatcher
+    wired: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def for_registry(cls, registry: LimiterRegistry) -> AppState:
+        """A state whose stores are the registry's backend, looked up at each use (the
+        backend is made lazily, once per process)."""
+
+        def backend() -> Backend | None:
+            return registry.backend
+
+        return cls(
+            registry=registry,
+            counters=AdmissionCounters(backend),
+            revocations=RevocationWatcher(backend),
+        )
+
+
+def set_settings_provider(provider: SettingsProvider | None) -> None:
+    """Install where settings come from when ``app.conf.runcell`` is not set.
+
+    The provider returns ``(settings, path_for_errors, resolve_database)`` or ``None``.
+    """
+    global _provider
+    _provider = provider
+
+
+def state_for(app: Celery) -> AppState:
+    """Return ``app``'s state, configuring its registry on first use."""
+    state = _states.get(app)
+    if state is not None:
+        return state
+    with _lock:
+        state = _states.get(app)
+        if state is None:
+            state = AppState.for_registry(_configure(app))
+            _states[app] = state
+        return state
+
+
+def registry_for(app: Celery) -> LimiterRegistry:
+    """Return ``app``'s limiter registry, configuring it on first use."""
+    return state_for(app).registry
+
+
+def admission_counts(source: Celery | CounterStore) -> list[AdmissionCount]:
+    """Read the fleet-wide admission counts, per task name and limiter.
+
+    :param source: a Celery app (its registry's backend is read) or a backend that is
+        a :class:`~runcell_celery.ports.CounterStore`.
+    :raises TypeError: the backend keeps no fleet-wide counts (the in-memory backend
+        counts per process only: ``state_for(app).counters.local()``).
+    """
+    store: object = registry_for(source).backend if isinstance(source, Celery) else source
+    if not isinstance(store, CounterStore):
+        raise TypeError(
+            "admission counts need a backend that stores them (a CounterStore such as "
+            f"runcell_celery.postgres.PostgresBackend), not {type(store).__name__}"
+        )
+    return store.admission_counts()
+
+
+def live_states() -> list[AppState]:
+    """The states of every app of this process still alive."""
+    with _lock:
+        return list(_states.values())
+
+
+def _configure(app: Celery) -> LimiterRegistry:
+    settings = app.conf.get("runcell")
+    resolve: Callable[[str], str] | None = None
+    path = "app.conf.runcell"
+    if settings is None and _provider is not None:
+        provided = _provider()
+        if provided is not None:
+            settings, path, resolve = provided
+    registry = LimiterRegistry(resolve_database=resolve)
+    if settings is not None:
+        registry.configure(settings, path=path)
+    else:
+        registry.settings_path = path
+    return registry

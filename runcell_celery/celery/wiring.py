@@ -1,0 +1,83 @@
+"""Per-app wiring, done once: header propagation, counters, re-publication, the bootstep.
+
+Signal receivers' errors are swallowed by Celery, so nothing that releases a slot
+lives here: releases happen in the task's own ``with slot()`` blocks. What does live
+here is best-effort by nature: adding the parent run's headers to outgoing messages,
+counting, and writing a pool process's last counts when it ends. Loops that run
+beside a worker are started by :class:`~runcell_celery.celery.bootsteps.RunCellStep`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from celery import Celery
+from celery.signals import before_task_publish, worker_process_shutdown
+
+from ..context import current_run
+from ..events import add_event_listener
+from . import headers
+from .bootsteps import RunCellStep
+from .deferral import wire_publisher
+from .state import AppState, live_states, state_for
+
+__all__ = ["ensure_wired"]
+
+_lock = threading.Lock()
+_process_signals_connected = False
+
+
+def _on_publish(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """``before_task_publish``: a message sent from inside a run names its parent run."""
+    _propagate_run(headers)
+
+
+def _propagate_run(message_headers: dict[str, Any] | None) -> None:
+    context = current_run()
+    if context is None or message_headers is None:
+        return
+    if headers.PARENT in message_headers or headers.PUBLICATION in message_headers:
+        return  # a re-published message keeps the lineage it was first sent with
+    message_headers[headers.PARENT] = {
+        "limiter": context.limiter.name if context.limiter is not None else None,
+        "workload": context.workload,
+        "deadline": context.deadline_timestamp(),
+        "name": context.name,
+    }
+
+
+def _flush_counters(**_: Any) -> None:
+    """``worker_process_shutdown``: a prefork pool process ends; write its last counts."""
+    for state in live_states():
+        state.counters.close()
+
+
+def _connect_process_signals() -> None:
+    """Connect the receivers every app shares, once per process."""
+    global _process_signals_connected
+    with _lock:
+        if _process_signals_connected:
+            return
+        before_task_publish.connect(_on_publish, weak=False)
+        worker_process_shutdown.connect(_flush_counters, weak=False)
+        _process_signals_connected = True
+
+
+def ensure_wired(app: Celery) -> AppState:
+    """Connect what the integration needs, once per app; return the app's state."""
+    state = state_for(app)
+    if not state.wired:
+        _connect_process_signals()
+        with state.lock:
+            _wire_locked(app, state)
+    return state
+
+
+def _wire_locked(app: Celery, state: AppState) -> None:
+    if state.wired:
+        return  # another thread wired it while we waited for the lock
+    add_event_listener(state.counters.on_event)
+    wire_publisher(app, state.registry)
+    app.steps["worker"].add(RunCellStep)
+    state.wired = True
