@@ -7,27 +7,45 @@ settings from the ``RUNCELL_TEST_CELERY`` environment variable (JSON) and is sta
 
 Every concurrency event of a worker is pushed to a Redis list (``events_key``), so a
 test can see what happened inside worker processes; the fake provider counts the
-provider calls.
+provider calls. A worker started with ``clock_skew_s`` in its settings runs with its
+host clock (``time.time``) that far off the database's, as a host whose NTP drifted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+import uuid
+import weakref
+from collections.abc import Callable
 from typing import Any
 
+import psutil
 import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.result import allow_join_result
 
-from runcell_celery import ConcurrencyEvent, add_event_listener, current_run, slot
-from runcell_celery.celery import RunCellTask
+from runcell_celery import (
+    ConcurrencyEvent,
+    ConcurrencyLimiterError,
+    add_event_listener,
+    current_run,
+    slot,
+)
+from runcell_celery.celery import RunCellTask, registry_for
+from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
 from runcell_celery.testing import FakeProviderClient
 
 REDIS_URL = os.environ.get("RUNCELL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 ENV = "RUNCELL_TEST_CELERY"
+
+#: The event listener each app added (pushing events to Redis), to remove after a test.
+EVENT_RECORDERS: weakref.WeakKeyDictionary[Celery, Callable[[ConcurrencyEvent], None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _run_info() -> dict[str, Any]:
@@ -42,6 +60,27 @@ def _run_info() -> dict[str, Any]:
         "workload": context.workload,
         "remaining_ms": remaining,
         "pid": os.getpid(),
+    }
+
+
+def skew_clock(seconds: float) -> None:
+    """Make this process's wall clock (``time.time``) read ``seconds`` off the real one.
+
+    Done when the worker imports this module, before its pool forks, so every worker
+    process of it is skewed alike. The monotonic clock is left alone: it never claims
+    to agree with another host.
+    """
+    real_time, real_time_ns = time.time, time.time_ns
+    time.time = lambda: real_time() + seconds
+    time.time_ns = lambda: real_time_ns() + int(seconds * 1e9)
+
+
+def database_ports(pid: int, server_port: int) -> set[int]:
+    """The local ports of the TCP connections process ``pid`` holds to the database."""
+    return {
+        c.laddr.port
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == server_port and c.status == psutil.CONN_ESTABLISHED
     }
 
 
@@ -85,7 +124,7 @@ def create_app(settings: dict[str, Any]) -> Celery:
             sink.rpush(events_key, json.dumps(event.to_dict()))
 
         add_event_listener(record)
-        app.runcell_test_listener = record  # type: ignore[attr-defined]  # removed by the fixture
+        EVENT_RECORDERS[app] = record  # removed by the fixture
 
     def call_provider(latency_ms: float) -> dict[str, Any]:
         with slot() as held:
@@ -234,12 +273,66 @@ def create_app(settings: dict[str, Any]) -> Celery:
         """Send children (which inherit this run) and return without waiting for them."""
         return [wait_task.delay(latency_ms).id for _ in range(children)]
 
+    @app.task(shared=False, name="rc.pool_report")
+    def pool_report(server_port: int = 5432) -> dict[str, Any]:
+        """How this worker process reaches the database: its backend's pool (settings
+        and size), whether its grant listener is up, and the database connections the
+        process holds, read together once two readings in a row agree."""
+        registry = registry_for(app)
+        backend = registry.backend
+        assert isinstance(backend, PostgresBackend), backend
+        limiter = registry.get("llm")
+        assert isinstance(limiter, PostgresConcurrencyLimiter)
+        pool = backend.pool
+        listening = limiter.listening
+        previous: tuple[int, set[int]] | None = None
+        for _ in range(100):
+            reading = (pool.get_stats()["pool_size"], database_ports(os.getpid(), server_port))
+            if reading == previous:
+                break
+            previous = reading
+            time.sleep(0.05)
+        assert previous is not None
+        return {
+            "pid": os.getpid(),
+            "max_size": pool.max_size,
+            "timeout_s": pool.timeout,
+            "pool_size": previous[0],
+            "ports": sorted(previous[1]),
+            "listening": listening,
+        }
+
+    @app.task(shared=False, name="rc.pool_exhausted")
+    def pool_exhausted() -> dict[str, Any]:
+        """Hold every connection of this process's pool, then record a run's first start:
+        how long the store call waited for a connection, and how it failed."""
+        backend = registry_for(app).backend
+        assert isinstance(backend, PostgresBackend), backend
+        pool = backend.pool
+        with contextlib.ExitStack() as held:
+            for _ in range(pool.max_size):
+                held.enter_context(pool.connection())
+            started = time.monotonic()
+            try:
+                backend.first_start(str(uuid.uuid4()), 60_000)
+            except ConcurrencyLimiterError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                error = None
+            waited_s = time.monotonic() - started
+        return {"waited_s": waited_s, "error": error}
+
     return app
 
 
 def _from_env() -> Celery | None:
     raw = os.environ.get(ENV)
-    return create_app(json.loads(raw)) if raw else None
+    if not raw:
+        return None
+    settings = json.loads(raw)
+    if settings.get("clock_skew_s"):
+        skew_clock(float(settings["clock_skew_s"]))
+    return create_app(settings)
 
 
 app = _from_env()
