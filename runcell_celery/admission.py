@@ -59,7 +59,3 @@ class Admission:
                 return None
             self._taken = True
             return self
-
-    @property
-    def taken(self) -> bool:
-        return self._taken

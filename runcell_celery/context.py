@@ -1,11 +1,12 @@
 """Runs: the unit that owns a time budget, a cancellation and a place in a run tree.
 
-A run is what the spec calls an agent run; in Celery, one task execution. It lives in
+A run is an agent run (README, "A slot around each provider call"); in Celery, one
+task execution. It lives in
 a :mod:`contextvars` variable, so it follows threads started with ``copy_context`` and
 every asyncio task, and :func:`slot` reads its limiter, workload, deadline and
 cancellation from it.
 
-A run started inside another is a child (the spec's "Nested runs"). It inherits:
+A run started inside another is a child (README, "Celery": child tasks). It inherits:
 
 * the parent's limiter, unless it names a *different* limiter (then it uses that one
   and its own workload);
@@ -17,20 +18,19 @@ A run started inside another is a child (the spec's "Nested runs"). It inherits:
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import math
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
 
 from .admission import Admission
 from .cancellation import CancellationToken
+from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
-from .protocol import ConcurrencyLimiter, RunLineage
+from .protocol import ConcurrencyLimiter, RunLineage, SupportsValidateWorkload
 
-__all__ = ["RunContext", "RunProgress", "current_run", "run"]
+__all__ = ["RunContext", "RunOptions", "RunProgress", "current_run", "run"]
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class RunProgress:
 class RunContext:
     """The run a piece of code belongs to.
 
-    :param deadline: ``time.monotonic()`` value at which the budget ends, or ``None``.
+    :param deadline: when the budget ends, or ``None`` for no budget.
     :param cancel: cancels the run and every child; ``None`` if nobody can cancel it.
     :param name: a label for the run (the Celery task name), shown as the holder.
     """
@@ -54,7 +54,7 @@ class RunContext:
     parent_run_id: str | None = None
     limiter: ConcurrencyLimiter | None = None
     workload: str | None = None
-    deadline: float | None = None
+    deadline: Deadline | None = None
     cancel: CancellationToken | None = None
     name: str | None = None
     admission: Admission | None = None
@@ -66,15 +66,12 @@ class RunContext:
 
     def remaining_ms(self) -> float | None:
         """Milliseconds left in the budget (may be negative), or ``None`` for no budget."""
-        if self.deadline is None:
-            return None
-        return (self.deadline - time.monotonic()) * 1000
+        return None if self.deadline is None else self.deadline.remaining_ms()
 
     def deadline_timestamp(self) -> float | None:
-        """The deadline as a Unix timestamp, to carry it to another process."""
-        if self.deadline is None:
-            return None
-        return time.time() + (self.deadline - time.monotonic())
+        """The deadline as a Unix timestamp, for display and for carrying it to another
+        process; nothing in this process decides by it."""
+        return None if self.deadline is None else self.deadline.to_unix()
 
 
 _current: ContextVar[RunContext | None] = ContextVar("runcell_run", default=None)
@@ -86,13 +83,26 @@ def current_run() -> RunContext | None:
 
 
 def _validate(limiter: ConcurrencyLimiter, workload: str | None) -> str | None:
-    validate: Callable[[str | None], str] | None = getattr(limiter, "validate_workload", None)
-    return validate(workload) if validate is not None else workload
+    if isinstance(limiter, SupportsValidateWorkload):
+        return limiter.validate_workload(workload)
+    return workload
 
 
-def _earliest(*deadlines: float | None) -> float | None:
-    given = [d for d in deadlines if d is not None]
-    return min(given) if given else None
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """What :class:`run` was asked for, before it meets its parent (see :class:`run`)."""
+
+    limiter: ConcurrencyLimiter | None = None
+    workload: str | None = None
+    default_workload: str | None = None
+    timeout_ms: float | None = None
+    deadline: Deadline | None = None
+    cancel: CancellationToken | None = None
+    run_id: str | None = None
+    root_run_id: str | None = None
+    parent_run_id: str | None = None
+    name: str | None = None
+    admission: Admission | None = None
 
 
 class run:  # noqa: N801 - a context manager named like the thing it opens
@@ -102,10 +112,13 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
     :param workload: the workload this run *selects* (always wins).
     :param default_workload: the workload of the code starting the run (e.g. the
         task's declared one); used only when neither the run nor its parent selects one.
-    :param timeout_ms: total budget; slot waits count against it. A child's budget is
-        cut to its parent's remaining one.
-    :param deadline_at: an absolute deadline as a Unix timestamp (budget carried from
-        another process); combined with ``timeout_ms`` and the parent's, earliest wins.
+    :param timeout_ms: total budget, counted from entering the run; slot waits count
+        against it. A child's budget is cut to its parent's remaining one. An infinite
+        value means no budget.
+    :param deadline: an absolute deadline (combined with ``timeout_ms`` and the
+        parent's; the earliest wins).
+    :param deadline_at: the same as a Unix timestamp, for a budget carried from another
+        process; converted to a :class:`~runcell_celery.deadline.Deadline` once, here.
     :param cancel: a token that cancels this run (its parent's still applies).
     :param run_id: the run id (defaults to a new UUID); Celery passes the task id.
     :param root_run_id: with ``parent_run_id``, the lineage when the parent lives in
@@ -125,6 +138,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         workload: str | None = None,
         default_workload: str | None = None,
         timeout_ms: float | None = None,
+        deadline: Deadline | None = None,
         deadline_at: float | None = None,
         cancel: CancellationToken | None = None,
         run_id: str | None = None,
@@ -133,45 +147,48 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         name: str | None = None,
         admission: Admission | None = None,
     ) -> None:
-        self._options = {
-            "limiter": limiter,
-            "workload": workload,
-            "default_workload": default_workload,
-            "timeout_ms": timeout_ms,
-            "deadline_at": deadline_at,
-            "cancel": cancel,
-            "run_id": run_id,
-            "root_run_id": root_run_id,
-            "parent_run_id": parent_run_id,
-            "name": name,
-            "admission": admission,
-        }
+        if deadline_at is not None:
+            deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
+        if timeout_ms is not None and math.isinf(timeout_ms) and timeout_ms > 0:
+            timeout_ms = None
+        self.options = RunOptions(
+            limiter=limiter,
+            workload=workload,
+            default_workload=default_workload,
+            timeout_ms=timeout_ms,
+            deadline=deadline,
+            cancel=cancel,
+            run_id=run_id,
+            root_run_id=root_run_id,
+            parent_run_id=parent_run_id,
+            name=name,
+            admission=admission,
+        )
         self._token: Token[RunContext | None] | None = None
         self._own_cancel: CancellationToken | None = None
         self.context: RunContext | None = None
 
     def _build(self) -> RunContext:
-        o: dict[str, Any] = self._options
+        o = self.options
         parent = _current.get()
-        now = time.monotonic()
-        run_id = o["run_id"] or new_run_id()
-        if o["parent_run_id"] is not None or parent is None:
-            root = o["root_run_id"] or run_id
-            parent_id = o["parent_run_id"]
+        run_id = o.run_id or new_run_id()
+        if o.parent_run_id is not None or parent is None:
+            root = o.root_run_id or run_id
+            parent_id = o.parent_run_id
         else:
             root, parent_id = parent.root_run_id, parent.run_id
 
-        limiter: ConcurrencyLimiter | None = o["limiter"]
-        workload: str | None = o["workload"]
+        limiter = o.limiter
+        workload = o.workload
         if (
             parent is not None
             and parent.limiter is not None
             and (limiter is None or limiter is parent.limiter)
         ):
             limiter = parent.limiter
-            workload = workload or parent.workload or o["default_workload"]
+            workload = workload or parent.workload or o.default_workload
         else:
-            workload = workload or o["default_workload"]
+            workload = workload or o.default_workload
         lineage = {"run_id": run_id, "root_run_id": root, "parent_run_id": parent_id}
         if limiter is not None:
             try:
@@ -188,12 +205,12 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
                 **lineage,
             )
 
-        deadline = _earliest(
+        deadline = Deadline.earliest(
             parent.deadline if parent is not None else None,
-            now + o["timeout_ms"] / 1000 if o["timeout_ms"] is not None else None,
-            now + (o["deadline_at"] - time.time()) if o["deadline_at"] is not None else None,
+            Deadline.after_ms(o.timeout_ms) if o.timeout_ms is not None else None,
+            o.deadline,
         )
-        cancel = self._link_cancel(o["cancel"], parent.cancel if parent is not None else None)
+        cancel = self._link_cancel(o.cancel, parent.cancel if parent is not None else None)
         return RunContext(
             run_id=run_id,
             root_run_id=root,
@@ -202,9 +219,9 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             workload=workload,
             deadline=deadline,
             cancel=cancel,
-            name=o["name"] or (parent.name if parent is not None else None),
+            name=o.name or (parent.name if parent is not None else None),
             # Never inherited: it is about this run's own first slot.
-            admission=o["admission"],
+            admission=o.admission,
         )
 
     def _link_cancel(
@@ -244,9 +261,3 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         tb: TracebackType | None,
     ) -> None:
         self.__exit__(exc_type, exc, tb)
-
-
-def implicit_run() -> RunContext:
-    """A one-off run for a slot used outside any run, so events still have lineage."""
-    run_id = new_run_id()
-    return RunContext(run_id=run_id, root_run_id=run_id)

@@ -71,13 +71,11 @@ def guard(
                         # that comes while the consumer has the item ends the stream
                         # at its next step. Either way the consumer gets the error.
                         while not held.aborted:
-                            held._interruptible = True
                             try:
-                                item = await anext(stream)
+                                with held.interruptible():
+                                    item = await anext(stream)
                             except StopAsyncIteration:
                                 break
-                            finally:
-                                held._interruptible = False
                             yield item
                     finally:
                         await stream.aclose()

@@ -1,31 +1,35 @@
 """The lease keeper: one thread per process renews every held slot and watches deadlines.
 
 A thread per lease would cost a thread per provider call; instead every held slot is
-registered here and one named thread (``runcell-lease-keeper``) wakes when the next
-renewal or deadline is due. Renewals of the leases one limiter holds are batched into
-one ``renew_many`` call when the limiter has it (one SQL statement for PostgreSQL).
+registered here and one named loop (``runcell-lease-keeper``, a
+:class:`~runcell_celery.background.BackgroundLoop`) wakes when the next renewal or
+deadline is due. Renewals of the leases one limiter holds are batched into one
+``renew_many`` call when the limiter declares
+:class:`~runcell_celery.protocol.SupportsRenewMany` (one SQL statement for PostgreSQL).
 
-The keeper decides nothing about a hold's outcome itself: it tells the hold what
-happened (renewed, renewal failed, lost, deadline passed) and the hold reacts. It
-keeps only weak references, so a hold that is dropped without being exited simply
-stops being renewed and its lease expires. It logs instead of dying, and a forked
-child (Celery prefork) starts with a keeper of its own.
+The keeper decides nothing about a hold's outcome itself: it tells the
+:class:`LeaseHolder` what happened (renewed, renewal failed, lost, deadline passed)
+and the holder reacts. It keeps only weak references, so a hold that is dropped
+without being exited simply stops being renewed and its lease expires. It logs
+instead of dying, and a forked child (Celery prefork) gets a keeper of its own through
+:class:`~runcell_celery.background.ProcessLocal`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
-from .protocol import ConcurrencyLimiter, Lease
+from .background import BackgroundLoop, ProcessLocal
+from .deadline import Deadline
+from .protocol import ConcurrencyLimiter, Lease, SupportsRenewMany, supports
 
-__all__ = ["Hold", "LeaseKeeper", "get_keeper"]
+__all__ = ["LeaseHolder", "LeaseKeeper", "get_keeper"]
 
 logger = logging.getLogger("runcell_celery.keeper")
 
@@ -35,10 +39,12 @@ T = TypeVar("T")
 RENEW_FRACTION = 1 / 3
 #: After a failed renewal, try again this often (capped by the TTL's fraction).
 RETRY_SECONDS = 1.0
+#: The longest the keeper sleeps, so a stopped or dropped keeper lets its thread end.
+MAX_SLEEP_SECONDS = 60.0
 
 
-class Hold(Protocol):
-    """What the keeper needs from a held slot (implemented by :class:`~.slot.Slot`)."""
+class LeaseHolder(Protocol):
+    """What the keeper needs from whoever holds a lease (:class:`~.hold.Hold`)."""
 
     def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
         """The limiter and lease to renew, or ``None`` once the hold has ended."""
@@ -50,50 +56,57 @@ class Hold(Protocol):
 
     def lease_lost(self, error: BaseException | None) -> None: ...
 
-    def deadline_passed(self) -> float | None:
+    def deadline_passed(self) -> Deadline | None:
         """The deadline given to :meth:`LeaseKeeper.keep` passed; return a later
-        deadline (monotonic) to watch as well, or ``None``."""
+        deadline to watch as well, or ``None``."""
         ...
 
 
 class _Entry:
-    __slots__ = ("deadline", "expires_at", "hold", "renew_at", "ttl")
+    __slots__ = ("deadline", "expires_at", "holder", "renew_at", "ttl")
 
-    def __init__(self, hold: Hold, ttl: float, now: float, deadline: float | None) -> None:
-        self.hold = weakref.ref(hold)
+    def __init__(
+        self, holder: LeaseHolder, ttl: float, now: float, deadline: Deadline | None
+    ) -> None:
+        self.holder = weakref.ref(holder)
         self.ttl = ttl
         self.renew_at = now + ttl * RENEW_FRACTION
         # Where the keeper must assume the lease is gone if no renewal succeeded.
         self.expires_at = now + ttl
-        self.deadline = math.inf if deadline is None else deadline
+        self.deadline = math.inf if deadline is None else deadline.at
 
     def next_due(self) -> float:
         return min(self.renew_at, self.expires_at, self.deadline)
 
 
 class LeaseKeeper:
-    """Renews held leases and fires hold deadlines from one background thread."""
+    """Renews held leases and fires hold deadlines from one background loop.
+
+    All times inside are ``time.monotonic()`` instants (what a
+    :class:`~runcell_celery.deadline.Deadline` holds).
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
         self._next_key = 0
         self._wake_at = math.inf
-        self._thread: threading.Thread | None = None
+        self._loop = BackgroundLoop("runcell-lease-keeper", self, LeaseKeeper._step)
+        self._started = False
 
-    def keep(self, hold: Hold, ttl_ms: int, deadline: float | None) -> int:
-        """Start renewing ``hold``'s lease; fire its deadline (monotonic) if given.
+    def keep(self, holder: LeaseHolder, ttl_ms: int, deadline: Deadline | None) -> int:
+        """Start renewing ``holder``'s lease; fire its deadline if given.
 
         :returns: a key for :meth:`forget`.
         """
-        now = time.monotonic()
-        entry = _Entry(hold, ttl_ms / 1000, now, deadline)
+        entry = _Entry(holder, ttl_ms / 1000, time.monotonic(), deadline)
         with self._cond:
             key = self._next_key
             self._next_key += 1
             self._entries[key] = entry
-            if self._thread is None:
-                self._start_locked()
+            if not self._started:
+                self._started = True
+                self._loop.start()
             elif entry.next_due() < self._wake_at:
                 self._cond.notify()
         return key
@@ -108,11 +121,17 @@ class LeaseKeeper:
         with self._cond:
             return len(self._entries)
 
-    def _start_locked(self) -> None:
-        self._thread = threading.Thread(
-            target=_run_keeper, args=(weakref.ref(self),), name="runcell-lease-keeper", daemon=True
-        )
-        self._thread.start()
+    def stop(self, timeout: float | None = None) -> None:
+        """End the keeper's loop (its leases are then left to expire)."""
+        self._loop.stop()
+        with self._cond:
+            self._cond.notify()
+        self._loop.stop(timeout)
+
+    def _step(self) -> float:
+        # The step blocks on the condition until something is due: no pause after it.
+        self.service()
+        return 0.0
 
     def _wait_for_due(self) -> list[tuple[int, _Entry]]:
         with self._cond:
@@ -123,9 +142,8 @@ class LeaseKeeper:
                     self._wake_at = math.inf
                     return list(self._entries.items())
                 self._wake_at = due_at
-                # Wake at least every minute so a collected keeper lets its thread end.
-                self._cond.wait(min(due_at - now, 60.0))
-                if not self._entries:
+                self._cond.wait(min(due_at - now, MAX_SLEEP_SECONDS))
+                if not self._entries or self._loop.stopping.is_set():
                     return []
 
     def service(self) -> None:
@@ -136,20 +154,20 @@ class LeaseKeeper:
         limiters: dict[int, ConcurrencyLimiter] = {}
         due: set[int] = set()
         for key, entry in entries:
-            hold = entry.hold()
-            kept = hold.kept_lease() if hold is not None else None
-            if hold is None or kept is None:
+            holder = entry.holder()
+            kept = holder.kept_lease() if holder is not None else None
+            if holder is None or kept is None:
                 self.forget(key)
                 continue
             if entry.deadline <= now:
-                later = _safely(hold.deadline_passed)
-                entry.deadline = math.inf if later is None else later
-                if hold.kept_lease() is None:
+                later = _safely(holder.deadline_passed)
+                entry.deadline = math.inf if later is None else later.at
+                if holder.kept_lease() is None:
                     self.forget(key)
                     continue
             if entry.expires_at <= now:
                 self.forget(key)
-                _safely(hold.lease_lost, None)
+                _safely(holder.lease_lost, None)
                 continue
             # When one lease of a limiter is due, renew with it every lease of that
             # limiter due within the next period: from then on they stay in step, and
@@ -173,29 +191,27 @@ class LeaseKeeper:
         except Exception as exc:
             for _, entry, _lease in batch:
                 entry.renew_at = sent_at + min(RETRY_SECONDS, entry.ttl * RENEW_FRACTION / 2)
-                hold = entry.hold()
-                if hold is not None:
-                    _safely(hold.renewal_failed, exc)
+                holder = entry.holder()
+                if holder is not None:
+                    _safely(holder.renewal_failed, exc)
             return
         for key, entry, lease in batch:
-            hold = entry.hold()
+            holder = entry.holder()
             renewed = results.get(lease.lease_id)
-            if hold is None:
+            if holder is None:
                 self.forget(key)
             elif renewed is None:
                 self.forget(key)
-                _safely(hold.lease_lost, None)
+                _safely(holder.lease_lost, None)
             else:
                 entry.renew_at = sent_at + entry.ttl * RENEW_FRACTION
                 entry.expires_at = sent_at + entry.ttl
-                _safely(hold.lease_renewed, renewed)
+                _safely(holder.lease_renewed, renewed)
 
 
 def _renew(limiter: ConcurrencyLimiter, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
-    renew_many = getattr(limiter, "renew_many", None)
-    if renew_many is not None and len(leases) > 1:
-        result: Mapping[str, Lease | None] = renew_many(leases)
-        return result
+    if len(leases) > 1 and supports(limiter, SupportsRenewMany):
+        return cast(SupportsRenewMany, limiter).renew_many(leases)
     return {lease.lease_id: limiter.renew(lease) for lease in leases}
 
 
@@ -207,41 +223,11 @@ def _safely(call: Callable[..., T], *args: object) -> T | None:
         return None
 
 
-def _run_keeper(keeper_ref: weakref.ref[LeaseKeeper]) -> None:
-    while True:
-        keeper = keeper_ref()
-        if keeper is None:
-            return
-        try:
-            keeper.service()
-        except Exception:  # never die: a dead keeper would let every lease expire
-            logger.exception("runcell lease keeper failed; continuing")
-            time.sleep(RETRY_SECONDS)
-        del keeper
-
-
-_keeper: LeaseKeeper | None = None
-_keeper_lock = threading.Lock()
+#: This process's keeper: a forked child (Celery prefork) makes its own on first use,
+#: since the parent's thread does not exist there and its holds are not the child's.
+_keepers: ProcessLocal[LeaseKeeper] = ProcessLocal(LeaseKeeper)
 
 
 def get_keeper() -> LeaseKeeper:
     """Return this process's keeper, creating it on first use."""
-    global _keeper
-    keeper = _keeper
-    if keeper is None:
-        with _keeper_lock:
-            if _keeper is None:
-                _keeper = LeaseKeeper()
-            keeper = _keeper
-    return keeper
-
-
-def _reset_after_fork() -> None:
-    # The parent's keeper thread does not exist in the child, and the parent's holds
-    # are not the child's to renew.
-    global _keeper, _keeper_lock
-    _keeper = None
-    _keeper_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
+    return _keepers.get()

@@ -1,0 +1,292 @@
+"""A held slot: what happens between a grant and the release.
+
+A :class:`Hold` is the lease keeper's counterpart (it implements
+:class:`~runcell_celery.keeper.LeaseHolder`): the keeper tells it that its lease was
+renewed, could not be renewed, was lost or that a deadline passed, and the hold
+reacts. It owns the abort state machine and releases the slot exactly once, with an
+outcome (README, "Errors": what each failure means for the provider call).
+
+An abort (lease lost, ``max_hold_ms`` passed, run cancelled, budget ended) happens at
+most once: abort callbacks run, an ``async with`` body is cancelled where it is
+interruptible, and ending the hold returns the matching error instead of success. One
+later event still counts: ``max_hold_ms`` frees the slot even when an earlier abort
+could not stop a sync body, so the limiter's accounting never depends on the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+from .deadline import Deadline
+from .errors import (
+    ConcurrencyCancelledError,
+    ConcurrencyError,
+    ConcurrencyLeaseLostError,
+    ConcurrencyTimeoutError,
+)
+from .events import describe_error, has_listeners
+from .keeper import LeaseKeeper, get_keeper
+from .protocol import ConcurrencyLimiter, Lease, Outcome
+from .request import SlotRequest
+
+__all__ = ["AbortReason", "Hold", "is_interrupt", "register_interrupt"]
+
+logger = logging.getLogger("runcell_celery.slot")
+
+AbortReason = Literal["lease-lost", "max-hold", "cancelled", "timed-out"]
+
+_interrupts: tuple[type[BaseException], ...] = ()
+
+
+def register_interrupt(exc_type: type[BaseException]) -> None:
+    """Treat ``exc_type`` as a cancellation, not a failure, wherever it interrupts a slot.
+
+    Anything that is not an ``Exception`` (``SystemExit`` from a terminating signal,
+    ``KeyboardInterrupt``, asyncio's ``CancelledError``, ``GeneratorExit`` of a stream
+    closed early) already is; the Celery integration registers ``SoftTimeLimitExceeded``
+    and ``Terminated``.
+    """
+    global _interrupts
+    if exc_type not in _interrupts:
+        _interrupts = (*_interrupts, exc_type)
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Tell whether ``exc`` stops the run from outside (a cancellation of some kind)."""
+    return not isinstance(exc, Exception) or isinstance(
+        exc, (ConcurrencyCancelledError, *_interrupts)
+    )
+
+
+def outcome_of(exc: BaseException | None) -> Outcome:
+    """How a hold whose body ended with ``exc`` (``None``: it returned) went."""
+    if exc is None:
+        return "success"
+    if is_interrupt(exc):
+        return "cancelled"
+    return "error"
+
+
+class Hold:
+    """One granted lease, kept alive by the process's lease keeper until :meth:`end`.
+
+    :param slot_request: what was asked (for events and errors).
+    :param lease: the granted lease.
+    :param max_hold: when the hold ends as a lost lease whatever the body does.
+    :param task: the asyncio task holding the slot (``None`` for a sync body): an
+        abort cancels it while it is interruptible.
+    :param cleanups: called once when the hold ends (detach cancellation links).
+    """
+
+    def __init__(
+        self,
+        slot_request: SlotRequest,
+        lease: Lease,
+        *,
+        max_hold: Deadline | None = None,
+        task: asyncio.Task[Any] | None = None,
+        cleanups: list[Callable[[], object]] | None = None,
+    ) -> None:
+        self.slot_request = slot_request
+        self.lease = lease
+        self.max_hold = max_hold
+        self.held_since = time.monotonic()
+        self._state = threading.Lock()
+        self._ended = False
+        self._released = False
+        self._abort_reason: AbortReason | None = None
+        self._abort_callbacks: list[Callable[[], object]] = []
+        self._cleanups = cleanups if cleanups is not None else []
+        self._task = task
+        self._loop = task.get_loop() if task is not None else None
+        self._task_cancelled = False
+        self._interruptible = True
+        self._keeper: LeaseKeeper | None = None
+        self._keeper_key = 0
+
+    def keep(self, deadline: Deadline | None) -> None:
+        """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""
+        due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
+        self._keeper = get_keeper()
+        self._keeper_key = self._keeper.keep(self, self.lease.ttl_ms, due)
+
+    def add_cleanup(self, cleanup: Callable[[], object]) -> None:
+        self._cleanups.append(cleanup)
+
+    # -- the handle -------------------------------------------------------------------
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort_reason is not None
+
+    @property
+    def abort_reason(self) -> AbortReason | None:
+        return self._abort_reason
+
+    def on_abort(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` if the hold is aborted; at once if it already was."""
+        with self._state:
+            if self._abort_reason is None:
+                self._abort_callbacks.append(callback)
+                return
+        _call_safely(callback)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Let an abort cancel the asyncio task only while the block runs.
+
+        A hold is interruptible from the start. Code that hands control to someone
+        else's code in between (a streaming guard that yields items to its consumer)
+        wraps each of its own steps in this block: once it leaves one, an abort no
+        longer cancels the task, and the code learns of it from :attr:`aborted`.
+        """
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    # -- the end ----------------------------------------------------------------------
+
+    def end(self, exc: BaseException | None) -> ConcurrencyError | None:
+        """Release once and return the error that replaces the body's result, if any."""
+        with self._state:
+            if self._ended:
+                return None
+            self._ended = True
+            reason = self._abort_reason
+            already_released = self._released
+            self._released = True
+        if self._keeper is not None:
+            self._keeper.forget(self._keeper_key)
+        for cleanup in self._cleanups:
+            cleanup()
+        self._cleanups.clear()
+        if not already_released:
+            self._release(reason or outcome_of(exc))
+        return None if reason is None else self._abort_error(reason)
+
+    def settle_task(self) -> None:
+        """Take back the cancellation an abort sent the task to stop its body, so it
+        does not leak out of the ``async with``."""
+        if self._task_cancelled and self._task is not None:
+            self._task.uncancel()
+
+    def _release(self, outcome: Outcome) -> None:
+        lease, request = self.lease, self.slot_request
+        hold_ms = (time.monotonic() - self.held_since) * 1000
+        try:
+            request.limiter.release(lease, outcome)
+        except Exception as exc:  # the run continues; the lease TTL returns the slot
+            logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
+            request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
+            return
+        if has_listeners():
+            request.event("released", lease_id=lease.lease_id, hold_ms=hold_ms, outcome=outcome)
+
+    # -- what the keeper and a cancelling thread tell it --------------------------------
+
+    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
+        if self._ended or self._released:
+            return None
+        return self.slot_request.limiter, self.lease
+
+    def lease_renewed(self, lease: Lease) -> None:
+        self.lease = lease
+
+    def renewal_failed(self, error: BaseException) -> None:
+        self.slot_request.event(
+            "renewal-failed", lease_id=self.lease.lease_id, error=describe_error(error)
+        )
+
+    def lease_lost(self, error: BaseException | None) -> None:
+        self.abort("lease-lost", error)
+
+    def deadline_passed(self) -> Deadline | None:
+        if self.max_hold is not None and self.max_hold.passed():
+            self.abort("max-hold")
+            return None
+        self.abort("timed-out")
+        # A sync body cannot be stopped: max_hold_ms must still free the slot later.
+        return self.max_hold
+
+    def cancelled(self) -> None:
+        self.abort("cancelled")
+
+    def abort(self, reason: AbortReason, error: BaseException | None = None) -> None:
+        """Abort the hold (first reason wins); ``max-hold`` also releases at once."""
+        with self._state:
+            if self._ended:
+                return
+            first = self._abort_reason is None
+            release_now = reason == "max-hold" and not self._released
+            if not first and not release_now:
+                return
+            callbacks: list[Callable[[], object]] = []
+            if first:
+                self._abort_reason = reason
+                callbacks, self._abort_callbacks = self._abort_callbacks, []
+            if release_now:
+                self._released = True
+        if reason in ("lease-lost", "max-hold"):
+            self.slot_request.event(
+                "lease-lost",
+                lease_id=self.lease.lease_id,
+                hold_ms=(time.monotonic() - self.held_since) * 1000,
+                reason="max-hold" if reason == "max-hold" else "renewal",
+                error=describe_error(error) if error is not None else None,
+            )
+        if release_now:
+            # max_hold_ms protects the limiter's accounting even if the call never ends.
+            self._release("max-hold")
+        if not first:
+            return
+        for callback in callbacks:
+            _call_safely(callback)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # loop closed: nothing left to cancel
+                self._loop.call_soon_threadsafe(self._cancel_task)
+
+    def _cancel_task(self) -> None:
+        # Runs on the event loop, between steps of the task: if the body is still
+        # running, the cancellation is delivered inside it.
+        with self._state:
+            if (
+                not self._ended
+                and self._task is not None
+                and self._interruptible
+                and not self._task_cancelled
+            ):
+                self._task_cancelled = True
+                self._task.cancel()
+
+    def _abort_error(self, reason: AbortReason) -> ConcurrencyError:
+        name = self.slot_request.limiter.name
+        lease_id = self.lease.lease_id
+        cls: type[ConcurrencyError]
+        if reason == "lease-lost":
+            cls = ConcurrencyLeaseLostError
+            message = f"lost slot {lease_id} of limiter {name!r}: it could not be renewed"
+        elif reason == "max-hold":
+            cls = ConcurrencyLeaseLostError
+            message = f"slot {lease_id} of limiter {name!r} was held past max_hold_ms"
+        elif reason == "cancelled":
+            cls = ConcurrencyCancelledError
+            message = f"the run was cancelled while holding slot {lease_id} of limiter {name!r}"
+        else:
+            cls = ConcurrencyTimeoutError
+            message = f"the run's time budget ended while holding slot {lease_id} of {name!r}"
+        return self.slot_request.error(cls, message)
+
+
+def _call_safely(callback: Callable[[], object]) -> None:
+    try:
+        callback()
+    except Exception:
+        logger.exception("slot abort callback %r failed", callback)
