@@ -18,6 +18,7 @@ from .allocation import allocate
 from .cancellation import CancellationToken
 from .config import LimiterConfig, WorkloadConfig
 from .context import RunContext, current_run, run
+from .deadline import Deadline
 from .errors import (
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
@@ -58,6 +59,7 @@ __all__ = [
     "ConcurrencyLimiterError",
     "ConcurrencyQueueFullError",
     "ConcurrencyTimeoutError",
+    "Deadline",
     "InMemoryConcurrencyLimiter",
     "Lease",
     "LimiterConfig",

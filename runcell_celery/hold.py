@@ -170,7 +170,7 @@ class Hold:
         self._cleanups.clear()
         if not already_released:
             self._release(reason or outcome_of(exc))
-        return None if reason is None else self._abort_error(reason)
+        return None if reason is None else abort_error(self.slot_request, self.lease, reason)
 
     def settle_task(self) -> None:
         """Take back the cancellation an abort sent the task to stop its body, so it
@@ -266,23 +266,25 @@ class Hold:
                 self._task_cancelled = True
                 self._task.cancel()
 
-    def _abort_error(self, reason: AbortReason) -> ConcurrencyError:
-        name = self.slot_request.limiter.name
-        lease_id = self.lease.lease_id
-        cls: type[ConcurrencyError]
-        if reason == "lease-lost":
-            cls = ConcurrencyLeaseLostError
-            message = f"lost slot {lease_id} of limiter {name!r}: it could not be renewed"
-        elif reason == "max-hold":
-            cls = ConcurrencyLeaseLostError
-            message = f"slot {lease_id} of limiter {name!r} was held past max_hold_ms"
-        elif reason == "cancelled":
-            cls = ConcurrencyCancelledError
-            message = f"the run was cancelled while holding slot {lease_id} of limiter {name!r}"
-        else:
-            cls = ConcurrencyTimeoutError
-            message = f"the run's time budget ended while holding slot {lease_id} of {name!r}"
-        return self.slot_request.error(cls, message)
+
+def abort_error(slot_request: SlotRequest, lease: Lease, reason: AbortReason) -> ConcurrencyError:
+    """The error that replaces the result of a body whose hold was aborted."""
+    name = slot_request.limiter.name
+    lease_id = lease.lease_id
+    cls: type[ConcurrencyError]
+    if reason == "lease-lost":
+        cls = ConcurrencyLeaseLostError
+        message = f"lost slot {lease_id} of limiter {name!r}: it could not be renewed"
+    elif reason == "max-hold":
+        cls = ConcurrencyLeaseLostError
+        message = f"slot {lease_id} of limiter {name!r} was held past max_hold_ms"
+    elif reason == "cancelled":
+        cls = ConcurrencyCancelledError
+        message = f"the run was cancelled while holding slot {lease_id} of limiter {name!r}"
+    else:
+        cls = ConcurrencyTimeoutError
+        message = f"the run's time budget ended while holding slot {lease_id} of {name!r}"
+    return slot_request.error(cls, message)
 
 
 def _call_safely(callback: Callable[[], object]) -> None:
