@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from runcell_celery import (
+    CancellationToken,
+    ConcurrencyCancelledError,
     ConcurrencyLeaseLostError,
     ConcurrencyTimeoutError,
     create_concurrency_limiter,
     guard,
     run,
+    slot,
 )
 
 if TYPE_CHECKING:
@@ -176,3 +179,59 @@ def test_an_async_stream_that_loses_its_slot_fails_its_consumer_with_the_loss(
     assert 0 < len(seen) < 1_000
     assert cancelling == 0
     assert limiter.stats().active == 0
+
+
+# -- the interruptible window ----------------------------------------------------------------
+
+
+def test_an_abort_outside_the_interruptible_window_leaves_the_task_running() -> None:
+    limiter = create_concurrency_limiter(1)
+    cancel = CancellationToken()
+    seen: list[str] = []
+
+    async def provider_call() -> None:
+        async with slot(limiter, cancel=cancel) as held:
+            with held.interruptible():
+                await asyncio.sleep(0)
+            cancel.cancel()  # the consumer's code runs now: not to be cancelled
+            await asyncio.sleep(0.01)
+            seen.append(f"aborted={held.aborted}")
+
+    async def main() -> None:
+        with pytest.raises(ConcurrencyCancelledError):
+            await provider_call()
+
+    asyncio.run(main())
+    assert seen == ["aborted=True"]
+    assert limiter.stats().active == 0
+
+
+def test_an_abort_inside_the_interruptible_window_cancels_the_step() -> None:
+    limiter = create_concurrency_limiter(1)
+    cancel = CancellationToken()
+    seen: list[str] = []
+
+    async def provider_call() -> None:
+        async with slot(limiter, cancel=cancel) as held:
+            with held.interruptible():
+                cancel.cancel()
+                try:
+                    await asyncio.sleep(10)  # reading the provider's response
+                except asyncio.CancelledError:
+                    seen.append("read cancelled")
+                    raise
+
+    async def main() -> None:
+        with pytest.raises(ConcurrencyCancelledError):
+            await provider_call()
+        task = asyncio.current_task()
+        assert task is not None
+        seen.append(f"cancelling={task.cancelling()}")
+
+    asyncio.run(main())
+    assert seen == ["read cancelled", "cancelling=0"]
+
+
+def test_a_slot_must_be_held_to_mark_a_window_interruptible() -> None:
+    with pytest.raises(RuntimeError, match="held slot"):
+        slot(create_concurrency_limiter(1)).interruptible()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from runcell_celery import (
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
     ConcurrencyTimeoutError,
+    Deadline,
     RunContext,
     create_concurrency_limiter,
     current_run,
@@ -431,3 +433,34 @@ def test_a_finished_child_stops_following_its_parents_cancellation() -> None:
         parent_cancel.cancel()
     assert linked is not None
     assert not linked.is_set()
+
+
+# -- run options and deadlines -------------------------------------------------------------------
+
+
+def test_a_runs_deadline_is_a_deadline_value_and_the_earliest_given_wins() -> None:
+    given = Deadline.after_ms(5_000)
+    with run(deadline=given) as context:
+        assert context.deadline == given
+    with run(deadline=given, timeout_ms=100) as shorter:
+        assert shorter.deadline is not None
+        assert shorter.deadline < given
+    with run(deadline=given, deadline_at=time.time() + 1) as carried:
+        assert carried.deadline is not None
+        assert carried.deadline < given
+        assert 0 < carried.deadline.remaining_ms() <= 1_000
+
+
+def test_an_infinite_timeout_is_no_budget() -> None:
+    with run(timeout_ms=float("inf")) as context:
+        assert context.deadline is None
+        assert context.remaining_ms() is None
+
+
+def test_a_runs_options_are_kept_as_given_in_a_frozen_value() -> None:
+    limiter = create_concurrency_limiter(1)
+    opened = run(limiter=limiter, workload="default", timeout_ms=50, name="task")
+    assert (opened.options.limiter, opened.options.workload) == (limiter, "default")
+    assert (opened.options.timeout_ms, opened.options.name) == (50, "task")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opened.options.name = "other"  # type: ignore[misc]
