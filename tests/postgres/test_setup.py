@@ -15,8 +15,8 @@ from runcell_celery import ConcurrencyConfigError, slot
 from runcell_celery.postgres import (
     create_postgres_concurrency_limiter,
     postgres_concurrency_schema_sql,
+    schema_checksum,
 )
-from runcell_celery.postgres.schema import schema_checksum
 from tests.support import processes
 from tests.support.pg import unique_name
 
