@@ -77,7 +77,10 @@ class GrantListener:
             self._waiters.pop(request_id, None)
 
     def stop(self) -> None:
-        self._loop.stop()
+        """End the thread (after its current step) and close the listening connection."""
+        self._loop.stop(timeout=NOTIFIES_TIMEOUT_S + SELF_CHECK_TIMEOUT_S + 5)
+        if not self._loop.running:
+            self._disconnect()
 
     def wake_all(self) -> None:
         with self._lock:

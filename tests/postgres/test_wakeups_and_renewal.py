@@ -12,6 +12,8 @@ from psycopg_pool import ConnectionPool
 
 from runcell_celery import slot
 from runcell_celery.postgres import create_postgres_concurrency_limiter
+from runcell_celery.postgres.connection import Database
+from runcell_celery.postgres.listener import GrantListener
 from tests.support.pg import unique_name
 
 SOON_S = 15.0
@@ -102,3 +104,31 @@ def test_fencing_tokens_are_unique_and_increase_for_every_holder(pg_dsn: str) ->
     assert len(set(every)) == len(every) == 120
     for tokens in per_thread:
         assert tokens == sorted(tokens), "a holder saw its fencing token go backwards"
+
+
+def _listening_sessions(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND query = 'LISTEN runcell_grant'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_stopped_listener_ends_its_thread_and_closes_its_connection(pg_dsn: str) -> None:
+    before = _listening_sessions(pg_dsn)
+    listener = GrantListener(Database(pg_dsn))
+    woken = threading.Event()
+    listener.register("a-request", woken.set)
+    assert listener.connected.wait(SOON_S), "the listener never connected"
+    assert listener.available is True
+    assert _listening_sessions(pg_dsn) == before + 1
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_notify('runcell_grant', %s)", ["some-limiter\na-request"])
+    assert woken.wait(SOON_S), "the named waiter was not woken"
+
+    listener.stop()
+    assert not listener.connected.is_set()
+    assert _listening_sessions(pg_dsn) == before
