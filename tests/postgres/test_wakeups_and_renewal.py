@@ -8,9 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import ConnectionPool
 
-from runcell_celery import slot
+from runcell_celery import AcquireRequest, ConcurrencyError, Lease, RunLineage, slot
 from runcell_celery.postgres import create_postgres_concurrency_limiter
 from runcell_celery.postgres.connection import Database
 from runcell_celery.postgres.listener import GrantListener
@@ -132,3 +133,58 @@ def test_a_stopped_listener_ends_its_thread_and_closes_its_connection(pg_dsn: st
     listener.stop()
     assert not listener.connected.is_set()
     assert _listening_sessions(pg_dsn) == before
+
+
+def test_a_waiter_keeps_its_budget_when_this_hosts_clock_is_far_from_the_databases(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This host's wall clock runs an hour ahead of the database's. A waiter whose
+    # queue row was reaped (its process stalled) takes a new place with the time it
+    # has left: measured on the monotonic clock from the database's duration, never
+    # by comparing the database's deadline with this host's time.
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name("skew"), max_concurrent=1, poll_interval_ms=20, listen=False
+    )
+    holder = _request()
+    held = limiter.acquire(holder)
+    waiter_request = AcquireRequest(
+        request_id=unique_name("waiter"),
+        workload="default",
+        lineage=RunLineage("skewed-run", "skewed-run"),
+        timeout_ms=30_000,
+    )
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(limiter.acquire(waiter_request))
+        except ConcurrencyError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        _wait_for_row(conn, waiter_request.request_id)
+        conn.execute("DELETE FROM runcell_queue WHERE request_id = %s", [waiter_request.request_id])
+        _wait_for_row(conn, waiter_request.request_id)  # back in line, with its budget
+    limiter.release(held)
+    waiter.join(SOON_S)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], Lease), f"the waiter failed: {outcome[0]!r}"
+    limiter.release(outcome[0])
+
+
+def _request() -> AcquireRequest:
+    request_id = unique_name("request")
+    return AcquireRequest(request_id, "default", RunLineage(request_id, request_id))
+
+
+def _wait_for_row(conn: psycopg.Connection[Any], request_id: str) -> None:
+    deadline = time.monotonic() + SOON_S
+    while not conn.execute(
+        "SELECT 1 FROM runcell_queue WHERE request_id = %s", [request_id]
+    ).fetchone():
+        assert time.monotonic() < deadline, f"{request_id} never queued"
+        time.sleep(0.005)
