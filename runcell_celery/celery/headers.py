@@ -8,8 +8,11 @@ global variable:
   limiter name, workload, absolute deadline and name. The child inherits them as
   the spec's nested runs do.
 * ``runcell_select`` — what one call selected (``apply_async(concurrency=...)``).
-* ``runcell_deadline`` — this run's own deadline (Unix time), fixed at its first start
-  and carried on every re-publication, so deferral never restarts a budget.
+* ``runcell_deadline`` — this run's own deadline (Unix time), carried on every
+  re-publication. Only a fallback: with a backend that records runs
+  (:class:`~runcell_celery.ports.RunStore`) every delivery asks the store for the
+  milliseconds left since the run's first start, in the store's clock, so no host's
+  wall clock moves the budget.
 * ``runcell_admission`` — the request id of this run's first slot, stable across
   deliveries so a re-published run finds the lease it was granted.
 * ``runcell_publication`` — which re-publication of a parked run this message is; only
