@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.signals import setting_changed
@@ -32,12 +32,16 @@ from runcell_celery import ConcurrencyConfigError
 from runcell_celery.hints import did_you_mean
 from runcell_celery.registry import LimiterRegistry
 
+if TYPE_CHECKING:
+    from runcell_celery.postgres import PostgresBackend
+
 __all__ = [
     "SETTING",
     "EventSettings",
     "celery_settings_provider",
     "database_alias",
     "event_settings",
+    "postgres_backend",
     "registry",
     "reset",
     "resolve_database",
@@ -201,6 +205,26 @@ def registry() -> LimiterRegistry:
             made.configure(config, path=SETTING)
             _registry = made
         return _registry
+
+
+def postgres_backend() -> PostgresBackend:
+    """The PostgreSQL backend of ``settings.RUNCELL`` (this process's, with its pool).
+
+    The app reads live counts from it and leaves every write to the limiter's tables
+    to it (force release).
+
+    :raises ConcurrencyConfigError: ``RUNCELL`` configures no backend, or another one.
+    """
+    from runcell_celery.postgres import PostgresBackend
+
+    backend = registry().backend
+    if not isinstance(backend, PostgresBackend):
+        raise ConcurrencyConfigError(
+            f'{SETTING}["BACKEND"] gives {type(backend).__name__}: runcell_django needs '
+            f'the PostgreSQL backend with a DATABASE (set {SETTING}["DATABASE"] to a '
+            "PostgreSQL alias or DSN)"
+        )
+    return backend
 
 
 def reset() -> None:

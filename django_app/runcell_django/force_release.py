@@ -15,31 +15,14 @@ from collections.abc import Sequence
 from django.db import router, transaction
 from django.utils import timezone
 
-from runcell_celery import ConcurrencyConfigError
-from runcell_celery.postgres import PostgresBackend, ReleasedLease
+from runcell_celery.postgres import ReleasedLease
 
 from . import conf
 from .models import FORCE_RELEASED, ConcurrencyEvent
 
-__all__ = ["ReleasedLease", "force_release", "postgres_backend"]
+__all__ = ["ReleasedLease", "force_release"]
 
 logger = logging.getLogger("runcell_django.force_release")
-
-
-def postgres_backend() -> PostgresBackend:
-    """The PostgreSQL backend of ``settings.RUNCELL`` (this process's, with its pool).
-
-    :raises ConcurrencyConfigError: ``RUNCELL`` configures no backend, or another one
-        (the admin reads the PostgreSQL backend's tables).
-    """
-    backend = conf.registry().backend
-    if not isinstance(backend, PostgresBackend):
-        raise ConcurrencyConfigError(
-            f'{conf.SETTING}["BACKEND"] gives {type(backend).__name__}: runcell_django '
-            'needs the PostgreSQL backend with a DATABASE (set RUNCELL["DATABASE"] to a '
-            "PostgreSQL alias or DSN)"
-        )
-    return backend
 
 
 def force_release(lease_ids: Sequence[str], *, actor: str) -> list[ReleasedLease]:
@@ -54,7 +37,7 @@ def force_release(lease_ids: Sequence[str], *, actor: str) -> list[ReleasedLease
     :returns: the leases released (those already gone are left out).
     :raises ConcurrencyConfigError: no PostgreSQL backend is configured.
     """
-    released = postgres_backend().force_release([str(i) for i in lease_ids])
+    released = conf.postgres_backend().force_release([str(i) for i in lease_ids])
     now = timezone.now()
     alias = conf.database_alias() or router.db_for_write(ConcurrencyEvent)
     with transaction.atomic(using=alias):

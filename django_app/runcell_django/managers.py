@@ -25,7 +25,6 @@ from django.db.models import (
     Subquery,
 )
 from django.db.models.expressions import RawSQL
-from django.db.models.fields.json import JSONField
 from django.db.models.functions import Coalesce, Now
 
 from runcell_celery import LimiterConfig
@@ -55,20 +54,42 @@ class _RunCellManager(models.Manager[Any]):
 
 
 class LimiterQuerySet(models.QuerySet[Any]):
+    """Stored limiters; :meth:`with_live_stats` adds their live counts when fetched."""
+
+    _live_states = False
+
     def with_live_stats(self) -> LimiterQuerySet:
-        """Annotate slots held and requests queued per workload, the oldest wait and
-        the p95 wait of the last 15 minutes: one query for any number of limiters."""
-        return cast(
+        """Annotate the p95 wait of the last 15 minutes, and attach each row's live
+        counts as ``live_state`` (a :class:`runcell_celery.postgres.LimiterState`):
+        the backend counts them, as it does for its limiters. Two queries for any
+        number of limiters: this one, and one on the backend's pool when fetched."""
+        queryset = cast(
             LimiterQuerySet,
             self.annotate(
-                active_by_workload=RawSQL(sql.ACTIVE_BY_WORKLOAD, (), output_field=JSONField()),
-                queued_by_workload=RawSQL(sql.QUEUED_BY_WORKLOAD, (), output_field=JSONField()),
-                oldest_wait_ms=RawSQL(sql.OLDEST_WAIT_MS, (), output_field=FloatField()),
                 p95_wait_ms=RawSQL(
                     sql.P95_WAIT_MS, (P95_WINDOW_MINUTES,), output_field=FloatField()
-                ),
+                )
             ),
         )
+        queryset._live_states = True
+        return queryset
+
+    def _clone(self) -> LimiterQuerySet:
+        clone = cast(LimiterQuerySet, super()._clone())  # type: ignore[misc]
+        clone._live_states = self._live_states
+        return clone
+
+    def _fetch_all(self) -> None:
+        """Fetch the rows, then their live counts in one call (as prefetching does)."""
+        fetched = self._result_cache is None
+        super()._fetch_all()
+        if not (fetched and self._live_states and self._result_cache):
+            return
+        rows = [row for row in self._result_cache if isinstance(row, self.model)]
+        if rows:
+            states = conf.postgres_backend().limiter_states([row.name for row in rows])
+            for row in rows:
+                row.live_state = states.get(row.name)
 
     def stored_limits(self) -> dict[str, LimiterConfig | None]:
         """Each limiter's parsed stored limits by name (``None``: unreadable), one query."""

@@ -14,34 +14,7 @@ from __future__ import annotations
 
 from typing import LiteralString
 
-# -- live state of each limiter (annotations on runcell_limiter rows) ------------------
-
-#: {workload: slots held} for the limiter of the outer row; expired leases not counted.
-ACTIVE_BY_WORKLOAD: LiteralString = """
-SELECT coalesce(jsonb_object_agg(held.workload, held.n), '{}'::jsonb)
-FROM (SELECT workload, count(*) AS n FROM runcell_lease
-      WHERE runcell_lease.limiter = runcell_limiter.name
-        AND runcell_lease.expires_at > statement_timestamp()
-      GROUP BY workload) AS held
-"""
-
-#: {workload: requests waiting for a slot} (waiting or parked, not yet granted).
-QUEUED_BY_WORKLOAD: LiteralString = """
-SELECT coalesce(jsonb_object_agg(waiting.workload, waiting.n), '{}'::jsonb)
-FROM (SELECT workload, count(*) AS n FROM runcell_queue
-      WHERE runcell_queue.limiter = runcell_limiter.name
-        AND runcell_queue.granted_lease_id IS NULL
-        AND runcell_queue.expires_at > statement_timestamp()
-      GROUP BY workload) AS waiting
-"""
-
-#: How long the oldest of those has waited, in milliseconds (NULL: none waits).
-OLDEST_WAIT_MS: LiteralString = """
-SELECT extract(epoch FROM statement_timestamp() - min(runcell_queue.enqueued_at)) * 1000
-FROM runcell_queue
-WHERE runcell_queue.limiter = runcell_limiter.name AND runcell_queue.granted_lease_id IS NULL
-  AND runcell_queue.expires_at > statement_timestamp()
-"""
+# -- wait times of each limiter (an annotation on runcell_limiter rows) ----------------
 
 #: The 95th percentile of the waits of slots acquired in the last ``%s`` minutes.
 P95_WAIT_MS: LiteralString = """

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from django.utils.translation import gettext as _
 
+from runcell_celery.postgres import LimiterState as BackendLimiterState
+
 from .charts import Bar, bar
 from .models import Limiter
 
@@ -41,11 +43,13 @@ class LimiterState:
 
     @classmethod
     def of(cls, limiter: Limiter) -> LimiterState:
-        """Build from a row of ``Limiter.objects.with_live_stats()``."""
+        """Build from a row of ``Limiter.objects.with_live_stats()``: its stored limits,
+        and the live counts the backend gave it (none for a row fetched otherwise)."""
         limits = limiter.limits
         configured = limits.workloads if limits is not None else {}
-        active: Mapping[str, int] = getattr(limiter, "active_by_workload", None) or {}
-        queued: Mapping[str, int] = getattr(limiter, "queued_by_workload", None) or {}
+        live: BackendLimiterState | None = getattr(limiter, "live_state", None)
+        active: Mapping[str, int] = live.active if live is not None else {}
+        queued: Mapping[str, int] = live.queued if live is not None else {}
         names = [*sorted(configured), *sorted({*active, *queued} - set(configured))]
         workloads = tuple(
             WorkloadState(
@@ -64,7 +68,7 @@ class LimiterState:
             limit=limits.max_concurrent if limits is not None else None,
             max_queued=limits.max_queued if limits is not None else None,
             queued=sum(w.queued for w in workloads),
-            oldest_wait_ms=getattr(limiter, "oldest_wait_ms", None),
+            oldest_wait_ms=live.oldest_wait_ms if live is not None else None,
             p95_wait_ms=getattr(limiter, "p95_wait_ms", None),
             workloads=workloads,
         )

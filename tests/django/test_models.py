@@ -20,8 +20,7 @@ from runcell_celery import (
     RunLineage,
 )
 from runcell_celery.celery.counters import AdmissionCounters
-from runcell_celery.postgres import PostgresConcurrencyLimiter
-from runcell_celery.postgres.connection import Database
+from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
 from runcell_django.models import (
     AdmissionCount,
     ConcurrencyEvent,
@@ -132,7 +131,7 @@ def test_leases_granted_by_the_backend_read_back_through_the_orm(pg_limiter: Mak
     stored = Limiter.objects.with_live_stats().get(name=limiter.name)
     assert stored.limits == limiter.config
     assert stored.last_fencing_token == 2
-    assert stored.active_by_workload == {"batch": 2}
+    assert stored.live_state.active == {"batch": 2}
 
     limiter.release(leases[0])
     assert Lease.objects.filter(limiter=limiter.name).count() == 1
@@ -173,8 +172,8 @@ def test_waiting_and_parked_requests_read_back_through_the_orm(pg_limiter: MakeL
         assert parked_row.holder_host == socket.gethostname()
 
         stored = Limiter.objects.with_live_stats().get(name=limiter.name)
-        assert stored.queued_by_workload == {"default": 2}
-        assert stored.oldest_wait_ms >= 0
+        assert stored.live_state.queued == {"default": 2}
+        assert stored.live_state.oldest_wait_ms >= 0
     finally:
         cancel.cancel()
         waiter.join(10)
@@ -184,7 +183,8 @@ def test_waiting_and_parked_requests_read_back_through_the_orm(pg_limiter: MakeL
 
 
 def test_admission_counts_written_by_the_workers_read_back_through_the_orm(test_dsn: str) -> None:
-    counters = AdmissionCounters(lambda: Database(test_dsn, pool_max_size=1))
+    backend = PostgresBackend(database=test_dsn)
+    counters = AdmissionCounters(lambda: backend)
     try:
         counters.add("app.tasks.summarize", "claude", "deliveries", 3)
         counters.add("app.tasks.summarize", "claude", "deferrals", 2)
