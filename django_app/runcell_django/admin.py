@@ -18,13 +18,13 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.filters import DateFieldListFilter
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet, Sum
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 from django.utils import timezone
-from django.utils.html import format_html, format_html_join
+from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
@@ -33,7 +33,6 @@ from .filters import LimiterFilter, QueueStateFilter, WorkloadFilter
 from .force_release import force_release as release_leases
 from .managers import LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import (
-    EVENTS_DROPPED,
     AdmissionCount,
     ConcurrencyEvent,
     Dashboard,
@@ -164,29 +163,17 @@ class LimiterAdmin(ReadOnlyAdmin):
     @admin.display(description=_("workloads"))
     def workload_table(self, obj: Limiter) -> str:
         configured = obj.limits.workloads if obj.limits is not None else {}
-        header = format_html(
-            "<tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th><th>{}</th></tr>",
-            _("workload"),
-            _("max concurrent"),
-            _("reserved"),
-            _("priority"),
-            _("max wait"),
-        )
-        rows = format_html_join(
-            "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            (
-                (
-                    name,
-                    options.max_concurrent,
-                    options.reserved,
-                    options.priority,
-                    format_ms(options.max_wait_ms),
-                )
-                for name, options in sorted(configured.items())
-            ),
-        )
-        return format_html("<table>{}{}</table>", header, rows)
+        rows = [
+            {
+                "name": name,
+                "max_concurrent": options.max_concurrent,
+                "reserved": options.reserved,
+                "priority": options.priority,
+                "max_wait": format_ms(options.max_wait_ms),
+            }
+            for name, options in sorted(configured.items())
+        ]
+        return render_to_string("runcell_django/workloads.html", {"rows": rows})
 
 
 @admin.register(Lease)
@@ -507,10 +494,8 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
         since = timezone.now() - datetime.timedelta(hours=24)
-        dropped = ConcurrencyEvent.objects.filter(
-            type=EVENTS_DROPPED, occurred_at__gte=since
-        ).aggregate(n=Sum("dropped"))["n"]
-        context = {"runcell_dropped_24h": dropped or 0, **(extra_context or {})}
+        dropped = ConcurrencyEvent.objects.dropped_since(since)
+        context = {"runcell_dropped_24h": dropped, **(extra_context or {})}
         return super().changelist_view(request, extra_context=context)
 
 

@@ -23,6 +23,7 @@ from django.db.models import (
     OuterRef,
     Q,
     Subquery,
+    Sum,
 )
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce, Now
@@ -176,6 +177,13 @@ class EventManager(_RunCellManager):
         """Events dropped by full recorder buffers in the window, per limiter."""
         rows = self._raw(sql.DROPPED_PER_LIMITER, {"minutes": minutes})
         return {limiter: int(n) for limiter, n in rows}
+
+    def dropped_since(self, since: datetime.datetime) -> int:
+        """Events full recorder buffers dropped since ``since``, all limiters together."""
+        from .models import EVENTS_DROPPED  # the models module imports this one
+
+        found = self.filter(type=EVENTS_DROPPED, occurred_at__gte=since).aggregate(n=Sum("dropped"))
+        return int(found["n"] or 0)
 
     def purge(self, before: datetime.datetime, *, batch_size: int = 10_000) -> tuple[int, int]:
         """Delete events and occupancy samples older than ``before``, in batches of
