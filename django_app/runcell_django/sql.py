@@ -4,10 +4,11 @@ Parameters are always bound (``%(name)s`` or ``%s``), never formatted into the t
 Reads compare with ``statement_timestamp()``, as Django's ``Now()`` does: unlike the
 limiter's ``clock_timestamp()`` it is stable within a statement, so ranges on it use
 indexes, and unlike ``now()`` it is not the start of a long transaction. Nothing here
-writes the limiter's tables: force release is the backend's.
-Every query here is bounded by an index: the limiter's own (``runcell_lease_for_counts``,
-``runcell_queue_for_allocation``) or this app's (``runcell_event_for_stats``,
-``runcell_event_for_type``, ``runcell_occupancy_for_chart``).
+writes the limiter's tables (force release is the backend's), and live counts are the
+backend's too (``PostgresBackend.limiter_states``). Every query here is bounded by an
+index: the limiter's own (``runcell_lease_for_counts``, ``runcell_queue_for_allocation``)
+or this app's (``runcell_event_for_stats``, ``runcell_event_for_type``,
+``runcell_occupancy_for_chart``).
 """
 
 from __future__ import annotations
