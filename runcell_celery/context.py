@@ -59,10 +59,12 @@ class RunContext:
     name: str | None = None
     admission: Admission | None = None
     progress: RunProgress = field(default_factory=RunProgress, compare=False)
+    #: The run's ids as one value, built once: every slot request carries it.
+    lineage: RunLineage = field(init=False, repr=False, compare=False)
 
-    @property
-    def lineage(self) -> RunLineage:
-        return RunLineage(self.run_id, self.root_run_id, self.parent_run_id)
+    def __post_init__(self) -> None:
+        lineage = RunLineage(self.run_id, self.root_run_id, self.parent_run_id)
+        object.__setattr__(self, "lineage", lineage)
 
     def remaining_ms(self) -> float | None:
         """Milliseconds left in the budget (may be negative), or ``None`` for no budget."""

@@ -146,10 +146,11 @@ def build_request(
     if workload is None and limiter is run.limiter:
         workload = run.workload
     remaining = run.remaining_ms()
+    lineage = run.lineage
     request = AcquireRequest(
         request_id=resolved_id,
-        workload=_validated(limiter, workload, resolved_id, run.lineage, run.name),
-        lineage=run.lineage,
+        workload=_validated(limiter, workload, resolved_id, lineage, run.name),
+        lineage=lineage,
         timeout_ms=remaining,
         holder_name=run.name,
         in_progress=run.progress.slots_taken > 0,
