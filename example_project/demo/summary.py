@@ -18,8 +18,9 @@ from typing import Any
 import psycopg
 import redis
 
+from runcell_celery import ConcurrencyLimiterError
 from runcell_celery.celery import AdmissionCount, admission_counts
-from runcell_celery.postgres.connection import Database
+from runcell_celery.postgres import PostgresBackend
 from runcell_celery.testing import FakeProviderClient, FakeProviderStats
 
 from .worker_hooks import keys
@@ -41,9 +42,11 @@ CountsBefore = dict[tuple[str, str], tuple[int, ...]]
 def read_counts(database_url: str) -> CountsBefore:
     """The fleet's admission counters now (none before the first run made the table)."""
     try:
-        rows = admission_counts(Database(database_url))
-    except psycopg.errors.UndefinedTable:
-        return {}
+        rows = admission_counts(PostgresBackend(database=database_url))
+    except ConcurrencyLimiterError as exc:
+        if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+            return {}
+        raise
     return {(r.task_name, r.limiter): tuple(getattr(r, f) for f in _COUNT_FIELDS) for r in rows}
 
 
