@@ -13,10 +13,9 @@ Add ``"runcell_django"`` to ``INSTALLED_APPS``. Its source root is ``django_app/
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from runcell_celery import ConcurrencyLimiter
 
-if TYPE_CHECKING:
-    from runcell_celery import ConcurrencyLimiter
+from .conf import registry
 
 __all__ = ["get_limiter"]
 
@@ -26,6 +25,4 @@ def get_limiter(name: str) -> ConcurrencyLimiter:
 
     :raises runcell_celery.ConcurrencyConfigError: no such limiter (with a did-you-mean).
     """
-    from .conf import registry
-
     return registry().get(name)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import psycopg
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.db import connections
@@ -30,10 +31,8 @@ from django.dispatch import receiver
 
 from runcell_celery import ConcurrencyConfigError
 from runcell_celery.hints import did_you_mean
+from runcell_celery.postgres import PostgresBackend
 from runcell_celery.registry import LimiterRegistry
-
-if TYPE_CHECKING:
-    from runcell_celery.postgres import PostgresBackend
 
 __all__ = [
     "SETTING",
@@ -145,8 +144,6 @@ def resolve_database(value: str) -> str:
             f'{SETTING}["DATABASE"] = {value!r} is invalid: that alias uses '
             f"{connection.settings_dict['ENGINE']}; the limiter needs PostgreSQL"
         )
-    import psycopg
-
     valid = {d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults()}
     params = {
         key: given
@@ -215,8 +212,6 @@ def postgres_backend() -> PostgresBackend:
 
     :raises ConcurrencyConfigError: ``RUNCELL`` configures no backend, or another one.
     """
-    from runcell_celery.postgres import PostgresBackend
-
     backend = registry().backend
     if not isinstance(backend, PostgresBackend):
         raise ConcurrencyConfigError(

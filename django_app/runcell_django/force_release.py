@@ -18,7 +18,8 @@ from django.utils import timezone
 from runcell_celery.postgres import ReleasedLease
 
 from . import conf
-from .models import FORCE_RELEASED, ConcurrencyEvent
+from .event_types import FORCE_RELEASED
+from .models import ConcurrencyEvent
 
 __all__ = ["ReleasedLease", "force_release"]
 

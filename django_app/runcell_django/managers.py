@@ -31,6 +31,7 @@ from django.db.models.functions import Coalesce, Now
 from runcell_celery import LimiterConfig
 
 from . import conf, sql
+from .event_types import EVENTS_DROPPED
 
 __all__ = [
     "AdmissionCountManager",
@@ -180,8 +181,6 @@ class EventManager(_RunCellManager):
 
     def dropped_since(self, since: datetime.datetime) -> int:
         """Events full recorder buffers dropped since ``since``, all limiters together."""
-        from .models import EVENTS_DROPPED  # the models module imports this one
-
         found = self.filter(type=EVENTS_DROPPED, occurred_at__gte=since).aggregate(n=Sum("dropped"))
         return int(found["n"] or 0)
 

@@ -21,6 +21,7 @@ from django.utils.translation import gettext_lazy as _
 
 from runcell_celery import EVENT_TYPES, ConcurrencyConfigError, LimiterConfig
 
+from .event_types import APP_EVENT_TYPES
 from .fields import EndlessDateTimeField
 from .managers import (
     AdmissionCountManager,
@@ -42,11 +43,6 @@ __all__ = [
     "QueueEntry",
 ]
 
-#: Events the app adds to the core's: an admin's force release (an audit record
-#: naming the user) and events a full recorder buffer dropped (with their count).
-FORCE_RELEASED = "force-released"
-EVENTS_DROPPED = "events-dropped"
-APP_EVENT_TYPES = (FORCE_RELEASED, EVENTS_DROPPED)
 EVENT_TYPE_CHOICES = [(t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES)]
 
 _READ_ONLY = ("view",)

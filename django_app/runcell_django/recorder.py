@@ -39,8 +39,9 @@ from runcell_celery.background import BackgroundLoop, ProcessLocal
 from runcell_celery.events import ConcurrencyEvent as CoreEvent
 
 from . import conf
+from .event_types import EVENTS_DROPPED
 from .managers import write_alias
-from .models import EVENTS_DROPPED, ConcurrencyEvent, OccupancySample
+from .models import ConcurrencyEvent, OccupancySample
 
 __all__ = ["EventRecorder", "RecorderStats", "get_recorder", "start_recorder", "stop_recorder"]
 

@@ -20,8 +20,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from runcell_django.event_types import EVENTS_DROPPED
 from runcell_django.models import (
-    EVENTS_DROPPED,
     AdmissionCount,
     ConcurrencyEvent,
     Lease,

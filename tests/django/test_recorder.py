@@ -17,7 +17,8 @@ from runcell_celery import ConcurrencyEvent as CoreEvent
 from runcell_celery import add_event_listener, remove_event_listener, run, slot
 from runcell_celery.events import emit
 from runcell_celery.postgres import PostgresConcurrencyLimiter
-from runcell_django.models import EVENTS_DROPPED, ConcurrencyEvent, OccupancySample
+from runcell_django.event_types import EVENTS_DROPPED
+from runcell_django.models import ConcurrencyEvent, OccupancySample
 from runcell_django.recorder import THREAD_NAME, EventRecorder, start_recorder, stop_recorder
 from tests.conftest import wait_until
 

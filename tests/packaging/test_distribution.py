@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -83,11 +84,14 @@ def test_the_wheel_holds_nothing_outside_the_two_packages(wheel_files: set[str])
 
 def test_a_checkout_imports_the_django_app_from_its_source_root() -> None:
     """With ``django_app`` on the path (as pytest, mypy and the docs put it) and no
-    installed copy (``-S``: no site-packages), the package comes from the checkout."""
+    installed copy, the package comes from the checkout. ``-S`` turns off the
+    installed one (site-packages' ``.pth`` hooks); the dependencies (Django, psycopg)
+    stay importable from site-packages as plain directories."""
+    dependencies = sysconfig.get_paths()["purelib"]
     result = subprocess.run(
         [sys.executable, "-S", "-c", "import runcell_django; print(runcell_django.__file__)"],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": "django_app"},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(["django_app", ".", dependencies])},
         capture_output=True,
         text=True,
         check=True,
