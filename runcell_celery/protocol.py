@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
 
 from .cancellation import CancellationToken
+from .deadline import Deadline
 from .errors import ConcurrencyError
 
 if TYPE_CHECKING:
@@ -104,6 +105,11 @@ class Lease:
 
     :param fencing_token: increases with every lease the limiter grants, so a provider
         proxy that remembers the highest token seen can reject a stale holder.
+    :param valid_until: the latest moment (this process's monotonic clock) the lease is
+        surely still valid, computed from when the request was *sent* (or the grant
+        made) plus the TTL minus a safety margin. A hold that starts after it, or that
+        misses its renewals past it, is treated as lost. ``None``: the limiter does not
+        say (the keeper then counts the TTL from when the hold began).
     """
 
     lease_id: str
@@ -112,6 +118,7 @@ class Lease:
     request_id: str
     fencing_token: int
     ttl_ms: int
+    valid_until: Deadline | None = None
 
 
 @dataclass(frozen=True, slots=True)

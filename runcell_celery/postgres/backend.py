@@ -37,10 +37,11 @@ from ..ports import (
 )
 from ..protocol import LimiterStats, WorkloadStats
 from . import statements
+from .calls import call, lock_timeout_ms
 from .connection import Database, fetch_all, redacted
 from .limiter import PostgresConcurrencyLimiter
-from .listener import get_listener
 from .options import PostgresOptions
+from .waiting import get_room
 
 __all__ = ["LimiterState", "PostgresBackend", "ReleasedLease"]
 
@@ -235,12 +236,16 @@ class PostgresBackend:
 
     def take_expired_parked(self) -> list[ExpiredParked]:
         """Remove parked requests whose deadline passed; return them to be failed."""
-        return [ExpiredParked(*row) for row in self._fetch(statements.TAKE_EXPIRED_PARKED)]
+        params = {"lock_timeout_ms": lock_timeout_ms(None)}
+        return [ExpiredParked(*row) for row in self._fetch(statements.TAKE_EXPIRED_PARKED, params)]
 
     def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
-        """Call ``handler(limiter, request_ids)`` when any process grants parked
-        requests: hooks this process's ``LISTEN`` connection (started if need be)."""
-        get_listener(self._database()).parked_handlers.append(handler)
+        """Call ``handler(limiter, request_ids)`` when any process grants parked requests:
+        hooks this process's ``LISTEN`` connection (started if need be). Without
+        ``listen`` the sweeper's periodic pass finds them instead."""
+        listener = get_room(self._database(), self.options).listener
+        if listener is not None:
+            listener.add_parked_handler(handler)
 
     # -- operators ----------------------------------------------------------------------
 
@@ -266,14 +271,15 @@ class PostgresBackend:
         Any worker's next allocation would do it too; doing it now hands freed slots
         to waiters at once. A limiter that fails is logged and the others still run.
         """
-        if not limiter_names:
-            return
         database = self._database()
-        # A pass waits for nothing: no listener needed.
-        quiet = dataclasses.replace(self.options, listen=False)
-        for name, config in self.stored_limits(limiter_names).items():
+        for name in limiter_names:
             try:
-                PostgresConcurrencyLimiter(database, config, quiet).reap()
+                call(
+                    database,
+                    statements.REAP,
+                    {"limiter": name},
+                    lock_timeout_ms=lock_timeout_ms(None),
+                )
             except Exception:
                 logger.exception("runcell: an allocation pass on %r failed", name)
 
@@ -299,11 +305,11 @@ class PostgresBackend:
             name: LimiterState(
                 limiter=name,
                 workloads=tuple(workloads),
-                active={w: int(n) for w, n in active.items()},
-                queued={w: int(n) for w, n in queued.items()},
+                active={w: int(n) for w, n in zip(workloads, active, strict=False) if n},
+                queued={w: int(n) for w, n in zip(workloads, waiting, strict=False) if n},
                 oldest_wait_ms=None if oldest is None else float(oldest),
             )
-            for name, workloads, active, queued, oldest in self._fetch(
+            for name, workloads, active, waiting, oldest in self._fetch(
                 statements.LIMITER_STATES, params
             )
         }

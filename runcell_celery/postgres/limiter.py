@@ -1,72 +1,73 @@
 """The PostgreSQL limiter: one limit shared by every worker on every host.
 
-Each allocation is one short transaction holding the limiter row's lock (see
-:mod:`.transaction`); the decision is :func:`runcell_celery.allocation.allocate`, as
-in every limiter. No transaction or connection is held while a request waits or while
-a slot is held: a waiter polls every ``poll_interval_ms`` with one lock-free
-statement, and is woken at once by ``LISTEN/NOTIFY`` when the process's listener
-connection is up (then it polls ten times less often, as a safety net). Expiry and
-deadlines use database time. Errors fail closed: the caller gets
-:class:`~runcell_celery.errors.ConcurrencyLimiterError` and no slot.
+Every operation is one call of a function in ``schema.sql`` (one round trip, one
+transaction) under the limiter row's lock:
+
+* **acquire** grants at once when nobody of the request's workload waits and the
+  workload has room, else queues the request (one synchronous commit);
+* **release** frees the slot and grants the next waiters in the same transaction,
+  notifying each waiting process on its own channel with the leases (asynchronous
+  commit when it grants nobody);
+* a waiting request waits in its process's :class:`~.waiting.WaitRoom` and costs the
+  database nothing; when its wait ends it **withdraws** under the lock (a grant made
+  at that moment wins; a cancelled request gives it back).
+
+The allocation rules are those of :func:`runcell_celery.allocation.allocate`, which
+``runcell_allocate_v3`` carries out over kept counts and the head of each workload's
+line (``tests/postgres/test_allocation_in_sql.py`` checks the two agree). No
+connection is held while a request waits or a slot is held. Errors fail closed: the
+caller gets :class:`~runcell_celery.errors.ConcurrencyLimiterError` and no slot.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
-import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, LiteralString
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from ..background import ProcessLocal
 from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
 from ..config import LimiterConfig
 from ..deadline import Deadline
-from ..errors import (
-    ConcurrencyConfigError,
-    ConcurrencyError,
-    ConcurrencyLimiterError,
-)
+from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
 from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 from . import statements
-from .connection import (
-    Connection,
-    Database,
-    fetch_all,
-    fetch_one,
+from .calls import (
+    LOCK_WAIT_CAP_MS,
+    CallFailedError,
+    LimiterMissingError,
+    LimitsReplacedError,
+    RowBusyError,
+    call,
+    lock_timeout_ms,
 )
-from .listener import GrantListener, get_listener
-from .options import (
-    DEFAULT_POLL_INTERVAL_MS,
-    DEFAULT_QUEUE_ENTRY_TTL_MS,
-    OnConflict,
-    PostgresOptions,
-)
+from .connection import Database
+from .options import OnConflict, PostgresOptions
 from .registration import config_hash, store_limits
-from .transaction import (
-    Caller,
-    Decision,
-    Limits,
-    allocation_transaction,
-    lock_and_commit,
-    would_grant,
-)
+from .waiting import Grant, Waiter, WaitRoom, get_room
 
-__all__ = ["DEFAULT_POLL_INTERVAL_MS", "DEFAULT_QUEUE_ENTRY_TTL_MS", "PostgresConcurrencyLimiter"]
+__all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
-T = TypeVar("T")
+#: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
+AdmissionResult = Literal["parked", "duplicate"]
 
-#: A waiter also runs a full allocation pass every this many polls, as a safety net.
-ALLOCATE_EVERY_N_POLLS = 10
-#: While the listener is connected no grant goes unannounced, so waiters poll this
-#: many times less often (a safety net only); they poll at the full rate otherwise.
-NOTIFIED_POLL_FACTOR = 10
+#: A lease is taken as lost this much before its TTL would end on the database, so a
+#: pause or a slow clock never lets a body run on a lease another holder already has.
+MAX_SAFETY_MARGIN_MS = 1_000
+#: A release blocked this many times by a busy row gives up (the lease then expires).
+RELEASE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +78,33 @@ class _Park:
     payload: str
 
 
-#: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
-AdmissionResult = Literal["parked", "duplicate"]
+class _Waiting:
+    """One waiting request's state while the limiter drives it (sync or async)."""
+
+    __slots__ = ("cancel", "deadline", "park", "request", "sent", "wait_ms", "waiter", "workload")
+
+    def __init__(
+        self,
+        request: AcquireRequest,
+        workload: str,
+        wait_ms: float | None,
+        cancel: CancellationToken | None,
+        park: _Park | None,
+        waiter: Waiter,
+    ) -> None:
+        self.request = request
+        self.workload = workload
+        self.wait_ms = wait_ms
+        self.deadline = Deadline.after_ms(wait_ms) if wait_ms is not None else None
+        self.cancel = cancel
+        self.park = park
+        self.waiter = waiter
+        self.sent = time.monotonic()
+
+    def pause_s(self) -> float | None:
+        """How long to sleep before something is due (``None``: until woken)."""
+        due = [d for d in (self.deadline, self.park.until if self.park else None) if d]
+        return min(d.remaining_s() for d in due) if due else None
 
 
 class PostgresConcurrencyLimiter(ConfiguredLimiter):
@@ -98,10 +124,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._db = database
         super().__init__(config)
         self._options = options
-        self._limits = Limits(config.name, config, config_hash(config), options.queue_entry_ttl_ms)
-        self._poll_s = options.poll_interval_ms / 1000
-        self._queue_ttl_ms = options.queue_entry_ttl_ms
-        self._listen = options.listen
+        self._hash = config_hash(config)
+        self._margin_s = min(MAX_SAFETY_MARGIN_MS, config.lease_ttl_ms / 10) / 1000
         self._on_parked_granted: Callable[[list[str]], None] | None = None
 
     @property
@@ -113,8 +137,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """The connection pool this limiter uses in this process (shared per database)."""
         return self._db.pool
 
+    @property
+    def room(self) -> WaitRoom:
+        """This process's waiting room on the limiter's database."""
+        return get_room(self._db, self._options)
+
     def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None:
-        """Call ``handler(lease_ids)`` after an allocation in this process granted
+        """Call ``handler(lease_ids)`` after an operation in this process granted
         parked requests, so their tasks are re-published at once (the Celery
         integration installs it; without it, listeners and the sweeper do it)."""
         self._on_parked_granted = handler
@@ -130,21 +159,26 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """
         config = self._config
         try:
-            self._run(
-                None,
-                lambda conn: store_limits(conn, config, ensure=ensure, on_conflict=on_conflict),
-                retry=False,
-            )
-        except ConcurrencyLimiterError as exc:
+            with self._db.connection() as conn:
+                store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
+        except ConcurrencyError:
+            raise
+        except psycopg.Error as exc:
             missing = psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
-            if isinstance(exc.__cause__, missing):
+            if isinstance(exc, missing):
                 raise ConcurrencyConfigError(
                     f"limiter {self.name!r}: the runcell tables do not exist in this database; "
                     "apply postgres_concurrency_schema_sql() as a migration, or create the "
                     "limiter with ensure_schema=True",
                     limiter=self.name,
                 ) from exc
-            raise
+            raise ConcurrencyLimiterError(
+                f"limiter {self.name!r}: the database failed: {exc}", limiter=self.name
+            ) from exc
+        except Exception as exc:
+            raise ConcurrencyLimiterError(
+                f"limiter {self.name!r}: the database failed: {exc}", limiter=self.name
+            ) from exc
 
     # -- acquire ----------------------------------------------------------------------
 
@@ -172,7 +206,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """Wait up to ``admission_wait_ms`` for a slot, then park the request.
 
         A parked request keeps its place in the queue, with ``payload`` (the task
-        message to re-publish) and no process polling for it. When allocation grants
+        message to re-publish) and no process waiting for it. When allocation grants
         it, the lease is held for it and the message is re-published (see
         :mod:`runcell_celery.postgres.parking`); the re-published task takes the lease
         with :meth:`claim_parked`.
@@ -182,7 +216,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             while parked (another delivery of the same task owns it).
         """
         park = _Park(Deadline.after_ms(admission_wait_ms), payload)
-        return self._acquire(request, cancel, on_wait, park=park)
+        return self._acquire(request, cancel, on_wait, park=park, retry=True)
 
     def _acquire(
         self,
@@ -191,100 +225,223 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         on_wait: OnWait | None,
         *,
         park: _Park | None,
+        retry: bool = False,
     ) -> Lease | AdmissionResult:
+        waiting = self._begin(request, cancel, park, loop=None)
+        unlink = cancel.add_callback(waiting.waiter.wake) if cancel is not None else _nothing
+        try:
+            result = self._first(waiting, on_wait, retry=retry)
+            while result is None:
+                waiting.waiter.wait(waiting.pause_s())
+                result = self._step(waiting)
+            return result
+        finally:
+            unlink()
+            self.room.remove(waiting.waiter)
+
+    async def acquire_async(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease:
+        """Wait for a slot in the event loop: the wait occupies no thread.
+
+        The round trips run in this process's small ``runcell-db`` thread pool (never
+        the loop's default executor, which the caller's own I/O needs); the wait is a
+        future the process's listener resolves.
+        """
+        loop = asyncio.get_running_loop()
+        waiting = self._begin(request, cancel, None, loop=loop)
+        unlink = cancel.add_callback(waiting.waiter.wake) if cancel is not None else _nothing
+        executor = _executor(self._db)
+        try:
+            result = await loop.run_in_executor(executor, self._first, waiting, on_wait, False)
+            while result is None:
+                await waiting.waiter.wait_async(waiting.pause_s())
+                result = await loop.run_in_executor(executor, self._step, waiting)
+            assert isinstance(result, Lease)
+            return result
+        except asyncio.CancelledError:
+            # Leave the queue; a slot granted meanwhile is given back, never leaked.
+            await asyncio.shield(
+                loop.run_in_executor(executor, self._withdraw_quietly, waiting.request)
+            )
+            raise
+        finally:
+            unlink()
+            self.room.remove(waiting.waiter)
+
+    def _begin(
+        self,
+        request: AcquireRequest,
+        cancel: CancellationToken | None,
+        park: _Park | None,
+        *,
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> _Waiting:
         workload = self._resolve(request)
         if cancel is not None and cancel.is_set():
             raise self._cancelled(request)
         wait_ms = self._wait_ms(request, workload)
-        decision = self._allocate(caller=request, workload=workload, wait_ms=wait_ms)
-        if decision.lease is not None:
-            return decision.lease
-        if decision.parked_lease:
-            return "duplicate"
-        if decision.refused == "queue-full":
-            raise self._queue_full(request)
-        if decision.refused == "no-wait":
-            raise self._timed_out(request, wait_ms)
-        deadline = None
-        if decision.wait_ms_left is not None:
-            deadline = Deadline.after_ms(decision.wait_ms_left)
-        return self._wait(request, workload, wait_ms, deadline, cancel, on_wait, park)
+        # Registered before the request is sent, so a grant that arrives before the
+        # answer finds its waiter.
+        waiter = self.room.add(request.request_id, self.name, loop)
+        return _Waiting(request, workload, wait_ms, cancel, park, waiter)
 
-    def _wait(
-        self,
-        request: AcquireRequest,
-        workload: str,
-        wait_ms: float | None,
-        deadline: Deadline | None,
-        cancel: CancellationToken | None,
-        on_wait: OnWait | None,
-        park: _Park | None = None,
-    ) -> Lease | AdmissionResult:
-        wake = threading.Event()
-        listener = self._get_listener()
-        if listener is not None:
-            listener.register(request.request_id, wake.set)
-        unlink = cancel.add_callback(wake.set) if cancel is not None else _nothing
-        settled = False
-        try:
+    def _first(
+        self, waiting: _Waiting, on_wait: OnWait | None, retry: bool
+    ) -> Lease | AdmissionResult | None:
+        """Send the acquire; return its lease, or ``None`` when the request now waits."""
+        answer = self._send_acquire(waiting, retry=retry)
+        if answer is None:
             if on_wait is not None:
-                on_wait(None if deadline is None else deadline.to_unix())
-            polls = 0
-            while True:
-                notified = listener is not None and listener.connected.is_set()
-                pause = self._poll_s * NOTIFIED_POLL_FACTOR if notified else self._poll_s
-                if park is not None:
-                    pause = min(pause, park.until.remaining_s())
-                wake.wait(pause)
-                wake.clear()
-                if cancel is not None and cancel.is_set():
-                    self._allocate(withdraw=request.request_id)
-                    settled = True
-                    raise self._cancelled(request)
-                polls += 1
-                status, lease = self._poll(request)
-                if lease is not None:
-                    settled = True
-                    return lease
-                if status == "timed-out":
-                    settled = True
-                    raise self._timed_out(request, wait_ms)
-                if status == "missing":
-                    # Our queue row was reaped (this process stalled past
-                    # queue_entry_ttl_ms): take a new place, with the time left.
-                    remaining = None if deadline is None else deadline.remaining_ms()
-                    decision = self._allocate(caller=request, workload=workload, wait_ms=remaining)
-                    if decision.lease is not None:
-                        settled = True
-                        return decision.lease
-                    if decision.refused is not None:
-                        settled = True
-                        raise self._timed_out(request, wait_ms)
-                elif status == "needs-allocation" or polls % ALLOCATE_EVERY_N_POLLS == 0:
-                    self._allocate()
-                if park is not None and park.until.passed():
-                    parked = self._park(request, park.payload)
-                    if parked is not None:
-                        settled = True
-                        return parked
-        finally:
-            unlink()
-            if listener is not None:
-                listener.unregister(request.request_id)
-            if not settled:
-                # Leaving on an unexpected error or interrupt: give up our place, and
-                # a slot granted meanwhile, so nothing leaks until a TTL expires.
-                with contextlib.suppress(Exception):
-                    self._allocate(withdraw=request.request_id)
+                on_wait(waiting.deadline.to_unix() if waiting.deadline is not None else None)
+            return self._step(waiting)
+        return answer
 
-    def _park(self, request: AcquireRequest, payload: str) -> Lease | AdmissionResult | None:
-        """Turn the waiting row into a parked one; ``None`` if the row is gone."""
-        params = {"limiter": self.name, "request_id": request.request_id, "payload": payload}
-        result = self._run(request, lambda conn: fetch_one(conn, statements.PARK, params)[0])
-        if result["status"] == "parked":
+    def _send_acquire(self, waiting: _Waiting, *, retry: bool) -> Lease | AdmissionResult | None:
+        request = waiting.request
+        lineage = request.lineage
+        remaining = waiting.deadline.remaining_ms() if waiting.deadline is not None else None
+        if waiting.wait_ms is not None and remaining is not None and remaining <= 0:
+            remaining = 0.0
+        params = {
+            "limiter": self.name,
+            "config_hash": self._hash,
+            "request": json.dumps(
+                {
+                    "request_id": request.request_id,
+                    "workload": waiting.workload,
+                    "run_id": lineage.run_id,
+                    "root_run_id": lineage.root_run_id,
+                    "parent_run_id": lineage.parent_run_id,
+                    "holder_name": request.holder_name,
+                    "in_progress": request.in_progress,
+                }
+            ),
+            "wait_ms": remaining,
+            "process": json.dumps(self.room.process()),
+            "retry": retry,
+        }
+        sent = time.monotonic()
+        while True:
+            try:
+                answer = self._call(
+                    request,
+                    statements.ACQUIRE,
+                    params,
+                    lock_ms=lock_timeout_ms(remaining),
+                    busy_ok=True,
+                )
+                break
+            except RowBusyError:
+                # The row stayed locked (a frozen holder of the lock): nothing was done.
+                if waiting.deadline is not None and waiting.deadline.passed():
+                    raise self._timed_out(request, waiting.wait_ms) from None
+                params["retry"] = True
+        self.room.clock.sample(sent, float(answer["now"]))
+        self._republish(answer.get("parked"))
+        status = answer["s"]
+        if status == "granted":
+            return self._lease(request.request_id, waiting.workload, answer["lease"], sent)
+        if status == "queued":
+            waiting.waiter.queued = True
+            self.room.expiry_in(answer.get("expiry_ms"))
+            return None
+        if status == "duplicate":
+            return "duplicate"
+        if status == "no-wait":
+            raise self._timed_out(request, waiting.wait_ms)
+        if status == "queue-full":
+            raise self._queue_full(request)
+        raise request.error(
+            ConcurrencyConfigError,
+            f"limiter {self.name!r} has no workload {waiting.workload!r} in its stored limits",
+            limiter=self.name,
+        )
+
+    def _step(self, waiting: _Waiting) -> Lease | AdmissionResult | None:
+        """Act on what happened since the last look; ``None``: keep waiting."""
+        request = waiting.request
+        grant = waiting.waiter.grant
+        if grant is not None:
+            return self._granted(waiting, grant)
+        if waiting.cancel is not None and waiting.cancel.is_set():
+            self._withdraw_quietly(request)
+            raise self._cancelled(request)
+        if waiting.park is not None and waiting.park.until.passed():
+            parked = self._park(waiting)
+            if parked is not None:
+                return parked
+        if waiting.deadline is not None and waiting.deadline.passed():
+            answer = self._call(
+                request,
+                statements.WITHDRAW,
+                {"limiter": self.name, "request_id": request.request_id, "give_back": False},
+                lock_ms=lock_timeout_ms(None),
+            )
+            if answer["s"] == "granted":
+                # Allocation chose us just before the deadline: the grant wins.
+                return self._lease(request.request_id, waiting.workload, answer["lease"], None)
+            self._republish(answer.get("parked"))
+            raise self._timed_out(request, waiting.wait_ms)
+        if waiting.waiter.missing:
+            # Our queue row was dropped (this process stalled past queue_entry_ttl_ms):
+            # take a new place, with the time left.
+            waiting.waiter.missing = False
+            waiting.waiter.queued = False
+            return self._send_acquire(waiting, retry=True)
+        return None
+
+    def _granted(self, waiting: _Waiting, grant: Grant) -> Lease:
+        start = self.room.clock.local(grant.granted_at)
+        return Lease(
+            lease_id=grant.lease_id,
+            limiter=self.name,
+            workload=waiting.workload,
+            request_id=waiting.request.request_id,
+            fencing_token=grant.fencing_token,
+            ttl_ms=self._config.lease_ttl_ms,
+            valid_until=self._valid_until(start if start is not None else waiting.sent),
+        )
+
+    def _lease(
+        self, request_id: str, workload: str, lease: Sequence[Any], sent: float | None
+    ) -> Lease:
+        lease_id, token = lease
+        return Lease(
+            lease_id=str(lease_id),
+            limiter=self.name,
+            workload=workload,
+            request_id=request_id,
+            fencing_token=int(token),
+            ttl_ms=self._config.lease_ttl_ms,
+            valid_until=self._valid_until(sent) if sent is not None else None,
+        )
+
+    def _valid_until(self, start: float) -> Deadline:
+        return Deadline(start + self._config.lease_ttl_ms / 1000 - self._margin_s)
+
+    def _park(self, waiting: _Waiting) -> Lease | AdmissionResult | None:
+        """Turn the waiting row into a parked one; ``None`` if it is gone."""
+        assert waiting.park is not None
+        request = waiting.request
+        answer = self._call(
+            request,
+            statements.PARK,
+            {
+                "limiter": self.name,
+                "request_id": request.request_id,
+                "payload": waiting.park.payload,
+            },
+            lock_ms=lock_timeout_ms(None),
+        )
+        if answer["s"] == "parked":
             return "parked"
-        if result["status"] == "granted":
-            return self._limits.lease(result["lease"])
+        if answer["s"] == "granted":
+            return self._lease(request.request_id, waiting.workload, answer["lease"], None)
         return None
 
     def claim_parked(self, request_id: str, publication_id: str) -> Lease | None:
@@ -294,81 +451,16 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             (another publication did, or the grant expired and the request is back in
             line, or it was never granted).
         """
-        params = {
-            "limiter": self.name,
-            "request_id": request_id,
-            "publication_id": publication_id,
-        }
-        rows = self._run(None, lambda conn: fetch_all(conn, statements.CLAIM_PARKED, params))
+        params = {"limiter": self.name, "request_id": request_id, "publication_id": publication_id}
+        sent = time.monotonic()
+        with _failing_closed(self, None), self._db.connection() as conn:
+            rows = conn.execute(statements.CLAIM_PARKED, params).fetchall()
         if not rows:
             return None
         lease_id, granted_request, workload, token = rows[0]
-        return self._limits.lease(
-            {
-                "lease_id": lease_id,
-                "request_id": granted_request,
-                "workload": workload,
-                "fencing_token": token,
-            }
-        )
+        return self._lease(granted_request, workload, (lease_id, token), sent)
 
-    def _poll(self, request: AcquireRequest) -> tuple[str, Lease | None]:
-        params = {
-            "limiter": self.name,
-            "request_id": request.request_id,
-            "queue_ttl_ms": self._queue_ttl_ms,
-        }
-
-        def work(conn: Connection) -> Any:
-            return fetch_one(conn, statements.POLL, params)[0]
-
-        result = self._run(request, work)
-        status = result["status"]
-        if status == "granted":
-            return status, self._limits.lease(result["lease"])
-        if status == "waiting" and result["needs_allocation"]:
-            return "needs-allocation", None
-        return status, None
-
-    def _allocate(
-        self,
-        *,
-        caller: AcquireRequest | None = None,
-        workload: str | None = None,
-        wait_ms: float | None = None,
-        release: str | None = None,
-        withdraw: str | None = None,
-    ) -> Decision:
-        """Run one allocation transaction under the limiter row's lock.
-
-        A release or withdrawal first tries the one-round-trip form (lock, apply,
-        commit); only if the freed slot can go to a waiter does a second transaction
-        hand it over. Nobody can take the slot in between out of turn: whoever locks
-        the row next allocates over every waiter, by the same rules.
-        """
-        limits = self._limits
-        request_id = caller.request_id if caller is not None else None
-        params = limits.lock_params(release=release, withdraw=withdraw, request_id=request_id)
-        if caller is None and (release is not None or withdraw is not None):
-            state = limits.check(self._run(None, lambda conn: lock_and_commit(conn, params)))
-            if not would_grant(limits, state):
-                return Decision()
-            params = limits.lock_params(release=None, withdraw=None, request_id=None)
-        who = None
-        if caller is not None:
-            assert workload is not None
-            who = Caller(caller, workload, wait_ms)
-        decision = self._run(caller, lambda conn: allocation_transaction(conn, limits, params, who))
-        handler = self._on_parked_granted
-        if decision.parked_granted and handler is not None:
-            # After commit and with the connection returned: publishing may be slow.
-            try:
-                handler(decision.parked_granted)
-            except Exception:  # listeners and the sweeper re-publish them later
-                logger.exception("runcell: re-publishing granted parked tasks failed")
-        return decision
-
-    # -- renew, release, stats ----------------------------------------------------------
+    # -- renew, release, withdraw, reap, stats -------------------------------------------
 
     def renew(self, lease: Lease) -> Lease | None:
         """Extend ``lease`` by its TTL (database time); ``None`` if no longer held."""
@@ -378,52 +470,81 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """Renew several leases of this limiter in one statement."""
         if not leases:
             return {}
+        sent = time.monotonic()
         params = {"limiter": self.name, "lease_ids": [lease.lease_id for lease in leases]}
-
-        def work(conn: Connection) -> set[str]:
-            return {row[0] for row in fetch_all(conn, statements.RENEW, params)}
-
-        renewed = self._run(None, work)
-        return {lease.lease_id: lease if lease.lease_id in renewed else None for lease in leases}
+        renewed = set(self._call(None, statements.RENEW, params, rows=True))
+        valid_until = self._valid_until(sent)
+        return {
+            lease.lease_id: (
+                Lease(
+                    lease.lease_id,
+                    lease.limiter,
+                    lease.workload,
+                    lease.request_id,
+                    lease.fencing_token,
+                    lease.ttl_ms,
+                    valid_until,
+                )
+                if lease.lease_id in renewed
+                else None
+            )
+            for lease in leases
+        }
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
-        """Return the slot and hand it to the next waiter by the allocation rules."""
-        self._allocate(release=lease.lease_id)
+        """Return the slot and hand it to the next waiters by the allocation rules."""
+        params = {"limiter": self.name, "lease_id": lease.lease_id}
+        for attempt in range(RELEASE_ATTEMPTS):
+            try:
+                parked = self._call(None, statements.RELEASE, params, busy_ok=True)
+            except RowBusyError:
+                if attempt + 1 < RELEASE_ATTEMPTS:
+                    continue
+                raise _limiter_error(self.name, "the limiter row stayed locked") from None
+            self._republish(parked)
+            return
 
     def withdraw(self, request_id: str) -> None:
-        """Take a request out of the queue (parked or waiting) and return any slot it
-        was granted; used when its run is cancelled before it starts waiting."""
-        self._allocate(withdraw=request_id)
+        """Take a request out of the queue (parked or waiting) and give back any slot
+        it was granted; used when its run ends before it uses its place."""
+        params = {"limiter": self.name, "request_id": request_id, "give_back": True}
+        answer = self._call(None, statements.WITHDRAW, params, lock_ms=lock_timeout_ms(None))
+        self._republish(answer.get("parked"))
+
+    def _withdraw_quietly(self, request: AcquireRequest) -> None:
+        try:
+            self.withdraw(request.request_id)
+        except ConcurrencyError as exc:  # the row is dropped with the process later
+            logger.warning("runcell: withdrawing %s failed: %s", request.request_id, exc)
 
     def reap(self) -> None:
-        """Run one allocation pass: reap expired leases and queue rows, grant what frees.
-
-        Waiters do this as they poll; when nobody waits (every request parked, the
-        holders dead) a worker's sweeper calls it, so parked runs still get the slots
-        that expired leases give back.
-        """
-        self._allocate()
+        """Run one allocation pass: reap expired leases and abandoned queue rows, and
+        grant what frees (the waiting room and the sweeper call it)."""
+        parked = self._call(
+            None, statements.REAP, {"limiter": self.name}, lock_ms=lock_timeout_ms(None)
+        )
+        self._republish(parked)
 
     def stats(self) -> LimiterStats:
-        """Return active and queued counts, in total and per workload (database view)."""
-        params = {"limiter": self.name}
-
-        def work(conn: Connection) -> list[tuple[Any, ...]]:
-            return fetch_all(conn, statements.STATS, params)
-
-        counts: dict[str, dict[str, int]] = {"active": {}, "queued": {}}
-        for kind, workload, n in self._run(None, work):
-            counts[kind][workload] = n
-        names = list(self._config.workloads)
-        names += [w for kind in counts.values() for w in kind if w not in names]
+        """Slots held and requests waiting, in total and per workload, as allocation
+        counts them (a crashed holder's slot counts until its lease is reaped)."""
+        with _failing_closed(self, None), self._db.connection() as conn:
+            row = conn.execute(statements.STATS, {"limiter": self.name}).fetchone()
+        names: list[str] = list(self._config.workloads)
+        active: dict[str, int] = {}
+        queued: dict[str, int] = {}
+        if row is not None:
+            workloads, held, waiting = row
+            for i, name in enumerate(workloads or ()):
+                active[name] = int(held[i]) if held and i < len(held) else 0
+                queued[name] = int(waiting[i]) if waiting and i < len(waiting) else 0
+                if name not in names:
+                    names.append(name)
         return LimiterStats(
-            active=sum(counts["active"].values()),
-            queued=sum(counts["queued"].values()),
+            active=sum(active.values()),
+            queued=sum(queued.values()),
             workloads={
-                w: WorkloadStats(
-                    active=counts["active"].get(w, 0), queued=counts["queued"].get(w, 0)
-                )
-                for w in names
+                w: WorkloadStats(active=active.get(w, 0), queued=queued.get(w, 0)) for w in names
             },
         )
 
@@ -433,57 +554,96 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
         ``None`` until the listener has checked itself; ``False`` when polling alone.
         """
-        listener = self._get_listener()
+        listener = self.room.listener
         return listener.available if listener is not None else False
 
     # -- plumbing -----------------------------------------------------------------------
 
-    def _get_listener(self) -> GrantListener | None:
-        """This process's listener (one per process and database), unless off or useless."""
-        if not self._listen:
-            return None
-        listener = get_listener(self._db)
-        return None if listener.available is False else listener
+    def _republish(self, lease_ids: Any) -> None:
+        if not lease_ids or self._on_parked_granted is None:
+            return
+        try:
+            self._on_parked_granted([str(lease_id) for lease_id in lease_ids])
+        except Exception:  # listeners and the sweeper re-publish them later
+            logger.exception("runcell: re-publishing granted parked tasks failed")
 
-    def _run(
+    def _call(
         self,
         request: AcquireRequest | None,
-        work: Callable[[Connection], T],
+        query: LiteralString,
+        params: Mapping[str, Any],
         *,
-        retry: bool = True,
-    ) -> T:
-        """Run ``work`` on a pooled connection; fail closed on database errors.
+        lock_ms: int = LOCK_WAIT_CAP_MS,
+        rows: bool = False,
+        busy_ok: bool = False,
+    ) -> Any:
+        with _failing_closed(self, request, busy_ok=busy_ok):
+            return call(self._db, query, params, lock_timeout_ms=lock_ms, rows=rows)
 
-        A connection the database dropped (restart, ``pg_terminate_backend``) is only
-        found out when used; the work is then retried on another connection, so the
-        limiter recovers by itself. Retrying is safe because every operation is
-        idempotent: releases and withdrawals by lease and request id, and an acquire
-        whose first attempt committed finds its lease or queue row again (``mine``).
-        """
-        attempts = self._db.pool_max_size + 1 if retry else 1
-        for attempt in range(attempts):
-            broken = False
-            try:
-                with self._db.connection() as conn:
-                    try:
-                        return work(conn)
-                    finally:
-                        broken = conn.broken
-            except ConcurrencyError as exc:
-                if request is not None and exc.request_id is None:
-                    raise request.error(type(exc), exc.message, limiter=self.name) from exc
-                raise
-            except (psycopg.Error, PoolTimeout) as exc:
-                if broken and attempt + 1 < attempts:
-                    logger.info("runcell: retrying on a fresh connection after: %s", exc)
-                    continue
-                message = f"limiter {self.name!r}: the database failed: {exc}"
-                if request is not None:
-                    raise request.error(
-                        ConcurrencyLimiterError, message, limiter=self.name
-                    ) from exc
-                raise ConcurrencyLimiterError(message, limiter=self.name) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+
+@contextlib.contextmanager
+def _failing_closed(
+    limiter: PostgresConcurrencyLimiter,
+    request: AcquireRequest | None,
+    *,
+    busy_ok: bool = False,
+) -> Iterator[None]:
+    """Turn database failures into :class:`ConcurrencyLimiterError` (or a config error)
+    naming the limiter and the request; ``busy_ok`` lets :class:`RowBusyError` through."""
+    try:
+        yield
+    except ConcurrencyError:
+        raise
+    except RowBusyError:
+        if busy_ok:
+            raise
+        error: ConcurrencyError = _limiter_error(limiter.name, "the limiter row stayed locked")
+        raise _for(error, request, limiter.name) from None
+    except LimitsReplacedError as exc:
+        error = ConcurrencyConfigError(
+            f"the limits of limiter {limiter.name!r} were replaced by another worker; "
+            "restart this worker with the new limits",
+            limiter=limiter.name,
+        )
+        raise _for(error, request, limiter.name) from exc
+    except LimiterMissingError as exc:
+        error = _limiter_error(
+            limiter.name,
+            "it is not registered in the database (its row was deleted?); "
+            "restart the workers to register it",
+        )
+        raise _for(error, request, limiter.name) from exc
+    except (CallFailedError, psycopg.Error, PoolTimeout) as exc:
+        error = _limiter_error(limiter.name, f"the database failed: {exc}")
+        raise _for(error, request, limiter.name) from exc
+
+
+def _limiter_error(name: str, what: str) -> ConcurrencyLimiterError:
+    return ConcurrencyLimiterError(f"limiter {name!r}: {what}", limiter=name)
+
+
+def _for(error: ConcurrencyError, request: AcquireRequest | None, name: str) -> ConcurrencyError:
+    return error if request is None else request.error(type(error), error.message, limiter=name)
+
+
+class _Executors:
+    def __init__(self) -> None:
+        self.by_conninfo: dict[str, ThreadPoolExecutor] = {}
+
+
+_executors: ProcessLocal[_Executors] = ProcessLocal(_Executors)
+
+
+def _executor(database: Database) -> ThreadPoolExecutor:
+    """This process's ``runcell-db`` threads for a database (as many as its pool)."""
+    executors = _executors.get()
+    executor = executors.by_conninfo.get(database.conninfo)
+    if executor is None:
+        executor = executors.by_conninfo.setdefault(
+            database.conninfo,
+            ThreadPoolExecutor(max_workers=database.pool_max_size, thread_name_prefix="runcell-db"),
+        )
+    return executor
 
 
 def _nothing() -> None:

@@ -1,22 +1,22 @@
-"""Wake-ups by ``LISTEN/NOTIFY``: one listener connection per process serves all waiters.
+"""Wake-ups by ``LISTEN/NOTIFY``: one listener connection per process and database.
 
-When an allocation grants a slot to a request that waits in another process, the
-granting transaction sends ``NOTIFY runcell_grant`` with the limiter name and the
-granted request ids. This module keeps one direct (non-pooled) autocommit connection
-per process and database listening on that channel (thread ``runcell-listener``) and
-wakes exactly the local waiters whose request ids it names.
+A transaction that grants slots to waiting requests notifies each waiting process on
+its own channel (``runcell_w_...``) with the leases, so the waiter holds its slot as
+soon as the notification arrives, and grants to parked tasks on ``runcell_parked``
+for whoever re-publishes them. This module keeps one direct (non-pooled) autocommit
+connection per process and database listening on those channels (thread
+``runcell-listener``) and hands each payload to its owner.
 
-Polling is never switched off: notifications sent while the listener is disconnected
-are lost. While it is connected, waiters poll ten times less often (a safety net);
-while it is not, at the full ``poll_interval_ms``, and when it reconnects it wakes
-every waiter to poll at once. Behind a transaction pooler ``LISTEN`` silently receives nothing,
-so the listener checks itself at start by notifying its channel from a second
-connection, as grants are sent; if that notification does not arrive it gives up and
-waiters rely on polling alone.
+Notifications sent while the listener is disconnected are lost, so the waiting room
+keeps a safety poll and, when the listener (re)connects, looks at once. Behind a
+transaction pooler ``LISTEN`` silently receives nothing, so the listener checks itself
+at start by notifying its own channel from a second connection, as grants are sent;
+if that notification does not arrive it gives up and waiters rely on polling alone.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -25,12 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
-from ..background import BackgroundLoop, ProcessLocal
+from ..background import BackgroundLoop
 from . import statements
 from .connection import Database, redacted
 
-__all__ = ["GrantListener", "get_listener"]
+__all__ = ["GrantListener"]
 
 logger = logging.getLogger("runcell_celery.postgres.listener")
 
@@ -41,20 +42,32 @@ HEALTH_CHECK_S = 5.0
 #: How long one step waits for notifications before checking whether to stop.
 NOTIFIES_TIMEOUT_S = 1.0
 
-Wake = Callable[[], None]
+ParkedHandler = Callable[[str, list[str]], None]
 
 
 class GrantListener:
-    """Listens on ``runcell_grant`` for one database and wakes registered waiters.
+    """Listens on a process's own channel (and, on request, on ``runcell_parked``).
 
-    Its thread (``runcell-listener``) is a :class:`~runcell_celery.background.BackgroundLoop`
-    whose step either (re)connects or dispatches the notifications of one second.
+    :param channel: the process's channel; its payloads go to ``on_grants``.
+    :param on_connect: called each time the listener (re)connects: grants made while
+        it was away were announced to nobody.
     """
 
-    def __init__(self, database: Database) -> None:
+    def __init__(
+        self,
+        database: Database,
+        channel: str,
+        *,
+        on_grants: Callable[[str], None],
+        on_connect: Callable[[], None],
+    ) -> None:
         self._database = database
-        self._waiters: dict[str, Wake] = {}
-        self._lock = threading.Lock()
+        self.channel = channel
+        self._on_grants = on_grants
+        self._on_connect = on_connect
+        self._parked_handlers: list[ParkedHandler] = []
+        self._parked_listened = False
+        self._parked_ready = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
         self._failures = 0
         self._checked_at = 0.0
@@ -62,19 +75,24 @@ class GrantListener:
         self.available: bool | None = None
         #: Set while the listening connection is up: no notification can be missed.
         self.connected = threading.Event()
-        #: Called with (limiter, request ids) for grants to parked requests (lines
-        #: ``!request_id``), whose task messages must be re-published.
-        self.parked_handlers: list[Callable[[str, list[str]], None]] = []
         self._loop = BackgroundLoop("runcell-listener", self, GrantListener._step)
-        self._loop.start()
 
-    def register(self, request_id: str, wake: Wake) -> None:
-        with self._lock:
-            self._waiters[request_id] = wake
+    def start(self) -> None:
+        """Start listening in this process (once; a no-op when LISTEN proved useless)."""
+        if self.available is not False:
+            self._loop.start()
 
-    def unregister(self, request_id: str) -> None:
-        with self._lock:
-            self._waiters.pop(request_id, None)
+    def add_parked_handler(self, handler: ParkedHandler) -> None:
+        """Call ``handler(limiter, request_ids)`` for grants to parked requests made by any
+        process (starts listening on ``runcell_parked``)."""
+        self._parked_handlers.append(handler)
+        self.start()
+        # Once this returns, grants are heard: wait for the listener thread to have
+        # run LISTEN (at most one notification wait plus a connection's self-check).
+        deadline = time.monotonic() + NOTIFIES_TIMEOUT_S + SELF_CHECK_TIMEOUT_S + 5
+        while not self._parked_ready.wait(0.05):
+            if self.available is False or time.monotonic() > deadline:
+                return
 
     def stop(self) -> None:
         """End the thread (after its current step) and close the listening connection."""
@@ -82,28 +100,28 @@ class GrantListener:
         if not self._loop.running:
             self._disconnect()
 
-    def wake_all(self) -> None:
-        with self._lock:
-            wakes = list(self._waiters.values())
-        for wake in wakes:
-            wake()
+    def dispatch(self, channel: str, payload: str) -> None:
+        """Hand one notification to its owner."""
+        if payload.startswith(SELF_CHECK_PREFIX):
+            return
+        if channel == statements.PARKED_CHANNEL:
+            self._dispatch_parked(payload)
+        else:
+            self._on_grants(payload)
 
-    def dispatch(self, payload: str) -> None:
-        """Wake the waiters named in a ``runcell_grant`` payload (limiter, then ids)."""
-        limiter, _, ids = payload.partition("\n")
-        lines = ids.split("\n")
-        parked = [line[1:] for line in lines if line.startswith("!")]
-        with self._lock:
-            wakes = [self._waiters.get(line) for line in lines if not line.startswith("!")]
-        for wake in wakes:
-            if wake is not None:
-                wake()
-        if parked:
-            for handler in list(self.parked_handlers):
-                try:
-                    handler(limiter, parked)
-                except Exception:
-                    logger.exception("runcell: a parked-grant handler failed")
+    def _dispatch_parked(self, payload: str) -> None:
+        try:
+            message = json.loads(payload)
+            limiter = str(message["l"])
+            request_ids = [str(request_id) for request_id in message["p"]]
+        except (ValueError, KeyError, TypeError):
+            logger.warning("runcell: ignoring a malformed parked-grant notification")
+            return
+        for handler in list(self._parked_handlers):
+            try:
+                handler(limiter, request_ids)
+            except Exception:
+                logger.exception("runcell: a parked-grant handler failed")
 
     def _step(self) -> float | None:
         """Connect if needed, else dispatch what arrives within a second.
@@ -129,13 +147,17 @@ class GrantListener:
         """Connect, LISTEN and check that notifications from other sessions arrive."""
         conn = self._database.direct_connection(connect_timeout=5)
         try:
-            conn.execute(statements.LISTEN)
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            self._parked_listened = False
+            self._listen_parked(conn)
             nonce = SELF_CHECK_PREFIX + uuid.uuid4().hex
             # Not from this connection: behind a transaction pooler its NOTIFY can run
             # on the server connection that ran LISTEN and come back in the reply,
             # while nothing reaches this connection between its own statements.
             with self._database.direct_connection(connect_timeout=5) as other:
-                other.execute(statements.NOTIFY_SELF_CHECK, {"payload": nonce})
+                other.execute(
+                    statements.NOTIFY_SELF_CHECK, {"channel": self.channel, "payload": nonce}
+                )
             arrived = self._self_check(conn, nonce)
         except BaseException:
             conn.close()
@@ -154,15 +176,20 @@ class GrantListener:
         self._checked_at = time.monotonic()
         self.available = True
         self.connected.set()
-        # Grants made while we were away were announced to nobody: let every
-        # waiter poll now.
-        self.wake_all()
+        self._on_connect()
         return 0
 
+    def _listen_parked(self, conn: psycopg.Connection[Any]) -> None:
+        if self._parked_handlers and not self._parked_listened:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(statements.PARKED_CHANNEL)))
+            self._parked_listened = True
+        if self._parked_listened and self.available is not False:
+            self._parked_ready.set()
+
     def _listen_once(self, conn: psycopg.Connection[Any]) -> None:
+        self._listen_parked(conn)
         for notify in conn.notifies(timeout=NOTIFIES_TIMEOUT_S):
-            if not notify.payload.startswith(SELF_CHECK_PREFIX):
-                self.dispatch(notify.payload)
+            self.dispatch(notify.channel, notify.payload)
         if time.monotonic() - self._checked_at > HEALTH_CHECK_S:
             # A connection lost without a reset would otherwise look quiet.
             conn.execute("SELECT 1")
@@ -179,24 +206,3 @@ class GrantListener:
             if notify.payload == nonce:
                 return True
         return False
-
-
-class _Listeners:
-    """This process's listeners, one per database."""
-
-    def __init__(self) -> None:
-        self.by_conninfo: dict[str, GrantListener] = {}
-        self.lock = threading.Lock()
-
-
-_listeners: ProcessLocal[_Listeners] = ProcessLocal(_Listeners)
-
-
-def get_listener(database: Database) -> GrantListener:
-    """Return this process's listener for ``database``, starting it on first use."""
-    listeners = _listeners.get()
-    with listeners.lock:
-        listener = listeners.by_conninfo.get(database.conninfo)
-        if listener is None:
-            listener = listeners.by_conninfo[database.conninfo] = GrantListener(database)
-        return listener

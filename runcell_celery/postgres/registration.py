@@ -50,7 +50,10 @@ def store_limits(
         "config_hash": config_hash(config),
     }
     with conn.transaction():
+        # Several round trips: a frozen worker must not hold the row for long.
+        conn.execute(statements.TRANSACTION_BOUNDS)
         if conn.execute(statements.REGISTER_LIMITER, params).fetchone() is not None:
+            conn.execute(statements.SET_LIMITS, params)
             return
         stored = conn.execute(statements.STORED_LIMITER, params).fetchone()
         assert stored is not None
@@ -59,6 +62,7 @@ def store_limits(
         differences = describe_differences(config, stored[0])
         if on_conflict == "replace":
             conn.execute(statements.REPLACE_LIMITER, params)
+            conn.execute(statements.SET_LIMITS, params)
             logger.warning("runcell: replaced the limits of %r: %s", config.name, differences)
             return
         raise ConcurrencyConfigError(

@@ -1,4 +1,4 @@
--- runcell_celery PostgreSQL limiter schema, version 1.
+-- runcell_celery PostgreSQL limiter schema, version 3.
 --
 -- Applied on first use (under an advisory lock, so workers starting together on a
 -- new database do not conflict), or as a migration with ensure_schema=False: it is
@@ -14,9 +14,9 @@ CREATE TABLE IF NOT EXISTS runcell_schema (
     applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
--- The limits every worker using this name must share, and the lock that
--- serialises allocation: each allocation is one short transaction that holds this
--- row FOR UPDATE.
+-- The limits every worker using this name must share, the counts allocation decides
+-- on, and the lock that serialises it: every operation is one short transaction (one
+-- function call) that holds this row FOR UPDATE.
 CREATE TABLE IF NOT EXISTS runcell_limiter (
     name text PRIMARY KEY,
     config jsonb NOT NULL,
@@ -51,11 +51,11 @@ CREATE TABLE IF NOT EXISTS runcell_lease (
     CONSTRAINT runcell_lease_one_per_request UNIQUE (request_id)
 );
 CREATE INDEX IF NOT EXISTS runcell_lease_for_reap ON runcell_lease (limiter, expires_at);
-CREATE INDEX IF NOT EXISTS runcell_lease_for_counts ON runcell_lease (limiter, workload);
 
--- One row per waiting request, in arrival order (position). A waiter refreshes
--- expires_at while it polls; a crashed waiter's row is reaped after queue_entry_ttl_ms.
--- Parked rows (Celery admission deferral) carry the task message to re-publish.
+-- One row per waiting request, in arrival order (position). A waiting row belongs to a
+-- process (runcell_process): it stays while its process renews its liveness and is
+-- dropped once the process stops (queue_entry_ttl_ms). Parked rows (Celery admission
+-- deferral) belong to no process and carry the task message to re-publish.
 CREATE SEQUENCE IF NOT EXISTS runcell_queue_position;
 CREATE TABLE IF NOT EXISTS runcell_queue (
     request_id text PRIMARY KEY,
@@ -83,8 +83,6 @@ CREATE TABLE IF NOT EXISTS runcell_queue (
     published_at timestamptz,
     publication_id uuid
 );
-CREATE INDEX IF NOT EXISTS runcell_queue_for_allocation ON runcell_queue (limiter, workload, position);
-CREATE INDEX IF NOT EXISTS runcell_queue_for_reap ON runcell_queue (limiter, expires_at);
 CREATE INDEX IF NOT EXISTS runcell_queue_for_expiry_of_parked ON runcell_queue (deadline)
     WHERE parked;
 CREATE INDEX IF NOT EXISTS runcell_queue_for_republish ON runcell_queue (granted_at)
@@ -121,6 +119,17 @@ CREATE TABLE IF NOT EXISTS runcell_admission_counter (
     PRIMARY KEY (task_name, limiter)
 );
 
+-- The processes that have requests waiting: one row each, renewed by the process's
+-- safety poll, so a waiter costs the database nothing while it waits. Grants are
+-- announced on the process's own channel (NOTIFY), never on a channel all share.
+CREATE TABLE IF NOT EXISTS runcell_process (
+    process_id text PRIMARY KEY,
+    channel text NOT NULL,
+    host text,
+    pid integer,
+    expires_at timestamptz NOT NULL
+);
+
 -- Upgrades: a database created by an earlier revision of this file has the tables but
 -- not every column. CREATE TABLE IF NOT EXISTS leaves an existing table as it is, so
 -- each column added since is added here too (a no-op on a new database). Functions
@@ -136,302 +145,700 @@ ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS granted_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS published_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS publication_id uuid;
 
--- A lease as the limiter reads it back: {lease_id, request_id, workload, fencing_token}.
--- Every function that answers with a lease builds it here.
-CREATE OR REPLACE FUNCTION runcell_lease_json(p_lease runcell_lease) RETURNS jsonb
-LANGUAGE sql IMMUTABLE AS $$
-    SELECT jsonb_build_object('lease_id', p_lease.lease_id, 'request_id', p_lease.request_id,
-                              'workload', p_lease.workload,
-                              'fencing_token', p_lease.fencing_token)
-$$;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS process_id text;
+-- The limits in array form (workloads sorted by name) and the kept counts: slots held
+-- and requests waiting (or parked, not granted) per workload. Allocation reads these,
+-- never count(*), so its cost does not grow with the queue.
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS workloads text[] NOT NULL DEFAULT '{}';
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS ceilings integer[] NOT NULL DEFAULT '{}';
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS reserved integer[] NOT NULL DEFAULT '{}';
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS priorities integer[] NOT NULL DEFAULT '{}';
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS max_concurrent integer NOT NULL DEFAULT 0;
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS max_queued integer;
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS lease_ttl_ms integer NOT NULL DEFAULT 30000;
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS active integer[] NOT NULL DEFAULT '{}';
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS waiting integer[] NOT NULL DEFAULT '{}';
+-- The limiter row is written by every operation: room on its page keeps those updates
+-- HOT (pruned in place), so it stays fast without VACUUM.
+ALTER TABLE runcell_limiter SET (fillfactor = 20);
+ALTER TABLE runcell_lease SET (fillfactor = 70);
+ALTER TABLE runcell_queue SET (fillfactor = 70);
+-- The head of each workload's line, in the order allocation serves it; only rows
+-- still waiting are indexed.
+CREATE INDEX IF NOT EXISTS runcell_queue_for_heads ON runcell_queue
+    (limiter, workload, in_progress DESC, position) WHERE granted_lease_id IS NULL;
+DROP INDEX IF EXISTS runcell_queue_for_allocation;
+DROP INDEX IF EXISTS runcell_queue_for_reap;
+DROP INDEX IF EXISTS runcell_lease_for_counts;
+-- Earlier revisions decided allocation in the client with these: workers of those
+-- revisions must not run beside this one (they would not keep the counts), so they
+-- fail closed instead (README "Upgrading").
+DROP FUNCTION IF EXISTS runcell_lock_v1(text, uuid, text, text, integer);
+DROP FUNCTION IF EXISTS runcell_apply_v1(text, jsonb, jsonb, text, integer, integer);
+DROP FUNCTION IF EXISTS runcell_lock_v2(text, uuid, text, text, integer);
+DROP FUNCTION IF EXISTS runcell_apply_v2(text, jsonb, jsonb, text, integer, integer);
+DROP FUNCTION IF EXISTS runcell_poll_v1(text, text, integer);
+DROP FUNCTION IF EXISTS runcell_park_v1(text, text, jsonb);
 
--- Lock the limiter row, apply a release or a withdrawal, reap what expired, and
--- return what allocation needs. A PL/pgSQL function so that every statement after
--- the lock reads a fresh snapshot (under READ COMMITTED a single statement would
--- read rows as of before it waited for the lock) and all of it is one round trip.
---
--- Returns: {"config_hash", "active": {workload: n}, "queued": n,
---           "waiting": [[request_id, workload, position, in_progress], ...] oldest
---           first: the first max_per_workload of each workload in the order allocation
---           serves it (runs in progress first), as no more can be granted at once,
---           "mine": the lease or queue row p_request_id already has, or null:
---           {"lease": {...}} | {"parked_lease": id} | {"queued": ms left to wait or null}}.
--- "mine" makes a retried acquire idempotent: if the first attempt committed but its
--- answer was lost with the connection, the retry finds what it already got.
--- Returns NULL if the limiter row does not exist.
-CREATE OR REPLACE FUNCTION runcell_lock_v2(
-    p_limiter text,
-    p_release_lease uuid,
-    p_withdraw_request text,
-    p_request_id text,
-    p_max_per_workload integer
-) RETURNS jsonb
-LANGUAGE plpgsql AS $$
+DROP FUNCTION IF EXISTS runcell_lease_json(runcell_lease);
+
+-- has_room: the rule of runcell_celery.allocation.has_room over the kept counts. A
+-- workload may take one more slot if it stays under its ceiling and the slots other
+-- workloads reserved but do not use stay free.
+CREATE OR REPLACE FUNCTION runcell_has_room_v3(
+    p_active integer[], p_ceilings integer[], p_reserved integer[], p_max integer, p_i integer
+) RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS $$
 DECLARE
-    v_hash text;
-    v_active jsonb;
-    v_waiting jsonb;
-    v_queued integer;
-    v_mine jsonb;
+    v_total integer := 0;
+    v_kept integer := 0;
+    v_j integer;
 BEGIN
-    SELECT config_hash INTO v_hash FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN NULL;
+    IF p_active[p_i] >= p_ceilings[p_i] THEN
+        RETURN false;
     END IF;
-    IF p_release_lease IS NOT NULL THEN
-        DELETE FROM runcell_lease WHERE lease_id = p_release_lease AND limiter = p_limiter;
-    END IF;
-    IF p_withdraw_request IS NOT NULL THEN
-        DELETE FROM runcell_queue WHERE request_id = p_withdraw_request AND limiter = p_limiter;
-        -- A slot granted at the moment of the cancel is given back.
-        DELETE FROM runcell_lease WHERE request_id = p_withdraw_request AND limiter = p_limiter;
-    END IF;
-    WITH expired AS (
-        DELETE FROM runcell_lease WHERE limiter = p_limiter AND expires_at <= clock_timestamp()
-        RETURNING lease_id
-    )
-    -- A parked grant whose task never picked it up is back in line, in its place.
-    UPDATE runcell_queue q
-    SET granted_lease_id = NULL, granted_at = NULL, published_at = NULL, publication_id = NULL
-    FROM expired WHERE q.granted_lease_id = expired.lease_id;
-    -- Parked rows have no waiter to refresh them; the sweeper handles their deadline.
-    DELETE FROM runcell_queue
-    WHERE limiter = p_limiter AND expires_at <= clock_timestamp() AND NOT parked;
-
-    SELECT coalesce(jsonb_object_agg(workload, n), '{}'::jsonb) INTO v_active
-    FROM (SELECT workload, count(*) AS n FROM runcell_lease
-          WHERE limiter = p_limiter GROUP BY workload) AS held;
-
-    SELECT count(*) INTO v_queued FROM runcell_queue
-    WHERE limiter = p_limiter AND granted_lease_id IS NULL;
-
-    SELECT coalesce(jsonb_agg(jsonb_build_array(request_id, workload, position, in_progress)
-                              ORDER BY position),
-                    '[]'::jsonb)
-    INTO v_waiting
-    FROM (SELECT request_id, workload, position, in_progress,
-                 row_number() OVER (PARTITION BY workload
-                                    ORDER BY in_progress DESC, position) AS nth
-          FROM runcell_queue
-          -- Stale work is dropped before it takes a slot: a request past its
-          -- deadline is never granted (its waiter or the sweeper removes it).
-          WHERE limiter = p_limiter AND granted_lease_id IS NULL
-            AND (deadline IS NULL OR deadline > clock_timestamp())) AS ranked
-    WHERE nth <= p_max_per_workload;
-
-    IF p_request_id IS NOT NULL THEN
-        -- A lease granted to this request while it was parked belongs to the task's
-        -- re-published message, never to another delivery: report it as such.
-        SELECT CASE WHEN l.parked THEN jsonb_build_object('parked_lease', l.lease_id)
-                    ELSE jsonb_build_object('lease', runcell_lease_json(l)) END
-        INTO v_mine FROM runcell_lease AS l
-        WHERE l.request_id = p_request_id AND l.limiter = p_limiter;
-        IF NOT FOUND THEN
-            -- A duration, never an instant: the worker's clock may differ from ours.
-            SELECT jsonb_build_object('queued',
-                       extract(epoch FROM deadline - clock_timestamp()) * 1000)
-            INTO v_mine FROM runcell_queue
-            WHERE request_id = p_request_id AND limiter = p_limiter;
+    FOR v_j IN 1 .. coalesce(array_length(p_active, 1), 0) LOOP
+        v_total := v_total + p_active[v_j];
+        IF v_j <> p_i AND p_reserved[v_j] > p_active[v_j] THEN
+            v_kept := v_kept + p_reserved[v_j] - p_active[v_j];
         END IF;
-    END IF;
-
-    RETURN jsonb_build_object(
-        'config_hash', v_hash, 'active', v_active, 'queued', v_queued, 'waiting', v_waiting,
-        'mine', v_mine
-    );
+    END LOOP;
+    RETURN v_total + 1 + v_kept <= p_max;
 END;
 $$;
 
--- Apply an allocation decided by runcell_celery.allocation.allocate() while the
--- limiter row is still locked (same transaction as runcell_lock_v2):
---   p_grants:  [request_id, ...] waiting requests to grant, in grant order;
---   p_caller:  the calling request as {request_id, workload, run_id, ...} or NULL;
---   p_caller_action: 'grant' (a lease now), 'enqueue' (wait) or NULL.
--- Grants get fencing tokens in order, their queue rows go, and the processes that
--- wait for them are told on channel runcell_grant (only when someone was granted:
--- NOTIFY takes a cluster-wide lock at commit). Returns the new leases as
--- [{lease_id, request_id, workload, fencing_token, parked}] and how long the caller
--- may wait in the queue (wait_ms_left; a duration, so no host clock is involved).
-CREATE OR REPLACE FUNCTION runcell_apply_v2(
-    p_limiter text,
-    p_grants jsonb,
-    p_caller jsonb,
-    p_caller_action text,
-    p_ttl_ms integer,
-    p_queue_ttl_ms integer
-) RETURNS jsonb
-LANGUAGE plpgsql AS $$
+-- Grant waiters while any workload that has waiters has room: the loop of
+-- runcell_celery.allocation.allocate (priority among workloads with room, then the
+-- longest waiter; runs in progress first, then arrival order, within a workload),
+-- reading only the head of each workload through runcell_queue_for_heads. Runs
+-- under the limiter row's lock on the row's kept counts, passed in and out so the
+-- hot row is written once per transaction. Waiters whose process stopped renewing
+-- are dropped on the way (at most 100 per call).
+-- grants: [[request_id, lease_id, fencing_token, parked, channel], ...] in grant order.
+CREATE OR REPLACE FUNCTION runcell_allocate_v3(
+    INOUT p_row runcell_limiter,
+    p_now timestamptz,
+    OUT grants jsonb
+) LANGUAGE plpgsql AS $$
 DECLARE
-    v_now timestamptz := clock_timestamp();
-    v_count integer := jsonb_array_length(p_grants)
-                       + CASE WHEN p_caller_action = 'grant' THEN 1 ELSE 0 END;
-    v_first bigint;
-    v_leases jsonb := '[]'::jsonb;
-    v_deadline timestamptz;
-    v_notify text;
+    v_n integer := coalesce(array_length(p_row.workloads, 1), 0);
+    v_heads runcell_queue[];
+    v_loaded boolean[];
+    v_best integer;
+    v_best_position bigint;
+    v_i integer;
+    v_head runcell_queue;
+    v_channel text;
+    v_lease_id uuid;
+    v_dropped integer := 0;
 BEGIN
-    IF v_count > 0 THEN
-        UPDATE runcell_limiter SET last_fencing_token = last_fencing_token + v_count
-        WHERE name = p_limiter
-        RETURNING last_fencing_token - v_count + 1 INTO v_first;
-    END IF;
+    grants := '[]'::jsonb;
+    v_loaded := array_fill(false, ARRAY[greatest(v_n, 1)]);
+    v_heads := array_fill(NULL::runcell_queue, ARRAY[greatest(v_n, 1)]);
+    LOOP
+        v_best := NULL;
+        FOR v_i IN 1 .. v_n LOOP
+            CONTINUE WHEN p_row.waiting[v_i] <= 0;
+            CONTINUE WHEN NOT runcell_has_room_v3(p_row.active, p_row.ceilings, p_row.reserved,
+                                                  p_row.max_concurrent, v_i);
+            IF NOT v_loaded[v_i] THEN
+                SELECT * INTO v_head FROM runcell_queue q
+                WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
+                  AND q.granted_lease_id IS NULL
+                  AND (q.deadline IS NULL OR q.deadline > p_now)
+                ORDER BY q.in_progress DESC, q.position
+                LIMIT 1;
+                v_heads[v_i] := CASE WHEN FOUND THEN v_head END;
+                v_loaded[v_i] := true;
+            END IF;
+            CONTINUE WHEN v_heads[v_i] IS NULL;
+            IF v_best IS NULL OR p_row.priorities[v_i] > p_row.priorities[v_best]
+               OR (p_row.priorities[v_i] = p_row.priorities[v_best]
+                   AND (v_heads[v_i]).position < v_best_position) THEN
+                v_best := v_i;
+                v_best_position := (v_heads[v_i]).position;
+            END IF;
+        END LOOP;
+        EXIT WHEN v_best IS NULL;
 
-    IF jsonb_array_length(p_grants) > 0 THEN
-        WITH granted AS (
-            SELECT q.*, g.ord
-            FROM jsonb_array_elements_text(p_grants) WITH ORDINALITY AS g(request_id, ord)
-            JOIN runcell_queue q ON q.request_id = g.request_id AND q.limiter = p_limiter
-        ), inserted AS (
-            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
-                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
-                acquired_at, renewed_at, expires_at, parked)
-            SELECT p_limiter, granted.workload, granted.request_id, v_first + granted.ord - 1,
-                granted.run_id, granted.root_run_id, granted.parent_run_id, granted.holder_name,
-                granted.holder_host, granted.holder_pid, p_ttl_ms, v_now, v_now,
-                v_now + p_ttl_ms * interval '1 millisecond', granted.parked
-            FROM granted
-            RETURNING lease_id, request_id, workload, fencing_token, parked
-        ), waiting_gone AS (
-            DELETE FROM runcell_queue q USING inserted
-            WHERE q.request_id = inserted.request_id AND NOT inserted.parked
-        ), parked_granted AS (
-            UPDATE runcell_queue q SET granted_lease_id = inserted.lease_id, granted_at = v_now
-            FROM inserted WHERE q.request_id = inserted.request_id AND inserted.parked
-        )
-        -- A parked grant is announced as "!request_id": its task must be re-published.
-        SELECT coalesce(jsonb_agg(to_jsonb(inserted)), '[]'::jsonb),
-               string_agg(CASE WHEN inserted.parked THEN '!' ELSE '' END
-                          || inserted.request_id, E'\n')
-        INTO v_leases, v_notify FROM inserted;
-        IF v_notify IS NOT NULL THEN
-            PERFORM pg_notify('runcell_grant', p_limiter || E'\n' || v_notify);
+        v_head := v_heads[v_best];
+        v_loaded[v_best] := false;
+        v_channel := NULL;
+        IF NOT v_head.parked THEN
+            SELECT p.channel INTO v_channel FROM runcell_process p
+            WHERE p.process_id = v_head.process_id AND p.expires_at > p_now;
+            IF NOT FOUND AND NOT (v_head.process_id IS NULL AND v_head.expires_at > p_now) THEN
+                -- Its process stopped renewing: it will never take the slot.
+                DELETE FROM runcell_queue WHERE request_id = v_head.request_id;
+                p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
+                v_dropped := v_dropped + 1;
+                EXIT WHEN v_dropped >= 100;
+                CONTINUE;
+            END IF;
+        END IF;
+
+        p_row.last_fencing_token := p_row.last_fencing_token + 1;
+        INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+            root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+            acquired_at, renewed_at, expires_at, parked)
+        VALUES (p_row.name, v_head.workload, v_head.request_id, p_row.last_fencing_token,
+            v_head.run_id, v_head.root_run_id, v_head.parent_run_id, v_head.holder_name,
+            v_head.holder_host, v_head.holder_pid, p_row.lease_ttl_ms, p_now, p_now,
+            p_now + p_row.lease_ttl_ms * interval '1 millisecond', v_head.parked)
+        RETURNING lease_id INTO v_lease_id;
+        IF v_head.parked THEN
+            UPDATE runcell_queue SET granted_lease_id = v_lease_id, granted_at = p_now
+            WHERE request_id = v_head.request_id;
+        ELSE
+            DELETE FROM runcell_queue WHERE request_id = v_head.request_id;
+        END IF;
+        p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
+        p_row.active[v_best] := p_row.active[v_best] + 1;
+        grants := grants || jsonb_build_array(jsonb_build_array(
+            v_head.request_id, v_lease_id, p_row.last_fencing_token, v_head.parked, v_channel));
+    END LOOP;
+END;
+$$;
+
+-- Tell the processes whose waiters were granted, each on its own channel
+-- ({"l": limiter, "t": grant time, "g": [[request_id, lease_id, token], ...]}), and the
+-- publishers of parked tasks on runcell_parked ({"l": limiter, "p": [request_id, ...]}).
+-- Payloads stay far below PostgreSQL's 8,000-byte limit whatever the number of
+-- grants: at most 25 grants per notification (request ids are at most 200
+-- characters), as many notifications as needed.
+CREATE OR REPLACE FUNCTION runcell_notify_grants_v3(
+    p_limiter text, p_now timestamptz, p_grants jsonb, p_skip_request text
+) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel text;
+    v_batch jsonb;
+BEGIN
+    IF jsonb_array_length(p_grants) = 0 THEN
+        RETURN;
+    END IF;
+    FOR v_channel, v_batch IN
+        SELECT channel, jsonb_agg(jsonb_build_array(g->>0, g->>1, (g->>2)::bigint) ORDER BY ord)
+        FROM (SELECT g, ord, g->>4 AS channel,
+                     (row_number() OVER (PARTITION BY g->>4 ORDER BY ord) - 1) / 25 AS chunk
+              FROM jsonb_array_elements(p_grants) WITH ORDINALITY AS e(g, ord)
+              WHERE NOT (g->>3)::boolean AND g->>4 IS NOT NULL
+                AND g->>0 IS DISTINCT FROM p_skip_request) AS waiting
+        GROUP BY channel, chunk
+    LOOP
+        PERFORM pg_notify(v_channel, jsonb_build_object(
+            'l', p_limiter, 't', extract(epoch FROM p_now), 'g', v_batch)::text);
+    END LOOP;
+    FOR v_batch IN
+        SELECT jsonb_agg(g->>0 ORDER BY ord)
+        FROM (SELECT g, ord, (row_number() OVER (ORDER BY ord) - 1) / 25 AS chunk
+              FROM jsonb_array_elements(p_grants) WITH ORDINALITY AS e(g, ord)
+              WHERE (g->>3)::boolean) AS parked
+        GROUP BY chunk
+    LOOP
+        PERFORM pg_notify('runcell_parked', jsonb_build_object('l', p_limiter, 'p', v_batch)::text);
+    END LOOP;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION runcell_parked_grants_v3(p_grants jsonb) RETURNS jsonb
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT coalesce(jsonb_agg(g->1), '[]'::jsonb) FROM jsonb_array_elements(p_grants) g
+    WHERE (g->>3)::boolean
+$$;
+
+-- Delete up to p_limit leases of the limiter that expired (holders that crashed or
+-- stopped renewing), keeping the counts. A parked grant whose task never claimed it
+-- goes back in line, in its old place.
+CREATE OR REPLACE FUNCTION runcell_reap_expired_v3(
+    INOUT p_row runcell_limiter, p_now timestamptz, p_limit integer, OUT reaped integer
+) LANGUAGE plpgsql AS $$
+DECLARE
+    v_lease record;
+    v_i integer;
+BEGIN
+    reaped := 0;
+    FOR v_lease IN
+        DELETE FROM runcell_lease WHERE lease_id IN (
+            SELECT lease_id FROM runcell_lease
+            WHERE limiter = p_row.name AND expires_at <= p_now
+            ORDER BY expires_at LIMIT p_limit)
+        RETURNING lease_id, workload, parked
+    LOOP
+        reaped := reaped + 1;
+        v_i := array_position(p_row.workloads, v_lease.workload);
+        CONTINUE WHEN v_i IS NULL;
+        p_row.active[v_i] := greatest(0, p_row.active[v_i] - 1);
+        IF v_lease.parked THEN
+            UPDATE runcell_queue
+            SET granted_lease_id = NULL, granted_at = NULL, published_at = NULL,
+                publication_id = NULL
+            WHERE granted_lease_id = v_lease.lease_id;
+            IF FOUND THEN
+                p_row.waiting[v_i] := p_row.waiting[v_i] + 1;
+            END IF;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+-- Lock the limiter row, waiting at most p_lock_timeout_ms: a frozen or partitioned
+-- process that holds it delays others by at most the time they may wait anyway.
+CREATE OR REPLACE FUNCTION runcell_lock_v3(
+    p_limiter text, p_config_hash text, p_lock_timeout_ms integer
+) RETURNS runcell_limiter LANGUAGE plpgsql AS $$
+DECLARE
+    v_row runcell_limiter;
+BEGIN
+    PERFORM set_config('lock_timeout', greatest(1, p_lock_timeout_ms)::text || 'ms', true);
+    SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'runcell: limiter % is not registered', p_limiter
+            USING ERRCODE = 'RC001';
+    END IF;
+    IF p_config_hash IS NOT NULL AND v_row.config_hash <> p_config_hash THEN
+        RAISE EXCEPTION 'runcell: the limits of limiter % were replaced', p_limiter
+            USING ERRCODE = 'RC002';
+    END IF;
+    RETURN v_row;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION runcell_store_counts_v3(p_row runcell_limiter) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE runcell_limiter
+    SET active = p_row.active, waiting = p_row.waiting,
+        last_fencing_token = p_row.last_fencing_token
+    WHERE name = p_row.name
+$$;
+
+-- Acquire: one round trip, one synchronous commit. Grants the caller at once when
+-- nobody of its workload waits and the workload has room (allocation is settled
+-- after every transaction, so no other waiter could use that slot); otherwise
+-- queues it for its process to be told. p_retry: the request may exist already (a
+-- retry after a lost reply, a redelivered deferral): return what it has.
+-- Returns {"s": "granted", "lease": [lease_id, token]} | {"s": "queued", "left_ms"}
+-- | {"s": "no-wait"} | {"s": "queue-full"} | {"s": "duplicate"} | {"s": "unknown-workload"},
+-- each with "now", the database's clock (epoch seconds), and "parked": lease ids
+-- granted to parked requests by this call.
+CREATE OR REPLACE FUNCTION runcell_acquire_v3(
+    p_limiter text,
+    p_config_hash text,
+    p_request jsonb,
+    p_wait_ms double precision,
+    p_process jsonb,
+    p_lock_timeout_ms integer,
+    p_retry boolean
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz;
+    v_row runcell_limiter;
+    v_request_id text := p_request->>'request_id';
+    v_workload text := p_request->>'workload';
+    v_i integer;
+    v_found record;
+    v_lease_id uuid;
+    v_result record;
+    v_grants jsonb := '[]'::jsonb;
+    v_mine jsonb;
+    v_j integer;
+    v_queued integer := 0;
+BEGIN
+    v_row := runcell_lock_v3(p_limiter, p_config_hash, p_lock_timeout_ms);
+    v_now := clock_timestamp();
+    v_i := array_position(v_row.workloads, v_workload);
+    IF v_i IS NULL THEN
+        RETURN jsonb_build_object('s', 'unknown-workload', 'now', extract(epoch FROM v_now));
+    END IF;
+    IF p_retry THEN
+        SELECT lease_id, fencing_token, parked INTO v_found FROM runcell_lease
+        WHERE request_id = v_request_id AND limiter = p_limiter;
+        IF FOUND THEN
+            RETURN jsonb_build_object(
+                's', CASE WHEN v_found.parked THEN 'duplicate' ELSE 'granted' END,
+                'now', extract(epoch FROM v_now),
+                'lease', jsonb_build_array(v_found.lease_id, v_found.fencing_token));
+        END IF;
+        SELECT deadline INTO v_found FROM runcell_queue
+        WHERE request_id = v_request_id AND limiter = p_limiter;
+        IF FOUND THEN
+            RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+                'left_ms', extract(epoch FROM v_found.deadline - v_now) * 1000);
         END IF;
     END IF;
 
-    IF p_caller_action = 'grant' THEN
+    IF v_row.waiting[v_i] <= 0
+       AND runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
+                               v_row.max_concurrent, v_i) THEN
         INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
             root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
             acquired_at, renewed_at, expires_at)
-        VALUES (p_limiter, p_caller->>'workload', p_caller->>'request_id',
-            v_first + v_count - 1, p_caller->>'run_id', p_caller->>'root_run_id',
-            p_caller->>'parent_run_id', p_caller->>'holder_name', p_caller->>'holder_host',
-            (p_caller->>'holder_pid')::integer, p_ttl_ms, v_now, v_now,
-            v_now + p_ttl_ms * interval '1 millisecond')
-        RETURNING v_leases || jsonb_build_array(runcell_lease_json(runcell_lease))
-        INTO v_leases;
-    ELSIF p_caller_action = 'enqueue' THEN
-        v_deadline := v_now + (p_caller->>'wait_ms')::double precision * interval '1 millisecond';
-        INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
-            parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
-            expires_at, in_progress)
-        VALUES (p_caller->>'request_id', p_limiter, p_caller->>'workload',
-            p_caller->>'run_id', p_caller->>'root_run_id', p_caller->>'parent_run_id',
-            p_caller->>'holder_name', p_caller->>'holder_host',
-            (p_caller->>'holder_pid')::integer, v_now, v_deadline,
-            v_now + p_queue_ttl_ms * interval '1 millisecond',
-            coalesce((p_caller->>'in_progress')::boolean, false));
+        VALUES (p_limiter, v_workload, v_request_id, v_row.last_fencing_token + 1,
+            p_request->>'run_id', p_request->>'root_run_id', p_request->>'parent_run_id',
+            p_request->>'holder_name', p_process->>'host', (p_process->>'pid')::integer,
+            v_row.lease_ttl_ms, v_now, v_now, v_now + v_row.lease_ttl_ms * interval '1 millisecond')
+        RETURNING lease_id INTO v_lease_id;
+        UPDATE runcell_limiter
+        SET last_fencing_token = last_fencing_token + 1, active[v_i] = active[v_i] + 1
+        WHERE name = p_limiter;
+        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+            'lease', jsonb_build_array(v_lease_id, v_row.last_fencing_token + 1));
     END IF;
 
-    RETURN jsonb_build_object(
-        'leases', v_leases,
-        'wait_ms_left', extract(epoch FROM v_deadline - clock_timestamp()) * 1000
-    );
+    IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
+        RETURN jsonb_build_object('s', 'no-wait', 'now', extract(epoch FROM v_now));
+    END IF;
+    IF v_row.max_queued IS NOT NULL THEN
+        FOR v_j IN 1 .. array_length(v_row.waiting, 1) LOOP
+            v_queued := v_queued + v_row.waiting[v_j];
+        END LOOP;
+        IF v_queued >= v_row.max_queued THEN
+            RETURN jsonb_build_object('s', 'queue-full', 'now', extract(epoch FROM v_now));
+        END IF;
+    END IF;
+
+    -- The waiting process must be known alive for its row to be granted.
+    INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
+    VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
+            (p_process->>'pid')::integer,
+            v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
+    ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
+    WHERE p.expires_at < v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond' / 2;
+
+    INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
+        parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
+        expires_at, in_progress, process_id)
+    VALUES (v_request_id, p_limiter, v_workload, p_request->>'run_id',
+        p_request->>'root_run_id', p_request->>'parent_run_id', p_request->>'holder_name',
+        p_process->>'host', (p_process->>'pid')::integer, v_now,
+        v_now + p_wait_ms * interval '1 millisecond', 'infinity',
+        coalesce((p_request->>'in_progress')::boolean, false), p_process->>'process_id');
+    v_row.waiting[v_i] := v_row.waiting[v_i] + 1;
+
+    -- Slots of holders that died come back here (bounded), off the uncontended path.
+    v_result := runcell_reap_expired_v3(v_row, v_now, 100);
+    v_row := v_result.p_row;
+    IF v_result.reaped > 0 THEN
+        v_result := runcell_allocate_v3(v_row, v_now);
+        v_row := v_result.p_row;
+        v_grants := v_result.grants;
+        PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, v_request_id);
+        SELECT g INTO v_mine FROM jsonb_array_elements(v_grants) AS g
+        WHERE g->>0 = v_request_id;
+    END IF;
+    PERFORM runcell_store_counts_v3(v_row);
+    IF v_mine IS NOT NULL THEN
+        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+            'lease', jsonb_build_array(v_mine->1, v_mine->2),
+            'parked', runcell_parked_grants_v3(v_grants));
+    END IF;
+    -- When the first lease of this limiter would expire if not renewed: the waiting
+    -- process looks then (a holder that died gives its slot back at that moment).
+    RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+        'left_ms', p_wait_ms, 'parked', runcell_parked_grants_v3(v_grants),
+        'expiry_ms', (SELECT extract(epoch FROM l.expires_at - v_now) * 1000
+                      FROM runcell_lease l WHERE l.limiter = p_limiter
+                      ORDER BY l.expires_at LIMIT 1));
 END;
 $$;
 
--- A waiter's poll, without the limiter lock: was I granted? did my deadline pass?
--- It refreshes the queue row's expiry only when a third of the TTL is left (fewer
--- writes), and says whether anything expired that needs an allocation pass.
--- Returns {"status": "granted", "lease": {...}} | {"status": "waiting",
--- "needs_allocation": bool} | {"status": "timed-out"} | {"status": "missing"}.
-CREATE OR REPLACE FUNCTION runcell_poll_v1(
-    p_limiter text,
-    p_request_id text,
-    p_queue_ttl_ms integer
-) RETURNS jsonb
-LANGUAGE plpgsql AS $$
+-- Release: one round trip. Frees the slot and grants the next waiters in the same
+-- transaction, telling their processes directly. With nobody granted the commit is
+-- asynchronous (a release lost in a crash only keeps its slot until the lease
+-- expires: it fails closed); a commit that grants stays synchronous.
+-- Returns the lease ids granted to parked requests (their tasks to re-publish).
+CREATE OR REPLACE FUNCTION runcell_release_v3(
+    p_limiter text, p_lease_id uuid, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz;
+    v_row runcell_limiter;
+    v_workload text;
+    v_i integer;
+    v_result record;
+    v_grants jsonb := '[]'::jsonb;
+BEGIN
+    v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
+    DELETE FROM runcell_lease WHERE lease_id = p_lease_id AND limiter = p_limiter
+    RETURNING workload INTO v_workload;
+    v_i := array_position(v_row.workloads, v_workload);
+    IF v_i IS NULL THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+        RETURN '[]'::jsonb;
+    END IF;
+    v_row.active[v_i] := greatest(0, v_row.active[v_i] - 1);
+    IF 0 < ANY(v_row.waiting) THEN
+        v_now := clock_timestamp();
+        v_result := runcell_allocate_v3(v_row, v_now);
+        v_row := v_result.p_row;
+        v_grants := v_result.grants;
+        PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, NULL);
+    END IF;
+    PERFORM runcell_store_counts_v3(v_row);
+    IF jsonb_array_length(v_grants) = 0 THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+        RETURN '[]'::jsonb;
+    END IF;
+    RETURN runcell_parked_grants_v3(v_grants);
+END;
+$$;
+
+-- Withdraw a waiting request (its wait ended or it was cancelled). Under the lock, so
+-- an allocation that chose it has either committed or not started: when it was
+-- granted meanwhile, p_give_back decides whether the grant wins (a wait that timed
+-- out takes the slot after all) or goes back (a cancelled request never leaks a slot).
+-- Returns {"s": "granted", "lease": [...]} | {"s": "withdrawn"} | {"s": "missing"}.
+CREATE OR REPLACE FUNCTION runcell_withdraw_v3(
+    p_limiter text, p_request_id text, p_give_back boolean, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz;
+    v_row runcell_limiter;
+    v_lease record;
+    v_queued record;
+    v_result record;
+    v_i integer;
+    v_grants jsonb := '[]'::jsonb;
+    v_status text := 'missing';
+BEGIN
+    v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
+    v_now := clock_timestamp();
+    SELECT lease_id, workload, fencing_token, parked INTO v_lease FROM runcell_lease
+    WHERE request_id = p_request_id AND limiter = p_limiter;
+    IF FOUND AND NOT p_give_back AND NOT v_lease.parked THEN
+        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+            'lease', jsonb_build_array(v_lease.lease_id, v_lease.fencing_token));
+    END IF;
+    DELETE FROM runcell_queue WHERE request_id = p_request_id AND limiter = p_limiter
+    RETURNING workload, granted_lease_id INTO v_queued;
+    IF FOUND THEN
+        v_status := 'withdrawn';
+        v_i := array_position(v_row.workloads, v_queued.workload);
+        IF v_queued.granted_lease_id IS NULL AND v_i IS NOT NULL THEN
+            v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
+        END IF;
+    END IF;
+    IF v_lease.lease_id IS NOT NULL THEN
+        v_status := 'withdrawn';
+        DELETE FROM runcell_lease WHERE lease_id = v_lease.lease_id;
+        v_i := array_position(v_row.workloads, v_lease.workload);
+        IF v_i IS NOT NULL THEN
+            v_row.active[v_i] := greatest(0, v_row.active[v_i] - 1);
+        END IF;
+        v_result := runcell_allocate_v3(v_row, v_now);
+        v_row := v_result.p_row;
+        v_grants := v_result.grants;
+        PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, NULL);
+    END IF;
+    PERFORM runcell_store_counts_v3(v_row);
+    RETURN jsonb_build_object('s', v_status, 'now', extract(epoch FROM v_now),
+        'parked', runcell_parked_grants_v3(v_grants));
+END;
+$$;
+
+-- A process's safety poll for all its waiters at once (no lock): which were granted
+-- (a notification may have been lost), which are gone (their rows were reaped while
+-- the process stalled), and which of its limiters hold expired leases (it then runs
+-- runcell_reap_v3). With p_heartbeat it renews the process's liveness, which keeps
+-- all its queue rows: one row per process, not one per waiter.
+CREATE OR REPLACE FUNCTION runcell_poll_v3(
+    p_process jsonb, p_request_ids text[], p_limiters text[], p_heartbeat boolean
+) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
-    v_lease jsonb;
-    v_entry runcell_queue%ROWTYPE;
 BEGIN
-    SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
-    WHERE l.request_id = p_request_id AND l.limiter = p_limiter AND l.expires_at > v_now
-      AND NOT l.parked;
-    IF FOUND THEN
-        RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
-    END IF;
-
-    SELECT * INTO v_entry FROM runcell_queue
-    WHERE request_id = p_request_id AND limiter = p_limiter;
-    IF NOT FOUND THEN
-        -- Each statement reads a new snapshot: a grant that committed between the
-        -- two reads above deleted the queue row and created the lease. Look again.
-        SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
-        WHERE l.request_id = p_request_id AND l.limiter = p_limiter AND l.expires_at > v_now
-          AND NOT l.parked;
-        IF FOUND THEN
-            RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
-        END IF;
-        RETURN jsonb_build_object('status', 'missing');
-    END IF;
-    IF v_entry.deadline IS NOT NULL AND v_entry.deadline <= v_now THEN
-        -- Leave the queue under the limiter row's lock: an allocation that chose us
-        -- just before the deadline may be writing our lease right now. Once we hold
-        -- the lock it has committed; if it granted us, the grant wins.
-        PERFORM 1 FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
-        SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
-        WHERE l.request_id = p_request_id AND l.limiter = p_limiter AND NOT l.parked;
-        IF FOUND THEN
-            RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
-        END IF;
-        DELETE FROM runcell_queue WHERE request_id = p_request_id;
-        RETURN jsonb_build_object('status', 'timed-out');
-    END IF;
-    -- Parked rows expire at 'infinity' and have nobody polling them: leave them be.
-    IF NOT v_entry.parked
-       AND v_entry.expires_at - v_now < p_queue_ttl_ms * interval '1 millisecond' * 2 / 3 THEN
-        UPDATE runcell_queue SET expires_at = v_now + p_queue_ttl_ms * interval '1 millisecond'
-        WHERE request_id = p_request_id;
+    IF p_heartbeat THEN
+        INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
+        VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
+                (p_process->>'pid')::integer,
+                v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
+        ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+        PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
     RETURN jsonb_build_object(
-        'status', 'waiting',
-        'needs_allocation',
-        EXISTS (SELECT 1 FROM runcell_lease WHERE limiter = p_limiter AND expires_at <= v_now)
-        OR EXISTS (SELECT 1 FROM runcell_queue WHERE limiter = p_limiter AND expires_at <= v_now)
+        'now', extract(epoch FROM v_now),
+        'granted', (SELECT coalesce(jsonb_agg(jsonb_build_array(
+                        l.request_id, l.lease_id, l.fencing_token,
+                        extract(epoch FROM l.acquired_at))), '[]')
+                    FROM runcell_lease l
+                    WHERE l.request_id = ANY(p_request_ids) AND NOT l.parked),
+        'missing', (SELECT coalesce(jsonb_agg(r), '[]') FROM unnest(p_request_ids) AS r
+                    WHERE NOT EXISTS (SELECT 1 FROM runcell_queue q WHERE q.request_id = r)
+                      AND NOT EXISTS (SELECT 1 FROM runcell_lease l WHERE l.request_id = r)),
+        'reap', (SELECT coalesce(jsonb_agg(n), '[]') FROM unnest(p_limiters) AS n
+                 WHERE EXISTS (SELECT 1 FROM runcell_lease l
+                               WHERE l.limiter = n AND l.expires_at <= v_now)),
+        -- The next moment a lease of these limiters expires unless renewed: the
+        -- process polls again then, so a dead holder's slot is reaped on time.
+        'next_expiry_ms', (SELECT min(extract(epoch FROM
+                                   (SELECT l.expires_at FROM runcell_lease l
+                                    WHERE l.limiter = n AND l.expires_at > v_now
+                                    ORDER BY l.expires_at LIMIT 1) - v_now)) * 1000
+                           FROM unnest(p_limiters) AS n)
     );
 END;
 $$;
 
--- Park a waiting request (Celery admission deferral): it keeps its place in the
--- queue but nobody polls for it; its row carries the task message to re-publish.
--- If it was granted at this very moment, return that lease instead.
--- Returns {"status": "parked"} | {"status": "granted", "lease": {...}} | {"status": "missing"}.
-CREATE OR REPLACE FUNCTION runcell_park_v1(
-    p_limiter text,
-    p_request_id text,
-    p_payload jsonb
-) RETURNS jsonb
-LANGUAGE plpgsql AS $$
+-- An allocation pass on demand (safety poll, sweeper, force release): reap expired
+-- leases and the queue rows of processes that stopped renewing (bounded), then grant.
+CREATE OR REPLACE FUNCTION runcell_reap_v3(p_limiter text, p_lock_timeout_ms integer)
+RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
-    v_lease jsonb;
+    v_now timestamptz;
+    v_row runcell_limiter;
+    v_result record;
+    v_gone record;
+    v_i integer;
+    v_grants jsonb := '[]'::jsonb;
 BEGIN
-    -- Under the limiter row's lock, like every change to who waits: otherwise an
-    -- allocation that read this row as waiting could grant it a plain lease (and
-    -- drop the row) while we park it, and nobody would run the parked task.
-    PERFORM 1 FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
-    UPDATE runcell_queue SET parked = true, payload = p_payload, expires_at = 'infinity'
-    WHERE request_id = p_request_id AND limiter = p_limiter;
-    IF FOUND THEN
-        RETURN jsonb_build_object('status', 'parked');
-    END IF;
-    SELECT runcell_lease_json(l) INTO v_lease FROM runcell_lease AS l
-    WHERE l.request_id = p_request_id AND l.limiter = p_limiter
-      AND l.expires_at > clock_timestamp() AND NOT l.parked;
-    IF FOUND THEN
-        RETURN jsonb_build_object('status', 'granted', 'lease', v_lease);
-    END IF;
-    RETURN jsonb_build_object('status', 'missing');
+    v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
+    v_now := clock_timestamp();
+    v_result := runcell_reap_expired_v3(v_row, v_now, 1000);
+    v_row := v_result.p_row;
+    FOR v_gone IN
+        DELETE FROM runcell_queue WHERE request_id IN (
+            SELECT q.request_id FROM runcell_queue q
+            LEFT JOIN runcell_process p ON p.process_id = q.process_id
+            WHERE q.limiter = p_limiter AND NOT q.parked AND q.granted_lease_id IS NULL
+              AND coalesce(p.expires_at, q.expires_at) <= v_now
+            LIMIT 1000)
+        RETURNING workload
+    LOOP
+        v_i := array_position(v_row.workloads, v_gone.workload);
+        IF v_i IS NOT NULL THEN
+            v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
+        END IF;
+    END LOOP;
+    v_result := runcell_allocate_v3(v_row, v_now);
+    v_row := v_result.p_row;
+    v_grants := v_result.grants;
+    PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, NULL);
+    PERFORM runcell_store_counts_v3(v_row);
+    RETURN runcell_parked_grants_v3(v_grants);
 END;
 $$;
 
+-- Renew leases of one limiter held by one process, in one statement. Asynchronous
+-- commit: a renewal lost in a crash only makes the lease end sooner.
+CREATE OR REPLACE FUNCTION runcell_renew_v3(p_limiter text, p_lease_ids uuid[])
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    -- statement_timestamp(): every lease renewed by one call shares the instant.
+    RETURN QUERY
+        UPDATE runcell_lease
+        SET renewed_at = statement_timestamp(),
+            expires_at = statement_timestamp() + ttl_ms * interval '1 millisecond'
+        WHERE lease_id = ANY(p_lease_ids) AND limiter = p_limiter
+          AND expires_at > clock_timestamp()
+        RETURNING lease_id::text;
+END;
+$$;
+
+-- Store limits in array form from their JSON (what Python's LimiterConfig.to_dict()
+-- gives) and recount from the rows: used when a limiter is registered or replaced.
+CREATE OR REPLACE FUNCTION runcell_set_limits_v3(p_limiter text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_config jsonb;
+    v_names text[];
+BEGIN
+    SELECT config INTO v_config FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
+    SELECT array_agg(key ORDER BY key) INTO v_names FROM jsonb_object_keys(v_config->'workloads') AS key;
+    UPDATE runcell_limiter l SET
+        workloads = v_names,
+        max_concurrent = (v_config->>'max_concurrent')::integer,
+        max_queued = (v_config->>'max_queued')::integer,
+        lease_ttl_ms = coalesce((v_config->>'lease_ttl_ms')::integer, 30000),
+        ceilings = (SELECT array_agg(coalesce((v_config->'workloads'->n->>'max_concurrent')::integer,
+                                              (v_config->>'max_concurrent')::integer) ORDER BY o)
+                    FROM unnest(v_names) WITH ORDINALITY AS u(n, o)),
+        reserved = (SELECT array_agg(coalesce((v_config->'workloads'->n->>'reserved')::integer, 0) ORDER BY o)
+                    FROM unnest(v_names) WITH ORDINALITY AS u(n, o)),
+        priorities = (SELECT array_agg(coalesce((v_config->'workloads'->n->>'priority')::integer, 0) ORDER BY o)
+                      FROM unnest(v_names) WITH ORDINALITY AS u(n, o)),
+        active = (SELECT array_agg((SELECT count(*) FROM runcell_lease x
+                                    WHERE x.limiter = p_limiter AND x.workload = n)::integer ORDER BY o)
+                  FROM unnest(v_names) WITH ORDINALITY AS u(n, o)),
+        waiting = (SELECT array_agg((SELECT count(*) FROM runcell_queue x
+                                     WHERE x.limiter = p_limiter AND x.workload = n
+                                       AND x.granted_lease_id IS NULL)::integer ORDER BY o)
+                   FROM unnest(v_names) WITH ORDINALITY AS u(n, o))
+    WHERE l.name = p_limiter;
+END;
+$$;
+
+-- Park a waiting request (Celery admission deferral): it keeps its place in line, but
+-- no process waits for it any more; its row carries the task message to re-publish.
+-- Under the limiter row's lock, like every change to who waits: an allocation that
+-- read this row as waiting cannot grant it a plain lease while it is being parked.
+-- Returns {"s": "parked"} | {"s": "granted", "lease": [...]} | {"s": "missing"}.
+CREATE OR REPLACE FUNCTION runcell_park_v3(
+    p_limiter text, p_request_id text, p_payload jsonb, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz;
+    v_lease record;
+BEGIN
+    PERFORM runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
+    v_now := clock_timestamp();
+    UPDATE runcell_queue SET parked = true, payload = p_payload, process_id = NULL,
+        expires_at = 'infinity'
+    WHERE request_id = p_request_id AND limiter = p_limiter AND granted_lease_id IS NULL;
+    IF FOUND THEN
+        RETURN jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
+    END IF;
+    SELECT lease_id, fencing_token INTO v_lease FROM runcell_lease
+    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
+      AND NOT parked;
+    IF FOUND THEN
+        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+            'lease', jsonb_build_array(v_lease.lease_id, v_lease.fencing_token));
+    END IF;
+    RETURN jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+END;
+$$;
+
+-- Take out parked requests whose deadline passed before they were granted (their
+-- tasks are then failed without running), keeping each limiter's counts under its
+-- lock; limiters are locked one at a time, in name order.
+CREATE OR REPLACE FUNCTION runcell_take_expired_parked_v3(p_lock_timeout_ms integer)
+RETURNS SETOF runcell_queue LANGUAGE plpgsql AS $$
+DECLARE
+    v_limiter text;
+    v_row runcell_limiter;
+    v_gone runcell_queue;
+    v_i integer;
+BEGIN
+    FOR v_limiter IN
+        SELECT DISTINCT limiter FROM runcell_queue
+        WHERE parked AND granted_lease_id IS NULL AND deadline <= clock_timestamp()
+        ORDER BY limiter
+    LOOP
+        v_row := runcell_lock_v3(v_limiter, NULL, p_lock_timeout_ms);
+        FOR v_gone IN
+            DELETE FROM runcell_queue
+            WHERE limiter = v_limiter AND parked AND granted_lease_id IS NULL
+              AND deadline <= clock_timestamp()
+            RETURNING *
+        LOOP
+            v_i := array_position(v_row.workloads, v_gone.workload);
+            IF v_i IS NOT NULL THEN
+                v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
+            END IF;
+            RETURN NEXT v_gone;
+        END LOOP;
+        PERFORM runcell_store_counts_v3(v_row);
+    END LOOP;
+END;
+$$;
+
+-- A database created by an earlier revision has limiter rows without the array form
+-- of their limits and without kept counts: derive both once, from the rows.
+DO $$
+DECLARE
+    v_name text;
+BEGIN
+    FOR v_name IN SELECT name FROM runcell_limiter WHERE workloads = '{}' ORDER BY name LOOP
+        PERFORM runcell_set_limits_v3(v_name);
+    END LOOP;
+END;
+$$;

@@ -18,6 +18,13 @@ SCHEMA_IS_CURRENT: LiteralString = (
 #: Serialises schema creation between workers that start at the same moment.
 LOCK_SCHEMA: LiteralString = "SELECT pg_advisory_xact_lock(%(key)s)"
 
+#: Bounds for the few transactions of several round trips (registration): a worker
+#: frozen between them loses its transaction instead of holding rows.
+TRANSACTION_BOUNDS: LiteralString = (
+    "SET LOCAL idle_in_transaction_session_timeout = 5000; "
+    "SET LOCAL lock_timeout = 5000; SET LOCAL statement_timeout = 60000"
+)
+
 REGISTER_LIMITER: LiteralString = """
 INSERT INTO runcell_limiter (name, config, config_hash)
 VALUES (%(name)s, %(config)s, %(config_hash)s)
@@ -35,47 +42,43 @@ SET config = %(config)s, config_hash = %(config_hash)s, updated_at = clock_times
 WHERE name = %(name)s
 """
 
-# An allocation transaction is two round trips: these statements are sent together
-# as one simple-query message (client-side binding, see transaction.py).
+# Every operation on a limiter is one call of a function of ``schema.sql`` (one round
+# trip, one transaction), sent as one simple-query message behind ``SET LOCAL``
+# bounds on the statement and on the wait for the limiter row's lock (see
+# :func:`runcell_celery.postgres.calls.call`); parameters are bound client-side.
 
-#: Round trip 1: start the transaction and take the limiter row's lock.
-BEGIN_AND_LOCK: LiteralString = """
-BEGIN;
-SELECT runcell_lock_v2(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
-                       %(request_id)s, %(max_per_workload)s)
+ACQUIRE: LiteralString = """
+SELECT runcell_acquire_v3(%(limiter)s, %(config_hash)s, %(request)s::jsonb, %(wait_ms)s,
+                          %(process)s::jsonb, %(lock_timeout_ms)s, %(retry)s)
 """
 
-#: A release or withdrawal that finds nobody to grant is done in this one round trip.
-LOCK_AND_COMMIT: LiteralString = """
-BEGIN;
-SELECT runcell_lock_v2(%(limiter)s, %(release_lease)s::uuid, %(withdraw_request)s,
-                       %(request_id)s, %(max_per_workload)s);
-COMMIT
+RELEASE: LiteralString = """
+SELECT runcell_release_v3(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
 """
 
-#: Round trip 2: write the decision and commit.
-APPLY_AND_COMMIT: LiteralString = """
-SELECT runcell_apply_v2(%(limiter)s, %(grants)s, %(caller)s, %(caller_action)s,
-                        %(ttl_ms)s, %(queue_ttl_ms)s);
-COMMIT
+WITHDRAW: LiteralString = """
+SELECT runcell_withdraw_v3(%(limiter)s, %(request_id)s, %(give_back)s, %(lock_timeout_ms)s)
 """
 
-COMMIT: LiteralString = "COMMIT"
+PARK: LiteralString = """
+SELECT runcell_park_v3(%(limiter)s, %(request_id)s, %(payload)s::jsonb, %(lock_timeout_ms)s)
+"""
 
-POLL: LiteralString = "SELECT runcell_poll_v1(%(limiter)s, %(request_id)s, %(queue_ttl_ms)s)"
+REAP: LiteralString = "SELECT runcell_reap_v3(%(limiter)s, %(lock_timeout_ms)s)"
+
+#: One process's safety poll for all its waiters (see ``runcell_poll_v3``).
+POLL: LiteralString = """
+SELECT runcell_poll_v3(%(process)s::jsonb, %(request_ids)s::text[], %(limiters)s::text[],
+                       %(heartbeat)s)
+"""
 
 #: Renew every lease a process holds on one limiter in one statement.
 RENEW: LiteralString = """
-UPDATE runcell_lease
-SET renewed_at = clock_timestamp(),
-    expires_at = clock_timestamp() + ttl_ms * interval '1 millisecond'
-WHERE lease_id = ANY(%(lease_ids)s::uuid[])
-  AND limiter = %(limiter)s
-  AND expires_at > clock_timestamp()
-RETURNING lease_id::text
+SELECT runcell_renew_v3(%(limiter)s, %(lease_ids)s::uuid[])
 """
 
-PARK: LiteralString = "SELECT runcell_park_v1(%(limiter)s, %(request_id)s, %(payload)s::jsonb)"
+#: After storing or replacing limits: their array form and the counts, from the rows.
+SET_LIMITS: LiteralString = "SELECT runcell_set_limits_v3(%(name)s)"
 
 #: A re-published parked task takes the lease granted to it: its queue row goes and
 #: the lease is renewed. Only the publication it was sent as can claim it.
@@ -109,10 +112,9 @@ RETURNING limiter, request_id, publication_id::text, payload::text
 #: Parked requests whose deadline passed while they waited: drop them (their tasks
 #: are re-published once more to be failed with a timeout, never run).
 TAKE_EXPIRED_PARKED: LiteralString = """
-DELETE FROM runcell_queue
-WHERE parked AND granted_lease_id IS NULL AND deadline <= clock_timestamp()
-RETURNING limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
-          payload::text
+SELECT limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
+       payload::text
+FROM runcell_take_expired_parked_v3(%(lock_timeout_ms)s)
 """
 
 #: Record a run's first start (or read it back on redelivery) in database time, and
@@ -166,14 +168,10 @@ WHERE revoked_at < clock_timestamp() - %(keep_ms)s * interval '1 millisecond'
 RETURNING run_id
 """
 
+#: The kept counts: slots held and requests waiting (or parked, not granted) per
+#: workload, as allocation sees them (one row, no count(*)).
 STATS: LiteralString = """
-SELECT 'active' AS kind, workload, count(*) FROM runcell_lease
-WHERE limiter = %(limiter)s AND expires_at > clock_timestamp()
-GROUP BY workload
-UNION ALL
-SELECT 'queued', workload, count(*) FROM runcell_queue
-WHERE limiter = %(limiter)s AND expires_at > clock_timestamp() AND granted_lease_id IS NULL
-GROUP BY workload
+SELECT workloads, active, waiting FROM runcell_limiter WHERE name = %(limiter)s
 """
 
 #: Expire leases now (force release), so the next allocation pass reaps them like a
@@ -196,27 +194,17 @@ ORDER BY name
 #: parked, not granted) per workload, and how long the oldest of those has waited.
 #: The counts are those of ``STATS`` (the limiter's own view), for every limiter at once.
 LIMITER_STATES: LiteralString = """
-SELECT l.name,
-       (SELECT coalesce(jsonb_agg(w ORDER BY w), '[]'::jsonb)
-        FROM jsonb_object_keys(l.config -> 'workloads') AS w),
-       (SELECT coalesce(jsonb_object_agg(held.workload, held.n), '{}'::jsonb)
-        FROM (SELECT workload, count(*) AS n FROM runcell_lease AS a
-              WHERE a.limiter = l.name AND a.expires_at > clock_timestamp()
-              GROUP BY workload) AS held),
-       (SELECT coalesce(jsonb_object_agg(waiting.workload, waiting.n), '{}'::jsonb)
-        FROM (SELECT workload, count(*) AS n FROM runcell_queue AS q
-              WHERE q.limiter = l.name AND q.granted_lease_id IS NULL
-                AND q.expires_at > clock_timestamp()
-              GROUP BY workload) AS waiting),
+SELECT l.name, l.workloads, l.active, l.waiting,
        (SELECT extract(epoch FROM clock_timestamp() - min(q.enqueued_at)) * 1000
         FROM runcell_queue AS q
-        WHERE q.limiter = l.name AND q.granted_lease_id IS NULL
-          AND q.expires_at > clock_timestamp())::float8
+        WHERE q.limiter = l.name AND q.granted_lease_id IS NULL)::float8
 FROM runcell_limiter AS l
 WHERE %(names)s::text[] IS NULL OR l.name = ANY(%(names)s::text[])
 ORDER BY l.name
 """
 
-NOTIFY_SELF_CHECK: LiteralString = "SELECT pg_notify('runcell_grant', %(payload)s)"
+#: Grants to parked requests are announced on this channel to every re-publisher;
+#: waiting processes each listen on a channel of their own.
+PARKED_CHANNEL = "runcell_parked"
 
-LISTEN: LiteralString = "LISTEN runcell_grant"
+NOTIFY_SELF_CHECK: LiteralString = "SELECT pg_notify(%(channel)s, %(payload)s)"

@@ -1,0 +1,165 @@
+"""Sending one operation to the database: bounded, retried when safe, failing closed.
+
+Every limiter operation is one function call (one round trip, one transaction). It
+is sent as one simple-query message (parameters bound on the client) that first sets
+transaction-local bounds, so nothing stays behind on the server session and
+transaction poolers such as PgBouncer stay safe::
+
+    SET LOCAL statement_timeout = ...; SET LOCAL lock_timeout = ...; SELECT runcell_...(...)
+
+``lock_timeout`` is never longer than the caller may still wait: a process frozen or
+cut off while it holds the limiter row delays the others by at most that, and the
+server ends the frozen transaction on its own. A connection the database dropped
+(restart, ``pg_terminate_backend``) is found out when used; the call is then retried
+on another connection, which is safe because every operation is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from .connection import Connection, Database
+
+__all__ = [
+    "LOCK_WAIT_CAP_MS",
+    "STATEMENT_TIMEOUT_MS",
+    "CallFailedError",
+    "LimiterMissingError",
+    "LimitsReplacedError",
+    "RowBusyError",
+    "call",
+]
+
+logger = logging.getLogger("runcell_celery.postgres")
+
+#: The longest one statement waits for the limiter row's lock when its caller has no
+#: deadline of its own; the caller then simply tries again.
+LOCK_WAIT_CAP_MS = 5_000
+#: No statement runs longer than this (granting 10,000 waiters at once takes well
+#: under a second here).
+STATEMENT_TIMEOUT_MS = 60_000
+
+_BOUNDS: LiteralString = (
+    "SET LOCAL statement_timeout = %(statement_timeout_ms)s; "
+    "SET LOCAL lock_timeout = %(lock_timeout_ms)s; "
+)
+
+
+class CallFailedError(Exception):
+    """The database could not do the operation (it did nothing, or nothing lasting)."""
+
+
+class RowBusyError(CallFailedError):
+    """The limiter row stayed locked for the whole lock timeout (nothing was done)."""
+
+
+class LimiterMissingError(CallFailedError):
+    """The limiter's row does not exist (deleted, or the schema was reset)."""
+
+
+class LimitsReplacedError(CallFailedError):
+    """Another worker stored different limits for this limiter (``on_conflict="replace"``)."""
+
+
+def lock_timeout_ms(remaining_ms: float | None) -> int:
+    """How long a statement may wait for the row lock: the caller's remaining wait,
+    capped, and at least 1 ms (0 would mean no limit)."""
+    if remaining_ms is None:
+        return LOCK_WAIT_CAP_MS
+    return max(1, min(LOCK_WAIT_CAP_MS, int(remaining_ms)))
+
+
+def call(
+    database: Database,
+    query: LiteralString,
+    params: Mapping[str, Any],
+    *,
+    lock_timeout_ms: int = LOCK_WAIT_CAP_MS,
+    retry: bool = True,
+    rows: bool = False,
+) -> Any:
+    """Run one bounded function call; return its single value (or every row's first
+    column with ``rows=True``).
+
+    :raises RowBusyError: the limiter row stayed locked for ``lock_timeout_ms``.
+    :raises LimiterMissingError: the limiter row does not exist.
+    :raises LimitsReplacedError: the stored limits are not this worker's any more.
+    :raises CallFailedError: any other database failure; ``__cause__`` says which.
+    """
+    bound = {
+        **params,
+        "statement_timeout_ms": STATEMENT_TIMEOUT_MS,
+        "lock_timeout_ms": lock_timeout_ms,
+    }
+    attempts = database.pool_max_size + 1 if retry else 1
+    for attempt in range(attempts):
+        broken = False
+        try:
+            with database.connection() as conn:
+                try:
+                    return _send(conn, _BOUNDS + query, bound, rows=rows)
+                finally:
+                    broken = conn.broken
+        except psycopg.errors.LockNotAvailable as exc:
+            raise RowBusyError(str(exc)) from exc
+        except psycopg.errors.UniqueViolation as exc:
+            # The request is known already (another delivery, or our own first attempt
+            # whose answer was lost): ask again as a retry, which finds what it has.
+            if bound.get("retry") is False and attempt + 1 < attempts:
+                bound["retry"] = True
+                continue
+            raise CallFailedError(_describe(exc)) from exc
+        except psycopg.Error as exc:
+            if exc.sqlstate == "RC001":
+                raise LimiterMissingError(exc.diag.message_primary or str(exc)) from exc
+            if exc.sqlstate == "RC002":
+                raise LimitsReplacedError(exc.diag.message_primary or str(exc)) from exc
+            if broken and attempt + 1 < attempts:
+                logger.info("runcell: retrying on a fresh connection after: %s", exc)
+                if "retry" in bound:
+                    bound["retry"] = True  # the first attempt may have committed
+                continue
+            raise CallFailedError(_describe(exc)) from exc
+        except PoolTimeout as exc:
+            raise CallFailedError(_describe(exc)) from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _send(conn: Connection, query: LiteralString, params: Mapping[str, Any], *, rows: bool) -> Any:
+    cursor = psycopg.ClientCursor(conn)
+    if not conn.autocommit:
+        # A caller's pool may not be in autocommit mode: make the call its own
+        # transaction all the same (SET LOCAL needs one).
+        with conn.transaction():
+            return _read(cursor, query, params, rows=rows)
+    return _read(cursor, query, params, rows=rows)
+
+
+def _read(
+    cursor: psycopg.ClientCursor[Any],
+    query: LiteralString,
+    params: Mapping[str, Any],
+    *,
+    rows: bool,
+) -> Any:
+    cursor.execute(query, params)
+    cursor.nextset()  # past SET statement_timeout
+    cursor.nextset()  # past SET lock_timeout
+    if rows:
+        return [row[0] for row in cursor.fetchall()]
+    row = cursor.fetchone()
+    return row[0] if row is not None else None
+
+
+def _describe(exc: BaseException) -> str:
+    """The error and its cause (``couldn't get a connection`` says why it couldn't)."""
+    text = str(exc).strip() or type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({str(cause).strip()})"
+    return text

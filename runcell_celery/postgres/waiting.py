@@ -1,0 +1,329 @@
+"""Waiting for slots: one waiting room per process and database, never a poller per request.
+
+A request that finds no slot is queued in the database and then waits here, at no
+cost to the database: it holds no pooled connection and sends nothing. The room
+learns of grants in two ways:
+
+* **Told directly.** The transaction that grants a slot (a release, a reap) sends
+  ``NOTIFY`` on this process's own channel with the lease, so the waiter holds its
+  slot without another round trip. One listener connection per process serves every
+  waiter of every limiter on that database.
+* **A safety poll,** one statement for all of the process's waiters: while the
+  listener is connected it runs every ``queue_entry_ttl_ms / 2`` and mostly renews the
+  process's liveness (which keeps every queue row of the process alive, one row per
+  process instead of one per waiter); without a listener (a transaction pooler, or
+  ``listen=False``) it runs every ``poll_interval_ms`` and is how grants are found.
+
+The room also keeps the estimate of the database's clock that turns a grant's
+database time into a local deadline (:class:`DatabaseClock`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..background import BackgroundLoop, ProcessLocal
+from . import statements
+from .calls import call, lock_timeout_ms
+from .connection import Database
+from .listener import GrantListener
+from .options import PostgresOptions
+
+__all__ = ["DatabaseClock", "Grant", "WaitRoom", "Waiter", "get_room"]
+
+logger = logging.getLogger("runcell_celery.postgres.waiting")
+
+_HOST = socket.gethostname()
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A slot granted to a waiting request, as its process learned it.
+
+    :param granted_at: when the grant committed, in the database's clock (epoch s).
+    """
+
+    lease_id: str
+    fencing_token: int
+    granted_at: float
+
+
+class DatabaseClock:
+    """Turns database instants into local monotonic instants, erring early.
+
+    Every round trip that returns the database's ``clock_timestamp()`` is a sample:
+    the server read its clock at some moment between sending and receiving, so
+    ``local(t) >= t - db_now + sent`` for any database instant ``t``. A grant's local
+    start is taken at that lower bound, so the lease's local expiry is never later
+    than the database's.
+    """
+
+    def __init__(self) -> None:
+        self._offset: float | None = None  # local monotonic minus database epoch
+
+    def sample(self, sent_monotonic: float, db_epoch: float) -> None:
+        self._offset = sent_monotonic - db_epoch
+
+    def local(self, db_epoch: float) -> float | None:
+        """The earliest local monotonic instant ``db_epoch`` can be; ``None``: no sample yet."""
+        offset = self._offset
+        return None if offset is None else db_epoch + offset
+
+
+class Waiter:
+    """One waiting request: woken when granted, when gone, or to look again."""
+
+    __slots__ = (
+        "_event",
+        "_future",
+        "_loop",
+        "grant",
+        "limiter",
+        "missing",
+        "queued",
+        "request_id",
+    )
+
+    def __init__(
+        self, request_id: str, limiter: str, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        self.request_id = request_id
+        self.limiter = limiter
+        self.grant: Grant | None = None
+        #: Set once the database answered that the request waits: the safety poll
+        #: only asks about those (a request still being sent is not missing).
+        self.queued = False
+        self.missing = False
+        self._loop = loop
+        self._event = threading.Event() if loop is None else None
+        self._future: asyncio.Future[None] | None = loop.create_future() if loop else None
+
+    def wake(self) -> None:
+        """Wake the waiting thread or task (from any thread)."""
+        if self._event is not None:
+            self._event.set()
+        elif self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody waits
+                self._loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    def granted(self, grant: Grant) -> None:
+        if self.grant is None:
+            self.grant = grant
+        self.wake()
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until woken or ``timeout`` seconds pass (then clear the wake-up)."""
+        assert self._event is not None
+        self._event.wait(timeout)
+        self._event.clear()
+
+    async def wait_async(self, timeout: float | None) -> None:
+        assert self._future is not None
+        assert self._loop is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._future), timeout)
+        if self._future.done():
+            self._future = self._loop.create_future()
+
+
+class WaitRoom:
+    """Every waiting request of this process on one database, and its one listener.
+
+    Made by :func:`get_room` (one per process and database).
+    """
+
+    def __init__(self, database: Database, options: PostgresOptions) -> None:
+        self.process_id = uuid.uuid4().hex
+        self.channel = f"runcell_w_{self.process_id[:24]}"
+        self.clock = DatabaseClock()
+        self._database = database
+        self._queue_ttl_ms = options.queue_entry_ttl_ms
+        self._poll_s = options.poll_interval_ms / 1000
+        self.listener: GrantListener | None = (
+            GrantListener(database, self.channel, on_grants=self.dispatch, on_connect=self.wake_all)
+            if options.listen
+            else None
+        )
+        self._lock = threading.Lock()
+        self._waiters: dict[str, Waiter] = {}
+        self._limiters: Counter[str] = Counter()
+        self._heartbeat_due = 0.0
+        #: When to look for expired leases next (the earliest lease of a limiter we
+        #: wait on would expire then, unless renewed).
+        self._check_due = math.inf
+        self._wake_poll = threading.Event()
+        self._loop = BackgroundLoop("runcell-safety-poll", self, WaitRoom._poll_step)
+
+    def process(self) -> dict[str, Any]:
+        """Who waits, as the database records it (see ``runcell_process``)."""
+        return {
+            "process_id": self.process_id,
+            "channel": self.channel,
+            "host": _HOST,
+            "pid": os.getpid(),
+            "ttl_ms": self._queue_ttl_ms,
+        }
+
+    # -- waiters ------------------------------------------------------------------------
+
+    @property
+    def listening(self) -> bool:
+        """Whether grants reach this process by notification right now."""
+        listener = self.listener
+        return listener is not None and listener.connected.is_set()
+
+    def add(
+        self, request_id: str, limiter: str, loop: asyncio.AbstractEventLoop | None = None
+    ) -> Waiter:
+        """Register a waiter *before* its acquire is sent, so no grant finds nobody."""
+        waiter = Waiter(request_id, limiter, loop)
+        with self._lock:
+            self._waiters[request_id] = waiter
+            self._limiters[limiter] += 1
+        if self.listener is not None:
+            self.listener.start()
+        self._loop.start()
+        return waiter
+
+    def remove(self, waiter: Waiter) -> None:
+        with self._lock:
+            if self._waiters.get(waiter.request_id) is waiter:
+                del self._waiters[waiter.request_id]
+                self._limiters[waiter.limiter] -= 1
+                if self._limiters[waiter.limiter] <= 0:
+                    del self._limiters[waiter.limiter]
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiters)
+
+    # -- news from the database ---------------------------------------------------------
+
+    def dispatch(self, payload: str) -> None:
+        """Wake the waiters named in a grant notification (see runcell_notify_grants_v3)."""
+        try:
+            message = json.loads(payload)
+            granted_at = float(message["t"])
+            grants = [(str(r), str(lease), int(token)) for r, lease, token in message["g"]]
+        except (ValueError, KeyError, TypeError):
+            logger.warning("runcell: ignoring a malformed grant notification")
+            return
+        with self._lock:
+            found = [(self._waiters.get(r), lease, token) for r, lease, token in grants]
+        for waiter, lease_id, token in found:
+            if waiter is not None:
+                waiter.granted(Grant(lease_id, token, granted_at))
+
+    def expiry_in(self, ms: float | None) -> None:
+        """A lease of a limiter we wait on expires in ``ms`` unless renewed: look then."""
+        if ms is None:
+            return
+        due = time.monotonic() + max(0.0, ms) / 1000
+        if due < self._check_due:
+            self._check_due = due
+            self._wake_poll.set()
+
+    def wake_all(self) -> None:
+        """Let every waiter look again (the listener reconnected: grants may be missed)."""
+        self._heartbeat_due = 0.0
+        self._wake_poll.set()
+
+    def _poll_step(self) -> float:
+        listening = self.listening
+        with self._lock:
+            ids = [r for r, waiter in self._waiters.items() if waiter.queued]
+            limiters = list(self._limiters)
+        now = time.monotonic()
+        if ids:
+            heartbeat = now >= self._heartbeat_due
+            if not listening or heartbeat or now >= self._check_due:
+                self._poll_once(ids, limiters, heartbeat=heartbeat)
+                if heartbeat:
+                    self._heartbeat_due = now + self._queue_ttl_ms / 2000
+        else:
+            self._check_due = math.inf
+        # Listening, the poll only renews liveness and catches expired leases; without
+        # a listener it is how grants are found.
+        next_due = min(self._heartbeat_due, self._check_due)
+        pause = self._poll_s if not listening else self._queue_ttl_ms / 2000
+        self._wake_poll.wait(max(0.0, min(pause, next_due - time.monotonic())))
+        self._wake_poll.clear()
+        return 0.0
+
+    def _poll_once(self, ids: Sequence[str], limiters: Sequence[str], *, heartbeat: bool) -> None:
+        sent = time.monotonic()
+        params = {
+            "process": json.dumps(self.process()),
+            "request_ids": list(ids),
+            "limiters": list(limiters),
+            "heartbeat": heartbeat,
+        }
+        answer = call(self._database, statements.POLL, params)
+        self.clock.sample(sent, float(answer["now"]))
+        next_expiry = answer.get("next_expiry_ms")
+        self._check_due = (
+            math.inf if next_expiry is None else time.monotonic() + float(next_expiry) / 1000
+        )
+        with self._lock:
+            waiters = dict(self._waiters)
+        for request_id, lease_id, token, granted_at in answer["granted"]:
+            waiter = waiters.get(request_id)
+            if waiter is not None:
+                waiter.granted(Grant(str(lease_id), int(token), float(granted_at)))
+        for request_id in answer["missing"]:
+            waiter = waiters.get(request_id)
+            if waiter is not None and waiter.grant is None:
+                waiter.missing = True
+                waiter.wake()
+        for limiter in answer["reap"]:
+            try:
+                call(
+                    self._database,
+                    statements.REAP,
+                    {"limiter": limiter},
+                    lock_timeout_ms=lock_timeout_ms(None),
+                )
+            except Exception as exc:  # the next poll tries again
+                logger.info("runcell: reaping %r failed: %s", limiter, exc)
+
+
+class _Rooms:
+    """This process's rooms, one per database."""
+
+    def __init__(self) -> None:
+        self.by_conninfo: dict[str, WaitRoom] = {}
+        self.lock = threading.Lock()
+
+
+_rooms: ProcessLocal[_Rooms] = ProcessLocal(_Rooms)
+
+
+def get_room(database: Database, options: PostgresOptions) -> WaitRoom:
+    """This process's waiting room for ``database``, made on first use.
+
+    The first caller's options decide how it listens and polls: every limiter of one
+    backend shares the backend's options.
+    """
+    rooms = _rooms.get()
+    with rooms.lock:
+        room = rooms.by_conninfo.get(database.conninfo)
+        if room is None:
+            room = rooms.by_conninfo[database.conninfo] = WaitRoom(database, options)
+        return room
