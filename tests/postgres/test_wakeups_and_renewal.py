@@ -9,7 +9,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg_pool import ConnectionPool
 
 from runcell_celery import AcquireRequest, ConcurrencyError, Lease, RunLineage, slot
 from runcell_celery.postgres import create_postgres_concurrency_limiter
@@ -66,16 +65,21 @@ def test_renewing_every_lease_a_process_holds_is_one_statement(pg_dsn: str) -> N
         pg_dsn, name=unique_name("renew"), max_concurrent=4, lease_ttl_ms=1500
     )
     seen: list[set[object]] = []
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        with slot(limiter), slot(limiter), slot(limiter), slot(limiter):
-            stop = time.monotonic() + 3.0  # about six renewal periods (a third of the TTL)
-            while time.monotonic() < stop:
-                rows = conn.execute(
-                    "SELECT renewed_at FROM runcell_lease WHERE limiter = %s", [limiter.name]
-                ).fetchall()
-                assert len(rows) == 4, "a held lease expired"
-                seen.append({row[0] for row in rows})
-                time.sleep(0.05)
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as conn,
+        slot(limiter),
+        slot(limiter),
+        slot(limiter),
+        slot(limiter),
+    ):
+        stop = time.monotonic() + 3.0  # about six renewal periods (a third of the TTL)
+        while time.monotonic() < stop:
+            rows = conn.execute(
+                "SELECT renewed_at FROM runcell_lease WHERE limiter = %s", [limiter.name]
+            ).fetchall()
+            assert len(rows) == 4, "a held lease expired"
+            seen.append({row[0] for row in rows})
+            time.sleep(0.05)
     renewal_instants = set().union(*seen)
     assert len(renewal_instants) >= 4, "the keeper did not renew"
     # One statement renews all four each period: they always share one instant
