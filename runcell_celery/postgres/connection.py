@@ -34,6 +34,15 @@ logger = logging.getLogger("runcell_celery.postgres")
 
 Connection = psycopg.Connection[Any]
 
+#: TCP keepalives on every connection: a peer that vanished (a partition, a frozen
+#: host) is noticed within about 20 s without sending a statement.
+KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 3,
+    "keepalives_count": 3,
+}
+
 
 class _Pools:
     """This process's pools, one per (DSN, size, timeout): every limiter and store on
@@ -57,6 +66,7 @@ class _Pools:
                         "autocommit": True,
                         "prepare_threshold": None,
                         "connect_timeout": max(1, int(timeout)),
+                        **KEEPALIVES,
                     },
                     name=f"runcell-{os.getpid()}",
                     open=True,
@@ -135,7 +145,7 @@ class Database:
 
     def direct_connection(self, **kwargs: Any) -> Connection:
         """Open a connection outside the pool (the listener's), in autocommit mode."""
-        return psycopg.connect(self.conninfo, autocommit=True, **kwargs)
+        return psycopg.connect(self.conninfo, autocommit=True, **{**KEEPALIVES, **kwargs})
 
 
 def redacted(conninfo: str) -> str:

@@ -347,7 +347,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         if status == "granted":
             return self._lease(request.request_id, waiting.workload, answer["lease"], sent)
         if status == "queued":
-            waiting.waiter.queued = True
+            self.room.queued(waiting.waiter)
             self.room.expiry_in(answer.get("expiry_ms"))
             return None
         if status == "duplicate":

@@ -38,7 +38,6 @@ logger = logging.getLogger("runcell_celery.postgres.listener")
 SELF_CHECK_PREFIX = "?self-check "
 SELF_CHECK_TIMEOUT_S = 2.0
 RECONNECT_DELAY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
-HEALTH_CHECK_S = 5.0
 #: How long one step waits for notifications before checking whether to stop.
 NOTIFIES_TIMEOUT_S = 1.0
 
@@ -70,7 +69,6 @@ class GrantListener:
         self._parked_ready = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
         self._failures = 0
-        self._checked_at = 0.0
         #: ``True`` once notifications proved to arrive; ``False`` if they cannot.
         self.available: bool | None = None
         #: Set while the listening connection is up: no notification can be missed.
@@ -173,7 +171,6 @@ class GrantListener:
             return None
         self._conn = conn
         self._failures = 0
-        self._checked_at = time.monotonic()
         self.available = True
         self.connected.set()
         self._on_connect()
@@ -188,12 +185,10 @@ class GrantListener:
 
     def _listen_once(self, conn: psycopg.Connection[Any]) -> None:
         self._listen_parked(conn)
+        # A connection lost without a reset is found by TCP keepalives (see
+        # connection.KEEPALIVES), not by statements: a quiet listener costs nothing.
         for notify in conn.notifies(timeout=NOTIFIES_TIMEOUT_S):
             self.dispatch(notify.channel, notify.payload)
-        if time.monotonic() - self._checked_at > HEALTH_CHECK_S:
-            # A connection lost without a reset would otherwise look quiet.
-            conn.execute("SELECT 1")
-            self._checked_at = time.monotonic()
 
     def _disconnect(self) -> None:
         self.connected.clear()

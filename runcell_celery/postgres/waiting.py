@@ -202,6 +202,11 @@ class WaitRoom:
         self._loop.start()
         return waiter
 
+    def queued(self, waiter: Waiter) -> None:
+        """The database answered that ``waiter`` waits: the safety poll covers it now."""
+        waiter.queued = True
+        self._wake_poll.set()
+
     def remove(self, waiter: Waiter) -> None:
         with self._lock:
             if self._waiters.get(waiter.request_id) is waiter:
@@ -258,12 +263,17 @@ class WaitRoom:
                 if heartbeat:
                     self._heartbeat_due = now + self._queue_ttl_ms / 2000
         else:
+            # Nobody waits: nothing to poll until a waiter registers (add() wakes us).
             self._check_due = math.inf
+            self._heartbeat_due = 0.0
+            self._wake_poll.wait()
+            self._wake_poll.clear()
+            return 0.0
         # Listening, the poll only renews liveness and catches expired leases; without
         # a listener it is how grants are found.
-        next_due = min(self._heartbeat_due, self._check_due)
         pause = self._poll_s if not listening else self._queue_ttl_ms / 2000
-        self._wake_poll.wait(max(0.0, min(pause, next_due - time.monotonic())))
+        next_due = min(self._heartbeat_due, self._check_due, time.monotonic() + pause)
+        self._wake_poll.wait(max(0.0, next_due - time.monotonic()))
         self._wake_poll.clear()
         return 0.0
 
