@@ -25,12 +25,21 @@ from .hints import did_you_mean
 __all__ = [
     "DEFAULT_LEASE_TTL_MS",
     "DEFAULT_WORKLOAD",
+    "MAX_DURATION_MS",
+    "MAX_INT",
     "LimiterConfig",
     "WorkloadConfig",
+    "check_duration_ms",
     "limiter_config",
 ]
 
 DEFAULT_WORKLOAD = "default"
+#: The largest count a limit may hold: PostgreSQL's ``integer``, in which the
+#: PostgreSQL limiter stores limits (2**31 - 1).
+MAX_INT = 2**31 - 1
+#: The longest duration a setting may hold, in milliseconds (the same integer:
+#: about 24.8 days). Budgets and waits longer than that are "no limit": ``None``.
+MAX_DURATION_MS = MAX_INT
 DEFAULT_LEASE_TTL_MS = 30_000
 MAX_NAME_LENGTH = 200
 
@@ -74,13 +83,44 @@ def _render_path(prefix: str, path: FieldPath) -> str:
     return head + "".join(f'["{part}"]' for part in rest)
 
 
-def _check_int(path: FieldPath, value: object, *, minimum: int | None) -> int:
+def _check_int(
+    path: FieldPath, value: object, *, minimum: int | None, maximum: int = MAX_INT
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _InvalidSettingError(path, value, "must be an integer")
     if minimum is not None and value < minimum:
         rule = "must be a positive integer" if minimum == 1 else f"must be at least {minimum}"
         raise _InvalidSettingError(path, value, rule)
+    if minimum is None and value < -MAX_INT - 1:
+        raise _InvalidSettingError(path, value, f"must be at least {-MAX_INT - 1}")
+    if value > maximum:
+        raise _InvalidSettingError(path, value, f"must be at most {maximum}{_bound_note(maximum)}")
     return value
+
+
+def _bound_note(maximum: int) -> str:
+    return " (about 24.8 days)" if maximum == MAX_DURATION_MS else ""
+
+
+def check_duration_ms(
+    value: object, *, field: str, allow_zero: bool = False, maximum: int = MAX_DURATION_MS
+) -> float:
+    """Validate a duration in milliseconds given in code (a budget, a wait).
+
+    :raises ConcurrencyConfigError: not a finite number within ``0 < value <= maximum``
+        (``0`` allowed with ``allow_zero``), naming ``field`` and the bound.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ConcurrencyConfigError(f"{field} = {value!r} is invalid: must be a number")
+    if value < 0 or (value == 0 and not allow_zero):
+        rule = "must not be negative" if allow_zero else "must be positive"
+        raise ConcurrencyConfigError(f"{field} = {value!r} is invalid: {rule}")
+    if value > maximum:
+        raise ConcurrencyConfigError(
+            f"{field} = {value!r} is invalid: must be at most {maximum} ms"
+            f"{_bound_note(maximum)}; use None for no limit"
+        )
+    return float(value)
 
 
 def _check_optional_int(path: FieldPath, value: object, *, minimum: int) -> int | None:

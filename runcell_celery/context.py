@@ -18,13 +18,13 @@ A run started inside another is a child (README, "Celery": child tasks). It inhe
 
 from __future__ import annotations
 
-import math
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
 
 from .admission import Admission
 from .cancellation import CancellationToken
+from .config import check_duration_ms
 from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
@@ -151,8 +151,8 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
     ) -> None:
         if deadline_at is not None:
             deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
-        if timeout_ms is not None and math.isinf(timeout_ms) and timeout_ms > 0:
-            timeout_ms = None
+        if timeout_ms is not None:
+            timeout_ms = check_duration_ms(timeout_ms, field="run(timeout_ms)", allow_zero=True)
         self.options = RunOptions(
             limiter=limiter,
             workload=workload,

@@ -78,7 +78,8 @@ class ConcurrencyEvent:
     :param outcome: how the hold ended (``released``): success, error, cancelled,
         timed-out, max-hold.
     :param reason: why a lease was lost: ``renewal`` (the limiter no longer held it or
-        renewals failed past expiry) or ``max-hold``.
+        renewals failed past expiry), ``max-hold``, or ``expired-before-start`` (the
+        process stood still between the grant and the body longer than the lease lives).
     :param error: the error's class and message (``limiter-error``, ``config-error``,
         ``renewal-failed``, ``release-failed``).
     """

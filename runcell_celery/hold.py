@@ -114,7 +114,7 @@ class Hold:
         """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""
         due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
         self._keeper = get_keeper()
-        self._keeper_key = self._keeper.keep(self, self.lease.ttl_ms, due)
+        self._keeper_key = self._keeper.keep(self, self.lease.ttl_ms, due, self.lease.valid_until)
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)

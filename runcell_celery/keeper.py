@@ -66,13 +66,20 @@ class _Entry:
     __slots__ = ("deadline", "expires_at", "holder", "renew_at", "ttl")
 
     def __init__(
-        self, holder: LeaseHolder, ttl: float, now: float, deadline: Deadline | None
+        self,
+        holder: LeaseHolder,
+        ttl: float,
+        now: float,
+        deadline: Deadline | None,
+        valid_until: Deadline | None,
     ) -> None:
         self.holder = weakref.ref(holder)
         self.ttl = ttl
         self.renew_at = now + ttl * RENEW_FRACTION
-        # Where the keeper must assume the lease is gone if no renewal succeeded.
-        self.expires_at = now + ttl
+        # Where the keeper must assume the lease is gone if no renewal succeeded: the
+        # limiter's own bound when it gives one (counted from when the request was
+        # sent), else a TTL from now.
+        self.expires_at = now + ttl if valid_until is None else valid_until.at
         self.deadline = math.inf if deadline is None else deadline.at
 
     def next_due(self) -> float:
@@ -94,12 +101,20 @@ class LeaseKeeper:
         self._loop = BackgroundLoop("runcell-lease-keeper", self, LeaseKeeper._step)
         self._started = False
 
-    def keep(self, holder: LeaseHolder, ttl_ms: int, deadline: Deadline | None) -> int:
+    def keep(
+        self,
+        holder: LeaseHolder,
+        ttl_ms: int,
+        deadline: Deadline | None,
+        valid_until: Deadline | None = None,
+    ) -> int:
         """Start renewing ``holder``'s lease; fire its deadline if given.
 
+        :param valid_until: the lease's own local bound (:attr:`Lease.valid_until`):
+            past it without a successful renewal, the lease is lost.
         :returns: a key for :meth:`forget`.
         """
-        entry = _Entry(holder, ttl_ms / 1000, time.monotonic(), deadline)
+        entry = _Entry(holder, ttl_ms / 1000, time.monotonic(), deadline, valid_until)
         with self._cond:
             key = self._next_key
             self._next_key += 1
@@ -205,7 +220,8 @@ class LeaseKeeper:
                 _safely(holder.lease_lost, None)
             else:
                 entry.renew_at = sent_at + entry.ttl * RENEW_FRACTION
-                entry.expires_at = sent_at + entry.ttl
+                bound = renewed.valid_until
+                entry.expires_at = sent_at + entry.ttl if bound is None else bound.at
                 _safely(holder.lease_renewed, renewed)
 
 

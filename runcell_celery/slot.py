@@ -41,6 +41,7 @@ from .errors import (
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
     ConcurrencyError,
+    ConcurrencyLeaseLostError,
     ConcurrencyLimiterError,
     ConcurrencyQueueFullError,
     ConcurrencyTimeoutError,
@@ -198,6 +199,11 @@ class Slot:
         cleanups: list[Callable[[], object]],
         task: asyncio.Task[Any] | None,
     ) -> Slot:
+        if lease.valid_until is not None and lease.valid_until.passed():
+            # The process stood still between the grant and here (a pause, a swapped
+            # out host) for longer than the lease lives: another holder may have the
+            # slot by now. The body must not start on it.
+            _lease_expired_before_start(asked, lease, started, cleanups)
         max_hold_ms = self._max_hold_ms
         if max_hold_ms is None and supports(asked.limiter, SupportsConfig):
             max_hold_ms = cast(SupportsConfig, asked.limiter).config.max_hold_ms
@@ -253,6 +259,31 @@ class Slot:
         self._hold.settle_task()
         if error is not None:
             raise error from exc
+
+
+def _lease_expired_before_start(
+    asked: SlotRequest, lease: Lease, started: float, cleanups: list[Callable[[], object]]
+) -> NoReturn:
+    for cleanup in cleanups:
+        cleanup()
+    name = asked.limiter.name
+    asked.event(
+        "lease-lost",
+        lease_id=lease.lease_id,
+        hold_ms=0.0,
+        reason="expired-before-start",
+        error=None,
+    )
+    with contextlib.suppress(Exception):  # expired already: the limiter may know it
+        asked.limiter.release(lease, "lease-lost")
+    waited_ms = (time.monotonic() - started) * 1000
+    raise asked.request.error(
+        ConcurrencyLeaseLostError,
+        f"slot {lease.lease_id} of limiter {name!r} expired before its body could start "
+        f"({waited_ms:.0f} ms after asking; the process was paused longer than the lease "
+        "lives), so the body did not run",
+        limiter=name,
+    )
 
 
 def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> BaseException:

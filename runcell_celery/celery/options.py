@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..config import check_duration_ms
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
 
@@ -39,12 +40,7 @@ def _unknown(where: str, key: object, allowed: tuple[str, ...]) -> ConcurrencyCo
 
 
 def _positive_number(where: str, key: str, value: object, *, allow_zero: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise ConcurrencyConfigError(f"{where}[{key!r}] = {value!r} is invalid: must be a number")
-    if value < 0 or (value == 0 and not allow_zero):
-        rule = "must not be negative" if allow_zero else "must be positive"
-        raise ConcurrencyConfigError(f"{where}[{key!r}] = {value!r} is invalid: {rule}")
-    return float(value)
+    return check_duration_ms(value, field=f"{where}[{key!r}]", allow_zero=allow_zero)
 
 
 def _choice(where: str, key: str, value: object, choices: tuple[str, ...]) -> Any:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from ..config import MAX_DURATION_MS
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
 
@@ -33,6 +34,8 @@ DEFAULT_POOL_MAX_SIZE = 8
 #: How long to wait for a pooled connection before failing closed.
 DEFAULT_CONNECT_TIMEOUT_MS = 5_000
 
+#: More connections than PostgreSQL's own max_connections could ever give.
+MAX_POOL_SIZE = 10_000
 _POSITIVE_INTS = ("poll_interval_ms", "queue_entry_ttl_ms", "pool_max_size", "connect_timeout_ms")
 _BOOLS = ("ensure_schema", "listen")
 
@@ -85,9 +88,14 @@ class PostgresOptions:
                 )
         for key in _POSITIVE_INTS:
             value = options.get(key, 1)
+            maximum = MAX_POOL_SIZE if key == "pool_max_size" else MAX_DURATION_MS
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConcurrencyConfigError(
                     f"{_name(path, key)} = {value!r} is invalid: must be a positive integer"
+                )
+            if value > maximum:
+                raise ConcurrencyConfigError(
+                    f"{_name(path, key)} = {value!r} is invalid: must be at most {maximum}"
                 )
         for key in _BOOLS:
             value = options.get(key, True)

@@ -58,6 +58,14 @@ def test_an_unknown_workload_fails_when_the_task_is_defined(pg_dsn: str) -> None
             r"\['timeout_ms'\] = 0 is invalid: must be positive",
         ),
         ({"limiter": "claude", "timeout_ms": "5s"}, r"\['timeout_ms'\] = '5s'.*must be a number"),
+        (
+            {"limiter": "claude", "timeout_ms": float("inf")},
+            r"\['timeout_ms'\] = inf is invalid: must be at most 2147483647 ms",
+        ),
+        (
+            {"limiter": "claude", "admission": "defer", "admission_wait_ms": 1e300},
+            r"\['admission_wait_ms'\] = 1e\+300 is invalid: must be at most 2147483647 ms",
+        ),
         ({"workload": "interactive"}, r"a workload needs a 'limiter'"),
     ],
 )

@@ -19,7 +19,7 @@ from runcell_celery import (
     run,
     slot,
 )
-from runcell_celery.config import DEFAULT_LEASE_TTL_MS
+from runcell_celery.config import DEFAULT_LEASE_TTL_MS, check_duration_ms
 
 if TYPE_CHECKING:
     from tests.conftest import EventRecorder
@@ -500,3 +500,45 @@ def test_a_run_that_selects_an_unknown_workload_fails_with_a_hint() -> None:
         run(limiter=limiter, workload="backgound"),
     ):
         pytest.fail("the run started with an unknown workload")
+
+
+@pytest.mark.parametrize(
+    ("options", "path"),
+    [
+        ({"max_concurrent": 2**31}, "max_concurrent"),
+        ({"max_concurrent": 2, "max_queued": 2**31}, "max_queued"),
+        ({"max_concurrent": 2, "lease_ttl_ms": 2**31}, "lease_ttl_ms"),
+        ({"max_concurrent": 2, "max_hold_ms": 10**20}, "max_hold_ms"),
+        (
+            {"max_concurrent": 2, "workloads": {"a": {"max_wait_ms": 2**31}}},
+            'workloads"]["a"]["max_wait_ms',
+        ),
+        (
+            {"max_concurrent": 2, "workloads": {"a": {"priority": 2**31}}},
+            'workloads"]["a"]["priority',
+        ),
+        (
+            {"max_concurrent": 2, "workloads": {"a": {"priority": -(2**31) - 1}}},
+            'workloads"]["a"]["priority',
+        ),
+    ],
+)
+def test_numbers_past_what_the_database_stores_are_rejected_naming_field_and_bound(
+    options: dict[str, Any], path: str
+) -> None:
+    with pytest.raises(ConcurrencyConfigError) as caught:
+        LimiterConfig.from_mapping(options, path='RUNCELL["LIMITERS"]["x"]')
+    message = str(caught.value)
+    assert path in message
+    assert "must be at most 2147483647" in message or "must be at least -2147483648" in message
+
+
+def test_a_duration_at_the_bound_is_accepted() -> None:
+    config = LimiterConfig.from_mapping({"max_concurrent": 2**31 - 1, "lease_ttl_ms": 2**31 - 1})
+    assert config.lease_ttl_ms == 2**31 - 1
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e300, float("nan"), -1, 0, 2**31])
+def test_a_duration_in_code_names_the_field_and_the_longest_allowed(value: float) -> None:
+    with pytest.raises(ConcurrencyConfigError, match=r"^timeout_ms = .* is invalid: must be"):
+        check_duration_ms(value, field="timeout_ms")

@@ -451,8 +451,16 @@ def test_a_runs_deadline_is_a_deadline_value_and_the_earliest_given_wins() -> No
         assert 0 < carried.deadline.remaining_ms() <= 1_000
 
 
-def test_an_infinite_timeout_is_no_budget() -> None:
-    with run(timeout_ms=float("inf")) as context:
+@pytest.mark.parametrize("timeout_ms", [float("inf"), 1e300, float("nan"), 2**31])
+def test_a_budget_past_the_longest_duration_is_rejected_naming_the_bound(
+    timeout_ms: float,
+) -> None:
+    with pytest.raises(ConcurrencyConfigError, match=r"run\(timeout_ms\) = .* is invalid"):
+        run(timeout_ms=timeout_ms)
+
+
+def test_no_budget_is_none() -> None:
+    with run(timeout_ms=None) as context:
         assert context.deadline is None
         assert context.remaining_ms() is None
 

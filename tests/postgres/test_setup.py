@@ -13,6 +13,7 @@ import pytest
 
 from runcell_celery import ConcurrencyConfigError, slot
 from runcell_celery.postgres import (
+    PostgresOptions,
     create_postgres_concurrency_limiter,
     postgres_concurrency_schema_sql,
     schema_checksum,
@@ -160,3 +161,21 @@ def test_a_database_from_an_earlier_revision_is_upgraded_in_place(fresh_dsn: str
         checksums = conn.execute("SELECT checksum FROM runcell_schema").fetchall()
     assert {"in_progress", "publication_id", "picked_up_at"} <= columns
     assert checksums == [(schema_checksum(),)]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "bound"),
+    [
+        ("queue_entry_ttl_ms", 2**31, "2147483647"),
+        ("poll_interval_ms", 10**12, "2147483647"),
+        ("connect_timeout_ms", 2**40, "2147483647"),
+        ("pool_max_size", 10**6, "10000"),
+    ],
+)
+def test_backend_options_past_their_bound_are_rejected_naming_option_and_bound(
+    option: str, value: int, bound: str
+) -> None:
+    with pytest.raises(ConcurrencyConfigError) as caught:
+        PostgresOptions.from_mapping({option: value}, path='RUNCELL["POSTGRES"]')
+    assert f'RUNCELL["POSTGRES"]["{option}"] = {value}' in str(caught.value)
+    assert f"must be at most {bound}" in str(caught.value)
