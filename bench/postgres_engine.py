@@ -201,9 +201,8 @@ def bench_cycles(size: str) -> dict[str, Any]:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_hot (id int PRIMARY KEY, n bigint)")
             conn.execute("INSERT INTO bench_hot VALUES (1, 0)")
-        script = tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False)
-        script.write(HOT_ROW)
-        script.close()
+        with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as script:
+            script.write(HOT_ROW)
         redis.Redis.from_url(REDIS_URL).flushdb()
         for processes, threads in shapes:
             for limit in limits:
@@ -216,12 +215,8 @@ def bench_cycles(size: str) -> dict[str, Any]:
                         run_clients(project_client, (dsn, name, limit), processes, threads, seconds)
                     )
                     hot.append(pgbench(dsn, processes * threads, seconds, script.name))
-                    lua.append(
-                        run_clients(
-                            redis_client, (REDIS_URL, f"sem:{label}", limit), processes, threads,
-                            seconds,
-                        )  # fmt: skip
-                    )
+                    redis_args = (REDIS_URL, f"sem:{label}", limit)
+                    lua.append(run_clients(redis_client, redis_args, processes, threads, seconds))
                 row = {
                     "project_cycles_per_s": round(statistics.median(ours), 1),
                     "pgbench_hot_row_tps": round(statistics.median(hot), 1),
@@ -298,7 +293,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
-def commits_while_waiting(dsn: str, name: str, listen: bool, per_process: int, window: float) -> float:
+def commits_while_waiting(
+    dsn: str, name: str, listen: bool, per_process: int, window: float
+) -> float:
     """Commits/s while 4 x ``per_process`` requests wait behind held slots."""
     holder = create_postgres_concurrency_limiter(dsn, name=name, max_concurrent=2, listen=listen)
     held = [slot(holder), slot(holder)]
