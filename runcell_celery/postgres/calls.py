@@ -17,6 +17,7 @@ on another connection, which is safe because every operation is idempotent.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, LiteralString
 
@@ -40,6 +41,8 @@ logger = logging.getLogger("runcell_celery.postgres")
 #: The longest one statement waits for the limiter row's lock when its caller has no
 #: deadline of its own; the caller then simply tries again.
 LOCK_WAIT_CAP_MS = 5_000
+#: A bounded caller's statement may run this much past its lock wait (the work itself).
+STATEMENT_GRACE_MS = 200
 #: No statement runs longer than this (granting 10,000 waiters at once takes well
 #: under a second here).
 STATEMENT_TIMEOUT_MS = 60_000
@@ -55,7 +58,8 @@ class CallFailedError(Exception):
 
 
 class RowBusyError(CallFailedError):
-    """The limiter row stayed locked for the whole lock timeout (nothing was done)."""
+    """Nothing was done within the caller's wait: the limiter row stayed locked, or
+    every pooled connection stayed in use, for the whole of it."""
 
 
 class LimiterMissingError(CallFailedError):
@@ -100,13 +104,28 @@ def call(
     for attempt in range(attempts):
         broken = False
         try:
-            with database.connection() as conn:
+            # A bounded caller waits for a pooled connection and then the lock no longer
+            # than its wait, both together.
+            asked = time.monotonic()
+            pool_wait = lock_timeout_ms / 1000 if lock_timeout_ms < LOCK_WAIT_CAP_MS else None
+            with database.connection(timeout=pool_wait) as conn:
+                waited_ms = (time.monotonic() - asked) * 1000
+                left_ms = max(1, int(lock_timeout_ms - waited_ms))
+                bound["lock_timeout_ms"] = left_ms
+                if lock_timeout_ms < LOCK_WAIT_CAP_MS:
+                    # lock_timeout bounds each lock wait, and a row lock queued behind
+                    # other waiters is two waits: the statement as a whole is bounded too.
+                    bound["statement_timeout_ms"] = left_ms + STATEMENT_GRACE_MS
                 try:
                     return _send(conn, _BOUNDS + query, bound, rows=rows)
                 finally:
                     broken = conn.broken
         except psycopg.errors.LockNotAvailable as exc:
             raise RowBusyError(str(exc)) from exc
+        except psycopg.errors.QueryCanceled as exc:
+            if lock_timeout_ms < LOCK_WAIT_CAP_MS:
+                raise RowBusyError(str(exc)) from exc  # our bound: nothing was done
+            raise CallFailedError(_describe(exc)) from exc
         except psycopg.errors.UniqueViolation as exc:
             # The request is known already (another delivery, or our own first attempt
             # whose answer was lost): ask again as a retry, which finds what it has.
@@ -126,6 +145,8 @@ def call(
                 continue
             raise CallFailedError(_describe(exc)) from exc
         except PoolTimeout as exc:
+            if lock_timeout_ms < LOCK_WAIT_CAP_MS:
+                raise RowBusyError(_describe(exc)) from exc
             raise CallFailedError(_describe(exc)) from exc
     raise AssertionError("unreachable")  # pragma: no cover
 

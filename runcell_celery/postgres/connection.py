@@ -138,9 +138,13 @@ class Database:
         return _pools.get().get(self._dsn, self.pool_max_size, self._timeout)
 
     @contextmanager
-    def connection(self) -> Iterator[Connection]:
-        """Lend a connection for one operation; broken ones are discarded by the pool."""
-        with self.pool.connection() as conn:
+    def connection(self, timeout: float | None = None) -> Iterator[Connection]:
+        """Lend a connection for one operation; broken ones are discarded by the pool.
+
+        :param timeout: wait at most this long for one (default: the pool's timeout,
+            ``connect_timeout_ms``).
+        """
+        with self.pool.connection(timeout=timeout) as conn:
             yield conn
 
     def direct_connection(self, **kwargs: Any) -> Connection:

@@ -304,10 +304,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def _send_acquire(self, waiting: _Waiting, *, retry: bool) -> Lease | AdmissionResult | None:
         request = waiting.request
         lineage = request.lineage
-        remaining = waiting.deadline.remaining_ms() if waiting.deadline is not None else None
-        if waiting.wait_ms is not None and remaining is not None and remaining <= 0:
-            remaining = 0.0
-        params = {
+        params: dict[str, Any] = {
             "limiter": self.name,
             "config_hash": self._hash,
             "request": json.dumps(
@@ -321,12 +318,16 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     "in_progress": request.in_progress,
                 }
             ),
-            "wait_ms": remaining,
             "process": json.dumps(self.room.process()),
             "retry": retry,
         }
-        sent = time.monotonic()
         while True:
+            # How long the request may still wait: in the queue, and for the row lock.
+            remaining = None
+            if waiting.deadline is not None:
+                remaining = max(0.0, waiting.deadline.remaining_ms())
+            params["wait_ms"] = remaining
+            sent = time.monotonic()
             try:
                 answer = self._call(
                     request,
@@ -337,7 +338,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 )
                 break
             except RowBusyError:
-                # The row stayed locked (a frozen holder of the lock): nothing was done.
+                # Nothing was done (a frozen holder of the row lock, a full pool).
                 if waiting.deadline is not None and waiting.deadline.passed():
                     raise self._timed_out(request, waiting.wait_ms) from None
                 params["retry"] = True

@@ -208,11 +208,12 @@ $$;
 
 -- Grant waiters while any workload that has waiters has room: the loop of
 -- runcell_celery.allocation.allocate (priority among workloads with room, then the
--- longest waiter; runs in progress first, then arrival order, within a workload),
--- reading only the head of each workload through runcell_queue_for_heads. Runs
--- under the limiter row's lock on the row's kept counts, passed in and out so the
--- hot row is written once per transaction. Waiters whose process stopped renewing
--- are dropped on the way (at most 100 per call).
+-- longest waiter; runs in progress first, then arrival order, within a workload).
+-- Each workload's line is read in that order through runcell_queue_for_heads by a
+-- cursor, one row at a time as grants need them: granting 10,000 at once reads each
+-- row once. Runs under the limiter row's lock on the row's kept counts, passed in and
+-- out so the hot row is written once per transaction. Waiters whose process stopped
+-- renewing are dropped on the way (at most 100 per call).
 -- grants: [[request_id, lease_id, fencing_token, parked, channel], ...] in grant order.
 CREATE OR REPLACE FUNCTION runcell_allocate_v3(
     INOUT p_row runcell_limiter,
@@ -221,8 +222,10 @@ CREATE OR REPLACE FUNCTION runcell_allocate_v3(
 ) LANGUAGE plpgsql AS $$
 DECLARE
     v_n integer := coalesce(array_length(p_row.workloads, 1), 0);
+    v_cursors text[];
     v_heads runcell_queue[];
     v_loaded boolean[];
+    v_cursor refcursor;
     v_best integer;
     v_best_position bigint;
     v_i integer;
@@ -230,10 +233,15 @@ DECLARE
     v_channel text;
     v_lease_id uuid;
     v_dropped integer := 0;
+    v_requests text[] := '{}';
+    v_leases uuid[] := '{}';
+    v_tokens bigint[] := '{}';
+    v_parked boolean[] := '{}';
+    v_channels text[] := '{}';
 BEGIN
-    grants := '[]'::jsonb;
     v_loaded := array_fill(false, ARRAY[greatest(v_n, 1)]);
     v_heads := array_fill(NULL::runcell_queue, ARRAY[greatest(v_n, 1)]);
+    v_cursors := array_fill(NULL::text, ARRAY[greatest(v_n, 1)]);
     LOOP
         v_best := NULL;
         FOR v_i IN 1 .. v_n LOOP
@@ -241,12 +249,18 @@ BEGIN
             CONTINUE WHEN NOT runcell_has_room_v3(p_row.active, p_row.ceilings, p_row.reserved,
                                                   p_row.max_concurrent, v_i);
             IF NOT v_loaded[v_i] THEN
-                SELECT * INTO v_head FROM runcell_queue q
-                WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
-                  AND q.granted_lease_id IS NULL
-                  AND (q.deadline IS NULL OR q.deadline > p_now)
-                ORDER BY q.in_progress DESC, q.position
-                LIMIT 1;
+                IF v_cursors[v_i] IS NULL THEN
+                    v_cursor := 'runcell_heads_' || v_i;
+                    OPEN v_cursor FOR
+                        SELECT * FROM runcell_queue q
+                        WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
+                          AND q.granted_lease_id IS NULL
+                          AND (q.deadline IS NULL OR q.deadline > p_now)
+                        ORDER BY q.in_progress DESC, q.position;
+                    v_cursors[v_i] := v_cursor;
+                END IF;
+                v_cursor := v_cursors[v_i];
+                FETCH v_cursor INTO v_head;
                 v_heads[v_i] := CASE WHEN FOUND THEN v_head END;
                 v_loaded[v_i] := true;
             END IF;
@@ -293,9 +307,22 @@ BEGIN
         END IF;
         p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
         p_row.active[v_best] := p_row.active[v_best] + 1;
-        grants := grants || jsonb_build_array(jsonb_build_array(
-            v_head.request_id, v_lease_id, p_row.last_fencing_token, v_head.parked, v_channel));
+        v_requests := array_append(v_requests, v_head.request_id);
+        v_leases := array_append(v_leases, v_lease_id);
+        v_tokens := array_append(v_tokens, p_row.last_fencing_token);
+        v_parked := array_append(v_parked, v_head.parked);
+        v_channels := array_append(v_channels, v_channel);
     END LOOP;
+    FOR v_i IN 1 .. v_n LOOP
+        IF v_cursors[v_i] IS NOT NULL THEN
+            v_cursor := v_cursors[v_i];
+            CLOSE v_cursor;
+        END IF;
+    END LOOP;
+    SELECT coalesce(jsonb_agg(jsonb_build_array(r, l, t, pk, c) ORDER BY o), '[]'::jsonb)
+    INTO grants
+    FROM unnest(v_requests, v_leases, v_tokens, v_parked, v_channels)
+         WITH ORDINALITY AS g(r, l, t, pk, c, o);
 END;
 $$;
 
