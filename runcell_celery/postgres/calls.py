@@ -54,7 +54,15 @@ _BOUNDS: LiteralString = (
 
 
 class CallFailedError(Exception):
-    """The database could not do the operation (it did nothing, or nothing lasting)."""
+    """The database could not do the operation (it did nothing, or nothing lasting).
+
+    :param sent: whether the statement reached the database at all (``False``: no
+        connection could be had, so it certainly did nothing).
+    """
+
+    def __init__(self, message: str, *, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class RowBusyError(CallFailedError):
@@ -120,6 +128,10 @@ def call(
                     return _send(conn, _BOUNDS + query, bound, rows=rows)
                 finally:
                     broken = conn.broken
+        except PoolTimeout as exc:  # (a psycopg.Error too: caught first)
+            if lock_timeout_ms < LOCK_WAIT_CAP_MS:
+                raise RowBusyError(_describe(exc), sent=False) from exc
+            raise CallFailedError(_describe(exc), sent=False) from exc
         except psycopg.errors.LockNotAvailable as exc:
             raise RowBusyError(str(exc)) from exc
         except psycopg.errors.QueryCanceled as exc:
@@ -143,10 +155,6 @@ def call(
                 if "retry" in bound:
                     bound["retry"] = True  # the first attempt may have committed
                 continue
-            raise CallFailedError(_describe(exc)) from exc
-        except PoolTimeout as exc:
-            if lock_timeout_ms < LOCK_WAIT_CAP_MS:
-                raise RowBusyError(_describe(exc)) from exc
             raise CallFailedError(_describe(exc)) from exc
     raise AssertionError("unreachable")  # pragma: no cover
 

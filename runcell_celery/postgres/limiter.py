@@ -81,7 +81,17 @@ class _Park:
 class _Waiting:
     """One waiting request's state while the limiter drives it (sync or async)."""
 
-    __slots__ = ("cancel", "deadline", "park", "request", "sent", "wait_ms", "waiter", "workload")
+    __slots__ = (
+        "cancel",
+        "deadline",
+        "park",
+        "request",
+        "sent",
+        "settled",
+        "wait_ms",
+        "waiter",
+        "workload",
+    )
 
     def __init__(
         self,
@@ -100,6 +110,9 @@ class _Waiting:
         self.park = park
         self.waiter = waiter
         self.sent = time.monotonic()
+        #: Nothing is left in the database for this request but what it returned (a
+        #: lease, a parked row) or nothing at all: no withdrawal needed on the way out.
+        self.settled = False
 
     def pause_s(self) -> float | None:
         """How long to sleep before something is due (``None``: until woken)."""
@@ -234,10 +247,15 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             while result is None:
                 waiting.waiter.wait(waiting.pause_s())
                 result = self._step(waiting)
+            waiting.settled = True
             return result
         finally:
             unlink()
             self.room.remove(waiting.waiter)
+            if not waiting.settled:
+                # Interrupted (SIGTERM of a revoked task, KeyboardInterrupt) or failed:
+                # leave the queue; a slot granted meanwhile is given back, never leaked.
+                self._withdraw_quietly(request)
 
     async def acquire_async(
         self,
@@ -262,16 +280,16 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 await waiting.waiter.wait_async(waiting.pause_s())
                 result = await loop.run_in_executor(executor, self._step, waiting)
             assert isinstance(result, Lease)
+            waiting.settled = True
             return result
-        except asyncio.CancelledError:
-            # Leave the queue; a slot granted meanwhile is given back, never leaked.
-            await asyncio.shield(
-                loop.run_in_executor(executor, self._withdraw_quietly, waiting.request)
-            )
-            raise
         finally:
             unlink()
             self.room.remove(waiting.waiter)
+            if not waiting.settled:
+                # Leave the queue; a slot granted meanwhile is given back, never leaked.
+                await asyncio.shield(
+                    loop.run_in_executor(executor, self._withdraw_quietly, waiting.request)
+                )
 
     def _begin(
         self,
@@ -340,8 +358,20 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             except RowBusyError:
                 # Nothing was done (a frozen holder of the row lock, a full pool).
                 if waiting.deadline is not None and waiting.deadline.passed():
+                    # A first attempt that never got the row wrote nothing.
+                    waiting.settled = not params["retry"]
                     raise self._timed_out(request, waiting.wait_ms) from None
                 params["retry"] = True
+            except ConcurrencyLimiterError as exc:
+                failed = exc.__cause__
+                if isinstance(failed, CallFailedError) and not failed.sent:
+                    # No connection could be had, so nothing was done. A request with a
+                    # budget keeps trying while it lasts (a database restart is a blip
+                    # to it); one without fails closed after connect_timeout_ms.
+                    if waiting.deadline is not None and not waiting.deadline.passed():
+                        continue
+                    waiting.settled = not params["retry"]
+                raise
         self.room.clock.sample(sent, float(answer["now"]))
         self._republish(answer.get("parked"))
         status = answer["s"]
@@ -353,6 +383,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             return None
         if status == "duplicate":
             return "duplicate"
+        if status in ("no-wait", "queue-full", "unknown-workload"):
+            waiting.settled = True  # nothing was written
         if status == "no-wait":
             raise self._timed_out(request, waiting.wait_ms)
         if status == "queue-full":
@@ -371,6 +403,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             return self._granted(waiting, grant)
         if waiting.cancel is not None and waiting.cancel.is_set():
             self._withdraw_quietly(request)
+            waiting.settled = True
             raise self._cancelled(request)
         if waiting.park is not None and waiting.park.until.passed():
             parked = self._park(waiting)
@@ -387,6 +420,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 # Allocation chose us just before the deadline: the grant wins.
                 return self._lease(request.request_id, waiting.workload, answer["lease"], None)
             self._republish(answer.get("parked"))
+            waiting.settled = True
             raise self._timed_out(request, waiting.wait_ms)
         if waiting.waiter.missing:
             # Our queue row was dropped (this process stalled past queue_entry_ttl_ms):

@@ -6,7 +6,7 @@ it, its lease is held and its message must be re-published, exactly once per gra
 
 * the process that made the grant does it at once (the limiter's
   ``set_parked_granted_handler``);
-* processes listening on ``runcell_grant`` see ``!request_id`` lines and try too;
+* processes listening on ``runcell_parked`` hear of the grant and try too;
 * a sweeper re-publishes grants nobody published within a few seconds.
 
 They all go through :meth:`~runcell_celery.postgres.PostgresBackend.claim_republish`,

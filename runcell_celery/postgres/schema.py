@@ -18,7 +18,9 @@ __all__ = ["ensure_schema", "postgres_concurrency_schema_sql", "schema_checksum"
 _SCHEMA_LOCK_KEY = zlib.crc32(b"runcell_celery.schema")
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 3
+#: Tries of an upgrade that deadlocked with running operations.
+DDL_ATTEMPTS = 3
 
 
 def _schema_file() -> str:
@@ -48,15 +50,30 @@ def postgres_concurrency_schema_sql() -> str:
 
 
 def ensure_schema(conn: psycopg.Connection[Any]) -> None:
-    """Create the tables and functions unless they exist.
+    """Create the tables and functions unless they exist and are current.
 
     Workers starting at the same moment on a new database take turns on an advisory
-    lock, so concurrent ``CREATE`` statements never collide.
+    lock, so concurrent ``CREATE`` statements never collide; whoever gets the lock
+    after another worker applied the DDL finds it current and applies nothing (the
+    DDL takes table locks that running operations would otherwise queue behind). An
+    upgrade that deadlocks with running operations is tried again.
     """
-    if fetch_one(conn, statements.SCHEMA_EXISTS)[0]:
-        current = fetch_one(conn, statements.SCHEMA_IS_CURRENT, {"checksum": schema_checksum()})
-        if current[0]:
+    if _is_current(conn):
+        return
+    for attempt in range(DDL_ATTEMPTS):
+        try:
+            with conn.transaction():
+                conn.execute(statements.LOCK_SCHEMA, {"key": _SCHEMA_LOCK_KEY})
+                if _is_current(conn):
+                    return
+                conn.execute(postgres_concurrency_schema_sql().encode())
             return
-    with conn.transaction():
-        conn.execute(statements.LOCK_SCHEMA, {"key": _SCHEMA_LOCK_KEY})
-        conn.execute(postgres_concurrency_schema_sql().encode())
+        except psycopg.errors.DeadlockDetected:
+            if attempt + 1 == DDL_ATTEMPTS:
+                raise
+
+
+def _is_current(conn: psycopg.Connection[Any]) -> bool:
+    if not fetch_one(conn, statements.SCHEMA_EXISTS)[0]:
+        return False
+    return bool(fetch_one(conn, statements.SCHEMA_IS_CURRENT, {"checksum": schema_checksum()})[0])

@@ -56,7 +56,7 @@ def test_workers_starting_together_on_a_new_database_do_not_conflict(
         versions = conn.execute("SELECT version FROM runcell_schema").fetchall()
         checksums = conn.execute("SELECT checksum FROM runcell_schema").fetchall()
     assert names == [("shared",)]
-    assert versions == [(1,)]
+    assert versions == [(3,)]  # the engine revision of schema.sql
     assert checksums == [(schema_checksum(),)]
 
 
