@@ -131,6 +131,12 @@ class Database:
         self._timeout = timeout
 
     @property
+    def key(self) -> object:
+        """What identifies this database's connections in this process: its DSN when
+        the pool is ours (one per DSN and process), the caller's pool itself otherwise."""
+        return self.conninfo if self._given_pool is None else ("pool", id(self._given_pool))
+
+    @property
     def pool(self) -> ConnectionPool[Any]:
         if self._given_pool is not None:
             return self._given_pool

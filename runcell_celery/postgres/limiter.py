@@ -663,7 +663,7 @@ def _for(error: ConcurrencyError, request: AcquireRequest | None, name: str) -> 
 
 class _Executors:
     def __init__(self) -> None:
-        self.by_conninfo: dict[str, ThreadPoolExecutor] = {}
+        self.by_database: dict[object, ThreadPoolExecutor] = {}
 
 
 _executors: ProcessLocal[_Executors] = ProcessLocal(_Executors)
@@ -672,10 +672,10 @@ _executors: ProcessLocal[_Executors] = ProcessLocal(_Executors)
 def _executor(database: Database) -> ThreadPoolExecutor:
     """This process's ``runcell-db`` threads for a database (as many as its pool)."""
     executors = _executors.get()
-    executor = executors.by_conninfo.get(database.conninfo)
+    executor = executors.by_database.get(database.key)
     if executor is None:
-        executor = executors.by_conninfo.setdefault(
-            database.conninfo,
+        executor = executors.by_database.setdefault(
+            database.key,
             ThreadPoolExecutor(max_workers=database.pool_max_size, thread_name_prefix="runcell-db"),
         )
     return executor

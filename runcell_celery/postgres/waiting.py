@@ -183,6 +183,11 @@ class WaitRoom:
 
     # -- waiters ------------------------------------------------------------------------
 
+    def serves(self, database: Database) -> bool:
+        """Whether this room's connections are ``database``'s (a caller's pool that was
+        closed and replaced by another at the same address is not)."""
+        return self._database.key == database.key and not self._database.pool.closed
+
     @property
     def listening(self) -> bool:
         """Whether grants reach this process by notification right now."""
@@ -318,7 +323,7 @@ class _Rooms:
     """This process's rooms, one per database."""
 
     def __init__(self) -> None:
-        self.by_conninfo: dict[str, WaitRoom] = {}
+        self.by_database: dict[object, WaitRoom] = {}
         self.lock = threading.Lock()
 
 
@@ -333,7 +338,7 @@ def get_room(database: Database, options: PostgresOptions) -> WaitRoom:
     """
     rooms = _rooms.get()
     with rooms.lock:
-        room = rooms.by_conninfo.get(database.conninfo)
-        if room is None:
-            room = rooms.by_conninfo[database.conninfo] = WaitRoom(database, options)
+        room = rooms.by_database.get(database.key)
+        if room is None or not room.serves(database):
+            room = rooms.by_database[database.key] = WaitRoom(database, options)
         return room

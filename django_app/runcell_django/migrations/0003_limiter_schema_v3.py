@@ -885,7 +885,7 @@ END;
 $$;
 
 DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '2dbc405481a2f8e7';
-INSERT INTO runcell_schema (checksum, version) VALUES ('2dbc405481a2f8e7', 1) ON CONFLICT DO NOTHING;
+INSERT INTO runcell_schema (checksum, version) VALUES ('2dbc405481a2f8e7', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0002's DDL, then drop what this one added.
