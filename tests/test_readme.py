@@ -57,16 +57,7 @@ if "RUNCELL" in namespace and "ConcurrencyConfigError" not in namespace:
 #: Small sizes for the benchmarks: the test checks that they run, not their figures.
 BENCH_ARGS = {
     "bench/slot_overhead.py": ["--ops", "2000", "--rounds", "2"],
-    "bench/postgres_wakeups.py": [
-        "--handoffs",
-        "3",
-        "--waiters",
-        "3",
-        "--seconds",
-        "0.3",
-        "--uncontended",
-        "20",
-    ],
+    "bench/postgres_engine.py": ["--size", "small", "--only", "cycles,tables"],
 }
 
 

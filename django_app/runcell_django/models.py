@@ -15,6 +15,7 @@ and are managed by its migrations, with index names that say which query they se
 
 from __future__ import annotations
 
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.utils.functional import cached_property
 from django.utils.translation import gettext_lazy as _
@@ -62,6 +63,35 @@ class Limiter(models.Model):
     )
     created_at = models.DateTimeField(_("registered at"))
     updated_at = models.DateTimeField(_("limits changed at"))
+    workloads = ArrayField(
+        models.TextField(),
+        verbose_name=_("workloads"),
+        help_text=_("The workloads of the stored limits, by name: the order of the arrays."),
+    )
+    ceilings = ArrayField(
+        models.IntegerField(),
+        verbose_name=_("ceilings"),
+        help_text=_("Each workload's max_concurrent (the limiter's when it has none)."),
+    )
+    reserved = ArrayField(
+        models.IntegerField(),
+        verbose_name=_("reserved"),
+        help_text=_("Slots only each workload may use."),
+    )
+    priorities = ArrayField(models.IntegerField(), verbose_name=_("priorities"))
+    max_concurrent = models.IntegerField(_("max concurrent"))
+    max_queued = models.IntegerField(_("max queued"), null=True)
+    lease_ttl_ms = models.IntegerField(_("lease TTL (ms)"))
+    active = ArrayField(
+        models.IntegerField(),
+        verbose_name=_("slots held"),
+        help_text=_("Per workload, as allocation counts them (kept with every change)."),
+    )
+    waiting = ArrayField(
+        models.IntegerField(),
+        verbose_name=_("requests waiting"),
+        help_text=_("Per workload: waiting or parked, not yet granted."),
+    )
 
     objects = LimiterManager()
 
@@ -177,7 +207,15 @@ class QueueEntry(_Holder):
     )
     expires_at = EndlessDateTimeField(
         _("expires at"),
-        help_text=_("A waiter that stops polling leaves the queue then; never when parked."),
+        help_text=_(
+            "Rows of earlier releases only: a waiting request now lives as long as its "
+            "process renews its liveness (see process)."
+        ),
+    )
+    process_id = models.TextField(
+        _("process"),
+        null=True,
+        help_text=_("The waiting process (none when parked): its rows go when it stops."),
     )
     in_progress = models.BooleanField(
         _("run in progress"),

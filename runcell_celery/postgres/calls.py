@@ -56,13 +56,14 @@ _BOUNDS: LiteralString = (
 class CallFailedError(Exception):
     """The database could not do the operation (it did nothing, or nothing lasting).
 
-    :param sent: whether the statement reached the database at all (``False``: no
-        connection could be had, so it certainly did nothing).
+    :param maybe_done: whether the operation may have taken effect after all (an
+        attempt was lost with its connection: it may have committed). ``False``:
+        it certainly did nothing (no connection could be had, or the row stayed locked).
     """
 
-    def __init__(self, message: str, *, sent: bool = True) -> None:
+    def __init__(self, message: str, *, maybe_done: bool = True) -> None:
         super().__init__(message)
-        self.sent = sent
+        self.maybe_done = maybe_done
 
 
 class RowBusyError(CallFailedError):
@@ -109,6 +110,7 @@ def call(
         "lock_timeout_ms": lock_timeout_ms,
     }
     attempts = database.pool_max_size + 1 if retry else 1
+    lost = False
     for attempt in range(attempts):
         broken = False
         try:
@@ -130,13 +132,14 @@ def call(
                     broken = conn.broken
         except PoolTimeout as exc:  # (a psycopg.Error too: caught first)
             if lock_timeout_ms < LOCK_WAIT_CAP_MS:
-                raise RowBusyError(_describe(exc), sent=False) from exc
-            raise CallFailedError(_describe(exc), sent=False) from exc
+                raise RowBusyError(_describe(exc), maybe_done=lost) from exc
+            raise CallFailedError(_describe(exc), maybe_done=lost) from exc
         except psycopg.errors.LockNotAvailable as exc:
-            raise RowBusyError(str(exc)) from exc
+            raise RowBusyError(str(exc), maybe_done=lost) from exc
         except psycopg.errors.QueryCanceled as exc:
             if lock_timeout_ms < LOCK_WAIT_CAP_MS:
-                raise RowBusyError(str(exc)) from exc  # our bound: nothing was done
+                # Our own bound: this attempt was rolled back.
+                raise RowBusyError(str(exc), maybe_done=lost) from exc
             raise CallFailedError(_describe(exc)) from exc
         except psycopg.errors.UniqueViolation as exc:
             # The request is known already (another delivery, or our own first attempt
@@ -151,6 +154,7 @@ def call(
             if exc.sqlstate == "RC002":
                 raise LimitsReplacedError(exc.diag.message_primary or str(exc)) from exc
             if broken and attempt + 1 < attempts:
+                lost = True  # sent on a connection that broke: it may have committed
                 logger.info("runcell: retrying on a fresh connection after: %s", exc)
                 if "retry" in bound:
                     bound["retry"] = True  # the first attempt may have committed

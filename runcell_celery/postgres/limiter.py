@@ -339,6 +339,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             "process": json.dumps(self.room.process()),
             "retry": retry,
         }
+        # Whether the request may already be in the database (a retry, a redelivered
+        # deferral): then leaving means withdrawing it.
+        written = retry
         while True:
             # How long the request may still wait: in the queue, and for the row lock.
             remaining = None
@@ -355,22 +358,22 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     busy_ok=True,
                 )
                 break
-            except RowBusyError:
+            except RowBusyError as exc:
                 # Nothing was done (a frozen holder of the row lock, a full pool).
+                written = written or exc.maybe_done
                 if waiting.deadline is not None and waiting.deadline.passed():
-                    # A first attempt that never got the row wrote nothing.
-                    waiting.settled = not params["retry"]
+                    waiting.settled = not written  # nothing of ours to take back
                     raise self._timed_out(request, waiting.wait_ms) from None
-                params["retry"] = True
+                params["retry"] = written
             except ConcurrencyLimiterError as exc:
                 failed = exc.__cause__
-                if isinstance(failed, CallFailedError) and not failed.sent:
+                if isinstance(failed, CallFailedError) and not failed.maybe_done:
                     # No connection could be had, so nothing was done. A request with a
                     # budget keeps trying while it lasts (a database restart is a blip
                     # to it); one without fails closed after connect_timeout_ms.
                     if waiting.deadline is not None and not waiting.deadline.passed():
                         continue
-                    waiting.settled = not params["retry"]
+                    waiting.settled = not written
                 raise
         self.room.clock.sample(sent, float(answer["now"]))
         self._republish(answer.get("parked"))
@@ -590,7 +593,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         ``None`` until the listener has checked itself; ``False`` when polling alone.
         """
         listener = self.room.listener
-        return listener.available if listener is not None else False
+        if listener is None:
+            return False
+        listener.start()  # asking starts it, as a first waiter would
+        return listener.available
 
     # -- plumbing -----------------------------------------------------------------------
 

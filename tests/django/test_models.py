@@ -46,11 +46,22 @@ def _columns(table: str) -> dict[str, tuple[str | None, bool]]:
     """{column: (Django field type, nullable)} as the database describes ``table``."""
     with connection.cursor() as cursor:
         description = connection.introspection.get_table_description(cursor, table)
-    kinds = [connection.introspection.get_field_type(c.type_code, c) for c in description]
+    kinds = [_kind(c) for c in description]
     return {
         column.name: (_PLAIN.get(kind, kind), bool(column.null_ok))
         for column, kind in zip(description, kinds, strict=True)
     }
+
+
+#: PostgreSQL's array types (``integer[]``, ``text[]``), which Django reads as ArrayField.
+_ARRAYS = {1007: "ArrayField", 1009: "ArrayField"}
+
+
+def _kind(column: Any) -> str | None:
+    if column.type_code in _ARRAYS:
+        return _ARRAYS[column.type_code]
+    kind: str | None = connection.introspection.get_field_type(column.type_code, column)
+    return kind
 
 
 def _primary_key(table: str) -> list[str]:
@@ -164,10 +175,13 @@ def test_waiting_and_parked_requests_read_back_through_the_orm(pg_limiter: MakeL
         rows = {row.request_id: row for row in QueueEntry.objects.with_place()}
         waiting, parked_row = rows["req-waiting"], rows["req-parked"]
         assert (waiting.parked, waiting.ahead, waiting.stale) == (False, 0, False)
-        assert waiting.expires_at is not None
-        assert waiting.enqueued_at <= waiting.expires_at
+        # A waiting row lives as long as its process renews its liveness; a parked one
+        # belongs to no process. Neither expires by itself ('infinity' in the table).
+        assert waiting.process_id is not None
+        assert waiting.expires_at is None
         assert (parked_row.parked, parked_row.ahead) == (True, 1)
-        assert parked_row.expires_at is None  # 'infinity' in the table: parked rows never expire
+        assert parked_row.process_id is None
+        assert parked_row.expires_at is None
         assert parked_row.deadline is not None
         assert parked_row.holder_host == socket.gethostname()
 

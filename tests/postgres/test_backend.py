@@ -266,11 +266,13 @@ def test_force_release_expires_the_lease_and_hands_the_slot_to_a_waiter_at_once(
     _wait_for(lambda: limiter.listening is True, "the listener is connected")
     held = limiter.acquire(_request("batch"))
     got: list[Lease] = []
+    checked = threading.Event()
 
     def wait() -> None:
         with slot(limiter, workload="batch") as waiting:
             assert waiting.lease is not None
             got.append(waiting.lease)
+            checked.wait(SOON_S)  # held until the counts were read
 
     waiter = threading.Thread(target=wait)
     waiter.start()
@@ -286,6 +288,7 @@ def test_force_release_expires_the_lease_and_hands_the_slot_to_a_waiter_at_once(
     assert (released.request_id, released.fencing_token) == (held.request_id, held.fencing_token)
     state = backend.limiter_states([limiter.name])[limiter.name]
     assert (state.total_active, state.total_queued) == (1, 0), "granted before it returned"
+    checked.set()
     waiter.join(SOON_S)
     assert not waiter.is_alive()
     assert got[0].fencing_token > held.fencing_token

@@ -8,7 +8,10 @@ allocation functions: workers of earlier releases fail closed instead of running
 beside this one (README "Upgrading").
 """
 
-from django.db import migrations
+import django.contrib.postgres.fields
+from django.db import migrations, models
+
+import runcell_django.fields
 
 #: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 2dbc405481a2f8e7.
 LIMITER_SCHEMA = r"""
@@ -921,5 +924,108 @@ class Migration(migrations.Migration):
     dependencies = [("runcell_django", "0002_limiter_schema_v2")]
 
     operations = [
-        migrations.RunSQL(LIMITER_SCHEMA, [DROP_NEW_OBJECTS, _previous_schema()]),
+        migrations.SeparateDatabaseAndState(
+            database_operations=[
+                migrations.RunSQL(LIMITER_SCHEMA, [DROP_NEW_OBJECTS, _previous_schema()]),
+            ],
+            state_operations=[
+                migrations.AddField(
+                    model_name="limiter",
+                    name="workloads",
+                    field=django.contrib.postgres.fields.ArrayField(
+                        base_field=models.TextField(),
+                        help_text="The workloads of the stored limits, by name: the order of the arrays.",
+                        size=None,
+                        verbose_name="workloads",
+                    ),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="ceilings",
+                    field=django.contrib.postgres.fields.ArrayField(
+                        base_field=models.IntegerField(),
+                        help_text="Each workload's max_concurrent (the limiter's when it has none).",
+                        size=None,
+                        verbose_name="ceilings",
+                    ),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="reserved",
+                    field=django.contrib.postgres.fields.ArrayField(
+                        base_field=models.IntegerField(),
+                        help_text="Slots only each workload may use.",
+                        size=None,
+                        verbose_name="reserved",
+                    ),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="priorities",
+                    field=django.contrib.postgres.fields.ArrayField(
+                        base_field=models.IntegerField(), size=None, verbose_name="priorities"
+                    ),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="max_concurrent",
+                    field=models.IntegerField(verbose_name="max concurrent"),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="max_queued",
+                    field=models.IntegerField(null=True, verbose_name="max queued"),
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="lease_ttl_ms",
+                    field=models.IntegerField(verbose_name="lease TTL (ms)"),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="active",
+                    field=django.contrib.postgres.fields.ArrayField(
+                        base_field=models.IntegerField(),
+                        help_text="Per workload, as allocation counts them (kept with every change).",
+                        size=None,
+                        verbose_name="slots held",
+                    ),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="limiter",
+                    name="waiting",
+                    field=django.contrib.postgres.fields.ArrayField(
+                        base_field=models.IntegerField(),
+                        help_text="Per workload: waiting or parked, not yet granted.",
+                        size=None,
+                        verbose_name="requests waiting",
+                    ),
+                    preserve_default=False,
+                ),
+                migrations.AddField(
+                    model_name="queueentry",
+                    name="process_id",
+                    field=models.TextField(
+                        help_text="The waiting process (none when parked): its rows go when it stops.",
+                        null=True,
+                        verbose_name="process",
+                    ),
+                ),
+                migrations.AlterField(
+                    model_name="queueentry",
+                    name="expires_at",
+                    field=runcell_django.fields.EndlessDateTimeField(
+                        help_text="Rows of earlier releases only: a waiting request now lives as long as its process renews its liveness (see process).",
+                        verbose_name="expires at",
+                    ),
+                ),
+            ],
+        ),
     ]
