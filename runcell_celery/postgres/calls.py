@@ -33,6 +33,7 @@ __all__ = [
     "LimiterMissingError",
     "LimitsReplacedError",
     "RowBusyError",
+    "Stamp",
     "call",
 ]
 
@@ -79,6 +80,16 @@ class LimitsReplacedError(CallFailedError):
     """Another worker stored different limits for this limiter (``on_conflict="replace"``)."""
 
 
+class Stamp:
+    """When a call's statement was handed to its connection (monotonic seconds), after
+    any wait for a pooled connection: the earliest the database can have acted on it."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+
 def lock_timeout_ms(remaining_ms: float | None) -> int:
     """How long a statement may wait for the row lock: the caller's remaining wait,
     capped, and at least 1 ms (0 would mean no limit)."""
@@ -95,6 +106,7 @@ def call(
     lock_timeout_ms: int = LOCK_WAIT_CAP_MS,
     retry: bool = True,
     rows: bool = False,
+    stamp: Stamp | None = None,
 ) -> Any:
     """Run one bounded function call; return its single value (or every row's first
     column with ``rows=True``).
@@ -126,6 +138,8 @@ def call(
                     # lock_timeout bounds each lock wait, and a row lock queued behind
                     # other waiters is two waits: the statement as a whole is bounded too.
                     bound["statement_timeout_ms"] = left_ms + STATEMENT_GRACE_MS
+                if stamp is not None:
+                    stamp.at = time.monotonic()
                 try:
                     return _send(conn, _BOUNDS + query, bound, rows=rows)
                 finally:

@@ -48,6 +48,7 @@ from .calls import (
     LimiterMissingError,
     LimitsReplacedError,
     RowBusyError,
+    Stamp,
     call,
     lock_timeout_ms,
 )
@@ -348,7 +349,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             if waiting.deadline is not None:
                 remaining = max(0.0, waiting.deadline.remaining_ms())
             params["wait_ms"] = remaining
-            sent = time.monotonic()
+            sent = Stamp()
             try:
                 answer = self._call(
                     request,
@@ -356,6 +357,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     params,
                     lock_ms=lock_timeout_ms(remaining),
                     busy_ok=True,
+                    stamp=sent,
                 )
                 break
             except RowBusyError as exc:
@@ -375,11 +377,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                         continue
                     waiting.settled = not written
                 raise
-        self.room.clock.sample(sent, float(answer["now"]))
+        self.room.clock.sample(sent.at, float(answer["now"]))
         self._republish(answer.get("parked"))
         status = answer["s"]
         if status == "granted":
-            return self._lease(request.request_id, waiting.workload, answer["lease"], sent)
+            return self._lease(request.request_id, waiting.workload, answer["lease"], sent.at)
         if status == "queued":
             self.room.queued(waiting.waiter)
             self.room.expiry_in(answer.get("expiry_ms"))
@@ -508,10 +510,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """Renew several leases of this limiter in one statement."""
         if not leases:
             return {}
-        sent = time.monotonic()
+        sent = Stamp()
         params = {"limiter": self.name, "lease_ids": [lease.lease_id for lease in leases]}
-        renewed = set(self._call(None, statements.RENEW, params, rows=True))
-        valid_until = self._valid_until(sent)
+        renewed = set(self._call(None, statements.RENEW, params, rows=True, stamp=sent))
+        valid_until = self._valid_until(sent.at)
         return {
             lease.lease_id: (
                 Lease(
@@ -617,9 +619,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         lock_ms: int = LOCK_WAIT_CAP_MS,
         rows: bool = False,
         busy_ok: bool = False,
+        stamp: Stamp | None = None,
     ) -> Any:
         with _failing_closed(self, request, busy_ok=busy_ok):
-            return call(self._db, query, params, lock_timeout_ms=lock_ms, rows=rows)
+            return call(self._db, query, params, lock_timeout_ms=lock_ms, rows=rows, stamp=stamp)
 
 
 @contextlib.contextmanager

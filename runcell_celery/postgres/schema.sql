@@ -182,6 +182,16 @@ DROP FUNCTION IF EXISTS runcell_park_v1(text, text, jsonb);
 
 DROP FUNCTION IF EXISTS runcell_lease_json(runcell_lease);
 
+-- The answer of an operation that finds or makes a lease: {"s": status, "now": the
+-- database's clock (epoch seconds), "lease": [lease_id, fencing_token]}. Every
+-- function that answers with a lease builds it here.
+CREATE OR REPLACE FUNCTION runcell_answer_v3(
+    p_status text, p_now timestamptz, p_lease_id uuid, p_token bigint
+) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_build_object('s', p_status, 'now', extract(epoch FROM p_now),
+                              'lease', jsonb_build_array(p_lease_id, p_token))
+$$;
+
 -- has_room: the rule of runcell_celery.allocation.has_room over the kept counts. A
 -- workload may take one more slot if it stays under its ceiling and the slots other
 -- workloads reserved but do not use stay free.
@@ -479,10 +489,9 @@ BEGIN
         SELECT lease_id, fencing_token, parked INTO v_found FROM runcell_lease
         WHERE request_id = v_request_id AND limiter = p_limiter;
         IF FOUND THEN
-            RETURN jsonb_build_object(
-                's', CASE WHEN v_found.parked THEN 'duplicate' ELSE 'granted' END,
-                'now', extract(epoch FROM v_now),
-                'lease', jsonb_build_array(v_found.lease_id, v_found.fencing_token));
+            RETURN runcell_answer_v3(
+                CASE WHEN v_found.parked THEN 'duplicate' ELSE 'granted' END, v_now,
+                v_found.lease_id, v_found.fencing_token);
         END IF;
         SELECT deadline INTO v_found FROM runcell_queue
         WHERE request_id = v_request_id AND limiter = p_limiter;
@@ -506,8 +515,7 @@ BEGIN
         UPDATE runcell_limiter
         SET last_fencing_token = last_fencing_token + 1, active[v_i] = active[v_i] + 1
         WHERE name = p_limiter;
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_lease_id, v_row.last_fencing_token + 1));
+        RETURN runcell_answer_v3('granted', v_now, v_lease_id, v_row.last_fencing_token + 1);
     END IF;
 
     IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
@@ -553,9 +561,8 @@ BEGIN
     END IF;
     PERFORM runcell_store_counts_v3(v_row);
     IF v_mine IS NOT NULL THEN
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_mine->1, v_mine->2),
-            'parked', runcell_parked_grants_v3(v_grants));
+        RETURN runcell_answer_v3('granted', v_now, (v_mine->>1)::uuid, (v_mine->>2)::bigint)
+            || jsonb_build_object('parked', runcell_parked_grants_v3(v_grants));
     END IF;
     -- When the first lease of this limiter would expire if not renewed: the waiting
     -- process looks then (a holder that died gives its slot back at that moment).
@@ -631,8 +638,7 @@ BEGIN
     SELECT lease_id, workload, fencing_token, parked INTO v_lease FROM runcell_lease
     WHERE request_id = p_request_id AND limiter = p_limiter;
     IF FOUND AND NOT p_give_back AND NOT v_lease.parked THEN
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_lease.lease_id, v_lease.fencing_token));
+        RETURN runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token);
     END IF;
     DELETE FROM runcell_queue WHERE request_id = p_request_id AND limiter = p_limiter
     RETURNING workload, granted_lease_id INTO v_queued;
@@ -817,8 +823,7 @@ BEGIN
     WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
       AND NOT parked;
     IF FOUND THEN
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_lease.lease_id, v_lease.fencing_token));
+        RETURN runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token);
     END IF;
     RETURN jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
 END;

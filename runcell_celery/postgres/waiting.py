@@ -37,7 +37,7 @@ from typing import Any
 
 from ..background import BackgroundLoop, ProcessLocal
 from . import statements
-from .calls import call, lock_timeout_ms
+from .calls import Stamp, call, lock_timeout_ms
 from .connection import Database
 from .listener import GrantListener
 from .options import PostgresOptions
@@ -283,15 +283,15 @@ class WaitRoom:
         return 0.0
 
     def _poll_once(self, ids: Sequence[str], limiters: Sequence[str], *, heartbeat: bool) -> None:
-        sent = time.monotonic()
+        sent = Stamp()
         params = {
             "process": json.dumps(self.process()),
             "request_ids": list(ids),
             "limiters": list(limiters),
             "heartbeat": heartbeat,
         }
-        answer = call(self._database, statements.POLL, params)
-        self.clock.sample(sent, float(answer["now"]))
+        answer = call(self._database, statements.POLL, params, stamp=sent)
+        self.clock.sample(sent.at, float(answer["now"]))
         next_expiry = answer.get("next_expiry_ms")
         self._check_due = (
             math.inf if next_expiry is None else time.monotonic() + float(next_expiry) / 1000

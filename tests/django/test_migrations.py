@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FROZEN = {
     "0001_initial": "8001740a9c5f4bee4b02c6861bf3040f7c30ebddc078034e4b667ee7b675efbc",
     "0002_limiter_schema_v2": "c046c34f441a8b0507f2f4adca5be920cc5e26147c47540698fc8c4854d29d94",
-    "0003_limiter_schema_v3": "5d26e4439f594876727db0e1306b1df0850bc72d5afc049eeddd4b9a8c76a5d5",
+    "0003_limiter_schema_v3": "b06de99e6d7fe8da11d688bf8c0905447a4daea0362e72ab66c19598f876cfaa",
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"
 

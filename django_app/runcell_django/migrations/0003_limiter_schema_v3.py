@@ -1,6 +1,6 @@
 """The limiter's DDL as runcell_celery shipped it with the one-round-trip engine (v3).
 
-``postgres_concurrency_schema_sql()`` at checksum ``2dbc405481a2f8e7``, frozen as text like
+``postgres_concurrency_schema_sql()`` at checksum ``456ede58ec7812a9``, frozen as text like
 0001's and 0002's. Every operation becomes one function call (``runcell_acquire_v3``,
 ``runcell_release_v3``, ...), limiter rows keep the counts allocation decides on, and
 waiting processes are recorded in ``runcell_process``. It drops the version 1 and 2
@@ -13,7 +13,7 @@ from django.db import migrations, models
 
 import runcell_django.fields
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 2dbc405481a2f8e7.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 456ede58ec7812a9.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -198,6 +198,16 @@ DROP FUNCTION IF EXISTS runcell_poll_v1(text, text, integer);
 DROP FUNCTION IF EXISTS runcell_park_v1(text, text, jsonb);
 
 DROP FUNCTION IF EXISTS runcell_lease_json(runcell_lease);
+
+-- The answer of an operation that finds or makes a lease: {"s": status, "now": the
+-- database's clock (epoch seconds), "lease": [lease_id, fencing_token]}. Every
+-- function that answers with a lease builds it here.
+CREATE OR REPLACE FUNCTION runcell_answer_v3(
+    p_status text, p_now timestamptz, p_lease_id uuid, p_token bigint
+) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_build_object('s', p_status, 'now', extract(epoch FROM p_now),
+                              'lease', jsonb_build_array(p_lease_id, p_token))
+$$;
 
 -- has_room: the rule of runcell_celery.allocation.has_room over the kept counts. A
 -- workload may take one more slot if it stays under its ceiling and the slots other
@@ -496,10 +506,9 @@ BEGIN
         SELECT lease_id, fencing_token, parked INTO v_found FROM runcell_lease
         WHERE request_id = v_request_id AND limiter = p_limiter;
         IF FOUND THEN
-            RETURN jsonb_build_object(
-                's', CASE WHEN v_found.parked THEN 'duplicate' ELSE 'granted' END,
-                'now', extract(epoch FROM v_now),
-                'lease', jsonb_build_array(v_found.lease_id, v_found.fencing_token));
+            RETURN runcell_answer_v3(
+                CASE WHEN v_found.parked THEN 'duplicate' ELSE 'granted' END, v_now,
+                v_found.lease_id, v_found.fencing_token);
         END IF;
         SELECT deadline INTO v_found FROM runcell_queue
         WHERE request_id = v_request_id AND limiter = p_limiter;
@@ -523,8 +532,7 @@ BEGIN
         UPDATE runcell_limiter
         SET last_fencing_token = last_fencing_token + 1, active[v_i] = active[v_i] + 1
         WHERE name = p_limiter;
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_lease_id, v_row.last_fencing_token + 1));
+        RETURN runcell_answer_v3('granted', v_now, v_lease_id, v_row.last_fencing_token + 1);
     END IF;
 
     IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
@@ -570,9 +578,8 @@ BEGIN
     END IF;
     PERFORM runcell_store_counts_v3(v_row);
     IF v_mine IS NOT NULL THEN
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_mine->1, v_mine->2),
-            'parked', runcell_parked_grants_v3(v_grants));
+        RETURN runcell_answer_v3('granted', v_now, (v_mine->>1)::uuid, (v_mine->>2)::bigint)
+            || jsonb_build_object('parked', runcell_parked_grants_v3(v_grants));
     END IF;
     -- When the first lease of this limiter would expire if not renewed: the waiting
     -- process looks then (a holder that died gives its slot back at that moment).
@@ -648,8 +655,7 @@ BEGIN
     SELECT lease_id, workload, fencing_token, parked INTO v_lease FROM runcell_lease
     WHERE request_id = p_request_id AND limiter = p_limiter;
     IF FOUND AND NOT p_give_back AND NOT v_lease.parked THEN
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_lease.lease_id, v_lease.fencing_token));
+        RETURN runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token);
     END IF;
     DELETE FROM runcell_queue WHERE request_id = p_request_id AND limiter = p_limiter
     RETURNING workload, granted_lease_id INTO v_queued;
@@ -834,8 +840,7 @@ BEGIN
     WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
       AND NOT parked;
     IF FOUND THEN
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'lease', jsonb_build_array(v_lease.lease_id, v_lease.fencing_token));
+        RETURN runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token);
     END IF;
     RETURN jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
 END;
@@ -887,8 +892,8 @@ BEGIN
 END;
 $$;
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '2dbc405481a2f8e7';
-INSERT INTO runcell_schema (checksum, version) VALUES ('2dbc405481a2f8e7', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '456ede58ec7812a9';
+INSERT INTO runcell_schema (checksum, version) VALUES ('456ede58ec7812a9', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0002's DDL, then drop what this one added.
@@ -909,6 +914,7 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 DROP FUNCTION IF EXISTS runcell_has_room_v3(integer[], integer[], integer[], integer, integer);
+DROP FUNCTION IF EXISTS runcell_answer_v3(text, timestamptz, uuid, bigint);
 DROP INDEX IF EXISTS runcell_queue_for_heads;
 DROP TABLE IF EXISTS runcell_process;
 """
