@@ -97,6 +97,26 @@ def scratch_database(prefix: str) -> Iterator[str]:
             )
 
 
+#: PostgreSQL (15+) flushes a backend's statistics at most this late after it goes idle:
+#: commits made before a window must be counted before the window opens.
+STATS_FLUSH_S = 11.0
+
+
+def wait_queued(dsn: str, name: str, at_least: int, timeout: float = 300.0) -> None:
+    """Wait until ``at_least`` requests wait on limiter ``name`` (all are queued)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM runcell_queue WHERE limiter = %s", [name]
+            ).fetchone()
+        if row is not None and int(row[0]) >= at_least:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {row[0] if row else 0} of {at_least} requests queued")
+        time.sleep(0.2)
+
+
 def commits(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
@@ -308,7 +328,8 @@ def commits_while_waiting(
             waiting_process,
             [(dsn, name, 2, per_process, listen, ready_at, 0.0, 1)] * 4,
         )
-        time.sleep(max(0.0, ready_at - time.monotonic()) + 3.0)  # all queued by now
+        wait_queued(dsn, name, 4 * per_process)
+        time.sleep(STATS_FLUSH_S)  # the enqueues' own commits are counted by then
         before, started = commits(dsn), time.monotonic()
         time.sleep(window)
         after, ended = commits(dsn), time.monotonic()
@@ -404,7 +425,8 @@ def bench_crowd(size: str) -> dict[str, Any]:
                 waiting_process,
                 [(dsn, name, 1, total // 4, True, ready_at, 0.0, 1) for dsn in dsns],
             )
-            time.sleep(max(0.0, ready_at - time.monotonic()) + (20.0 if size == "full" else 4.0))
+            wait_queued(base, name, total - 4)
+            time.sleep(STATS_FLUSH_S)
             connections = connections_by_application(base)
             before, started = commits(base), time.monotonic()
             time.sleep(5.0)

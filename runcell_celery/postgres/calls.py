@@ -123,7 +123,9 @@ def call(
     }
     attempts = database.pool_max_size + 1 if retry else 1
     lost = False
-    for attempt in range(attempts):
+    attempt = -1
+    while attempt + 1 < attempts:
+        attempt += 1
         broken = False
         try:
             # A bounded caller waits for a pooled connection and then the lock no longer
@@ -147,6 +149,12 @@ def call(
         except PoolTimeout as exc:  # (a psycopg.Error too: caught first)
             if lock_timeout_ms < LOCK_WAIT_CAP_MS:
                 raise RowBusyError(_describe(exc), maybe_done=lost) from exc
+            if _saturated(database):
+                # Every connection is open and in use by this process's other calls
+                # (thousands of threads asking at once): the database is there, so a
+                # caller without a deadline waits its turn instead of failing.
+                attempt -= 1
+                continue
             raise CallFailedError(_describe(exc), maybe_done=lost) from exc
         except psycopg.errors.LockNotAvailable as exc:
             raise RowBusyError(str(exc), maybe_done=lost) from exc
@@ -175,6 +183,14 @@ def call(
                 continue
             raise CallFailedError(_describe(exc)) from exc
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _saturated(database: Database) -> bool:
+    """Whether the pool has every connection it may open, all lent out (busy, not down)."""
+    stats = database.pool.get_stats()
+    return bool(
+        stats.get("pool_size", 0) >= database.pool.max_size and stats.get("pool_available", 0) == 0
+    )
 
 
 def _send(conn: Connection, query: LiteralString, params: Mapping[str, Any], *, rows: bool) -> Any:
