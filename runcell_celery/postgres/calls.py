@@ -163,6 +163,12 @@ def call(
                 # Our own bound: this attempt was rolled back.
                 raise RowBusyError(str(exc), maybe_done=lost) from exc
             raise CallFailedError(_describe(exc)) from exc
+        except psycopg.errors.DeadlockDetected as exc:
+            # The server rolled the transaction back to break a lock cycle (a schema
+            # upgrade running beside operations): nothing was done; do it again.
+            if attempt + 1 < attempts:
+                continue
+            raise CallFailedError(_describe(exc), maybe_done=lost) from exc
         except psycopg.errors.UniqueViolation as exc:
             # The request is known already (another delivery, or our own first attempt
             # whose answer was lost): ask again as a retry, which finds what it has.

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import LiteralString
 
-SCHEMA_EXISTS: LiteralString = "SELECT to_regclass('runcell_schema') IS NOT NULL"
+#: Read from the catalog with an ordinary (MVCC) snapshot, not the relation cache:
+#: after waiting for the schema lock, a worker must see the tables another worker
+#: just created (``to_regclass`` could answer from a stale cache entry).
+SCHEMA_EXISTS: LiteralString = """
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables
+               WHERE tablename = 'runcell_schema' AND schemaname = ANY(current_schemas(false)))
+"""
 
 SCHEMA_IS_CURRENT: LiteralString = (
     "SELECT EXISTS (SELECT 1 FROM runcell_schema WHERE checksum = %(checksum)s)"
