@@ -138,6 +138,8 @@ def project_client(dsn: str, name: str, limit: int, threads: int, start: float, 
     counts = [0] * threads
 
     def cycle(i: int) -> None:
+        with slot(limiter):  # warm: this thread's connection is open before the start
+            pass
         time.sleep(max(0.0, start - time.monotonic()))
         n = 0
         while time.monotonic() < stop:
@@ -152,6 +154,51 @@ def project_client(dsn: str, name: str, limit: int, threads: int, start: float, 
     for worker in workers:
         worker.join()
     return sum(counts)
+
+
+def raw_functions_client(dsn: str, name: str, start: float, stop: float) -> int:
+    """One thread calling the engine's two functions directly on one connection, the way
+    ``calls.call`` sends them, with none of the library around them: the floor the
+    database and driver set for ``slot()`` on this machine (a synchronous commit to
+    acquire, an asynchronous one to release)."""
+    from runcell_celery.postgres import statements
+    from runcell_celery.postgres.calls import _BOUNDS
+
+    bounds = {"statement_timeout_ms": 60_000, "lock_timeout_ms": 5_000}
+    process = json.dumps(
+        {"process_id": uuid.uuid4().hex, "channel": "runcell_bench", "host": "bench",
+         "pid": os.getpid(), "ttl_ms": 30_000}
+    )  # fmt: skip
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        config_hash = conn.execute(
+            "SELECT config_hash FROM runcell_limiter WHERE name = %s", [name]
+        ).fetchone()
+        assert config_hash is not None
+        cursor = psycopg.ClientCursor(conn)
+
+        def send(query: Any, params: dict[str, Any]) -> Any:
+            cursor.execute(_BOUNDS + query, {**params, **bounds})
+            cursor.nextset()
+            cursor.nextset()
+            row = cursor.fetchone()
+            assert row is not None
+            return row[0]
+
+        time.sleep(max(0.0, start - time.monotonic()))
+        n = 0
+        while time.monotonic() < stop:
+            request_id = uuid.uuid4().hex
+            request = {"request_id": request_id, "workload": "default", "run_id": request_id,
+                       "root_run_id": request_id, "parent_run_id": None,
+                       "holder_name": "bench", "in_progress": False}  # fmt: skip
+            answer = send(
+                statements.ACQUIRE,
+                {"limiter": name, "config_hash": config_hash[0], "request": json.dumps(request),
+                 "wait_ms": None, "process": process, "retry": False},
+            )  # fmt: skip
+            send(statements.RELEASE, {"limiter": name, "lease_id": answer["lease"][0]})
+            n += 1
+    return n
 
 
 def redis_client(url: str, key: str, limit: int, threads: int, start: float, stop: float) -> int:
@@ -186,7 +233,8 @@ def run_clients(
     client: Callable[..., int], args: tuple[Any, ...], processes: int, threads: int, seconds: float
 ) -> float:
     """Cycles/s of ``processes`` x ``threads`` clients over ``seconds`` (all start together)."""
-    start = time.monotonic() + (2.0 if processes > 1 else 0.3)
+    # Every client is set up (limiter created, connections open) before the start.
+    start = time.monotonic() + (3.0 if processes > 1 else 1.0)
     stop = start + seconds
     if processes == 1:
         total = client(*args, threads, start, stop)
@@ -229,11 +277,15 @@ def bench_cycles(size: str) -> dict[str, Any]:
                 label = f"{processes}x{threads}_limit{limit}"
                 name = f"cycles-{label}"
                 create_postgres_concurrency_limiter(dsn, name=name, max_concurrent=limit)
-                ours, hot, lua = [], [], []
+                ours, hot, lua, floor = [], [], [], []
                 for _ in range(rounds):
                     ours.append(
                         run_clients(project_client, (dsn, name, limit), processes, threads, seconds)
                     )
+                    if processes * threads == 1:
+                        start = time.monotonic() + 0.5
+                        count = raw_functions_client(dsn, name, start, start + seconds)
+                        floor.append(count / seconds)
                     hot.append(pgbench(dsn, processes * threads, seconds, script.name))
                     redis_args = (REDIS_URL, f"sem:{label}", limit)
                     lua.append(run_clients(redis_client, redis_args, processes, threads, seconds))
@@ -248,6 +300,16 @@ def bench_cycles(size: str) -> dict[str, Any]:
                 row["ratio_to_redis"] = round(
                     row["project_cycles_per_s"] / row["redis_lua_cycles_per_s"], 3
                 )
+                if floor:
+                    # What the engine's functions alone reach from Python (no library):
+                    # the best slot() could do here, beside the same references.
+                    row["floor_raw_functions_cycles_per_s"] = round(statistics.median(floor), 1)
+                    row["floor_ratio_to_redis"] = round(
+                        row["floor_raw_functions_cycles_per_s"] / row["redis_lua_cycles_per_s"], 3
+                    )
+                    row["floor_ratio_to_pgbench"] = round(
+                        row["floor_raw_functions_cycles_per_s"] / row["pgbench_hot_row_tps"], 3
+                    )
                 results[label] = row
                 progress(f"cycles {label}: {row}")
         os.unlink(script.name)

@@ -41,6 +41,11 @@ RENEW_FRACTION = 1 / 3
 RETRY_SECONDS = 1.0
 #: The longest the keeper sleeps, so a stopped or dropped keeper lets its thread end.
 MAX_SLEEP_SECONDS = 60.0
+#: With nothing to keep, the keeper looks again this often. A new hold wakes it only
+#: when due sooner (a short max_hold); a slot held and released within this tick
+#: costs the keeper nothing, where waking it for every hold would cost a thread
+#: switch per provider call.
+IDLE_TICK_SECONDS = 1.0
 
 
 class LeaseHolder(Protocol):
@@ -152,14 +157,19 @@ class LeaseKeeper:
         with self._cond:
             while True:
                 now = time.monotonic()
-                due_at = min((e.next_due() for e in self._entries.values()), default=math.inf)
+                if self._loop.stopping.is_set():
+                    return []
+                due_at = min(
+                    (e.next_due() for e in self._entries.values()),
+                    default=now + IDLE_TICK_SECONDS,
+                )
                 if due_at <= now:
                     self._wake_at = math.inf
                     return list(self._entries.items())
-                self._wake_at = due_at
-                self._cond.wait(min(due_at - now, MAX_SLEEP_SECONDS))
-                if not self._entries or self._loop.stopping.is_set():
-                    return []
+                self._wake_at = min(due_at, now + MAX_SLEEP_SECONDS)
+                self._cond.wait(self._wake_at - now)
+                if not self._entries:
+                    return []  # let the loop see whether its owner is still there
 
     def service(self) -> None:
         """Do everything that is due now: deadlines, renewals, expiry."""

@@ -34,6 +34,8 @@ __all__ = ["AdmissionCount", "AdmissionCounters"]
 logger = logging.getLogger("runcell_celery.celery.counters")
 
 FLUSH_INTERVAL_S = 1.0
+#: How long close() waits for a write under way in the background before its own.
+CLOSE_WAIT_S = 10.0
 FIELDS = (
     "deliveries",
     "deferrals",
@@ -130,7 +132,9 @@ class AdmissionCounters:
         """Stop the flusher after a last flush (worker or pool process shutdown)."""
         counts = self._local.peek()
         if counts is not None:
-            counts.flusher.stop()
+            # Wait for a write the loop may have under way: the last flush must come
+            # after it, or counts it took out are read back missing.
+            counts.flusher.stop(timeout=CLOSE_WAIT_S)
         try:
             self.flush()
         except Exception:

@@ -13,7 +13,7 @@ transaction) under the limiter row's lock:
   at that moment wins; a cancelled request gives it back).
 
 The allocation rules are those of :func:`runcell_celery.allocation.allocate`, which
-``runcell_allocate_v3`` carries out over kept counts and the head of each workload's
+``runcell_allocate_v4`` carries out over kept counts and the head of each workload's
 line (``tests/postgres/test_allocation_in_sql.py`` checks the two agree). No
 connection is held while a request waits or a slot is held. Errors fail closed: the
 caller gets :class:`~runcell_celery.errors.ConcurrencyLimiterError` and no slot.
@@ -536,12 +536,16 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         params = {"limiter": self.name, "lease_id": lease.lease_id}
         for attempt in range(RELEASE_ATTEMPTS):
             try:
-                parked = self._call(None, statements.RELEASE, params, busy_ok=True)
+                answer = self._call(None, statements.RELEASE, params, busy_ok=True)
             except RowBusyError:
                 if attempt + 1 < RELEASE_ATTEMPTS:
                     continue
                 raise _limiter_error(self.name, "the limiter row stayed locked") from None
-            self._republish(parked)
+            if answer.get("g"):
+                # Waiters of this process that the release granted start now; the
+                # others learn it from their notification.
+                self.room.dispatch_grants(answer["t"], answer["g"])
+            self._republish(answer.get("parked"))
             return
 
     def withdraw(self, request_id: str) -> None:

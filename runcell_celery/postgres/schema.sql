@@ -219,39 +219,53 @@ $$;
 -- Grant waiters while any workload that has waiters has room: the loop of
 -- runcell_celery.allocation.allocate (priority among workloads with room, then the
 -- longest waiter; runs in progress first, then arrival order, within a workload).
--- Each workload's line is read in that order through runcell_queue_for_heads by a
--- cursor, one row at a time as grants need them: granting 10,000 at once reads each
--- row once. Runs under the limiter row's lock on the row's kept counts, passed in and
+-- Each workload's line is read in that order through runcell_queue_for_heads: its
+-- head by one probe, and further rows by a cursor, one at a time as grants need
+-- them: granting 10,000 at once reads each row once. Runs under the limiter row's lock on the row's kept counts, passed in and
 -- out so the hot row is written once per transaction. Waiters whose process stopped
--- renewing are dropped on the way (at most 100 per call).
--- grants: [[request_id, lease_id, fencing_token, parked, channel], ...] in grant order.
-CREATE OR REPLACE FUNCTION runcell_allocate_v3(
+-- renewing are dropped on the way (at most 100 per call). The processes of the
+-- granted waiters are told here (runcell_notify_grants_v4), except about
+-- p_skip_request, which the caller answers itself.
+-- Grants come back in grant order as parallel arrays: request ids, lease ids, fencing
+-- tokens, and whether each went to a parked request.
+CREATE OR REPLACE FUNCTION runcell_allocate_v4(
     INOUT p_row runcell_limiter,
     p_now timestamptz,
-    OUT grants jsonb
+    p_skip_request text,
+    OUT requests text[],
+    OUT leases uuid[],
+    OUT tokens bigint[],
+    OUT parked boolean[]
 ) LANGUAGE plpgsql AS $$
 DECLARE
     v_n integer := coalesce(array_length(p_row.workloads, 1), 0);
-    v_cursors text[];
-    v_heads runcell_queue[];
+    v_probed boolean[];
+    v_opened boolean[];
     v_loaded boolean[];
+    v_head_request text[];
+    v_head_position bigint[];
     v_cursor refcursor;
     v_best integer;
-    v_best_position bigint;
     v_i integer;
-    v_head runcell_queue;
+    v_request text;
+    v_position bigint;
+    v_parked boolean;
+    v_process text;
+    v_expires timestamptz;
     v_channel text;
+    v_channels text[] := '{}';
     v_lease_id uuid;
     v_dropped integer := 0;
-    v_requests text[] := '{}';
-    v_leases uuid[] := '{}';
-    v_tokens bigint[] := '{}';
-    v_parked boolean[] := '{}';
-    v_channels text[] := '{}';
 BEGIN
+    requests := '{}';
+    leases := '{}';
+    tokens := '{}';
+    parked := '{}';
+    v_probed := array_fill(false, ARRAY[greatest(v_n, 1)]);
+    v_opened := array_fill(false, ARRAY[greatest(v_n, 1)]);
     v_loaded := array_fill(false, ARRAY[greatest(v_n, 1)]);
-    v_heads := array_fill(NULL::runcell_queue, ARRAY[greatest(v_n, 1)]);
-    v_cursors := array_fill(NULL::text, ARRAY[greatest(v_n, 1)]);
+    v_head_request := array_fill(NULL::text, ARRAY[greatest(v_n, 1)]);
+    v_head_position := array_fill(NULL::bigint, ARRAY[greatest(v_n, 1)]);
     LOOP
         v_best := NULL;
         FOR v_i IN 1 .. v_n LOOP
@@ -259,80 +273,106 @@ BEGIN
             CONTINUE WHEN NOT runcell_has_room_v3(p_row.active, p_row.ceilings, p_row.reserved,
                                                   p_row.max_concurrent, v_i);
             IF NOT v_loaded[v_i] THEN
-                IF v_cursors[v_i] IS NULL THEN
+                IF NOT v_probed[v_i] THEN
+                    -- The first head: one probe of the index (the usual case, one
+                    -- release granting one waiter, opens no cursor).
+                    SELECT q.request_id, q.position INTO v_request, v_position
+                    FROM runcell_queue q
+                    WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
+                      AND q.granted_lease_id IS NULL
+                      AND (q.deadline IS NULL OR q.deadline > p_now)
+                    ORDER BY q.in_progress DESC, q.position
+                    LIMIT 1;
+                    v_probed[v_i] := true;
+                ELSE
+                    -- Later heads: a cursor, opened once, which does not see the rows
+                    -- this transaction granted or dropped already.
                     v_cursor := 'runcell_heads_' || v_i;
-                    OPEN v_cursor FOR
-                        SELECT * FROM runcell_queue q
-                        WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
-                          AND q.granted_lease_id IS NULL
-                          AND (q.deadline IS NULL OR q.deadline > p_now)
-                        ORDER BY q.in_progress DESC, q.position;
-                    v_cursors[v_i] := v_cursor;
+                    IF NOT v_opened[v_i] THEN
+                        OPEN v_cursor FOR
+                            SELECT q.request_id, q.position FROM runcell_queue q
+                            WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
+                              AND q.granted_lease_id IS NULL
+                              AND (q.deadline IS NULL OR q.deadline > p_now)
+                            ORDER BY q.in_progress DESC, q.position;
+                        v_opened[v_i] := true;
+                    END IF;
+                    FETCH v_cursor INTO v_request, v_position;
                 END IF;
-                v_cursor := v_cursors[v_i];
-                FETCH v_cursor INTO v_head;
-                v_heads[v_i] := CASE WHEN FOUND THEN v_head END;
+                v_head_request[v_i] := CASE WHEN FOUND THEN v_request END;
+                v_head_position[v_i] := CASE WHEN FOUND THEN v_position END;
                 v_loaded[v_i] := true;
             END IF;
-            CONTINUE WHEN v_heads[v_i] IS NULL;
+            CONTINUE WHEN v_head_request[v_i] IS NULL;
             IF v_best IS NULL OR p_row.priorities[v_i] > p_row.priorities[v_best]
                OR (p_row.priorities[v_i] = p_row.priorities[v_best]
-                   AND (v_heads[v_i]).position < v_best_position) THEN
+                   AND v_head_position[v_i] < v_head_position[v_best]) THEN
                 v_best := v_i;
-                v_best_position := (v_heads[v_i]).position;
             END IF;
         END LOOP;
         EXIT WHEN v_best IS NULL;
 
-        v_head := v_heads[v_best];
+        v_request := v_head_request[v_best];
         v_loaded[v_best] := false;
-        v_channel := NULL;
-        IF NOT v_head.parked THEN
-            SELECT p.channel INTO v_channel FROM runcell_process p
-            WHERE p.process_id = v_head.process_id AND p.expires_at > p_now;
-            IF NOT FOUND AND NOT (v_head.process_id IS NULL AND v_head.expires_at > p_now) THEN
-                -- Its process stopped renewing: it will never take the slot.
-                DELETE FROM runcell_queue WHERE request_id = v_head.request_id;
-                p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
-                v_dropped := v_dropped + 1;
-                EXIT WHEN v_dropped >= 100;
-                CONTINUE;
-            END IF;
+        SELECT q.parked, q.process_id, q.expires_at, p.channel
+        INTO v_parked, v_process, v_expires, v_channel
+        FROM runcell_queue q
+        LEFT JOIN runcell_process p ON p.process_id = q.process_id AND p.expires_at > p_now
+        WHERE q.request_id = v_request;
+        IF NOT v_parked AND v_channel IS NULL
+           AND NOT (v_process IS NULL AND v_expires > p_now) THEN
+            -- Its process stopped renewing: it will never take the slot.
+            DELETE FROM runcell_queue WHERE request_id = v_request;
+            p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
+            v_dropped := v_dropped + 1;
+            EXIT WHEN v_dropped >= 100;
+            CONTINUE;
         END IF;
 
         p_row.last_fencing_token := p_row.last_fencing_token + 1;
-        INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
-            root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
-            acquired_at, renewed_at, expires_at, parked)
-        VALUES (p_row.name, v_head.workload, v_head.request_id, p_row.last_fencing_token,
-            v_head.run_id, v_head.root_run_id, v_head.parent_run_id, v_head.holder_name,
-            v_head.holder_host, v_head.holder_pid, p_row.lease_ttl_ms, p_now, p_now,
-            p_now + p_row.lease_ttl_ms * interval '1 millisecond', v_head.parked)
-        RETURNING lease_id INTO v_lease_id;
-        IF v_head.parked THEN
+        IF v_parked THEN
+            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                acquired_at, renewed_at, expires_at, parked)
+            SELECT p_row.name, q.workload, q.request_id, p_row.last_fencing_token, q.run_id,
+                q.root_run_id, q.parent_run_id, q.holder_name, q.holder_host, q.holder_pid,
+                p_row.lease_ttl_ms, p_now, p_now,
+                p_now + p_row.lease_ttl_ms * interval '1 millisecond', true
+            FROM runcell_queue q WHERE q.request_id = v_request
+            RETURNING lease_id INTO v_lease_id;
             UPDATE runcell_queue SET granted_lease_id = v_lease_id, granted_at = p_now
-            WHERE request_id = v_head.request_id;
+            WHERE request_id = v_request;
         ELSE
-            DELETE FROM runcell_queue WHERE request_id = v_head.request_id;
+            WITH granted AS (DELETE FROM runcell_queue WHERE request_id = v_request RETURNING *)
+            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                acquired_at, renewed_at, expires_at, parked)
+            SELECT p_row.name, g.workload, g.request_id, p_row.last_fencing_token, g.run_id,
+                g.root_run_id, g.parent_run_id, g.holder_name, g.holder_host, g.holder_pid,
+                p_row.lease_ttl_ms, p_now, p_now,
+                p_now + p_row.lease_ttl_ms * interval '1 millisecond', false
+            FROM granted g
+            RETURNING lease_id INTO v_lease_id;
         END IF;
         p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
         p_row.active[v_best] := p_row.active[v_best] + 1;
-        v_requests := array_append(v_requests, v_head.request_id);
-        v_leases := array_append(v_leases, v_lease_id);
-        v_tokens := array_append(v_tokens, p_row.last_fencing_token);
-        v_parked := array_append(v_parked, v_head.parked);
-        v_channels := array_append(v_channels, v_channel);
+        requests := requests || v_request;
+        leases := leases || v_lease_id;
+        tokens := tokens || p_row.last_fencing_token;
+        parked := parked || v_parked;
+        v_channels := v_channels || CASE WHEN v_request IS DISTINCT FROM p_skip_request
+                                         THEN v_channel END;
     END LOOP;
     FOR v_i IN 1 .. v_n LOOP
-        IF v_cursors[v_i] IS NOT NULL THEN
-            v_cursor := v_cursors[v_i];
+        IF v_opened[v_i] THEN
+            v_cursor := 'runcell_heads_' || v_i;
             CLOSE v_cursor;
         END IF;
     END LOOP;
-    SELECT coalesce(jsonb_agg(jsonb_build_array(r, l, t, pk, c) ORDER BY o), '[]'::jsonb)
-    INTO grants
-    FROM unnest(v_requests, v_leases, v_tokens, v_parked, v_channels)
-         WITH ORDINALITY AS g(r, l, t, pk, c, o);
+    IF cardinality(requests) > 0 THEN
+        PERFORM runcell_notify_grants_v4(p_row.name, p_now, requests, leases, tokens, parked,
+                                         v_channels);
+    END IF;
 END;
 $$;
 
@@ -341,34 +381,45 @@ $$;
 -- publishers of parked tasks on runcell_parked ({"l": limiter, "p": [request_id, ...]}).
 -- Payloads stay far below PostgreSQL's 8,000-byte limit whatever the number of
 -- grants: at most 25 grants per notification (request ids are at most 200
--- characters), as many notifications as needed.
-CREATE OR REPLACE FUNCTION runcell_notify_grants_v3(
-    p_limiter text, p_now timestamptz, p_grants jsonb, p_skip_request text
+-- characters), as many notifications as needed. A grant with no channel (parked, or
+-- answered by the caller) is not sent to a process.
+CREATE OR REPLACE FUNCTION runcell_notify_grants_v4(
+    p_limiter text, p_now timestamptz, p_requests text[], p_leases uuid[],
+    p_tokens bigint[], p_parked boolean[], p_channels text[]
 ) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_channel text;
     v_batch jsonb;
 BEGIN
-    IF jsonb_array_length(p_grants) = 0 THEN
+    IF cardinality(p_requests) = 1 THEN
+        -- The usual case (one release, one grant): no grouping.
+        IF p_parked[1] THEN
+            PERFORM pg_notify('runcell_parked', jsonb_build_object(
+                'l', p_limiter, 'p', jsonb_build_array(p_requests[1]))::text);
+        ELSIF p_channels[1] IS NOT NULL THEN
+            PERFORM pg_notify(p_channels[1], jsonb_build_object(
+                'l', p_limiter, 't', extract(epoch FROM p_now),
+                'g', jsonb_build_array(jsonb_build_array(
+                    p_requests[1], p_leases[1]::text, p_tokens[1])))::text);
+        END IF;
         RETURN;
     END IF;
     FOR v_channel, v_batch IN
-        SELECT channel, jsonb_agg(jsonb_build_array(g->>0, g->>1, (g->>2)::bigint) ORDER BY ord)
-        FROM (SELECT g, ord, g->>4 AS channel,
-                     (row_number() OVER (PARTITION BY g->>4 ORDER BY ord) - 1) / 25 AS chunk
-              FROM jsonb_array_elements(p_grants) WITH ORDINALITY AS e(g, ord)
-              WHERE NOT (g->>3)::boolean AND g->>4 IS NOT NULL
-                AND g->>0 IS DISTINCT FROM p_skip_request) AS waiting
-        GROUP BY channel, chunk
+        SELECT c, jsonb_agg(jsonb_build_array(r, l::text, t) ORDER BY o)
+        FROM (SELECT r, l, t, c, o, (row_number() OVER (PARTITION BY c ORDER BY o) - 1) / 25 AS chunk
+              FROM unnest(p_requests, p_leases, p_tokens, p_parked, p_channels)
+                   WITH ORDINALITY AS g(r, l, t, pk, c, o)
+              WHERE NOT pk AND c IS NOT NULL) AS waiting
+        GROUP BY c, chunk
     LOOP
         PERFORM pg_notify(v_channel, jsonb_build_object(
             'l', p_limiter, 't', extract(epoch FROM p_now), 'g', v_batch)::text);
     END LOOP;
     FOR v_batch IN
-        SELECT jsonb_agg(g->>0 ORDER BY ord)
-        FROM (SELECT g, ord, (row_number() OVER (ORDER BY ord) - 1) / 25 AS chunk
-              FROM jsonb_array_elements(p_grants) WITH ORDINALITY AS e(g, ord)
-              WHERE (g->>3)::boolean) AS parked
+        SELECT jsonb_agg(r ORDER BY o)
+        FROM (SELECT r, o, (row_number() OVER (ORDER BY o) - 1) / 25 AS chunk
+              FROM unnest(p_requests, p_parked) WITH ORDINALITY AS g(r, pk, o)
+              WHERE pk) AS parked
         GROUP BY chunk
     LOOP
         PERFORM pg_notify('runcell_parked', jsonb_build_object('l', p_limiter, 'p', v_batch)::text);
@@ -376,10 +427,28 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION runcell_parked_grants_v3(p_grants jsonb) RETURNS jsonb
-LANGUAGE sql IMMUTABLE AS $$
-    SELECT coalesce(jsonb_agg(g->1), '[]'::jsonb) FROM jsonb_array_elements(p_grants) g
-    WHERE (g->>3)::boolean
+-- The lease ids of the grants that went to parked requests (their tasks to re-publish).
+CREATE OR REPLACE FUNCTION runcell_parked_leases_v4(p_leases uuid[], p_parked boolean[])
+RETURNS jsonb LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_parked IS NULL OR NOT (true = ANY(p_parked)) THEN
+        RETURN '[]'::jsonb;
+    END IF;
+    RETURN (SELECT jsonb_agg(l ORDER BY o) FROM unnest(p_leases, p_parked)
+            WITH ORDINALITY AS g(l, pk, o) WHERE pk);
+END;
+$$;
+
+-- Write the kept counts and the fencing counter back to the limiter row (once per
+-- transaction). PL/pgSQL, so its statement's plan is kept for the session.
+CREATE OR REPLACE FUNCTION runcell_store_counts_v4(p_row runcell_limiter) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE runcell_limiter
+    SET active = p_row.active, waiting = p_row.waiting,
+        last_fencing_token = p_row.last_fencing_token
+    WHERE name = p_row.name;
+END;
 $$;
 
 -- Delete up to p_limit leases of the limiter that expired (holders that crashed or
@@ -439,19 +508,13 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION runcell_store_counts_v3(p_row runcell_limiter) RETURNS void
-LANGUAGE sql AS $$
-    UPDATE runcell_limiter
-    SET active = p_row.active, waiting = p_row.waiting,
-        last_fencing_token = p_row.last_fencing_token
-    WHERE name = p_row.name
-$$;
-
--- Acquire: one round trip, one synchronous commit. Grants the caller at once when
--- nobody of its workload waits and the workload has room (allocation is settled
--- after every transaction, so no other waiter could use that slot); otherwise
--- queues it for its process to be told. p_retry: the request may exist already (a
--- retry after a lost reply, a redelivered deferral): return what it has.
+-- Acquire: one round trip. Grants the caller at once when nobody of its workload
+-- waits and the workload has room (allocation is settled after every transaction, so
+-- no other waiter could use that slot): one synchronous commit. Otherwise queues it
+-- for its process to be told, with an asynchronous commit (a queue row lost in a
+-- crash is found missing by its process's safety poll, which queues it again; any
+-- grant's synchronous commit flushes it first). p_retry: the request may exist
+-- already (a retry after a lost reply, a redelivered deferral): return what it has.
 -- Returns {"s": "granted", "lease": [lease_id, token]} | {"s": "queued", "left_ms"}
 -- | {"s": "no-wait"} | {"s": "queue-full"} | {"s": "duplicate"} | {"s": "unknown-workload"},
 -- each with "now", the database's clock (epoch seconds), and "parked": lease ids
@@ -474,8 +537,12 @@ DECLARE
     v_found record;
     v_lease_id uuid;
     v_result record;
-    v_grants jsonb := '[]'::jsonb;
-    v_mine jsonb;
+    v_requests text[] := '{}';
+    v_leases uuid[];
+    v_tokens bigint[];
+    v_parked boolean[];
+    v_mine integer;
+    v_first_expiry timestamptz;
     v_j integer;
     v_queued integer := 0;
 BEGIN
@@ -530,13 +597,19 @@ BEGIN
         END IF;
     END IF;
 
-    -- The waiting process must be known alive for its row to be granted.
-    INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
-    VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
-            (p_process->>'pid')::integer,
-            v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
-    ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at
-    WHERE p.expires_at < v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond' / 2;
+    -- The waiting process must be known alive for its row to be granted: its row is
+    -- written when missing or past half its time (read first: a write per enqueue
+    -- would lengthen every contended acquire).
+    PERFORM 1 FROM runcell_process p
+    WHERE p.process_id = p_process->>'process_id'
+      AND p.expires_at >= v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond' / 2;
+    IF NOT FOUND THEN
+        INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
+        VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
+                (p_process->>'pid')::integer,
+                v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
+        ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+    END IF;
 
     INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
         parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
@@ -548,29 +621,41 @@ BEGIN
         coalesce((p_request->>'in_progress')::boolean, false), p_process->>'process_id');
     v_row.waiting[v_i] := v_row.waiting[v_i] + 1;
 
-    -- Slots of holders that died come back here (bounded), off the uncontended path.
-    v_result := runcell_reap_expired_v3(v_row, v_now, 100);
-    v_row := v_result.p_row;
-    IF v_result.reaped > 0 THEN
-        v_result := runcell_allocate_v3(v_row, v_now);
+    -- When the first lease of this limiter expires unless renewed. Already passed: its
+    -- holder died, and its slot comes back here (bounded), off the uncontended path.
+    -- Still to come: the waiting process looks then.
+    SELECT l.expires_at INTO v_first_expiry FROM runcell_lease l
+    WHERE l.limiter = p_limiter ORDER BY l.expires_at LIMIT 1;
+    IF v_first_expiry <= v_now THEN
+        v_result := runcell_reap_expired_v3(v_row, v_now, 100);
         v_row := v_result.p_row;
-        v_grants := v_result.grants;
-        PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, v_request_id);
-        SELECT g INTO v_mine FROM jsonb_array_elements(v_grants) AS g
-        WHERE g->>0 = v_request_id;
+        v_result := runcell_allocate_v4(v_row, v_now, v_request_id);
+        v_row := v_result.p_row;
+        v_requests := v_result.requests;
+        v_leases := v_result.leases;
+        v_tokens := v_result.tokens;
+        v_parked := v_result.parked;
+        v_mine := array_position(v_requests, v_request_id);
+        SELECT l.expires_at INTO v_first_expiry FROM runcell_lease l
+        WHERE l.limiter = p_limiter AND l.expires_at > v_now ORDER BY l.expires_at LIMIT 1;
     END IF;
-    PERFORM runcell_store_counts_v3(v_row);
+    UPDATE runcell_limiter
+    SET active = v_row.active, waiting = v_row.waiting,
+        last_fencing_token = v_row.last_fencing_token
+    WHERE name = p_limiter;
     IF v_mine IS NOT NULL THEN
-        RETURN runcell_answer_v3('granted', v_now, (v_mine->>1)::uuid, (v_mine->>2)::bigint)
-            || jsonb_build_object('parked', runcell_parked_grants_v3(v_grants));
+        RETURN runcell_answer_v3('granted', v_now, v_leases[v_mine], v_tokens[v_mine])
+            || jsonb_build_object('parked', runcell_parked_leases_v4(v_leases, v_parked));
     END IF;
-    -- When the first lease of this limiter would expire if not renewed: the waiting
-    -- process looks then (a holder that died gives its slot back at that moment).
+    IF cardinality(v_requests) = 0 THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+        RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+            'left_ms', p_wait_ms, 'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000);
+    END IF;
     RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
-        'left_ms', p_wait_ms, 'parked', runcell_parked_grants_v3(v_grants),
-        'expiry_ms', (SELECT extract(epoch FROM l.expires_at - v_now) * 1000
-                      FROM runcell_lease l WHERE l.limiter = p_limiter
-                      ORDER BY l.expires_at LIMIT 1));
+        'left_ms', p_wait_ms,
+        'parked', runcell_parked_leases_v4(v_leases, v_parked),
+        'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000);
 END;
 $$;
 
@@ -578,17 +663,19 @@ $$;
 -- transaction, telling their processes directly. With nobody granted the commit is
 -- asynchronous (a release lost in a crash only keeps its slot until the lease
 -- expires: it fails closed); a commit that grants stays synchronous.
--- Returns the lease ids granted to parked requests (their tasks to re-publish).
-CREATE OR REPLACE FUNCTION runcell_release_v3(
+-- Returns {"t": grant time (epoch s), "g": [[request_id, lease_id, token], ...] (the
+-- waiters granted: the caller wakes its own at once, before their notification
+-- arrives), "parked": [lease_id, ...] (grants to parked requests, to re-publish)}.
+CREATE OR REPLACE FUNCTION runcell_release_v4(
     p_limiter text, p_lease_id uuid, p_lock_timeout_ms integer
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
-    v_now timestamptz;
     v_row runcell_limiter;
     v_workload text;
     v_i integer;
+    v_now timestamptz;
     v_result record;
-    v_grants jsonb := '[]'::jsonb;
+    v_granted integer := 0;
 BEGIN
     v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
     DELETE FROM runcell_lease WHERE lease_id = p_lease_id AND limiter = p_limiter
@@ -596,23 +683,40 @@ BEGIN
     v_i := array_position(v_row.workloads, v_workload);
     IF v_i IS NULL THEN
         PERFORM set_config('synchronous_commit', 'off', true);
-        RETURN '[]'::jsonb;
+        RETURN '{}'::jsonb;
     END IF;
     v_row.active[v_i] := greatest(0, v_row.active[v_i] - 1);
     IF 0 < ANY(v_row.waiting) THEN
         v_now := clock_timestamp();
-        v_result := runcell_allocate_v3(v_row, v_now);
+        v_result := runcell_allocate_v4(v_row, v_now, NULL);
         v_row := v_result.p_row;
-        v_grants := v_result.grants;
-        PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, NULL);
+        v_granted := cardinality(v_result.requests);
     END IF;
-    PERFORM runcell_store_counts_v3(v_row);
-    IF jsonb_array_length(v_grants) = 0 THEN
+    UPDATE runcell_limiter
+    SET active = v_row.active, waiting = v_row.waiting,
+        last_fencing_token = v_row.last_fencing_token
+    WHERE name = p_limiter;
+    IF v_granted = 0 THEN
         PERFORM set_config('synchronous_commit', 'off', true);
-        RETURN '[]'::jsonb;
+        RETURN '{}'::jsonb;
     END IF;
-    RETURN runcell_parked_grants_v3(v_grants);
+    RETURN jsonb_build_object(
+        't', extract(epoch FROM v_now),
+        'g', (SELECT jsonb_agg(jsonb_build_array(r, l::text, t) ORDER BY o)
+              FROM unnest(v_result.requests, v_result.leases, v_result.tokens, v_result.parked)
+                   WITH ORDINALITY AS g(r, l, t, pk, o)
+              WHERE NOT pk),
+        'parked', runcell_parked_leases_v4(v_result.leases, v_result.parked));
 END;
+$$;
+
+-- The release of the previous revision (its answer: the parked grants' lease ids), for
+-- workers of that revision still running during a rolling upgrade.
+CREATE OR REPLACE FUNCTION runcell_release_v3(
+    p_limiter text, p_lease_id uuid, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE sql AS $$
+    SELECT coalesce(runcell_release_v4(p_limiter, p_lease_id, p_lock_timeout_ms)->'parked',
+                    '[]'::jsonb)
 $$;
 
 -- Withdraw a waiting request (its wait ended or it was cancelled). Under the lock, so
@@ -630,7 +734,7 @@ DECLARE
     v_queued record;
     v_result record;
     v_i integer;
-    v_grants jsonb := '[]'::jsonb;
+    v_parked jsonb := '[]'::jsonb;
     v_status text := 'missing';
 BEGIN
     v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
@@ -656,14 +760,13 @@ BEGIN
         IF v_i IS NOT NULL THEN
             v_row.active[v_i] := greatest(0, v_row.active[v_i] - 1);
         END IF;
-        v_result := runcell_allocate_v3(v_row, v_now);
+        v_result := runcell_allocate_v4(v_row, v_now, NULL);
         v_row := v_result.p_row;
-        v_grants := v_result.grants;
-        PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, NULL);
+        v_parked := runcell_parked_leases_v4(v_result.leases, v_result.parked);
     END IF;
-    PERFORM runcell_store_counts_v3(v_row);
+    PERFORM runcell_store_counts_v4(v_row);
     RETURN jsonb_build_object('s', v_status, 'now', extract(epoch FROM v_now),
-        'parked', runcell_parked_grants_v3(v_grants));
+        'parked', v_parked);
 END;
 $$;
 
@@ -720,7 +823,6 @@ DECLARE
     v_result record;
     v_gone record;
     v_i integer;
-    v_grants jsonb := '[]'::jsonb;
 BEGIN
     v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
     v_now := clock_timestamp();
@@ -740,12 +842,10 @@ BEGIN
             v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
         END IF;
     END LOOP;
-    v_result := runcell_allocate_v3(v_row, v_now);
+    v_result := runcell_allocate_v4(v_row, v_now, NULL);
     v_row := v_result.p_row;
-    v_grants := v_result.grants;
-    PERFORM runcell_notify_grants_v3(p_limiter, v_now, v_grants, NULL);
-    PERFORM runcell_store_counts_v3(v_row);
-    RETURN runcell_parked_grants_v3(v_grants);
+    PERFORM runcell_store_counts_v4(v_row);
+    RETURN runcell_parked_leases_v4(v_result.leases, v_result.parked);
 END;
 $$;
 
@@ -858,7 +958,7 @@ BEGIN
             END IF;
             RETURN NEXT v_gone;
         END LOOP;
-        PERFORM runcell_store_counts_v3(v_row);
+        PERFORM runcell_store_counts_v4(v_row);
     END LOOP;
 END;
 $$;
@@ -874,3 +974,9 @@ BEGIN
     END LOOP;
 END;
 $$;
+
+-- Helpers of earlier revisions of this file, replaced by the _v4 ones above.
+DROP FUNCTION IF EXISTS runcell_store_counts_v3(runcell_limiter);
+DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
+DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
+DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);

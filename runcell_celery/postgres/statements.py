@@ -59,7 +59,7 @@ SELECT runcell_acquire_v3(%(limiter)s, %(config_hash)s, %(request)s::jsonb, %(wa
 """
 
 RELEASE: LiteralString = """
-SELECT runcell_release_v3(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
+SELECT runcell_release_v4(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
 """
 
 WITHDRAW: LiteralString = """

@@ -227,19 +227,32 @@ class WaitRoom:
     # -- news from the database ---------------------------------------------------------
 
     def dispatch(self, payload: str) -> None:
-        """Wake the waiters named in a grant notification (see runcell_notify_grants_v3)."""
+        """Wake the waiters named in a grant notification (see runcell_notify_grants_v4)."""
         try:
             message = json.loads(payload)
-            granted_at = float(message["t"])
-            grants = [(str(r), str(lease), int(token)) for r, lease, token in message["g"]]
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            logger.warning("runcell: ignoring a malformed grant notification")
+            return
+        self.dispatch_grants(message.get("t"), message.get("g"))
+
+    def dispatch_grants(self, granted_at: Any, grants: Any) -> None:
+        """Wake the waiters of this process among ``grants`` (``[[request_id, lease_id,
+        token], ...]`` granted at database time ``granted_at``); others are ignored.
+        A waiter told twice (by its notification and by the release that granted it)
+        keeps the first."""
+        try:
+            at = float(granted_at)
+            found_grants = [(str(r), str(lease), int(token)) for r, lease, token in grants]
         except (ValueError, KeyError, TypeError):
             logger.warning("runcell: ignoring a malformed grant notification")
             return
         with self._lock:
-            found = [(self._waiters.get(r), lease, token) for r, lease, token in grants]
+            found = [(self._waiters.get(r), lease, token) for r, lease, token in found_grants]
         for waiter, lease_id, token in found:
             if waiter is not None:
-                waiter.granted(Grant(lease_id, token, granted_at))
+                waiter.granted(Grant(lease_id, token, at))
 
     def expiry_in(self, ms: float | None) -> None:
         """A lease of a limiter we wait on expires in ``ms`` unless renewed: look then."""

@@ -32,6 +32,9 @@ FROZEN = {
     "0001_initial": "8001740a9c5f4bee4b02c6861bf3040f7c30ebddc078034e4b667ee7b675efbc",
     "0002_limiter_schema_v2": "c046c34f441a8b0507f2f4adca5be920cc5e26147c47540698fc8c4854d29d94",
     "0003_limiter_schema_v3": "b06de99e6d7fe8da11d688bf8c0905447a4daea0362e72ab66c19598f876cfaa",
+    "0004_limiter_schema_v3_hot_path": (
+        "f9e3ef0f1ae2dbc819e0339267da69a42939d89b970d9ee7021c177bba561147"
+    ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"
 

@@ -1,6 +1,6 @@
 """The database's allocation agrees with the one allocation function.
 
-``runcell_allocate_v3`` carries out :func:`runcell_celery.allocation.allocate` in the
+``runcell_allocate_v4`` carries out :func:`runcell_celery.allocation.allocate` in the
 database, so that a release grants the next waiters in one round trip. Here both are
 given the same limits, slots held and waiters (random, through hypothesis) and must
 grant the same requests in the same order.
@@ -101,13 +101,13 @@ def _granted_in_sql(
                 )
         conn.execute("SELECT runcell_set_limits_v3('l')")
         row = conn.execute(
-            "SELECT (runcell_allocate_v3(l, clock_timestamp())).grants "
+            "SELECT (runcell_allocate_v4(l, clock_timestamp(), NULL)).requests "
             "FROM runcell_limiter AS l WHERE name = 'l'"
         ).fetchone()
     assert row is not None
     grants = row[0]
     assert isinstance(grants, list)
-    return [int(str(grant[0]).removeprefix("r")) for grant in grants]
+    return [int(str(grant).removeprefix("r")) for grant in grants]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -143,10 +143,10 @@ def test_a_waiter_whose_process_stopped_renewing_is_passed_over(
             )
         database.execute("SELECT runcell_set_limits_v3('l')")
         row = database.execute(
-            "SELECT (runcell_allocate_v3(l, clock_timestamp())).grants "
+            "SELECT (runcell_allocate_v4(l, clock_timestamp(), NULL)).requests "
             "FROM runcell_limiter AS l WHERE name = 'l'"
         ).fetchone()
         left = database.execute("SELECT request_id FROM runcell_queue").fetchall()
     assert row is not None
-    assert [grant[0] for grant in row[0]] == ["from-here"]
+    assert row[0] == ["from-here"]
     assert left == [], "the dead process's row was dropped on the way"

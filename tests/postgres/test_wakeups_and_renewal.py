@@ -50,6 +50,88 @@ def test_a_release_wakes_the_granted_waiter_long_before_its_next_poll(pg_dsn: st
     waiter.join(SOON_S)
 
 
+def test_a_release_wakes_a_waiter_of_its_own_process_without_any_notification(
+    pg_dsn: str,
+) -> None:
+    # No listener and a poll once a minute: only the release's own answer can serve the
+    # waiter within the join (the releasing process wakes its own waiters at once).
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn,
+        name=unique_name("local"),
+        max_concurrent=1,
+        listen=False,
+        poll_interval_ms=60_000,
+    )
+    granted = threading.Event()
+
+    def wait_for_the_slot() -> None:
+        with slot(limiter):
+            granted.set()
+
+    with slot(limiter):
+        waiter = threading.Thread(target=wait_for_the_slot)
+        waiter.start()
+        deadline = time.monotonic() + SOON_S
+        while limiter.stats().queued == 0:
+            assert time.monotonic() < deadline, "the waiter never queued"
+            time.sleep(0.01)
+        # The safety poll ran once when the waiter queued; the next is a minute away.
+        time.sleep(0.3)
+    assert granted.wait(5.0), "the release did not hand the slot to its own process's waiter"
+    waiter.join(SOON_S)
+
+
+def test_joining_the_queue_commits_asynchronously_and_a_grant_synchronously(
+    pg_dsn: str,
+) -> None:
+    # The engine's functions decide this themselves (SET LOCAL synchronous_commit):
+    # read back what each transaction left as its setting, inside the transaction.
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name("commits"), max_concurrent=1
+    )
+    name = limiter.name
+    with slot(limiter), psycopg.connect(pg_dsn) as conn:
+        config_hash = conn.execute(
+            "SELECT config_hash FROM runcell_limiter WHERE name = %s", [name]
+        ).fetchone()
+        assert config_hash is not None
+        process = (
+            '{"process_id": "p-commits", "channel": "runcell_w_commits", "host": "h", '
+            '"pid": 1, "ttl_ms": 30000}'
+        )
+        request = (
+            '{"request_id": "r-commits", "workload": "default", "run_id": "r-commits", '
+            '"root_run_id": "r-commits", "parent_run_id": null, "holder_name": "t", '
+            '"in_progress": false}'
+        )
+        answer = conn.execute(
+            "SELECT runcell_acquire_v3(%s, %s, %s::jsonb, NULL, %s::jsonb, 5000, false)",
+            [name, config_hash[0], request, process],
+        ).fetchone()
+        assert answer is not None
+        assert answer[0]["s"] == "queued"
+        setting = conn.execute("SELECT current_setting('synchronous_commit')").fetchone()
+        conn.rollback()
+        assert setting == ("off",), "a request that only joins the queue commits asynchronously"
+        granting = conn.execute("SELECT lease_id FROM runcell_lease WHERE limiter = %s", [name])
+        held = granting.fetchone()
+        assert held is not None
+        # Queue a waiter for real, then release in a transaction of our own: it grants.
+        conn.execute(
+            "SELECT runcell_acquire_v3(%s, %s, %s::jsonb, NULL, %s::jsonb, 5000, false)",
+            [name, config_hash[0], request, process],
+        )
+        conn.commit()
+        released = conn.execute(
+            "SELECT runcell_release_v4(%s, %s, 5000)", [name, held[0]]
+        ).fetchone()
+        setting = conn.execute("SELECT current_setting('synchronous_commit')").fetchone()
+        conn.rollback()
+    assert released is not None
+    assert [g[0] for g in released[0]["g"]] == ["r-commits"]
+    assert setting == ("on",), "a release that grants commits synchronously"
+
+
 class _CountingConnection(psycopg.Connection[Any]):
     """Records every ``execute`` sent through the connection (not a mock: it runs them)."""
 
