@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from .cancellation import CancellationToken
 from .config import LimiterConfig
@@ -23,6 +23,7 @@ __all__ = [
     "AdmissionCount",
     "Backend",
     "BackendFactory",
+    "ClaimMiss",
     "CounterStore",
     "ExpiredParked",
     "ParkingStore",
@@ -84,9 +85,22 @@ class Republish:
     payload: str
 
 
+#: Why :meth:`SupportsParking.claim_parked` gave no lease: ``"stale"`` — the parked
+#: request is still stored (in line, or granted to another publication), so this
+#: message is an outdated copy and its own publication will carry the task;
+#: ``"missing"`` — nothing is stored for it any more (another copy of the message
+#: claimed it, or it was withdrawn or failed).
+ClaimMiss = Literal["stale", "missing"]
+
+
 @dataclass(frozen=True, slots=True)
 class ExpiredParked:
-    """A parked request whose deadline passed before it was granted."""
+    """A parked request whose deadline passed before it was granted.
+
+    It stays stored (out of line) until :meth:`ParkingStore.complete_expired_parked`,
+    so its task's failure can be recorded first. ``run_id`` is the task id and
+    ``holder_name`` the task name; ``waited_ms`` how long it was in line.
+    """
 
     limiter: str
     request_id: str
@@ -96,6 +110,7 @@ class ExpiredParked:
     parent_run_id: str | None
     holder_name: str | None
     payload: str
+    waited_ms: float | None = None
 
 
 @runtime_checkable
@@ -136,7 +151,17 @@ class ParkingStore(Protocol):
         self, lease_ids: Sequence[str] = (), *, stale_ms: int
     ) -> list[Republish]: ...
 
-    def take_expired_parked(self) -> list[ExpiredParked]: ...
+    def take_expired_parked(self) -> list[ExpiredParked]:
+        """Phase one of failing stale parked work: take the parked requests whose
+        deadline passed out of line and hand them to this process. They stay stored;
+        the same process gets them again at its next call until it completes them, and
+        any other process once a while has passed (the taker died)."""
+        ...
+
+    def complete_expired_parked(self, expired: Sequence[ExpiredParked]) -> int:
+        """Phase two: delete expired requests whose failure is recorded; return how
+        many were still stored. Idempotent under lost replies."""
+        ...
 
     def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
         """Call ``handler(limiter, request_ids)`` when any process grants parked
@@ -148,13 +173,19 @@ class ParkingStore(Protocol):
 class SupportsParking(Protocol):
     """A limiter whose waiting requests can be parked with a task message.
 
+    A request belongs to one delivery of a task, never to the task id alone: the
+    caller gives every delivery a request id of its own, carried across re-publication.
+
     ``acquire_or_park`` waits up to ``admission_wait_ms`` and then parks the request
     (it keeps its place in the queue with ``payload``); it returns the lease, or
-    ``"parked"``, or ``"duplicate"`` when another delivery owns a lease granted to the
-    request while it was parked. ``claim_parked`` takes a parked grant from the
-    re-published message ``publication_id``. ``set_parked_granted_handler`` installs
-    what to call, after commit, with the lease ids of parked requests this process
-    just granted (to re-publish their tasks at once).
+    ``"parked"``, or ``"duplicate"`` when the request was already parked and granted
+    (its own publication carries it). ``claim_parked`` takes a parked grant from the
+    re-published message ``publication_id``, or says why not (:data:`ClaimMiss`).
+    ``withdraw`` gives up a request's place or unclaimed grant. Parking, claiming
+    and withdrawing are idempotent under lost replies (a retry gets the first
+    answer). ``set_parked_granted_handler`` installs what to call, after commit, with
+    the lease ids of parked requests this process just granted (to re-publish their
+    tasks at once).
     """
 
     def acquire_or_park(
@@ -167,7 +198,7 @@ class SupportsParking(Protocol):
         on_wait: OnWait | None = None,
     ) -> Lease | str: ...
 
-    def claim_parked(self, request_id: str, publication_id: str) -> Lease | None: ...
+    def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss: ...
 
     def withdraw(self, request_id: str) -> None: ...
 

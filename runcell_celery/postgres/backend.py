@@ -13,7 +13,11 @@ release), so no other layer reads or writes the ``runcell_*`` tables itself.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import socket
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, LiteralString
@@ -37,7 +41,7 @@ from ..ports import (
 )
 from ..protocol import LimiterStats, WorkloadStats
 from . import statements
-from .calls import call, lock_timeout_ms
+from .calls import CallFailedError, call, lock_timeout_ms
 from .connection import Database, fetch_all, redacted
 from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
@@ -46,6 +50,12 @@ from .waiting import get_room
 __all__ = ["LimiterState", "PostgresBackend", "ReleasedLease"]
 
 logger = logging.getLogger("runcell_celery.postgres")
+
+#: Expired parked requests a taker has not completed within this long are handed to
+#: another (the first died or is stuck); the taker itself gets them at every call.
+RETAKE_EXPIRED_AFTER_MS = 30_000
+#: Operation ids are remembered this long: far beyond any retry of a lost reply.
+KEEP_OPERATIONS_MS = 15 * 60_000
 
 _COUNT_FIELDS = (
     "deliveries",
@@ -131,6 +141,7 @@ class PostgresBackend:
         path: str = 'RUNCELL["POSTGRES"]',
     ) -> None:
         self.options = PostgresOptions.from_mapping(options, path=path)
+        self._taker_tag = uuid.uuid4().hex[:8]
         self._db: Database | None = None
         if database is not None:
             self._db = Database(
@@ -235,9 +246,37 @@ class PostgresBackend:
         return [Republish(*row) for row in self._fetch(statements.CLAIM_REPUBLISH, params)]
 
     def take_expired_parked(self) -> list[ExpiredParked]:
-        """Remove parked requests whose deadline passed; return them to be failed."""
-        params = {"lock_timeout_ms": lock_timeout_ms(None)}
+        """Take parked requests whose deadline passed out of line, for this process to
+        record their tasks' failure (phase one; see :class:`~runcell_celery.ports.ParkingStore`).
+
+        Nothing is deleted: until :meth:`complete_expired_parked`, this process gets
+        them again at every call, and any other once ``RETAKE_EXPIRED_AFTER_MS``
+        passed. Old operation records are purged on the way.
+        """
+        params = {
+            # This process, whichever host: a forked child is another taker.
+            "taker": f"{socket.gethostname()}/{os.getpid()}/{self._taker_tag}",
+            "retake_after_ms": RETAKE_EXPIRED_AFTER_MS,
+            "keep_ops_ms": KEEP_OPERATIONS_MS,
+            "lock_timeout_ms": lock_timeout_ms(None),
+        }
         return [ExpiredParked(*row) for row in self._fetch(statements.TAKE_EXPIRED_PARKED, params)]
+
+    def complete_expired_parked(self, expired: Sequence[ExpiredParked]) -> int:
+        """Delete expired parked requests whose failure is recorded (phase two), in one
+        round trip; return how many were still stored. A retry after a lost reply gets
+        the first attempt's answer."""
+        if not expired:
+            return 0
+        params = {
+            "items": json.dumps([[e.limiter, e.request_id] for e in expired]),
+            "op_id": str(uuid.uuid4()),
+        }
+        try:
+            answer = call(self._database(), statements.COMPLETE_EXPIRED, params)
+        except CallFailedError as exc:
+            raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
+        return int(answer["n"])
 
     def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
         """Call ``handler(limiter, request_ids)`` when any process grants parked requests:

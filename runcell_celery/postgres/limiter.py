@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from ..cancellation import CancellationToken
 from ..config import LimiterConfig
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
+from ..ports import ClaimMiss
 from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 from . import statements
 from .calls import (
@@ -418,7 +420,12 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             answer = self._call(
                 request,
                 statements.WITHDRAW,
-                {"limiter": self.name, "request_id": request.request_id, "give_back": False},
+                {
+                    "limiter": self.name,
+                    "request_id": request.request_id,
+                    "give_back": False,
+                    "op_id": None,  # repeating it gives the same outcome: nothing to record
+                },
                 lock_ms=lock_timeout_ms(None),
             )
             if answer["s"] == "granted":
@@ -465,7 +472,12 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return Deadline(start + self._config.lease_ttl_ms / 1000 - self._margin_s)
 
     def _park(self, waiting: _Waiting) -> Lease | AdmissionResult | None:
-        """Turn the waiting row into a parked one; ``None`` if it is gone."""
+        """Turn the waiting row into a parked one; ``None`` if it is gone.
+
+        The operation id is made once, so the retry :func:`~.calls.call` sends after a
+        lost reply gets the first attempt's answer: a grant made in between must not
+        read as "missing".
+        """
         assert waiting.park is not None
         request = waiting.request
         answer = self._call(
@@ -475,6 +487,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 "limiter": self.name,
                 "request_id": request.request_id,
                 "payload": waiting.park.payload,
+                "op_id": _op_id(),
             },
             lock_ms=lock_timeout_ms(None),
         )
@@ -482,23 +495,31 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             return "parked"
         if answer["s"] == "granted":
             return self._lease(request.request_id, waiting.workload, answer["lease"], None)
+        # Neither waiting nor granted: let the next step ask again what it has (a new
+        # place if need be) rather than try to park a row that is not there.
+        waiting.waiter.missing = True
         return None
 
-    def claim_parked(self, request_id: str, publication_id: str) -> Lease | None:
+    def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss:
         """Take the lease granted to a parked request, from its re-published message.
 
-        :returns: the lease, renewed; ``None`` if this publication cannot claim it
-            (another publication did, or the grant expired and the request is back in
-            line, or it was never granted).
+        :returns: the lease, renewed; else ``"stale"`` when the request is still
+            stored for another publication (this message is an outdated copy), or
+            ``"missing"`` when nothing is stored for it (another copy claimed it, or it
+            was withdrawn or failed). A retry after a lost reply gets the same answer.
         """
-        params = {"limiter": self.name, "request_id": request_id, "publication_id": publication_id}
-        sent = time.monotonic()
-        with _failing_closed(self, None), self._db.connection() as conn:
-            rows = conn.execute(statements.CLAIM_PARKED, params).fetchall()
-        if not rows:
-            return None
-        lease_id, granted_request, workload, token = rows[0]
-        return self._lease(granted_request, workload, (lease_id, token), sent)
+        params = {
+            "limiter": self.name,
+            "request_id": request_id,
+            "publication_id": publication_id,
+            "op_id": _op_id(),
+        }
+        sent = time.monotonic()  # before any attempt: the lease is renewed after it
+        answer = self._call(None, statements.CLAIM_PARKED, params)
+        status = answer["s"]
+        if status == "claimed":
+            return self._lease(request_id, str(answer["workload"]), answer["lease"], sent)
+        return "stale" if status == "stale" else "missing"
 
     # -- renew, release, withdraw, reap, stats -------------------------------------------
 
@@ -551,7 +572,12 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def withdraw(self, request_id: str) -> None:
         """Take a request out of the queue (parked or waiting) and give back any slot
         it was granted; used when its run ends before it uses its place."""
-        params = {"limiter": self.name, "request_id": request_id, "give_back": True}
+        params = {
+            "limiter": self.name,
+            "request_id": request_id,
+            "give_back": True,
+            "op_id": _op_id(),  # a retry re-publishes what the first attempt granted
+        }
         answer = self._call(None, statements.WITHDRAW, params, lock_ms=lock_timeout_ms(None))
         self._republish(answer.get("parked"))
 
@@ -696,3 +722,8 @@ def _executor(database: Database) -> ThreadPoolExecutor:
 
 def _nothing() -> None:
     return None
+
+
+def _op_id() -> str:
+    """A new operation id: one per operation, the same for each of its attempts."""
+    return str(uuid.uuid4())

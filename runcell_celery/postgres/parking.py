@@ -14,9 +14,22 @@ whose ``UPDATE ... WHERE published_at IS NULL`` lets exactly one of them publish
 grant. If a grant's task does not start
 within the lease TTL (the publisher died, the broker lost it), the lease expires and
 the request is back in line in its old place, to be granted and published again: a
-parked task is never lost. Requests whose deadline passes while parked are taken out
-by :meth:`~runcell_celery.postgres.PostgresBackend.take_expired_parked` so their
-task can be failed without running.
+parked task is never lost.
+
+Each parked request belongs to one delivery of its task (the Celery layer gives every
+delivery a request id of its own), so a duplicate message never shares a grant.
+Parking, claiming, withdrawing and completing carry a client-made operation id,
+recorded with the answer in the same transaction (``runcell_operation``, purged by
+age): a retry after a lost reply gets that answer again instead of reading its own
+work as someone else's.
+
+Requests whose deadline passes while parked are failed in two phases, so they never
+vanish: :meth:`~runcell_celery.postgres.PostgresBackend.take_expired_parked` takes them
+out of line and hands them to the calling process, which records the task's failure
+and then deletes them with
+:meth:`~runcell_celery.postgres.PostgresBackend.complete_expired_parked`. Until then
+they stay stored, handed again to the same process at its next call and to any other
+after ``RETAKE_EXPIRED_AFTER_MS``.
 """
 
 from __future__ import annotations

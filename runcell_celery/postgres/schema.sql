@@ -146,6 +146,26 @@ ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS published_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS publication_id uuid;
 
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS process_id text;
+-- A parked request whose deadline passed is taken out of line (expired_at, no longer
+-- counted as waiting) and kept until its task's failure is recorded: failing_by and
+-- failing_at say which sweeper records it, since when (another may take over if it
+-- does not finish). Only then is the row deleted: parked work never vanishes.
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS expired_at timestamptz;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS failing_by text;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS failing_at timestamptz;
+CREATE INDEX IF NOT EXISTS runcell_queue_for_failing ON runcell_queue (failing_at)
+    WHERE expired_at IS NOT NULL;
+
+-- Operations on parked requests (park, claim, withdraw, complete) already done, by the
+-- client's operation id, with the answer they gave: a retry after a lost reply gets
+-- that answer again instead of acting twice or reading its own work as another's.
+-- Kept a while (purged by age by the sweepers' pass).
+CREATE TABLE IF NOT EXISTS runcell_operation (
+    op_id uuid PRIMARY KEY,
+    result jsonb,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS runcell_operation_for_purge ON runcell_operation (at);
 -- The limits in array form (workloads sorted by name) and the kept counts: slots held
 -- and requests waiting (or parked, not granted) per workload. Allocation reads these,
 -- never count(*), so its cost does not grow with the queue.
@@ -190,6 +210,37 @@ CREATE OR REPLACE FUNCTION runcell_answer_v3(
 ) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
     SELECT jsonb_build_object('s', p_status, 'now', extract(epoch FROM p_now),
                               'lease', jsonb_build_array(p_lease_id, p_token))
+$$;
+
+-- Operation ids (runcell_operation): begin returns the answer an earlier attempt of
+-- the same operation committed, or NULL after claiming the id for this transaction (an
+-- attempt still running elsewhere is waited for: the id's row is locked until it ends);
+-- end records the answer and returns it. A NULL id records nothing.
+CREATE OR REPLACE FUNCTION runcell_op_begin_v4(p_op_id uuid) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_result jsonb;
+BEGIN
+    IF p_op_id IS NULL THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO runcell_operation (op_id) VALUES (p_op_id) ON CONFLICT (op_id) DO NOTHING;
+    IF FOUND THEN
+        RETURN NULL;
+    END IF;
+    SELECT result INTO v_result FROM runcell_operation WHERE op_id = p_op_id;
+    RETURN coalesce(v_result, '{"s": "missing"}'::jsonb);
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION runcell_op_end_v4(p_op_id uuid, p_result jsonb) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_op_id IS NOT NULL THEN
+        UPDATE runcell_operation SET result = p_result WHERE op_id = p_op_id;
+    END IF;
+    RETURN p_result;
+END;
 $$;
 
 -- has_room: the rule of runcell_celery.allocation.has_room over the kept counts. A
@@ -723,11 +774,15 @@ $$;
 -- an allocation that chose it has either committed or not started: when it was
 -- granted meanwhile, p_give_back decides whether the grant wins (a wait that timed
 -- out takes the slot after all) or goes back (a cancelled request never leaks a slot).
--- Returns {"s": "granted", "lease": [...]} | {"s": "withdrawn"} | {"s": "missing"}.
-CREATE OR REPLACE FUNCTION runcell_withdraw_v3(
-    p_limiter text, p_request_id text, p_give_back boolean, p_lock_timeout_ms integer
+-- p_op_id (NULL: not recorded) makes a retry after a lost reply get the same answer.
+-- Returns {"s": "granted", "lease": [...]} | {"s": "withdrawn", "parked": [lease ids
+-- granted to parked requests]} | {"s": "missing"}.
+CREATE OR REPLACE FUNCTION runcell_withdraw_v4(
+    p_limiter text, p_request_id text, p_give_back boolean, p_op_id uuid,
+    p_lock_timeout_ms integer
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
+    v_done jsonb;
     v_now timestamptz;
     v_row runcell_limiter;
     v_lease record;
@@ -737,19 +792,27 @@ DECLARE
     v_parked jsonb := '[]'::jsonb;
     v_status text := 'missing';
 BEGIN
+    v_done := runcell_op_begin_v4(p_op_id);
+    IF v_done IS NOT NULL THEN
+        RETURN v_done;
+    END IF;
     v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
     v_now := clock_timestamp();
+    -- A parked grant a re-published task picked up belongs to the delivery running
+    -- with it (released by lease id), never to whoever names its request.
     SELECT lease_id, workload, fencing_token, parked INTO v_lease FROM runcell_lease
-    WHERE request_id = p_request_id AND limiter = p_limiter;
+    WHERE request_id = p_request_id AND limiter = p_limiter AND picked_up_at IS NULL;
     IF FOUND AND NOT p_give_back AND NOT v_lease.parked THEN
-        RETURN runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token);
+        RETURN runcell_op_end_v4(p_op_id,
+            runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token));
     END IF;
     DELETE FROM runcell_queue WHERE request_id = p_request_id AND limiter = p_limiter
-    RETURNING workload, granted_lease_id INTO v_queued;
+    RETURNING workload, granted_lease_id, expired_at INTO v_queued;
     IF FOUND THEN
         v_status := 'withdrawn';
         v_i := array_position(v_row.workloads, v_queued.workload);
-        IF v_queued.granted_lease_id IS NULL AND v_i IS NOT NULL THEN
+        IF v_queued.granted_lease_id IS NULL AND v_queued.expired_at IS NULL
+           AND v_i IS NOT NULL THEN
             v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
         END IF;
     END IF;
@@ -765,9 +828,17 @@ BEGIN
         v_parked := runcell_parked_leases_v4(v_result.leases, v_result.parked);
     END IF;
     PERFORM runcell_store_counts_v4(v_row);
-    RETURN jsonb_build_object('s', v_status, 'now', extract(epoch FROM v_now),
-        'parked', v_parked);
+    RETURN runcell_op_end_v4(p_op_id, jsonb_build_object('s', v_status,
+        'now', extract(epoch FROM v_now), 'parked', v_parked));
 END;
+$$;
+
+-- The withdraw of the previous revision, for workers of it still running during a
+-- rolling upgrade (no operation id: nothing recorded).
+CREATE OR REPLACE FUNCTION runcell_withdraw_v3(
+    p_limiter text, p_request_id text, p_give_back boolean, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE sql AS $$
+    SELECT runcell_withdraw_v4(p_limiter, p_request_id, p_give_back, NULL, p_lock_timeout_ms)
 $$;
 
 -- A process's safety poll for all its waiters at once (no lock): which were granted
@@ -893,7 +964,8 @@ BEGIN
                   FROM unnest(v_names) WITH ORDINALITY AS u(n, o)),
         waiting = (SELECT array_agg((SELECT count(*) FROM runcell_queue x
                                      WHERE x.limiter = p_limiter AND x.workload = n
-                                       AND x.granted_lease_id IS NULL)::integer ORDER BY o)
+                                       AND x.granted_lease_id IS NULL
+                                       AND x.expired_at IS NULL)::integer ORDER BY o)
                    FROM unnest(v_names) WITH ORDINALITY AS u(n, o))
     WHERE l.name = p_limiter;
 END;
@@ -903,35 +975,176 @@ $$;
 -- no process waits for it any more; its row carries the task message to re-publish.
 -- Under the limiter row's lock, like every change to who waits: an allocation that
 -- read this row as waiting cannot grant it a plain lease while it is being parked.
+-- p_op_id makes a retry after a lost reply get the first answer (a grant made between
+-- the two attempts would otherwise read as "missing").
 -- Returns {"s": "parked"} | {"s": "granted", "lease": [...]} | {"s": "missing"}.
-CREATE OR REPLACE FUNCTION runcell_park_v3(
-    p_limiter text, p_request_id text, p_payload jsonb, p_lock_timeout_ms integer
+CREATE OR REPLACE FUNCTION runcell_park_v4(
+    p_limiter text, p_request_id text, p_payload jsonb, p_op_id uuid,
+    p_lock_timeout_ms integer
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
+    v_done jsonb;
     v_now timestamptz;
     v_lease record;
+    v_answer jsonb;
 BEGIN
+    v_done := runcell_op_begin_v4(p_op_id);
+    IF v_done IS NOT NULL THEN
+        RETURN v_done;
+    END IF;
     PERFORM runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
     v_now := clock_timestamp();
     UPDATE runcell_queue SET parked = true, payload = p_payload, process_id = NULL,
         expires_at = 'infinity'
-    WHERE request_id = p_request_id AND limiter = p_limiter AND granted_lease_id IS NULL;
+    WHERE request_id = p_request_id AND limiter = p_limiter AND granted_lease_id IS NULL
+      AND expired_at IS NULL;
     IF FOUND THEN
-        RETURN jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
+        v_answer := jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
+    ELSE
+        SELECT lease_id, fencing_token INTO v_lease FROM runcell_lease
+        WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
+          AND NOT parked;
+        IF FOUND THEN
+            v_answer := runcell_answer_v3('granted', v_now, v_lease.lease_id,
+                                          v_lease.fencing_token);
+        ELSE
+            v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+        END IF;
     END IF;
-    SELECT lease_id, fencing_token INTO v_lease FROM runcell_lease
-    WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
-      AND NOT parked;
-    IF FOUND THEN
-        RETURN runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token);
-    END IF;
-    RETURN jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+    RETURN runcell_op_end_v4(p_op_id, v_answer);
 END;
 $$;
 
--- Take out parked requests whose deadline passed before they were granted (their
--- tasks are then failed without running), keeping each limiter's counts under its
--- lock; limiters are locked one at a time, in name order.
+-- The park of the previous revision, for its workers during a rolling upgrade.
+CREATE OR REPLACE FUNCTION runcell_park_v3(
+    p_limiter text, p_request_id text, p_payload jsonb, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE sql AS $$
+    SELECT runcell_park_v4(p_limiter, p_request_id, p_payload, NULL, p_lock_timeout_ms)
+$$;
+
+-- A re-published parked task takes the lease granted to its delivery: the queue row
+-- goes and the lease is renewed, marked picked up. Only the publication the grant was
+-- sent as may take it (another copy of the same message finds it gone). No limiter
+-- lock: the counts do not change (a granted row is not waiting; the slot is held).
+-- Returns {"s": "claimed", "lease": [...], "workload"} | {"s": "stale"} (the request
+-- is still stored, in line or granted to another publication: its own publication
+-- will carry it) | {"s": "missing"} (claimed by another copy, withdrawn or failed).
+CREATE OR REPLACE FUNCTION runcell_claim_parked_v4(
+    p_limiter text, p_request_id text, p_publication_id uuid, p_op_id uuid
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_done jsonb;
+    v_now timestamptz;
+    v_lease_id uuid;
+    v_lease record;
+    v_answer jsonb;
+BEGIN
+    v_done := runcell_op_begin_v4(p_op_id);
+    IF v_done IS NOT NULL THEN
+        RETURN v_done;
+    END IF;
+    v_now := clock_timestamp();
+    DELETE FROM runcell_queue q
+    USING runcell_lease l
+    WHERE q.request_id = p_request_id AND q.limiter = p_limiter AND q.parked
+      AND q.publication_id = p_publication_id
+      AND l.lease_id = q.granted_lease_id AND l.expires_at > v_now
+    RETURNING q.granted_lease_id INTO v_lease_id;
+    IF FOUND THEN
+        UPDATE runcell_lease
+        SET picked_up_at = v_now, renewed_at = v_now,
+            expires_at = v_now + ttl_ms * interval '1 millisecond'
+        WHERE lease_id = v_lease_id
+        RETURNING lease_id, fencing_token, workload INTO v_lease;
+        v_answer := runcell_answer_v3('claimed', v_now, v_lease.lease_id, v_lease.fencing_token)
+            || jsonb_build_object('workload', v_lease.workload);
+    ELSIF EXISTS (SELECT 1 FROM runcell_queue
+                  WHERE request_id = p_request_id AND limiter = p_limiter) THEN
+        v_answer := jsonb_build_object('s', 'stale', 'now', extract(epoch FROM v_now));
+    ELSE
+        v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+    END IF;
+    RETURN runcell_op_end_v4(p_op_id, v_answer);
+END;
+$$;
+
+-- Parked requests whose deadline passed before they were granted, phase one of two:
+-- each is taken out of line under its limiter's lock (expired_at; no longer counted as
+-- waiting, never granted) and handed to p_taker, which records its task's failure and
+-- then deletes it with runcell_complete_expired_v4. Nothing is deleted here: a taker
+-- that cannot record the failure (broker or result backend down, the process died)
+-- leaves the row, and it is handed out again: to the same taker at its next pass, to
+-- any other once p_retake_after_ms passed. Limiters are locked one at a time, in name
+-- order. Also purges operation records older than p_keep_ops_ms (bounded).
+CREATE OR REPLACE FUNCTION runcell_take_expired_parked_v4(
+    p_taker text, p_retake_after_ms integer, p_keep_ops_ms integer, p_lock_timeout_ms integer
+) RETURNS SETOF runcell_queue LANGUAGE plpgsql AS $$
+DECLARE
+    v_start timestamptz := clock_timestamp();
+    v_limiter text;
+    v_row runcell_limiter;
+    v_now timestamptz;
+    v_gone runcell_queue;
+    v_i integer;
+BEGIN
+    FOR v_limiter IN
+        SELECT DISTINCT q.limiter FROM runcell_queue q
+        WHERE q.parked AND q.granted_lease_id IS NULL AND q.expired_at IS NULL
+          AND q.deadline <= v_start
+        ORDER BY q.limiter
+    LOOP
+        v_row := runcell_lock_v3(v_limiter, NULL, p_lock_timeout_ms);
+        v_now := clock_timestamp();
+        FOR v_gone IN
+            UPDATE runcell_queue q
+            SET parked = false, expired_at = v_now, failing_by = p_taker, failing_at = v_now
+            WHERE q.limiter = v_limiter AND q.parked AND q.granted_lease_id IS NULL
+              AND q.expired_at IS NULL AND q.deadline <= v_now
+            RETURNING q.*
+        LOOP
+            v_i := array_position(v_row.workloads, v_gone.workload);
+            IF v_i IS NOT NULL THEN
+                v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
+            END IF;
+            RETURN NEXT v_gone;
+        END LOOP;
+        PERFORM runcell_store_counts_v4(v_row);
+    END LOOP;
+    RETURN QUERY
+        UPDATE runcell_queue q SET failing_by = p_taker, failing_at = clock_timestamp()
+        WHERE q.expired_at IS NOT NULL AND q.failing_at < v_start
+          AND (q.failing_by = p_taker
+               OR q.failing_at < v_start - p_retake_after_ms * interval '1 millisecond')
+        RETURNING q.*;
+    DELETE FROM runcell_operation WHERE op_id IN (
+        SELECT op_id FROM runcell_operation
+        WHERE at < v_start - p_keep_ops_ms * interval '1 millisecond'
+        ORDER BY at LIMIT 1000);
+END;
+$$;
+
+-- Phase two: delete expired requests whose failure was recorded. p_items is
+-- [[limiter, request_id], ...]. Returns {"s": "completed", "n": rows deleted}.
+CREATE OR REPLACE FUNCTION runcell_complete_expired_v4(p_items jsonb, p_op_id uuid)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_done jsonb;
+    v_n integer;
+BEGIN
+    v_done := runcell_op_begin_v4(p_op_id);
+    IF v_done IS NOT NULL THEN
+        RETURN v_done;
+    END IF;
+    DELETE FROM runcell_queue q
+    USING jsonb_array_elements(p_items) AS i(item)
+    WHERE q.limiter = i.item->>0 AND q.request_id = i.item->>1 AND q.expired_at IS NOT NULL;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    RETURN runcell_op_end_v4(p_op_id, jsonb_build_object('s', 'completed', 'n', v_n));
+END;
+$$;
+
+-- The one-phase take of the previous revision (its workers' sweepers during a rolling
+-- upgrade): rows a current sweeper took already are left to it.
 CREATE OR REPLACE FUNCTION runcell_take_expired_parked_v3(p_lock_timeout_ms integer)
 RETURNS SETOF runcell_queue LANGUAGE plpgsql AS $$
 DECLARE
@@ -942,14 +1155,15 @@ DECLARE
 BEGIN
     FOR v_limiter IN
         SELECT DISTINCT limiter FROM runcell_queue
-        WHERE parked AND granted_lease_id IS NULL AND deadline <= clock_timestamp()
+        WHERE parked AND granted_lease_id IS NULL AND expired_at IS NULL
+          AND deadline <= clock_timestamp()
         ORDER BY limiter
     LOOP
         v_row := runcell_lock_v3(v_limiter, NULL, p_lock_timeout_ms);
         FOR v_gone IN
             DELETE FROM runcell_queue
             WHERE limiter = v_limiter AND parked AND granted_lease_id IS NULL
-              AND deadline <= clock_timestamp()
+              AND expired_at IS NULL AND deadline <= clock_timestamp()
             RETURNING *
         LOOP
             v_i := array_position(v_row.workloads, v_gone.workload);

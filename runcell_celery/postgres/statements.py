@@ -62,12 +62,16 @@ RELEASE: LiteralString = """
 SELECT runcell_release_v4(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
 """
 
+#: ``op_id`` (a client-made UUID, or NULL) makes a retry after a lost reply get the
+#: first attempt's answer (see ``runcell_operation`` in ``schema.sql``).
 WITHDRAW: LiteralString = """
-SELECT runcell_withdraw_v3(%(limiter)s, %(request_id)s, %(give_back)s, %(lock_timeout_ms)s)
+SELECT runcell_withdraw_v4(%(limiter)s, %(request_id)s, %(give_back)s, %(op_id)s::uuid,
+                           %(lock_timeout_ms)s)
 """
 
 PARK: LiteralString = """
-SELECT runcell_park_v3(%(limiter)s, %(request_id)s, %(payload)s::jsonb, %(lock_timeout_ms)s)
+SELECT runcell_park_v4(%(limiter)s, %(request_id)s, %(payload)s::jsonb, %(op_id)s::uuid,
+                       %(lock_timeout_ms)s)
 """
 
 REAP: LiteralString = "SELECT runcell_reap_v3(%(limiter)s, %(lock_timeout_ms)s)"
@@ -86,22 +90,12 @@ SELECT runcell_renew_v3(%(limiter)s, %(lease_ids)s::uuid[])
 #: After storing or replacing limits: their array form and the counts, from the rows.
 SET_LIMITS: LiteralString = "SELECT runcell_set_limits_v3(%(name)s)"
 
-#: A re-published parked task takes the lease granted to it: its queue row goes and
-#: the lease is renewed. Only the publication it was sent as can claim it.
+#: A re-published parked task takes the lease granted to its delivery: its queue row
+#: goes and the lease is renewed. Only the publication it was sent as can claim it;
+#: the answer says whether the request is still stored for another publication.
 CLAIM_PARKED: LiteralString = """
-WITH claimed AS (
-    DELETE FROM runcell_queue q
-    USING runcell_lease l
-    WHERE q.request_id = %(request_id)s AND q.limiter = %(limiter)s AND q.parked
-      AND q.publication_id = %(publication_id)s::uuid
-      AND l.lease_id = q.granted_lease_id AND l.expires_at > clock_timestamp()
-    RETURNING q.granted_lease_id
-)
-UPDATE runcell_lease l
-SET picked_up_at = clock_timestamp(), renewed_at = clock_timestamp(),
-    expires_at = clock_timestamp() + l.ttl_ms * interval '1 millisecond'
-FROM claimed WHERE l.lease_id = claimed.granted_lease_id
-RETURNING l.lease_id::text, l.request_id, l.workload, l.fencing_token
+SELECT runcell_claim_parked_v4(%(limiter)s, %(request_id)s, %(publication_id)s::uuid,
+                               %(op_id)s::uuid)
 """
 
 #: Take the right to re-publish granted parked tasks, once per grant: those just
@@ -115,12 +109,20 @@ WHERE granted_lease_id IS NOT NULL AND published_at IS NULL
 RETURNING limiter, request_id, publication_id::text, payload::text
 """
 
-#: Parked requests whose deadline passed while they waited: drop them (their tasks
-#: are re-published once more to be failed with a timeout, never run).
+#: Parked requests whose deadline passed while they waited, phase one: taken out of
+#: line and handed to ``taker`` to record their tasks' failure; they stay stored until
+#: ``COMPLETE_EXPIRED`` (another taker gets them after ``retake_after_ms``). Also purges
+#: operation records older than ``keep_ops_ms``.
 TAKE_EXPIRED_PARKED: LiteralString = """
 SELECT limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
-       payload::text
-FROM runcell_take_expired_parked_v3(%(lock_timeout_ms)s)
+       payload::text, (extract(epoch FROM expired_at - enqueued_at) * 1000)::float8
+FROM runcell_take_expired_parked_v4(%(taker)s, %(retake_after_ms)s, %(keep_ops_ms)s,
+                                    %(lock_timeout_ms)s)
+"""
+
+#: Phase two: delete expired parked requests whose failure is recorded.
+COMPLETE_EXPIRED: LiteralString = """
+SELECT runcell_complete_expired_v4(%(items)s::jsonb, %(op_id)s::uuid)
 """
 
 #: Record a run's first start (or read it back on redelivery) in database time, and
@@ -203,7 +205,8 @@ LIMITER_STATES: LiteralString = """
 SELECT l.name, l.workloads, l.active, l.waiting,
        (SELECT extract(epoch FROM clock_timestamp() - min(q.enqueued_at)) * 1000
         FROM runcell_queue AS q
-        WHERE q.limiter = l.name AND q.granted_lease_id IS NULL)::float8
+        WHERE q.limiter = l.name AND q.granted_lease_id IS NULL
+          AND q.expired_at IS NULL)::float8
 FROM runcell_limiter AS l
 WHERE %(names)s::text[] IS NULL OR l.name = ANY(%(names)s::text[])
 ORDER BY l.name

@@ -65,10 +65,11 @@ def test_parked_requests_keep_their_place_and_their_grant_is_published_once(
     assert json.loads(claim.payload) == json.loads(PAYLOAD)
     assert mine(backend.claim_republish(stale_ms=0)) == []
 
-    assert limiter.claim_parked(first, "00000000-0000-0000-0000-000000000000") is None
+    # Another publication's copy: the request is still stored for its own publication.
+    assert limiter.claim_parked(first, "00000000-0000-0000-0000-000000000000") == "stale"
     lease = limiter.claim_parked(first, claim.publication_id)
     assert isinstance(lease, Lease)
-    assert limiter.claim_parked(first, claim.publication_id) is None, "claimed twice"
+    assert limiter.claim_parked(first, claim.publication_id) == "missing", "claimed twice"
     assert _queue(pg_dsn, limiter.name) == [(second, True, False)]
     limiter.release(lease)
     assert _queue(pg_dsn, limiter.name) == [(second, True, True)]
