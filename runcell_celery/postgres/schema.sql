@@ -729,7 +729,10 @@ DECLARE
     v_granted integer := 0;
 BEGIN
     v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
-    DELETE FROM runcell_lease WHERE lease_id = p_lease_id AND limiter = p_limiter
+    -- "limiter || ''": found by its primary key whatever the statistics say (with
+    -- statistics taken while the table was empty, the planner would otherwise pick
+    -- the (limiter, expires_at) index and read every lease of the limiter).
+    DELETE FROM runcell_lease WHERE lease_id = p_lease_id AND limiter || '' = p_limiter
     RETURNING workload INTO v_workload;
     v_i := array_position(v_row.workloads, v_workload);
     IF v_i IS NULL THEN
@@ -931,7 +934,7 @@ BEGIN
         UPDATE runcell_lease
         SET renewed_at = statement_timestamp(),
             expires_at = statement_timestamp() + ttl_ms * interval '1 millisecond'
-        WHERE lease_id = ANY(p_lease_ids) AND limiter = p_limiter
+        WHERE lease_id = ANY(p_lease_ids) AND limiter || '' = p_limiter  -- by primary key
           AND expires_at > clock_timestamp()
         RETURNING lease_id::text;
 END;
