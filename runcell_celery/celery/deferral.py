@@ -24,7 +24,6 @@ executed again from the start.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import uuid
 import weakref
@@ -32,15 +31,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from celery import Celery, Task
-from kombu.utils.json import dumps as kombu_dumps
 
 from ..admission import Admission, SlotDeferred
 from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
+from ..errors import ConcurrencyConfigError
 from ..ports import ParkingStore, Republish, SupportsParking
 from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, SupportsReap
 from ..registry import LimiterRegistry
 from . import headers
+from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request
 from .options import TaskConcurrency
 
 __all__ = ["DuplicateDelivery", "Sweeper", "admission_for", "publish_grants", "wire_publisher"]
@@ -63,15 +63,35 @@ class DuplicateDelivery(SlotDeferred):
 def _payload(
     task: Task[Any, Any], request: Any, *, deadline_at: float | None, admission_id: str
 ) -> str:
-    """The task message to re-publish, as JSON: same id, args, options and retries."""
-    signature = task.signature_from_request(request)
-    message_headers = dict(signature.options.get("headers") or {})
-    message_headers.pop(headers.PUBLICATION, None)
-    message_headers[headers.ADMISSION] = admission_id
+    """The task message to park: the delivered message (never decoded, so every
+    serializer round-trips), with only this run's runcell headers changed.
+
+    :raises ConcurrencyConfigError: the message was not kept (not protocol 2, or not
+        delivered through :class:`~.message.RunCellRequest`), or it is larger than
+        :data:`~.message.MAX_PARKED_MESSAGE_BYTES`.
+    """
+    delivered = from_request(request)
+    if delivered is None:
+        raise ConcurrencyConfigError(
+            f"task {task.name!r}: admission 'defer' needs the delivered task message, and "
+            "this delivery has none: only Celery message protocol 2 is supported, through "
+            "RunCellTask's Request class (runcell_celery.celery.message:RunCellRequest)",
+            run_id=request.id,
+        )
+    changes: dict[str, Any] = {headers.ADMISSION: admission_id}
     if deadline_at is not None:
-        message_headers[headers.DEADLINE] = deadline_at
-    signature.options["headers"] = message_headers
-    return kombu_dumps(dict(signature))
+        changes[headers.DEADLINE] = deadline_at
+    payload = delivered.with_headers(changes, remove=(headers.PUBLICATION,)).to_payload()
+    size = len(payload.encode())
+    if size > MAX_PARKED_MESSAGE_BYTES:
+        raise ConcurrencyConfigError(
+            f"task {task.name!r}: its message ({len(delivered.body)} bytes of body) would "
+            f"take {size} bytes parked, over the limit of {MAX_PARKED_MESSAGE_BYTES} bytes "
+            "(runcell_celery.celery.message.MAX_PARKED_MESSAGE_BYTES); pass large inputs "
+            "by reference, or declare admission 'wait'",
+            run_id=request.id,
+        )
+    return payload
 
 
 def admission_for(
@@ -130,20 +150,36 @@ def admission_for(
 
 
 def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
-    """Publish re-publications claimed with ``claim_republish``; return how many."""
+    """Publish re-publications claimed with ``claim_republish``; return how many.
+
+    Each parked message is sent as the bytes it was delivered in, with its
+    ``runcell_publication`` header set to the claimed publication. A message that
+    cannot be sent (broker down) is logged and skipped: its grant stays claimed but
+    unpicked, so its lease expires and the parked row goes back in line, to be granted
+    and published again. Nothing is lost, and the other grants are still sent.
+    """
+    pending = list(items)
+    if not pending:
+        return 0
     published = 0
-    for item in items:
-        signature = app.signature(json.loads(item.payload))
-        message_headers = dict(signature.options.get("headers") or {})
-        message_headers[headers.PUBLICATION] = item.publication_id
-        try:
-            signature.apply_async(headers=message_headers)
-        except Exception:
-            # The grant stays claimed but unpicked: its lease expires and the
-            # parked run is back in line, to be granted and published again.
-            logger.exception("runcell: re-publishing parked task %s failed", item.request_id)
-            continue
-        published += 1
+    try:
+        with app.producer_or_acquire() as producer:
+            for item in pending:
+                try:
+                    message = DeliveredMessage.from_payload(item.payload).with_headers(
+                        {headers.PUBLICATION: item.publication_id}
+                    )
+                    message.publish(app, producer)
+                except Exception:
+                    logger.exception(
+                        "runcell: re-publishing parked task %s failed", item.request_id
+                    )
+                    continue
+                published += 1
+    except Exception:  # no producer: the grants not sent wait for their leases to expire
+        logger.exception(
+            "runcell: re-publishing parked tasks failed (%d of %d sent)", published, len(pending)
+        )
     return published
 
 

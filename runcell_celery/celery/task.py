@@ -62,6 +62,8 @@ class RunCellTask(Task[Any, Any]):
     """
 
     abstract = True
+    #: Keeps a deferrable task's delivered message, to park it unchanged (:mod:`.message`).
+    Request = "runcell_celery.celery.message:RunCellRequest"
     #: The task's declared concurrency settings (see :class:`.options.TaskConcurrency`).
     concurrency: ClassVar[Mapping[str, Any] | None] = None
     _runcell: ClassVar[TaskConcurrency | None] = None

@@ -14,6 +14,7 @@ host clock (``time.time``) that far off the database's, as a host whose NTP drif
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -46,6 +47,15 @@ ENV = "RUNCELL_TEST_CELERY"
 EVENT_RECORDERS: weakref.WeakKeyDictionary[Celery, Callable[[ConcurrencyEvent], None]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Parcel:
+    """A value of a class of this module: only pickle carries it (and only to a worker
+    that imports the class), so it shows a parked message was never re-encoded."""
+
+    label: str
+    sizes: frozenset[int]
 
 
 def _run_info() -> dict[str, Any]:
@@ -272,6 +282,19 @@ def create_app(settings: dict[str, Any]) -> Celery:
     def spawn_task(self: RunCellTask, children: int, latency_ms: float = 10) -> list[str]:
         """Send children (which inherit this run) and return without waiting for them."""
         return [wait_task.delay(latency_ms).id for _ in range(children)]
+
+    @app.task(
+        shared=False,
+        base=RunCellTask,
+        bind=True,
+        name="rc.defer_echo",
+        concurrency={"limiter": "llm", "admission": "defer", "admission_wait_ms": 50},
+    )
+    def defer_echo_task(self: RunCellTask, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Take a slot, then return the arguments as the task received them, and its
+        retries (a deferral is not one)."""
+        call_provider(5)
+        return {"args": list(args), "kwargs": kwargs, "retries": self.request.retries}
 
     @app.task(shared=False, name="rc.pool_report")
     def pool_report(server_port: int = 5432) -> dict[str, Any]:
