@@ -1,0 +1,121 @@
+"""Deferred tasks complete exactly once when the replies to parking operations are lost.
+
+Real prefork workers reach PostgreSQL through a
+:class:`~tests.support.reply_dropper.ReplyDropper` that loses the reply to park, claim
+and complete operations after they committed (the test process talks to the server
+directly). A worker that took a lost reply for "nothing happened" would ack a task away
+(PENDING for ever) or run it twice; the fake provider counts every run.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from celery.result import AsyncResult
+
+from runcell_celery import ConcurrencyTimeoutError, slot
+from runcell_celery.celery import admission_counts, registry_for
+from runcell_celery.testing import FakeProvider
+from tests.conftest import wait_until
+from tests.support.reply_dropper import ReplyDropper
+
+LIMITS = {
+    "max_concurrent": 1,
+    "lease_ttl_ms": 5_000,
+    "workloads": {"interactive": {}, "background": {}},
+    "default_workload": "background",
+}
+PARK, CLAIM, COMPLETE = (
+    b"runcell_park_v4(",
+    b"runcell_claim_parked_v4(",
+    b"runcell_complete_expired_v4(",
+)
+
+
+@pytest.fixture
+def dropper(pg_dsn: str) -> Iterator[ReplyDropper]:
+    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    target = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with ReplyDropper(target) as proxy:
+        yield proxy
+
+
+def _parked_or_held(pg_dsn: str) -> int:
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            "SELECT (SELECT count(*) FROM runcell_queue WHERE limiter = 'llm')"
+            " + (SELECT count(*) FROM runcell_lease WHERE limiter = 'llm')"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _waiting(pg_dsn: str) -> int:
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM runcell_queue WHERE limiter = 'llm' AND parked"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_deferred_tasks_complete_exactly_once_when_parking_replies_are_lost(
+    make_app,
+    worker_processes,
+    provider: FakeProvider,
+    pg_dsn: str,
+    celery_settings,
+    dropper: ReplyDropper,
+) -> None:
+    settings = {
+        **celery_settings,
+        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
+    }
+    app = make_app(**settings)  # the test's own process: direct to the server
+    proxied = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    proxied.update(host="127.0.0.1", port=str(dropper.port))
+    worker_settings = copy.deepcopy(settings)
+    worker_settings["runcell"]["DATABASE"] = psycopg.conninfo.make_conninfo(**proxied)
+    workers = worker_processes(**worker_settings)
+    for marker in (PARK, CLAIM, COMPLETE):
+        dropper.arm(marker, times=2)
+    workers.start(concurrency=2)
+
+    with slot(registry_for(app).get("llm")):  # every task parks behind this slot
+        results = [app.tasks["rc.defer"].apply_async((50,)) for _ in range(5)]
+        stale = app.tasks["rc.defer_budget"].apply_async(concurrency={"timeout_ms": 1_500})
+        try:
+            # Its budget ends while it is parked: the sweeper fails it, losing a reply.
+            with pytest.raises(ConcurrencyTimeoutError):
+                stale.get(timeout=60)
+            wait_until(lambda: _waiting(pg_dsn) == 5, "the others are parked", 60, interval=0.1)
+        except BaseException:
+            print(workers.logs())
+            raise
+    try:
+        replies = [result.get(timeout=60) for result in results]
+        wait_until(lambda: _parked_or_held(pg_dsn) == 0, "nothing parked or held", 30)
+    except BaseException:
+        print(workers.logs())
+        raise
+
+    for marker in (PARK, CLAIM, COMPLETE):
+        assert dropper.dropped[marker] >= 1, f"no reply to {marker!r} was lost; proves nothing"
+    assert len(replies) == 5
+    assert {AsyncResult(r.id, app=app).state for r in results} == {"SUCCESS"}
+    assert AsyncResult(stale.id, app=app).state == "FAILURE"
+    witness = provider.stats()
+    assert witness.completed == 5, f"{witness.completed} provider calls for 5 tasks"
+    assert witness.max_in_flight == 1
+    wait_until(
+        lambda: any(
+            c.task_name == "rc.defer_budget" and c.concurrency_failures >= 1
+            for c in admission_counts(app)
+        ),
+        "the stale task counted as a concurrency failure",
+        30,
+        interval=0.2,
+    )
+    (counted,) = [c for c in admission_counts(app) if c.task_name == "rc.defer_budget"]
+    assert counted.concurrency_failures == 1
