@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import json
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +30,7 @@ from runcell_celery.celery.message import MAX_PARKED_MESSAGE_BYTES, RunCellReque
 from runcell_celery.ports import Republish
 from tests.conftest import wait_until
 from tests.support.celery_app import REDIS_URL, Parcel
+from tests.support.celery_fixtures import inprocess_worker
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -54,6 +57,10 @@ ARGUMENTS: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {
         (("text", 1, -2, 2.5, None, [1, 2]), {"bytes": b"\x00\xff", "map": {"k": [True]}}),
         ((), {"only": "kwargs"}),
         ((2**40,), {}),
+    ],
+    "yaml": [
+        (({1, 2}, datetime.date(2026, 12, 1)), {"raw": b"\x00\xff"}),
+        (("multi\nline: text",), {"nested": [{"a": None}]}),
     ],
 }
 
@@ -95,7 +102,13 @@ def _rabbitmq_queue_removed(app: Celery, queue: str) -> Iterator[None]:
 
 @pytest.mark.parametrize(
     ("serializer", "broker"),
-    [("json", "redis"), ("pickle", "redis"), ("msgpack", "redis"), ("pickle", "rabbitmq")],
+    [
+        ("json", "redis"),
+        ("pickle", "redis"),
+        ("msgpack", "redis"),
+        ("yaml", "redis"),
+        ("pickle", "rabbitmq"),
+    ],
 )
 def test_parked_tasks_run_with_their_arguments_intact_whatever_the_serializer(
     serializer: str,
@@ -134,7 +147,8 @@ def test_parked_tasks_run_with_their_arguments_intact_whatever_the_serializer(
             print(workers.logs())
             raise
     # Each argument list has no tuple but the positional arguments themselves: what was
-    # sent is what every serializer brings back (pickle keeps the set and the Parcel).
+    # sent is what every serializer brings back (pickle keeps the set and the Parcel,
+    # yaml the set, the date and the bytes).
     assert replies == [{"args": list(a), "kwargs": k, "retries": 0} for a, k in calls]
     if serializer == "pickle":
         assert isinstance(replies[0]["args"][0], set)
@@ -217,6 +231,46 @@ def test_a_parked_message_keeps_the_delivered_body_bytes_and_is_sent_again_as_th
     for name in ("correlation_id", "reply_to", "priority", "delivery_mode"):
         assert envelope["properties"].get(name) == sent_envelope["properties"].get(name), name
     redis.Redis.from_url(REDIS_URL).delete(queue)
+
+
+def test_a_compressed_message_is_parked_as_delivered_and_sent_compressed_again(
+    make_app, pg_dsn: str, celery_settings: dict[str, Any]
+) -> None:
+    queue = celery_settings["queue"]
+    app = make_app(conf=_serializer_conf("pickle", "redis"))
+    task = app.tasks["rc.defer_echo"]
+    sent_args = ({"x" * 50, "y" * 50},)
+    task.apply_async(sent_args, compression="zlib")
+    sent, sent_envelope = _sent_body(queue)
+    assert sent_envelope["headers"]["compression"] == "application/x-gzip"
+
+    message, request = _receive(app, queue)
+    assert message.body == zlib.decompress(sent)
+    payload = _stored(
+        pg_dsn, _payload(task, Context(request.request_dict), deadline_at=None, admission_id="a1")
+    )
+    # Kept as the task saw it (kombu decompresses on delivery) ...
+    assert base64.b64decode(json.loads(payload)["body"]) == zlib.decompress(sent)
+    assert publish_grants(app, [Republish("llm", "a1", "pub-1", payload)]) == 1
+    # ... and sent compressed again, under the same compression header.
+    again, envelope = _sent_body(queue)
+    assert envelope["headers"]["compression"] == "application/x-gzip"
+    assert zlib.decompress(again) == zlib.decompress(sent)
+    republished, _request = _receive(app, queue)
+    args, kwargs, _embed = republished.decode()
+    assert (tuple(args), kwargs) == (sent_args, {})
+
+
+def test_a_deferrable_task_sent_with_message_protocol_1_fails_naming_protocol_2(
+    make_app,
+) -> None:
+    # Protocol 1 bodies are decoded by the worker before the request exists: there are
+    # no delivered bytes to park, and the run says so instead of re-encoding anything.
+    app = make_app(conf={"task_protocol": 1})
+    with inprocess_worker(app, concurrency=1):
+        result = app.tasks["rc.defer_echo"].delay(1)
+        with pytest.raises(ConcurrencyConfigError, match="protocol 2"):
+            result.get(timeout=30)
 
 
 def test_a_message_too_large_to_park_fails_with_an_error_naming_the_limit(
