@@ -40,7 +40,7 @@ from ..ports import ParkingStore, Republish, SupportsParking
 from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, SupportsReap
 from ..registry import LimiterRegistry
 from . import headers
-from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request
+from .message import MAX_PARKED_MESSAGE_BYTES, from_request, republish
 from .options import TaskConcurrency
 
 __all__ = ["DuplicateDelivery", "Sweeper", "admission_for", "publish_grants", "wire_publisher"]
@@ -166,10 +166,9 @@ def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
         with app.producer_or_acquire() as producer:
             for item in pending:
                 try:
-                    message = DeliveredMessage.from_payload(item.payload).with_headers(
-                        {headers.PUBLICATION: item.publication_id}
+                    republish(
+                        app, producer, item.payload, {headers.PUBLICATION: item.publication_id}
                     )
-                    message.publish(app, producer)
                 except Exception:
                     logger.exception(
                         "runcell: re-publishing parked task %s failed", item.request_id

@@ -44,6 +44,7 @@ __all__ = [
     "MessageFormatError",
     "RunCellRequest",
     "from_request",
+    "republish",
 ]
 
 #: Where :class:`RunCellRequest` puts the delivered message in the request dict (and
@@ -192,6 +193,30 @@ class DeliveredMessage:
             retry_policy=dict(app.conf.task_publish_retry_policy or {}),
             **self.properties,
         )
+
+
+def republish(app: Celery, producer: Producer, payload: str, changes: Mapping[str, Any]) -> None:
+    """Publish a parked payload again, with the headers ``changes`` set.
+
+    A row parked by a version that rebuilt the message holds a Celery signature as
+    JSON instead: it is sent as that version did (``apply_async``), so tasks parked
+    across an upgrade still run and the old rows drain. Anything else is refused (the
+    caller logs it; the grant then expires as any unpublished one does).
+
+    :raises MessageFormatError: the payload is neither.
+    """
+    try:
+        message = DeliveredMessage.from_payload(payload)
+    except MessageFormatError:
+        data = kombu_loads(payload)
+        if not (isinstance(data, dict) and "task" in data and "options" in data):
+            raise
+        signature = app.signature(data)
+        headers = dict(signature.options.get("headers") or {})
+        headers.update(changes)
+        signature.apply_async(headers=headers, producer=producer)
+        return
+    message.with_headers(changes).publish(app, producer)
 
 
 def from_request(request: Any) -> DeliveredMessage | None:

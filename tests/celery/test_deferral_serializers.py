@@ -22,6 +22,7 @@ import redis
 from celery import Celery
 from celery.app.task import Context
 from kombu import Consumer, Message, Queue
+from kombu.utils.json import dumps as kombu_dumps
 
 from runcell_celery import ConcurrencyConfigError, slot
 from runcell_celery.celery import admission_counts, registry_for
@@ -259,6 +260,23 @@ def test_a_compressed_message_is_parked_as_delivered_and_sent_compressed_again(
     republished, _request = _receive(app, queue)
     args, kwargs, _embed = republished.decode()
     assert (tuple(args), kwargs) == (sent_args, {})
+
+
+def test_a_row_parked_as_a_signature_by_an_earlier_version_is_still_published(
+    make_app, celery_settings: dict[str, Any]
+) -> None:
+    queue = celery_settings["queue"]
+    app = make_app()
+    signature = app.tasks["rc.defer_echo"].signature(
+        (1, "a"), {"k": 2}, task_id="parked-before", headers={"runcell_admission": "a1"}
+    )
+    legacy = kombu_dumps(dict(signature))  # what such a version stored
+    assert publish_grants(app, [Republish("llm", "a1", "pub-1", legacy)]) == 1
+    message, _request = _receive(app, queue)
+    assert message.headers["id"] == "parked-before"
+    assert message.headers["runcell_admission"] == "a1"
+    assert message.headers["runcell_publication"] == "pub-1"
+    assert message.decode()[:2] == [[1, "a"], {"k": 2}]
 
 
 def test_a_deferrable_task_sent_with_message_protocol_1_fails_naming_protocol_2(
