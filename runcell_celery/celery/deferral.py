@@ -14,8 +14,9 @@ run's first slot; then it is **parked**:
    channel and a sweeper in every worker do it if that process cannot (see
    :class:`~runcell_celery.ports.ParkingStore`);
 4. the re-published task (same task id) takes its granted lease and runs from the
-   start. Stale work — a parked run whose deadline passed — is re-published only to
-   fail with ``ConcurrencyTimeoutError`` before it takes a slot.
+   start. Stale work — a parked run whose deadline passed — is never re-published:
+   the sweeper records it as failed (``ConcurrencyTimeoutError``) in the result
+   backend, and deletes its row only once that is done.
 
 The task body must do nothing irreversible before its first slot: a deferred run is
 executed again from the start.
@@ -25,22 +26,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 import uuid
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, states
+from celery.app.task import Context
+from celery.backends.base import DisabledBackend
+from celery.signals import task_failure
+from kombu.serialization import loads as kombu_decode
+from kombu.serialization import prepare_accept_content
 
 from ..admission import Admission, SlotDeferred
 from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
-from ..errors import ConcurrencyConfigError
-from ..ports import ParkingStore, Republish, SupportsParking
+from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
+from ..events import ConcurrencyEvent, emit, has_listeners
+from ..ports import ExpiredParked, ParkingStore, Republish, SupportsParking
 from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, SupportsReap
 from ..registry import LimiterRegistry
 from . import headers
-from .message import MAX_PARKED_MESSAGE_BYTES, from_request, republish
+from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request, republish
 from .options import TaskConcurrency
 
 __all__ = ["DuplicateDelivery", "Sweeper", "admission_for", "publish_grants", "wire_publisher"]
@@ -51,9 +60,6 @@ logger = logging.getLogger("runcell_celery.celery.deferral")
 SWEEP_INTERVAL_S = 2.0
 #: A grant nobody published within this long is published by the sweeper.
 REPUBLISH_AFTER_MS = 2_000
-#: The publication id of a re-published expired run: it has no lease to claim and
-#: fails on its deadline before it asks for one.
-NO_PUBLICATION = str(uuid.UUID(int=0))
 
 
 class DuplicateDelivery(SlotDeferred):
@@ -106,11 +112,22 @@ def admission_for(
 
     Only a limiter that can park (:class:`~runcell_celery.ports.SupportsParking`)
     defers; with any other the first slot waits as usual.
+
+    A queue place or lease belongs to one **delivery**, never to the task id alone:
+    every delivery asks with a request id of its own (``<task id>/<random>``), so a
+    message sent twice or redelivered while its first delivery runs never shares that
+    delivery's lease or fencing token; it waits for a slot of its own. The id travels
+    in the parked message (``runcell_admission``), so the re-publication of a parked
+    delivery claims the grant made to that delivery (``runcell_publication`` says
+    which publication may). A delivery given a slot while the task already has a
+    result (another delivery finished it) gives the slot back and is dropped as a
+    duplicate; without stored results it runs again (Celery's at-least-once).
     """
     task_id = request.id or str(uuid.uuid4())
-    admission_id = headers.read(request, headers.ADMISSION) or f"{task_id}/admission"
+    parked_as = headers.read(request, headers.ADMISSION)
     publication = headers.read(request, headers.PUBLICATION)
-    redelivered = bool((request.delivery_info or {}).get("redelivered"))
+    republished = parked_as is not None and publication is not None
+    admission: Admission
 
     def acquire(
         limiter: ConcurrencyLimiter,
@@ -121,32 +138,67 @@ def admission_for(
         if not isinstance(limiter, SupportsParking):
             return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
         parking: SupportsParking = limiter
-        if publication is not None:
-            lease = parking.claim_parked(slot_request.request_id, publication)
-            if lease is not None:
-                return lease
-
-        def wait_or_park(request_id: str) -> Lease | str:
-            return parking.acquire_or_park(
-                dataclasses.replace(slot_request, request_id=request_id),
-                admission_wait_ms=spec.admission_wait_ms,
-                payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
-                cancel=cancel,
-                on_wait=on_wait,
-            )
-
-        result = wait_or_park(slot_request.request_id)
-        if result == "duplicate":
-            if not redelivered:
+        request_id = slot_request.request_id
+        if republished:
+            claimed = parking.claim_parked(request_id, publication)
+            if isinstance(claimed, Lease):
+                return _unless_finished(task, task_id, limiter, claimed)
+            if claimed == "stale":
+                # The parked delivery is still stored (back in line, or granted to a
+                # newer publication): that publication carries it, not this copy.
                 raise DuplicateDelivery()
-            # A redelivery whose earlier execution died holding the granted lease:
-            # run, with a request of its own (that lease expires with the dead holder).
-            result = wait_or_park(f"{admission_id}/{uuid.uuid4().hex[:8]}")
+            # Nothing stored: another copy of this message claimed it (and runs), or it
+            # ended. This copy is a delivery of its own.
+            request_id = _delivery_id(task_id)
+            admission.request_id = request_id  # what a withdrawal must name
+        result = parking.acquire_or_park(
+            dataclasses.replace(slot_request, request_id=request_id),
+            admission_wait_ms=spec.admission_wait_ms,
+            payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
+            cancel=cancel,
+            on_wait=on_wait,
+        )
         if isinstance(result, Lease):
-            return result
+            return _unless_finished(task, task_id, limiter, result)
+        if result == "duplicate":  # already parked and granted: its publication runs it
+            raise DuplicateDelivery()
         raise SlotDeferred()
 
-    return Admission(acquire, limiter=limiter, request_id=admission_id)
+    own_id = parked_as if republished else _delivery_id(task_id)
+    admission = Admission(acquire, limiter=limiter, request_id=own_id)
+    return admission
+
+
+def _delivery_id(task_id: str) -> str:
+    """A request id for one delivery of a task: never shared with another delivery."""
+    return f"{task_id}/{uuid.uuid4().hex}"
+
+
+def _unless_finished(
+    task: Task[Any, Any], task_id: str, limiter: ConcurrencyLimiter, lease: Lease
+) -> Lease:
+    """Return ``lease``, unless another delivery of the task already finished it.
+
+    Read when the delivery has its slot, so a duplicate waits (parked, in line) until
+    the delivery it duplicates has finished, and only then is dropped; while that one
+    may still be running, or may have died, nothing is dropped. Without a stored
+    result (no result backend, ``ignore_result``, unreachable) the delivery runs.
+    """
+    backend = task.backend
+    if task.ignore_result or isinstance(backend, DisabledBackend):
+        return lease
+    try:
+        state = backend.get_task_meta(task_id, cache=False).get("status")
+    except Exception as exc:  # running again is safer than losing the task
+        logger.warning("runcell: could not read the state of task %s: %s", task_id, exc)
+        return lease
+    if state not in states.READY_STATES:
+        return lease
+    try:
+        limiter.release(lease, "cancelled")
+    except Exception as exc:  # the slot comes back when its lease expires
+        logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
+    raise DuplicateDelivery()
 
 
 def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
@@ -207,17 +259,29 @@ def wire_publisher(app: Celery, registry: LimiterRegistry) -> None:
 
 
 class Sweeper:
-    """Re-publishes grants nobody published and stale parked runs, in the background.
+    """Re-publishes grants nobody published, and fails parked runs gone stale.
 
     One per worker (loop ``runcell-sweeper``, started by the worker bootstep); it also
     reacts to grants to parked requests made by processes that cannot publish (a web
     server), which the backend reports through its wake-up channel.
+
+    A parked run whose deadline passes before it is granted fails where its caller
+    looks: FAILURE with :class:`~runcell_celery.errors.ConcurrencyTimeoutError` in the
+    result backend, ``task_failure``, a ``timed-out`` event (counted as a concurrency
+    failure). This needs the result backend only, not the broker. It is done in two
+    phases so the run never vanishes: the row is taken out of line, the failure is
+    recorded, and only then is the row deleted; while the result backend (or the
+    database) is unreachable the row stays and every pass tries again.
     """
 
     def __init__(self, app: Celery, registry: LimiterRegistry) -> None:
         self._app = app
         self._registry = registry
         self._loop = BackgroundLoop("runcell-sweeper", self, Sweeper._step)
+        self._failing = threading.Lock()
+        #: Failures recorded whose rows are not deleted yet (the database failed): they
+        #: are deleted at the next pass, not recorded again.
+        self._recorded: dict[tuple[str, str], ExpiredParked] = {}
 
     def start(self) -> None:
         """Start sweeping, if the registry's backend parks tasks."""
@@ -229,7 +293,7 @@ class Sweeper:
         def on_parked_granted(_limiter: str, _request_ids: list[str]) -> None:
             sweeper = ref()
             if sweeper is not None and sweeper._loop.running:
-                sweeper.sweep(stale_ms=0)
+                sweeper.publish_due(stale_ms=0)
 
         store.on_parked_granted(on_parked_granted)
         self._loop.start()
@@ -242,7 +306,17 @@ class Sweeper:
         return store if isinstance(store, ParkingStore) else None
 
     def sweep(self, *, stale_ms: int | None = None) -> int:
-        """Publish what is due now; return how many messages were published."""
+        """Publish the grants that are due and fail the stale parked runs; return how
+        many messages were published plus how many runs were failed."""
+        try:
+            published = self.publish_due(stale_ms=stale_ms)
+        except Exception as exc:  # the stale runs are failed all the same
+            logger.warning("runcell sweeper: publishing parked grants failed: %s", exc)
+            published = 0
+        return published + self.fail_expired()
+
+    def publish_due(self, *, stale_ms: int | None = None) -> int:
+        """Publish grants to parked runs nobody published; return how many."""
         store = self._store()
         if store is None:
             return 0
@@ -253,13 +327,98 @@ class Sweeper:
         claimed = store.claim_republish(
             stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
-        published = publish_grants(self._app, claimed)
-        # Their deadline passed: re-published, they fail at start without a slot.
-        expired = [
-            Republish(e.limiter, e.request_id, NO_PUBLICATION, e.payload)
-            for e in store.take_expired_parked()
-        ]
-        return published + publish_grants(self._app, expired)
+        return publish_grants(self._app, claimed)
+
+    def fail_expired(self) -> int:
+        """Fail the parked runs whose deadline passed; return how many were failed.
+
+        One thread at a time: the store hands this process the same rows until they
+        are completed, so two passes at once would record a failure twice.
+        """
+        store = self._store()
+        if store is None:
+            return 0
+        with self._failing:
+            if self._recorded:  # recorded at an earlier pass; only the delete failed
+                store.complete_expired_parked(list(self._recorded.values()))
+                self._recorded.clear()
+            failed = 0
+            for expired in store.take_expired_parked():
+                key = (expired.limiter, expired.request_id)
+                if key not in self._recorded and self._record_failure(expired):
+                    self._recorded[key] = expired
+                    failed += 1
+            if self._recorded:
+                store.complete_expired_parked(list(self._recorded.values()))
+                self._recorded.clear()
+            return failed
+
+    def _record_failure(self, expired: ExpiredParked) -> bool:
+        """Record the stale run's failure; ``False`` if the result backend failed (the
+        row stays taken by this process, which tries again at its next pass)."""
+        app = self._app
+        task_id = expired.run_id
+        name = expired.holder_name
+        task = app.tasks.get(name) if name else None
+        error = ConcurrencyTimeoutError(
+            f"task {name!r} stayed parked past its deadline: limiter {expired.limiter!r} "
+            f"had no free slot for workload {expired.workload!r} in time",
+            limiter=expired.limiter,
+            workload=expired.workload,
+            run_id=task_id,
+            root_run_id=expired.root_run_id,
+            parent_run_id=expired.parent_run_id,
+            request_id=expired.request_id,
+        )
+        if task_id is None:
+            return True  # not a task's row: nothing to record it in
+        args, kwargs, request = _failed_request(app, expired, name)
+        backend = task.backend if task is not None else app.backend
+        store_result = task is None or not task.ignore_result or task.store_errors_even_if_ignored
+        try:
+            backend.mark_as_failure(
+                task_id, error, traceback=None, request=request, store_result=store_result
+            )
+        except Exception as exc:
+            logger.warning(
+                "runcell sweeper: could not record the failure of stale parked task %s "
+                "(kept parked, tried again): %s",
+                task_id,
+                exc,
+            )
+            return False
+        if task is not None:
+            task_failure.send(
+                sender=task,
+                task_id=task_id,
+                exception=error,
+                args=args,
+                kwargs=kwargs,
+                traceback=None,
+                einfo=None,
+            )
+        if has_listeners():  # counted as a concurrency failure by the admission counters
+            emit(
+                ConcurrencyEvent(
+                    type="timed-out",
+                    limiter=expired.limiter,
+                    workload=expired.workload,
+                    run_id=task_id,
+                    root_run_id=expired.root_run_id,
+                    parent_run_id=expired.parent_run_id,
+                    request_id=expired.request_id,
+                    timestamp=time.time(),
+                    wait_ms=expired.waited_ms,
+                    holder_name=name,
+                )
+            )
+        logger.info(
+            "Task %s[%s] failed: parked past its deadline on limiter %r",
+            name,
+            task_id,
+            expired.limiter,
+        )
+        return True
 
     def _step(self) -> float:
         try:
@@ -267,3 +426,49 @@ class Sweeper:
         except Exception as exc:  # never die: parked runs depend on it
             logger.warning("runcell sweeper: %s", exc)
         return SWEEP_INTERVAL_S
+
+
+def _failed_request(
+    app: Celery, expired: ExpiredParked, name: str | None
+) -> tuple[tuple[Any, ...], dict[str, Any], Context]:
+    """The request context of a stale parked task, rebuilt from its parked message, so
+    the result backend, chords, chains and errbacks see it as Celery's own failure
+    handling would. A message that cannot be read still gives the ids and name."""
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = {}
+    embed: dict[str, Any] = {}
+    message_headers: dict[str, Any] = {}
+    properties: dict[str, Any] = {}
+    try:
+        message = DeliveredMessage.from_payload(expired.payload)
+        message_headers = dict(message.headers)
+        properties = dict(message.properties)
+        body = kombu_decode(
+            message.body,
+            message.content_type,
+            message.content_encoding,
+            accept=prepare_accept_content(app.conf.accept_content),
+        )
+        args, kwargs, embed = tuple(body[0]), dict(body[1]), dict(body[2] or {})
+    except Exception as exc:  # the failure is recorded with what is known
+        logger.warning("runcell sweeper: parked message of %s unreadable: %s", expired.run_id, exc)
+    request = Context(
+        id=expired.run_id,
+        task=name,
+        name=name,
+        args=args,
+        kwargs=kwargs,
+        root_id=expired.root_run_id,
+        parent_id=expired.parent_run_id,
+        group=message_headers.get("group"),
+        group_index=message_headers.get("group_index"),
+        retries=message_headers.get("retries") or 0,
+        reply_to=properties.get("reply_to"),
+        correlation_id=properties.get("correlation_id") or expired.run_id,
+        callbacks=embed.get("callbacks"),
+        errbacks=embed.get("errbacks"),
+        chain=embed.get("chain"),
+        chord=embed.get("chord"),
+        is_eager=False,
+    )
+    return args, kwargs, request
