@@ -1090,6 +1090,11 @@ DECLARE
     v_gone runcell_queue;
     v_i integer;
 BEGIN
+    -- First, before any limiter row is locked (those locks last until commit).
+    DELETE FROM runcell_operation WHERE op_id IN (
+        SELECT op_id FROM runcell_operation
+        WHERE at < v_start - p_keep_ops_ms * interval '1 millisecond'
+        ORDER BY at LIMIT 1000);
     FOR v_limiter IN
         SELECT DISTINCT q.limiter FROM runcell_queue q
         WHERE q.parked AND q.granted_lease_id IS NULL AND q.expired_at IS NULL
@@ -1119,10 +1124,6 @@ BEGIN
           AND (q.failing_by = p_taker
                OR q.failing_at < v_start - p_retake_after_ms * interval '1 millisecond')
         RETURNING q.*;
-    DELETE FROM runcell_operation WHERE op_id IN (
-        SELECT op_id FROM runcell_operation
-        WHERE at < v_start - p_keep_ops_ms * interval '1 millisecond'
-        ORDER BY at LIMIT 1000);
 END;
 $$;
 

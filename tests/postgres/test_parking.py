@@ -127,3 +127,54 @@ def test_another_delivery_of_a_parked_request_parks_it_again_without_error(
     assert limiter.acquire_or_park(request, admission_wait_ms=300, payload=PAYLOAD) == "parked"
     assert _queue(pg_dsn, limiter.name) == [(request.request_id, True, False)]
     limiter.release(held)
+
+
+def test_a_stale_parked_request_stays_stored_until_its_failure_is_completed(
+    make_limiter, pg_dsn: str
+) -> None:
+    limiter = make_limiter(max_concurrent=1)
+    held = limiter.acquire(_request(unique_name("holder")))
+    stale = unique_name("stale")
+    request = AcquireRequest(stale, "default", RunLineage(stale, stale), timeout_ms=50)
+    assert limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    time.sleep(0.1)  # its deadline passes while it is parked
+    taker, other = PostgresBackend(database=pg_dsn), PostgresBackend(database=pg_dsn)
+
+    def taken(backend: PostgresBackend) -> list[str]:
+        return [e.request_id for e in backend.take_expired_parked() if e.limiter == limiter.name]
+
+    assert taken(taker) == [stale]
+    assert limiter.stats().queued == 0, "a stale request still counts as waiting"
+    assert _queue(pg_dsn, limiter.name) == [(stale, False, False)], "deleted before completion"
+    assert taken(other) == [], "handed to a second taker while the first may record it"
+    assert taken(taker) == [stale], "not handed again to its taker, which must retry"
+
+    (expired,) = [e for e in taker.take_expired_parked() if e.limiter == limiter.name]
+    assert taker.complete_expired_parked([expired]) == 1
+    assert _queue(pg_dsn, limiter.name) == []
+    assert taken(taker) == []
+    limiter.release(held)
+
+
+def test_a_claimed_parked_lease_is_never_withdrawn_by_its_request_id(
+    make_limiter, pg_dsn: str
+) -> None:
+    limiter = make_limiter(max_concurrent=1)
+    held = limiter.acquire(_request(unique_name("holder")))
+    parked = unique_name("parked")
+    assert (
+        limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    )
+    limiter.release(held)
+    backend = PostgresBackend(database=pg_dsn)
+    (claim,) = [c for c in backend.claim_republish(stale_ms=0) if c.limiter == limiter.name]
+    lease = limiter.claim_parked(parked, claim.publication_id)
+    assert isinstance(lease, Lease)
+
+    # Another copy of the same message gives up "its" place: the running delivery's
+    # lease is not its to give back.
+    limiter.withdraw(parked)
+
+    assert limiter.renew(lease) is not None, "the running delivery lost its lease"
+    assert limiter.stats().active == 1
+    limiter.release(lease)
