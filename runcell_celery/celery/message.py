@@ -13,15 +13,17 @@ fail even with a free slot. So the library never decodes task arguments for park
    park, under :data:`REQUEST_KEY`. The request dict is what a prefork worker hands
    its pool process; the body object is the one Celery already sends beside it, so
    pickling them together sends the bytes once.
-2. :meth:`DeliveredMessage.to_payload` stores it as JSON for the ``jsonb`` column,
-   the body in base64, with only the runcell headers a parking must change.
-3. :meth:`DeliveredMessage.publish` sends those bytes again with kombu's producer:
-   a ``bytes`` body with a content type is published without being serialised.
+2. :meth:`DeliveredMessage.to_payload` turns it into JSON for the parked row's
+   ``jsonb`` column (body and headers in base64), after the deferral changed only
+   the runcell headers it must; its size is bounded (:data:`MAX_PARKED_MESSAGE_BYTES`).
+3. :func:`republish` sends those bytes again with kombu's producer: a ``bytes`` body
+   with a content type is published without being serialised.
 
 Only Celery's message protocol 2 (the default since Celery 4) is supported: its body
 is the serialised ``(args, kwargs, embed)`` and everything else travels in headers.
 A protocol 1 message is decoded by the worker before the request exists, so there
-are no bytes to keep; such a task cannot park (:func:`from_request` says so).
+are no bytes to keep: :func:`from_request` finds none and the deferral fails the run
+with an error that says so, rather than re-encode its arguments.
 """
 
 from __future__ import annotations
