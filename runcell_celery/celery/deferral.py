@@ -37,6 +37,7 @@ from celery import Celery, Task, states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 from celery.signals import task_failure
+from kombu.exceptions import OperationalError as BrokerUnreachable
 from kombu.serialization import loads as kombu_decode
 from kombu.serialization import prepare_accept_content
 
@@ -206,9 +207,11 @@ def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
 
     Each parked message is sent as the bytes it was delivered in, with its
     ``runcell_publication`` header set to the claimed publication. A message that
-    cannot be sent (broker down) is logged and skipped: its grant stays claimed but
-    unpicked, so its lease expires and the parked row goes back in line, to be granted
-    and published again. Nothing is lost, and the other grants are still sent.
+    cannot be sent is logged and skipped: its grant stays claimed but unpicked, so its
+    lease expires and the parked row goes back in line, to be granted and published
+    again. Nothing is lost. Once the broker is unreachable (after the app's publish
+    retries) the rest of the batch is left the same way rather than tried one by one:
+    the caller may be a task releasing its slot, and would wait for each.
     """
     pending = list(items)
     if not pending:
@@ -216,11 +219,20 @@ def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
     published = 0
     try:
         with app.producer_or_acquire() as producer:
-            for item in pending:
+            for index, item in enumerate(pending):
                 try:
                     republish(
                         app, producer, item.payload, {headers.PUBLICATION: item.publication_id}
                     )
+                except BrokerUnreachable:
+                    logger.exception(
+                        "runcell: re-publishing parked task %s failed, the broker is "
+                        "unreachable; %d more left to be granted again when their leases "
+                        "expire",
+                        item.request_id,
+                        len(pending) - index - 1,
+                    )
+                    break
                 except Exception:
                     logger.exception(
                         "runcell: re-publishing parked task %s failed", item.request_id

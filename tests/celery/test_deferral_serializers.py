@@ -12,6 +12,7 @@ import base64
 import contextlib
 import datetime
 import json
+import logging
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,11 @@ from kombu.utils.json import dumps as kombu_dumps
 from runcell_celery import ConcurrencyConfigError, slot
 from runcell_celery.celery import admission_counts, registry_for
 from runcell_celery.celery.deferral import _payload, publish_grants
-from runcell_celery.celery.message import MAX_PARKED_MESSAGE_BYTES, RunCellRequest
+from runcell_celery.celery.message import (
+    MAX_PARKED_MESSAGE_BYTES,
+    DeliveredMessage,
+    RunCellRequest,
+)
 from runcell_celery.ports import Republish
 from tests.conftest import wait_until
 from tests.support.celery_app import REDIS_URL, Parcel
@@ -353,3 +358,18 @@ def test_a_republication_that_finds_the_broker_down_leaves_the_task_parked_to_ru
         raise
     assert reply == {"args": [{"k": [1, 2]}], "kwargs": {"n": 3}, "retries": 0}
     assert _parked(pg_dsn) == 0
+
+
+def test_once_the_broker_is_unreachable_the_rest_of_a_batch_waits_for_its_leases(
+    make_app, caplog
+) -> None:
+    # Nothing listens on port 1: every publication is refused, after the publish retries.
+    app = make_app(conf={"broker_url": "redis://127.0.0.1:1/0"})
+    message = DeliveredMessage(
+        b'[[], {}, {"callbacks": null}]', "application/json", "utf-8", {}, {}, "", "q"
+    )
+    batch = [Republish("llm", f"r{i}", f"p{i}", message.to_payload()) for i in range(3)]
+    with caplog.at_level(logging.ERROR, logger="runcell_celery.celery.deferral"):
+        assert publish_grants(app, batch) == 0
+    (record,) = caplog.records  # tried once, not once per grant
+    assert "the broker is unreachable; 2 more left" in record.getMessage()
