@@ -294,6 +294,8 @@ class Sweeper:
         #: Failures recorded whose rows are not deleted yet (the database failed): they
         #: are deleted at the next pass, not recorded again.
         self._recorded: dict[tuple[str, str], ExpiredParked] = {}
+        #: Rows whose ``timed-out`` event was emitted and whose failure is not stored yet.
+        self._announced: set[tuple[str, str]] = set()
 
     def start(self) -> None:
         """Start sweeping, if the registry's backend parks tasks."""
@@ -384,6 +386,25 @@ class Sweeper:
         )
         if task_id is None:
             return True  # not a task's row: nothing to record it in
+        key = (expired.limiter, expired.request_id)
+        if key not in self._announced and has_listeners():
+            # Before the failure is stored, as a slot's own timeout is: whoever sees the
+            # FAILURE can already see why. Once per row, however often recording fails.
+            self._announced.add(key)
+            emit(
+                ConcurrencyEvent(
+                    type="timed-out",
+                    limiter=expired.limiter,
+                    workload=expired.workload,
+                    run_id=task_id,
+                    root_run_id=expired.root_run_id,
+                    parent_run_id=expired.parent_run_id,
+                    request_id=expired.request_id,
+                    timestamp=time.time(),
+                    wait_ms=expired.waited_ms,
+                    holder_name=name,  # counted as a concurrency failure by the counters
+                )
+            )
         args, kwargs, request = _failed_request(app, expired, name)
         backend = task.backend if task is not None else app.backend
         store_result = task is None or not task.ignore_result or task.store_errors_even_if_ignored
@@ -409,21 +430,7 @@ class Sweeper:
                 traceback=None,
                 einfo=None,
             )
-        if has_listeners():  # counted as a concurrency failure by the admission counters
-            emit(
-                ConcurrencyEvent(
-                    type="timed-out",
-                    limiter=expired.limiter,
-                    workload=expired.workload,
-                    run_id=task_id,
-                    root_run_id=expired.root_run_id,
-                    parent_run_id=expired.parent_run_id,
-                    request_id=expired.request_id,
-                    timestamp=time.time(),
-                    wait_ms=expired.waited_ms,
-                    holder_name=name,
-                )
-            )
+        self._announced.discard(key)
         logger.info(
             "Task %s[%s] failed: parked past its deadline on limiter %r",
             name,
