@@ -239,6 +239,34 @@ def test_a_parked_message_keeps_the_delivered_body_bytes_and_is_sent_again_as_th
     redis.Redis.from_url(REDIS_URL).delete(queue)
 
 
+def test_on_rabbitmq_a_republished_message_keeps_its_bytes_headers_and_properties(
+    make_app, pg_dsn: str, celery_settings: dict[str, Any]
+) -> None:
+    queue = celery_settings["queue"]
+    app = make_app(conf=_serializer_conf("pickle", "rabbitmq"))
+    task = app.tasks["rc.defer_echo"]
+    with _rabbitmq_queue_removed(app, queue):
+        task.apply_async(({1, 2}, Parcel("p", frozenset())), priority=5, headers={"h": [1]})
+        sent, request = _receive(app, queue)
+        payload = _stored(
+            pg_dsn,
+            _payload(task, Context(request.request_dict), deadline_at=None, admission_id="a1"),
+        )
+        assert publish_grants(app, [Republish("llm", "a1", "pub-1", payload)]) == 1
+        again, _request = _receive(app, queue)
+    assert again.body == sent.body, "the re-published body is not the delivered bytes"
+    assert (again.content_type, again.content_encoding) == (
+        sent.content_type,
+        sent.content_encoding,
+    )
+    changed = {"runcell_admission": "a1", "runcell_publication": "pub-1"}
+    assert again.headers == {**sent.headers, **changed}
+    assert sent.properties["priority"] == 5
+    for name in ("correlation_id", "reply_to", "priority", "delivery_mode"):
+        assert again.properties.get(name) == sent.properties.get(name), name
+    assert again.delivery_info["routing_key"] == sent.delivery_info["routing_key"]
+
+
 def test_a_compressed_message_is_parked_as_delivered_and_sent_compressed_again(
     make_app, pg_dsn: str, celery_settings: dict[str, Any]
 ) -> None:
