@@ -338,6 +338,15 @@ def test_a_message_too_large_to_park_fails_with_an_error_naming_the_limit(
     assert "MAX_PARKED_MESSAGE_BYTES" in str(caught.value)
 
 
+def test_a_task_too_large_to_park_fails_visibly_in_the_result_backend(make_app) -> None:
+    app = make_app()
+    with inprocess_worker(app, concurrency=1):
+        result = app.tasks["rc.defer_echo"].delay("x" * MAX_PARKED_MESSAGE_BYTES)
+        with pytest.raises(ConcurrencyConfigError, match=str(MAX_PARKED_MESSAGE_BYTES)):
+            result.get(timeout=30)
+    assert result.state == "FAILURE"
+
+
 # -- a failed re-publication ---------------------------------------------------------------
 
 
