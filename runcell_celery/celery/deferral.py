@@ -357,7 +357,10 @@ class Sweeper:
                 store.complete_expired_parked(list(self._recorded.values()))
                 self._recorded.clear()
             failed = 0
-            for expired in store.take_expired_parked():
+            taken = store.take_expired_parked()
+            # Rows gone meanwhile (withdrawn, completed by another) are forgotten.
+            self._announced &= {(e.limiter, e.request_id) for e in taken}
+            for expired in taken:
                 key = (expired.limiter, expired.request_id)
                 if key not in self._recorded and self._record_failure(expired):
                     self._recorded[key] = expired
