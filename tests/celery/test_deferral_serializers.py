@@ -30,6 +30,7 @@ from runcell_celery.celery import admission_counts, registry_for
 from runcell_celery.celery.deferral import _payload, publish_grants
 from runcell_celery.celery.message import (
     MAX_PARKED_MESSAGE_BYTES,
+    REQUEST_KEY,
     DeliveredMessage,
     RunCellRequest,
 )
@@ -265,6 +266,20 @@ def test_on_rabbitmq_a_republished_message_keeps_its_bytes_headers_and_propertie
     for name in ("correlation_id", "reply_to", "priority", "delivery_mode"):
         assert again.properties.get(name) == sent.properties.get(name), name
     assert again.delivery_info["routing_key"] == sent.delivery_info["routing_key"]
+
+
+def test_only_a_task_that_may_park_keeps_its_delivered_message(
+    make_app, celery_settings: dict[str, Any]
+) -> None:
+    queue = celery_settings["queue"]
+    app = make_app()
+    app.tasks["rc.wait"].delay(5)
+    _message, waiting = _receive(app, queue)
+    assert REQUEST_KEY not in waiting.request_dict
+    app.tasks["rc.defer_echo"].delay(5)
+    message, deferrable = _receive(app, queue)
+    kept = deferrable.request_dict[REQUEST_KEY]
+    assert kept.body is message.body  # the object Celery hands the pool: pickled once
 
 
 def test_a_compressed_message_is_parked_as_delivered_and_sent_compressed_again(
