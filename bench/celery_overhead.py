@@ -64,6 +64,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -709,13 +710,14 @@ def main() -> None:
                         app, settings, dsn, backend, workers, client, sizes
                     )
             except BaseException:
-                progress(f"failed; worker logs:\n{workers.logs()}")
+                progress(f"failed; worker logs (kept in {log_dir}):\n{workers.logs()}")
                 raise
             finally:
                 workers.stop_all()
                 backend.close()
     finally:
         cleanup_redis(client, tag)
+    shutil.rmtree(log_dir, ignore_errors=True)  # kept when the run failed
     report["load_average_end"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
