@@ -10,6 +10,7 @@ that failed without the caller adding anything::
     ├── ConcurrencyQueueFullError    max_queued requests already wait; provider not called
     ├── ConcurrencyLimiterError      the limiter or its database failed; fails closed
     ├── ConcurrencyConfigError       invalid settings, unknown workload, conflicting limits
+    │   └── ConcurrencyHeaderError   a task message carries a malformed runcell header
     ├── ConcurrencyLeaseLostError    the slot could not be kept (renewal, max_hold_ms)
     └── ConcurrencyCancelledError    the run was cancelled while it waited or held a slot
 
@@ -22,6 +23,7 @@ __all__ = [
     "ConcurrencyCancelledError",
     "ConcurrencyConfigError",
     "ConcurrencyError",
+    "ConcurrencyHeaderError",
     "ConcurrencyLeaseLostError",
     "ConcurrencyLimiterError",
     "ConcurrencyQueueFullError",
@@ -98,6 +100,16 @@ class ConcurrencyLimiterError(ConcurrencyError):
 
 class ConcurrencyConfigError(ConcurrencyError):
     """Invalid settings, an unknown workload, or limits that differ between workers."""
+
+
+class ConcurrencyHeaderError(ConcurrencyConfigError):
+    """A task message carries a ``runcell_*`` header that is not what a sender writes.
+
+    A configuration error of the message rather than of the settings: the run never
+    starts (its body does not run) and the message names the header and the value.
+    A subclass of :class:`ConcurrencyConfigError`, so code that stops on bad
+    configuration stops on it too.
+    """
 
 
 class ConcurrencyLeaseLostError(ConcurrencyError):

@@ -4,12 +4,18 @@ Users of other job queues' limiters complain most that an over-limit job "fails"
 burns a retry. Here a deferral is not a failure, and the numbers show it: per task
 name and limiter we count
 
-* **deliveries** — times the task started (first delivery, redelivery, re-publication);
+* **deliveries** — times a message of the task reached a worker (first delivery,
+  redelivery, re-publication), counted before anything can fail, so they add up to
+  what was sent and re-published;
 * **admission deferrals** — times it was parked because no slot was free;
 * **provider attempts** — slots it acquired (one per provider request);
 * **provider failures** — slots whose provider call raised;
 * **concurrency failures** — runs stopped by a ``ConcurrencyError`` (timeout, full
-  queue, limiter down, lost lease, bad workload).
+  queue, limiter down, lost lease, bad workload), including a delivery that failed
+  before its run asked for a slot (its limiter could not be created, a malformed
+  ``runcell_*`` header): no event reports those, so the task counts them itself
+  (:meth:`AdmissionCounters.add`); the rest are counted from events
+  (:meth:`AdmissionCounters.on_event`).
 
 Counts are kept in memory, per process, and added to the backend's
 :class:`~runcell_celery.ports.CounterStore` by a background loop

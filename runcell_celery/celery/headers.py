@@ -5,23 +5,43 @@ another host) share, so everything a child inherits travels in headers, never in
 global variable:
 
 * ``runcell_parent`` — set on every message sent from inside a run: the parent's
-  limiter name, workload, absolute deadline and name. The child inherits them as
-  the spec's nested runs do.
+  limiter name, workload, deadline (Unix time on the sender's clock) and name. The
+  child inherits them as the spec's nested runs do.
 * ``runcell_select`` — what one call selected (``apply_async(concurrency=...)``).
-* ``runcell_deadline`` — this run's own deadline (Unix time), carried on every
-  re-publication. Only a fallback: with a backend that records runs
-  (:class:`~runcell_celery.ports.RunStore`) every delivery asks the store for the
-  milliseconds left since the run's first start, in the store's clock, so no host's
-  wall clock moves the budget.
-* ``runcell_admission`` — the request id of this run's first slot, stable across
-  deliveries so a re-published run finds the lease it was granted.
+* ``runcell_deadline`` — a deadline (Unix time on the sender's clock) that a
+  re-publication carries when nothing else can tell the next delivery its budget.
+* ``runcell_admission`` — the request id a parked delivery asked with, carried by its
+  re-publication so that it claims the grant made to that delivery.
 * ``runcell_publication`` — which re-publication of a parked run this message is; only
   that publication may take the granted lease.
+
+**Headers only shorten a budget.** Anyone who can publish to the broker can write
+headers, and a Unix time read on another host is off by that host's clock error. So
+a run's budget is a *duration* recorded in database time: with a backend that records
+runs (:class:`~runcell_celery.ports.RunStore`) every delivery asks the store for the
+milliseconds left since the run's first start. A deadline header is only a bound
+taken together with it — the earlier wins — so a forged or skewed header can end a
+run sooner, never later. A re-publication whose budget the store keeps writes no
+``runcell_deadline`` at all, so no host's clock enters it.
+
+:func:`parse` validates every header before a run starts: a value no sender writes
+(wrong type, NaN, infinity, wrong shape) fails the delivery with
+:class:`~runcell_celery.errors.ConcurrencyHeaderError` naming the header and the
+value, and the task body does not run. Keys a newer sender adds to a header dict are
+ignored, so a fleet can be upgraded one worker at a time.
 """
 
 from __future__ import annotations
 
+import math
+import reprlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
+
+from ..config import check_duration_ms
+from ..errors import ConcurrencyConfigError, ConcurrencyHeaderError
+from .options import RunOverride
 
 __all__ = [
     "ADMISSION",
@@ -29,7 +49,10 @@ __all__ = [
     "PARENT",
     "PUBLICATION",
     "SELECT",
+    "CarriedRun",
     "ParentHeader",
+    "parse",
+    "read",
 ]
 
 PARENT = "runcell_parent"
@@ -37,6 +60,13 @@ SELECT = "runcell_select"
 DEADLINE = "runcell_deadline"
 ADMISSION = "runcell_admission"
 PUBLICATION = "runcell_publication"
+
+#: A forged header can be megabytes; an error message shows this much of it.
+_shown = reprlib.Repr()
+_shown.maxstring = 80
+_shown.maxother = 80
+_shown.maxdict = 6
+_shown.maxlist = 6
 
 
 class ParentHeader(TypedDict, total=False):
@@ -46,10 +76,107 @@ class ParentHeader(TypedDict, total=False):
     name: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class CarriedRun:
+    """What one message's headers say about its run, validated.
+
+    :param parent: the parent run, when the message was sent from inside one.
+    :param select: what the sending call selected (empty when nothing).
+    :param deadline: a bound on the run's deadline (Unix time, another host's clock).
+    """
+
+    parent: ParentHeader | None = None
+    select: RunOverride = field(default_factory=RunOverride)
+    deadline: float | None = None
+
+
 def read(request: Any, name: str) -> Any:
-    """Return a runcell header from a Celery request (``None`` when absent)."""
+    """Return a runcell header from a Celery request (``None`` when absent), unchecked."""
     headers = getattr(request, "headers", None) or {}
     value = headers.get(name)
     if value is None:
         value = request.get(name) if hasattr(request, "get") else None
     return value
+
+
+def parse(request: Any, *, task_name: str) -> CarriedRun:
+    """Read and validate the run headers of a delivery.
+
+    :raises ConcurrencyHeaderError: a header holds a value no sender writes; the
+        message names the task, the header and the value, and carries the run's ids.
+    """
+    lineage = {
+        "run_id": getattr(request, "id", None),
+        "root_run_id": getattr(request, "root_id", None),
+        "parent_run_id": getattr(request, "parent_id", None),
+    }
+
+    def invalid(header: str, value: object, rule: str) -> ConcurrencyHeaderError:
+        return ConcurrencyHeaderError(
+            f"task {task_name!r}: message header {header!r} = {_shown.repr(value)} is "
+            f"invalid: {rule}",
+            **lineage,
+        )
+
+    for name in (ADMISSION, PUBLICATION):
+        value = read(request, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise invalid(name, value, "must be a non-empty string")
+
+    deadline = read(request, DEADLINE)
+    if deadline is not None and not _is_time(deadline):
+        raise invalid(DEADLINE, deadline, "must be a finite Unix time in seconds (a number)")
+
+    parent = read(request, PARENT)
+    if parent is not None:
+        parent = _parent(parent, lambda rule: invalid(PARENT, parent, rule))
+
+    select = read(request, SELECT)
+    override = RunOverride()
+    if select is not None:
+        if not isinstance(select, Mapping):
+            raise invalid(SELECT, select, "must be a dict with 'workload' and/or 'timeout_ms'")
+        workload = select.get("workload")
+        if workload is not None and (not isinstance(workload, str) or not workload):
+            raise invalid(
+                SELECT,
+                select,
+                f"its 'workload' = {_shown.repr(workload)} must be a non-empty string",
+            )
+        timeout_ms = select.get("timeout_ms")
+        if timeout_ms is not None:
+            try:
+                timeout_ms = check_duration_ms(timeout_ms, field="its 'timeout_ms'")
+            except ConcurrencyConfigError as exc:
+                raise invalid(SELECT, select, exc.message) from None
+        override = RunOverride(workload=workload, timeout_ms=timeout_ms)
+    return CarriedRun(parent=parent, select=override, deadline=deadline)
+
+
+def _is_time(value: object) -> bool:
+    """A finite number that is not a bool (JSON carries ``true`` as a number in Python)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _parent(value: object, invalid: Callable[[str], ConcurrencyHeaderError]) -> ParentHeader:
+    if not isinstance(value, Mapping):
+        raise invalid("must be a dict with 'limiter', 'workload', 'deadline' and 'name'")
+
+    def name(key: str) -> str | None:
+        item = value.get(key)
+        if item is not None and (not isinstance(item, str) or not item):
+            raise invalid(f"its {key!r} = {_shown.repr(item)} must be a non-empty string or null")
+        return item
+
+    deadline = value.get("deadline")
+    if deadline is not None and not _is_time(deadline):
+        raise invalid(
+            f"its 'deadline' = {_shown.repr(deadline)} must be a finite Unix time in "
+            "seconds or null"
+        )
+    return ParentHeader(
+        limiter=name("limiter"),
+        workload=name("workload"),
+        deadline=None if deadline is None else float(deadline),
+        name=name("name"),
+    )

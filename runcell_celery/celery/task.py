@@ -24,8 +24,10 @@ failure at all (:mod:`.deferral`).
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from billiard.exceptions import Terminated
 from celery import Celery, Task
@@ -33,11 +35,11 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
 from ..admission import Admission, SlotDeferred
 from ..cancellation import CancellationToken
-from ..context import current_run, run
+from ..context import RunContext, current_run, run
 from ..deadline import Deadline
 from ..errors import ConcurrencyError, ConcurrencyLimiterError
 from ..ports import RunStore
-from ..protocol import SupportsWithdraw
+from ..protocol import SupportsStats, SupportsWithdraw
 from ..registry import LimiterRegistry
 from ..slot import register_interrupt, slot
 from . import headers
@@ -46,7 +48,9 @@ from .options import RunOverride, TaskConcurrency
 from .state import registry_for
 from .wiring import ensure_wired
 
-__all__ = ["RunCellTask"]
+__all__ = ["DeliverySetAside", "RunCellTask"]
+
+logger = logging.getLogger("runcell_celery.celery")
 
 register_interrupt(SoftTimeLimitExceeded)
 register_interrupt(Terminated)
@@ -86,6 +90,8 @@ class RunCellTask(Task[Any, Any]):
             cls.acks_late = True
             cls.reject_on_worker_lost = True
         cls._runcell = spec
+        # A deferral is not "ignored" work: Celery's line for it is replaced by ours.
+        logging.getLogger("celery.app.trace").addFilter(_HIDE_SET_ASIDE)
         ensure_wired(app)
 
     # -- sending ------------------------------------------------------------------------
@@ -118,58 +124,30 @@ class RunCellTask(Task[Any, Any]):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = self._runcell or TaskConcurrency()
         request = self.request
-        parent = headers.read(request, headers.PARENT)
-        if spec.limiter is None and parent is None and current_run() is None:
+        if (
+            spec.limiter is None
+            and headers.read(request, headers.PARENT) is None
+            and current_run() is None
+        ):
             return super().__call__(*args, **kwargs)  # nothing to limit
-        state = ensure_wired(self.app)
-        registry = state.registry
-        counters = state.counters
-        override = RunOverride(**(headers.read(request, headers.SELECT) or {}))
+        counters = ensure_wired(self.app).counters
+        # Every delivery is counted before anything can fail; a failure before the run
+        # asks for a slot emits no event, so it is counted here, not by the listener.
+        try:
+            carried = headers.parse(request, task_name=self.name)
+        except ConcurrencyError:
+            counters.add(self.name, _limiter_name(spec, None), "deliveries")
+            counters.add(self.name, _limiter_name(spec, None), "concurrency_failures")
+            raise
+        limiter_name = _limiter_name(spec, carried.parent)
+        counters.add(self.name, limiter_name, "deliveries")
         with contextlib.ExitStack() as stack:
-            local_parent = current_run()
-            if parent is not None and local_parent is None:
-                # The parent ran in another process: stand it in, so this run inherits
-                # its limiter, workload and remaining budget as a nested run does.
-                stack.enter_context(
-                    run(
-                        limiter=registry.get(parent["limiter"]) if parent.get("limiter") else None,
-                        workload=parent.get("workload"),
-                        deadline_at=parent.get("deadline"),
-                        run_id=request.parent_id or request.root_id,
-                        root_run_id=request.root_id or request.parent_id,
-                        name=parent.get("name"),
-                    )
-                )
-            limiter = registry.get(spec.limiter) if spec.limiter is not None else None
-            inherited = current_run()
-            effective = limiter or (inherited.limiter if inherited is not None else None)
-            deadline = self._deadline(request, spec, override, registry)
-            admission = None
-            if spec.admission == "defer" and effective is not None and not request.is_eager:
-                admission = admission_for(
-                    self,
-                    request,
-                    effective,
-                    spec,
-                    deadline_at=deadline.to_unix() if deadline is not None else None,
-                )
-            context = stack.enter_context(
-                run(
-                    limiter=limiter,
-                    workload=override.workload,
-                    default_workload=spec.workload,
-                    deadline=deadline,
-                    cancel=CancellationToken(),
-                    run_id=request.id,
-                    root_run_id=request.root_id or request.id,
-                    parent_run_id=request.parent_id,
-                    name=self.name,
-                    admission=admission,
-                )
-            )
-            limiter_name = context.limiter.name if context.limiter is not None else "-"
-            counters.add(self.name, limiter_name, "deliveries")
-            self._watch_revocation(request, context.cancel, admission, stack)
+            try:
+                context = self._start_run(stack, request, spec, carried)
+            except ConcurrencyError:
+                counters.add(self.name, limiter_name, "concurrency_failures")
+                raise
+            admission = context.admission
             try:
                 remaining = context.remaining_ms()
                 if remaining is not None and remaining <= 0:
@@ -183,10 +161,73 @@ class RunCellTask(Task[Any, Any]):
                         return super().__call__(*args, **kwargs)
                 return super().__call__(*args, **kwargs)
             except DuplicateDelivery:
-                raise Ignore() from None
+                logger.info(
+                    "Task %s[%s] dropped: a duplicate delivery; another delivery of this run "
+                    "holds its lease",
+                    self.name,
+                    request.id,
+                )
+                raise DeliverySetAside(request.id) from None
             except SlotDeferred:
                 counters.add(self.name, limiter_name, "deferrals")
-                raise Ignore() from None
+                _log_deferral(self.name, request.id, admission, context.workload)
+                raise DeliverySetAside(request.id) from None
+
+    def _start_run(
+        self,
+        stack: contextlib.ExitStack,
+        request: Any,
+        spec: TaskConcurrency,
+        carried: headers.CarriedRun,
+    ) -> RunContext:
+        """Enter this delivery's run (and a stand-in for a parent in another process).
+
+        Everything here happens before the run asks for a slot: its errors emit no
+        event, which is why the caller counts them.
+        """
+        registry = ensure_wired(self.app).registry
+        parent = carried.parent
+        if parent is not None and current_run() is None:
+            # The parent ran in another process: stand it in, so this run inherits
+            # its limiter, workload and remaining budget as a nested run does. Its
+            # deadline is a Unix time from the parent's host: a bound that only
+            # shortens this run's own budget (``run`` keeps the earliest).
+            parent_limiter = parent.get("limiter")
+            stack.enter_context(
+                run(
+                    limiter=registry.get(parent_limiter) if parent_limiter else None,
+                    workload=parent.get("workload"),
+                    deadline_at=parent.get("deadline"),
+                    run_id=request.parent_id or request.root_id,
+                    root_run_id=request.root_id or request.parent_id,
+                    name=parent.get("name"),
+                )
+            )
+        limiter = registry.get(spec.limiter) if spec.limiter is not None else None
+        inherited = current_run()
+        effective = limiter or (inherited.limiter if inherited is not None else None)
+        budget = self._budget(request, spec, carried, registry)
+        admission = None
+        if spec.admission == "defer" and effective is not None and not request.is_eager:
+            admission = admission_for(
+                self, request, effective, spec, deadline_at=budget.carried_unix()
+            )
+        context = stack.enter_context(
+            run(
+                limiter=limiter,
+                workload=carried.select.workload,
+                default_workload=spec.workload,
+                deadline=budget.deadline,
+                cancel=CancellationToken(),
+                run_id=request.id,
+                root_run_id=request.root_id or request.id,
+                parent_run_id=request.parent_id,
+                name=self.name,
+                admission=admission,
+            )
+        )
+        self._watch_revocation(request, context.cancel, admission, stack)
+        return context
 
     def _watch_revocation(
         self,
@@ -206,28 +247,31 @@ class RunCellTask(Task[Any, Any]):
             cancel.cancel("a parent run was revoked")
             _withdraw(admission)
 
-    def _deadline(
+    def _budget(
         self,
         request: Any,
         spec: TaskConcurrency,
-        override: RunOverride,
+        carried: headers.CarriedRun,
         registry: LimiterRegistry,
-    ) -> Deadline | None:
-        """This run's deadline, fixed at its first start.
+    ) -> _Budget:
+        """This run's own deadline, fixed at its first start.
 
         With a backend that records runs (:class:`~runcell_celery.ports.RunStore`) the
-        budget is counted from the run's first start in the store's clock: every
-        delivery (first, redelivered, re-published) asks it for the milliseconds left,
-        so neither this host's wall clock nor another worker's moves the deadline.
+        budget is a duration counted from the run's first start in the store's clock:
+        every delivery (first, redelivered, re-published) asks it for the milliseconds
+        left, so neither this host's wall clock nor another worker's moves it. A
+        ``runcell_deadline`` header is a Unix time from another host (or from anyone
+        who can publish): it is only a bound, taken with the budget, earliest first —
+        it can end the run sooner, never later.
         """
-        timeout_ms = override.timeout_ms if override.timeout_ms is not None else spec.timeout_ms
+        timeout_ms = (
+            carried.select.timeout_ms if carried.select.timeout_ms is not None else spec.timeout_ms
+        )
+        bound = Deadline.from_unix(carried.deadline) if carried.deadline is not None else None
+        if timeout_ms is None:
+            return _Budget(bound, kept=True)  # nothing of its own; the header stays
         store: object = registry.backend  # a Backend that may also be a RunStore
-        if (
-            timeout_ms is not None
-            and isinstance(store, RunStore)
-            and request.id is not None
-            and not request.is_eager
-        ):
+        if isinstance(store, RunStore) and request.id is not None and not request.is_eager:
             try:
                 remaining_ms = store.first_start(request.id, timeout_ms)
             except Exception as exc:  # fail closed, as a slot request would
@@ -237,11 +281,9 @@ class RunCellTask(Task[Any, Any]):
                     root_run_id=request.root_id,
                     parent_run_id=request.parent_id,
                 ) from exc
-            return Deadline.after_ms(remaining_ms)
-        carried = headers.read(request, headers.DEADLINE)
-        if carried is not None:
-            return Deadline.from_unix(float(carried))
-        return None if timeout_ms is None else Deadline.after_ms(timeout_ms)
+            return _Budget(Deadline.earliest(Deadline.after_ms(remaining_ms), bound), kept=True)
+        # Nothing records this run: only a header can tell a re-publication its budget.
+        return _Budget(Deadline.earliest(Deadline.after_ms(timeout_ms), bound), kept=False)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Retry, except after a ``ConcurrencyError``: that stops the run for good.
@@ -252,6 +294,103 @@ class RunCellTask(Task[Any, Any]):
         if isinstance(exc, ConcurrencyError):
             raise exc
         return super().retry(*args, **kwargs)
+
+
+class _Budget(NamedTuple):
+    """A run's own deadline, and whether a later delivery can find it without a header.
+
+    ``kept`` is true when the store records the budget or nothing of the run's own
+    makes one (the message's headers still carry any bound); only otherwise does a
+    re-publication carry ``runcell_deadline``, so no host's clock enters a budget the
+    database keeps.
+    """
+
+    deadline: Deadline | None
+    kept: bool
+
+    def carried_unix(self) -> float | None:
+        """The deadline a re-publication must carry (Unix time), or ``None``."""
+        return None if self.kept or self.deadline is None else self.deadline.to_unix()
+
+
+class DeliverySetAside(Ignore):
+    """This delivery ends without running its body, and that is not a failure.
+
+    Raised when the run was parked (admission deferral) or when another delivery of
+    the same run owns its lease. Celery's ``Ignore`` is what these need: the message is
+    acked — after the parking committed, since deferrable tasks are ``acks_late`` —
+    with no state stored, no retry spent and no ``task_failure``. But Celery logs
+    every ``Ignore`` as "Task ... ignored", which reads as work thrown away; this
+    subclass lets :class:`_HideSetAsideIgnored` drop exactly that line, and the task
+    logs what happened instead.
+    """
+
+    def __init__(self, task_id: str | None) -> None:
+        super().__init__(task_id)
+        self.task_id = task_id
+
+
+class _HideSetAsideIgnored(logging.Filter):
+    """Drop Celery's "Task ... ignored" line for a :class:`DeliverySetAside` only.
+
+    Celery logs it from ``celery.app.trace`` while it handles the exception (inside
+    its ``except Ignore`` block), so the exception at hand tells which one it is;
+    every other ignored task keeps its line.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        data = getattr(record, "data", None)
+        if not isinstance(data, dict) or data.get("description") != "ignored":
+            return True
+        handling = sys.exc_info()[1]
+        return not (isinstance(handling, DeliverySetAside) and handling.task_id == data.get("id"))
+
+
+_HIDE_SET_ASIDE = _HideSetAsideIgnored()
+
+
+def _limiter_name(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> str:
+    """The limiter a delivery is counted under, known before its run starts (the one
+    the run will use: its own, else its parent's)."""
+    if spec.limiter is not None:
+        return spec.limiter
+    local = current_run()
+    if local is not None and local.limiter is not None:
+        return local.limiter.name
+    return (parent or {}).get("limiter") or "-"
+
+
+def _log_deferral(
+    task_name: str, task_id: str | None, admission: Admission | None, workload: str | None
+) -> None:
+    """One INFO line per parking, saying where the run waits.
+
+    The place is the length of its workload's line read just after it parked (one
+    short read of the limiter's kept counts, only on this already slow path): lines
+    are first come first served, so that is its place, or a bound on it if others
+    joined in between. A limiter without stats (or one that fails) gives no place.
+    """
+    if admission is None:
+        return
+    limiter = admission.limiter
+    place: int | None = None
+    if isinstance(limiter, SupportsStats):
+        try:
+            stats = limiter.stats()
+        except Exception:  # the parking committed; a place is only nice to have
+            place = None
+        else:
+            line = stats.workloads.get(workload) if workload is not None else None
+            place = line.queued if line is not None else stats.queued
+    logger.info(
+        "Task %s[%s] deferred: parked at %s of limiter %r (workload %r); its message is "
+        "acked and is published again when a slot frees",
+        task_name,
+        task_id,
+        f"place {place}" if place is not None else "an unknown place",
+        limiter.name,
+        workload,
+    )
 
 
 def _withdraw(admission: Admission | None) -> None:
