@@ -10,6 +10,7 @@ test, on the real clock, measures with ``time.monotonic`` how long a wait lasted
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -85,6 +86,84 @@ def test_a_slot_wait_lasts_its_full_max_wait_ms_on_a_worker_with_a_skewed_clock(
     _start(worker_processes, settings, app, skew_s)
     waited = _timed_out_after(app, "rc.wait", concurrency={"workload": "interactive"})
     assert MAX_WAIT_MS / 1000 * 0.8 <= waited <= MAX_WAIT_MS / 1000 + SLACK_S, waited
+
+
+#: "Honours a budget to within a second": neither ended early nor late by more.
+PRECISE_S = 1.0
+
+
+@pytest.fixture
+def extra_queues() -> Iterator[list[str]]:
+    """Queues a test adds beside its own (one per worker clock); emptied afterwards."""
+    queues: list[str] = []
+    yield queues
+    client = redis.Redis.from_url(REDIS_URL)
+    for queue in queues:
+        client.delete(queue, f"{queue}-unacked", f"{queue}-unacked-index", f"{queue}-unacked-mutex")
+
+
+def _watch_budgets(
+    worker_events: Callable[[], list[dict[str, Any]]], sent: dict[str, float], timeout_s: float
+) -> dict[str, tuple[float, float]]:
+    """Watch the runs' events until each timed out.
+
+    Returns per run ``(from_sent, from_waiting)``: the seconds, on this process's
+    monotonic clock, from sending the task to its ``timed-out`` event, and from its
+    ``wait-started`` event to it (each as first seen here). The run's budget starts
+    after it was sent and before it waits, so a budget honoured to within a second
+    has ``from_sent >= budget - 1`` (not ended early) and ``from_waiting <= budget + 1``
+    (not ended late), whatever delays the broker and a loaded machine add outside it.
+    """
+    waiting: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    give_up = time.monotonic() + timeout_s
+    while len(ended) < len(sent):
+        assert time.monotonic() < give_up, f"runs never timed out: {set(sent) - set(ended)}"
+        now = time.monotonic()
+        for event in worker_events():
+            run_id = event.get("run_id")
+            if run_id in sent and event["type"] == "wait-started":
+                waiting.setdefault(run_id, now)
+            elif run_id in sent and event["type"] == "timed-out":
+                ended.setdefault(run_id, now)
+        time.sleep(0.02)
+    assert set(waiting) == set(sent), "a run timed out without waiting for the held slot"
+    return {run: (ended[run] - sent[run], ended[run] - waiting[run]) for run in sent}
+
+
+@pytest.mark.parametrize(
+    "budget_ms",
+    [pytest.param(5_000, id="5s"), pytest.param(60_000, id="60s", marks=pytest.mark.stress)],
+)
+def test_a_budget_is_honoured_to_within_a_second_by_workers_two_minutes_ahead_and_behind(
+    make_app, worker_processes, worker_events, settings, extra_queues, budget_ms: int
+) -> None:
+    # One worker per clock, each on a queue of its own, both waiting at once.
+    apps: dict[float, Celery] = {}
+    for skew_s in (SKEW_S, -SKEW_S):
+        queue = f"{settings['queue']}-{'ahead' if skew_s > 0 else 'behind'}"
+        extra_queues.append(queue)
+        on_queue = {**settings, "queue": queue}
+        apps[skew_s] = make_app(**on_queue)
+        _start(worker_processes, on_queue, apps[skew_s], skew_s)
+    with slot(registry_for(apps[SKEW_S]).get("llm")):  # held longer than any budget
+        results = {}
+        sent = {}
+        for skew_s, app in apps.items():
+            result = app.tasks["rc.wait"].apply_async((5,), concurrency={"timeout_ms": budget_ms})
+            results[skew_s], sent[result.id] = result, time.monotonic()
+        timings = _watch_budgets(worker_events, sent, budget_ms / 1000 + 60)
+    budget_s = budget_ms / 1000
+    for skew_s, result in results.items():
+        from_sent, from_waiting = timings[result.id]
+        print(
+            f"skew {skew_s:+.0f} s: timed out {from_sent:.3f} s after sending, "
+            f"{from_waiting:.3f} s after waiting"
+        )
+        assert from_sent >= budget_s - PRECISE_S, (skew_s, from_sent)
+        assert from_waiting <= budget_s + PRECISE_S, (skew_s, from_waiting)
+        with pytest.raises(ConcurrencyTimeoutError):
+            result.get(timeout=30)
 
 
 def _parked_and_acked(dsn: str, queue: str) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
 import uuid
@@ -37,6 +38,7 @@ from runcell_celery import (
     slot,
 )
 from runcell_celery.celery import RunCellTask, registry_for
+from runcell_celery.celery.state import state_for
 from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
 from runcell_celery.testing import FakeProviderClient
 
@@ -296,6 +298,12 @@ def create_app(settings: dict[str, Any]) -> Celery:
         call_provider(5)
         return {"args": list(args), "kwargs": kwargs, "retries": self.request.retries}
 
+    @app.task(shared=False, name="rc.local_counts")
+    def local_counts() -> list[dict[str, Any]]:
+        """This worker process's admission counts, written or not (a worker that cannot
+        reach its database keeps them in memory)."""
+        return [dataclasses.asdict(c) for c in state_for(app).counters.local()]
+
     @app.task(shared=False, name="rc.pool_report")
     def pool_report(server_port: int = 5432) -> dict[str, Any]:
         """How this worker process reaches the database: its backend's pool (settings
@@ -355,6 +363,10 @@ def _from_env() -> Celery | None:
     settings = json.loads(raw)
     if settings.get("clock_skew_s"):
         skew_clock(float(settings["clock_skew_s"]))
+    # Workers run with --loglevel=WARNING; a test that reads a logger's INFO lines in
+    # the worker's log file raises that logger (e.g. {"runcell_celery": "INFO"}).
+    for name, level in settings.get("log_levels", {}).items():
+        logging.getLogger(name).setLevel(level)
     return create_app(settings)
 
 

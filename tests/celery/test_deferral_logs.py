@@ -1,0 +1,96 @@
+"""What an operator reads in a worker's log about deferrals: one line per parking.
+
+A parked task is acked through Celery's ``Ignore``, which Celery logs as "Task ...
+ignored" — read as work thrown away. The worker here logs ``runcell_celery`` and
+Celery's task tracer (``celery.app.trace``) at INFO, so Celery's own lines would show:
+each parking must give exactly one ``deferred: parked at place N of limiter 'llm'``
+line and no "ignored" line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from celery import Celery
+
+from runcell_celery import slot
+from runcell_celery.celery import AdmissionCount, admission_counts, registry_for
+from tests.conftest import wait_until
+from tests.support.celery_app import REDIS_URL
+
+LIMITS = {
+    "max_concurrent": 1,
+    "lease_ttl_ms": 10_000,
+    "workloads": {"interactive": {}, "background": {}},
+    "default_workload": "background",
+}
+TASKS = 4
+DEFERRED = re.compile(
+    r"Task rc\.defer\[(?P<id>[0-9a-f-]+)\] deferred: parked at place (?P<place>\d+) "
+    r"of limiter 'llm' \(workload 'background'\)"
+)
+
+
+def _parked_and_acked(dsn: str, queue: str, count: int) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM runcell_queue WHERE parked").fetchone()
+    unacked = redis.Redis.from_url(REDIS_URL).hlen(f"{queue}-unacked")
+    return row is not None and row[0] == count and unacked == 0
+
+
+def _counts(app: Celery) -> AdmissionCount:
+    rows = [c for c in admission_counts(app) if (c.task_name, c.limiter) == ("rc.defer", "llm")]
+    return rows[0] if rows else AdmissionCount("rc.defer", "llm")
+
+
+@pytest.fixture
+def settings(celery_settings: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **celery_settings,
+        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
+        "log_levels": {"runcell_celery": "INFO", "celery.app.trace": "INFO"},
+    }
+
+
+def test_each_parking_logs_one_deferral_line_and_celery_logs_no_ignored_line(
+    make_app, worker_processes, pg_dsn, settings
+) -> None:
+    app = make_app(**settings)
+    group = worker_processes(**settings)
+    # One pool process: the tasks park one after another, so their places are known.
+    group.start(concurrency=1, name="deferrals")
+    log = Path(group.log_dir) / "deferrals.log"
+    app.tasks["rc.pool_report"].delay().get(timeout=60)
+    before = _counts(app)
+    with slot(registry_for(app).get("llm")):
+        results = [app.tasks["rc.defer"].delay(5) for _ in range(TASKS)]
+        wait_until(
+            lambda: _parked_and_acked(pg_dsn, settings["queue"], TASKS),
+            "every task is parked and its message acked",
+            60,
+            interval=0.05,
+        )
+        parked = [m.groupdict() for m in DEFERRED.finditer(log.read_text(errors="replace"))]
+        assert [p["id"] for p in parked] == [r.id for r in results], log.read_text()
+        assert [int(p["place"]) for p in parked] == list(range(1, TASKS + 1))
+    for result in results:
+        assert result.get(timeout=60)["retries"] == 0
+
+    text = log.read_text(errors="replace")
+    # Celery's tracer logs at INFO here: its success lines show, so would "ignored".
+    assert len(re.findall(r"Task rc\.defer\[[0-9a-f-]+\] succeeded", text)) == TASKS, text
+    assert "ignored" not in text, text
+    wait_until(
+        lambda: _counts(app).deliveries - before.deliveries >= 2 * TASKS,
+        "the worker wrote its counts",
+        30,
+        interval=0.2,
+    )
+    deferrals = _counts(app).deferrals - before.deferrals
+    assert deferrals >= TASKS
+    assert len(DEFERRED.findall(text)) == deferrals, text
