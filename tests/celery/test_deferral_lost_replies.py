@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -119,3 +120,15 @@ def test_deferred_tasks_complete_exactly_once_when_parking_replies_are_lost(
     )
     (counted,) = [c for c in admission_counts(app) if c.task_name == "rc.defer_budget"]
     assert counted.concurrency_failures == 1
+    # Each task parked once and ran from its one re-publication: a retry that read its
+    # own claim as "gone" would have left the lease unused and parked the task again.
+    wait_until(lambda: _defer_counts(app)[0] >= 10, "the deliveries are counted", 30, interval=0.2)
+    assert _defer_counts(app) == (10, 5)
+
+
+def _defer_counts(app: Any) -> tuple[int, int]:
+    """(deliveries, deferrals) of ``rc.defer``, as the workers wrote them."""
+    for count in admission_counts(app):
+        if count.task_name == "rc.defer":
+            return count.deliveries, count.deferrals
+    return 0, 0
