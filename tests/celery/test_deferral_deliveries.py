@@ -151,3 +151,31 @@ def test_a_redelivery_after_the_visibility_timeout_waits_for_a_slot_of_its_own(
         30,
         interval=0.2,
     )
+
+
+def test_a_delivery_of_a_task_that_already_finished_is_dropped_as_a_duplicate(
+    make_app, worker_processes, provider: FakeProvider, pg_dsn: str, celery_settings
+) -> None:
+    settings = {
+        **celery_settings,
+        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
+    }
+    app = make_app(**settings)
+    workers = worker_processes(**settings)
+    workers.start(concurrency=2)
+    task_id = str(uuid.uuid4())
+    try:
+        first = app.tasks["rc.defer"].apply_async((20,), task_id=task_id).get(timeout=60)
+        # The same task id again: its slot is free, but the task has its result.
+        app.tasks["rc.defer"].apply_async((20,), task_id=task_id)
+        wait_until(
+            lambda: _counts(app).deliveries >= 2, "the second delivery ran", 30, interval=0.2
+        )
+        _wait_settled(settings["queue"], pg_dsn, 60)
+    except Exception:
+        print(workers.logs())
+        raise
+    assert provider.stats().completed == 1, "the finished task ran again"
+    result = AsyncResult(task_id, app=app)
+    assert result.state == "SUCCESS"
+    assert result.result == first, "the duplicate replaced the first delivery's result"
