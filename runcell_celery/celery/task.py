@@ -35,6 +35,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
 from ..admission import Admission, SlotDeferred
 from ..cancellation import CancellationToken
+from ..config import MAX_DURATION_MS
 from ..context import RunContext, current_run, run
 from ..deadline import Deadline
 from ..errors import ConcurrencyError, ConcurrencyLimiterError
@@ -197,7 +198,7 @@ class RunCellTask(Task[Any, Any]):
                 run(
                     limiter=registry.get(parent_limiter) if parent_limiter else None,
                     workload=parent.get("workload"),
-                    deadline_at=parent.get("deadline"),
+                    deadline=_header_bound(parent.get("deadline")),
                     run_id=request.parent_id or request.root_id,
                     root_run_id=request.root_id or request.parent_id,
                     name=parent.get("name"),
@@ -267,7 +268,7 @@ class RunCellTask(Task[Any, Any]):
         timeout_ms = (
             carried.select.timeout_ms if carried.select.timeout_ms is not None else spec.timeout_ms
         )
-        bound = Deadline.from_unix(carried.deadline) if carried.deadline is not None else None
+        bound = _header_bound(carried.deadline)
         if timeout_ms is None:
             return _Budget(bound, kept=True)  # nothing of its own; the header stays
         store: object = registry.backend  # a Backend that may also be a RunStore
@@ -294,6 +295,19 @@ class RunCellTask(Task[Any, Any]):
         if isinstance(exc, ConcurrencyError):
             raise exc
         return super().retry(*args, **kwargs)
+
+
+def _header_bound(unix: float | None) -> Deadline | None:
+    """A deadline header (Unix time from another host) as a bound on this run.
+
+    No run can be given a budget longer than ``MAX_DURATION_MS`` (about 24.8 days), so
+    a header further ahead bounds nothing a sender could have meant; it is cut to that,
+    which keeps every wait the run makes within what clocks and the database can
+    represent (a forged ``1e300`` must not turn into an overflow in the limiter).
+    """
+    if unix is None:
+        return None
+    return Deadline.earliest(Deadline.from_unix(unix), Deadline.after_ms(MAX_DURATION_MS))
 
 
 class _Budget(NamedTuple):

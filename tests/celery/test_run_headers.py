@@ -88,6 +88,35 @@ def test_a_deadline_header_earlier_than_the_recorded_budget_shortens_it(started,
     assert waited <= BUDGET_MS / 1000 + SLACK_S, waited
 
 
+@pytest.mark.parametrize(
+    "far",
+    [{"runcell_deadline": 1e300}, {"runcell_parent": {"limiter": "llm", "deadline": 1e300}}],
+    ids=["runcell_deadline", "runcell_parent"],
+)
+def test_a_deadline_header_far_beyond_any_budget_bounds_nothing_and_breaks_nothing(
+    started, worker_events, far
+) -> None:
+    # No budget of its own: the header is the only bound, absurdly far. The run waits
+    # for the held slot like a run without a budget (no overflow in any clock or
+    # database interval), and runs once the slot is free.
+    app = started
+    with slot(registry_for(app).get("llm")):
+        result = app.tasks["rc.wait"].apply_async((5,), headers=far)
+        wait_until(
+            lambda: result.ready() or _waiting(worker_events(), result.id),
+            "the run waits for the slot",
+            60,
+            interval=0.05,
+        )
+        time.sleep(1.0)  # it keeps waiting: nothing broke
+        assert not result.ready(), result.result
+    assert result.get(timeout=60)["run_id"] == result.id
+
+
+def _waiting(events: list[dict[str, Any]], run_id: str) -> bool:
+    return any(e["type"] == "wait-started" and e.get("run_id") == run_id for e in events)
+
+
 #: (header, value, what the message must show of the value)
 MALFORMED: list[tuple[str, Any, str]] = [
     ("runcell_deadline", "soon", "'soon'"),
