@@ -163,8 +163,8 @@ class RunCellTask(Task[Any, Any]):
                 return super().__call__(*args, **kwargs)
             except DuplicateDelivery:
                 logger.info(
-                    "Task %s[%s] dropped: a duplicate delivery; another delivery of this run "
-                    "holds its lease",
+                    "Task %s[%s] dropped: a duplicate delivery (another delivery of this run "
+                    "carries it, or the task already has a result)",
                     self.name,
                     request.id,
                 )
