@@ -308,7 +308,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         wait_ms = self._wait_ms(request, workload)
         # Registered before the request is sent, so a grant that arrives before the
         # answer finds its waiter.
-        waiter = self.room.add(request.request_id, self.name, loop)
+        waiter = self.room.add(request.request_id, self.name, loop, reap=self.reap)
         return _Waiting(request, workload, wait_ms, cancel, park, waiter)
 
     def _first(

@@ -30,8 +30,9 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,7 @@ class WaitRoom:
         self._lock = threading.Lock()
         self._waiters: dict[str, Waiter] = {}
         self._limiters: Counter[str] = Counter()
+        self._reapers: dict[str, weakref.WeakMethod[Callable[[], None]]] = {}
         self._heartbeat_due = 0.0
         #: When to look for expired leases next (the earliest lease of a limiter we
         #: wait on would expire then, unless renewed).
@@ -195,13 +197,25 @@ class WaitRoom:
         return listener is not None and listener.connected.is_set()
 
     def add(
-        self, request_id: str, limiter: str, loop: asyncio.AbstractEventLoop | None = None
+        self,
+        request_id: str,
+        limiter: str,
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        reap: Callable[[], None] | None = None,
     ) -> Waiter:
-        """Register a waiter *before* its acquire is sent, so no grant finds nobody."""
+        """Register a waiter *before* its acquire is sent, so no grant finds nobody.
+
+        :param reap: the limiter's own allocation pass (held weakly), which the safety
+            poll runs when the limiter holds expired leases: unlike a bare statement it
+            re-publishes at once the parked tasks that pass grants.
+        """
         waiter = Waiter(request_id, limiter, loop)
         with self._lock:
             self._waiters[request_id] = waiter
             self._limiters[limiter] += 1
+            if reap is not None:
+                self._reapers[limiter] = weakref.WeakMethod(reap)
         if self.listener is not None:
             self.listener.start()
         self._loop.start()
@@ -321,13 +335,19 @@ class WaitRoom:
                 waiter.missing = True
                 waiter.wake()
         for limiter in answer["reap"]:
+            with self._lock:
+                reference = self._reapers.get(limiter)
+            reap = reference() if reference is not None else None
             try:
-                call(
-                    self._database,
-                    statements.REAP,
-                    {"limiter": limiter},
-                    lock_timeout_ms=lock_timeout_ms(None),
-                )
+                if reap is not None:
+                    reap()
+                else:  # its limiter is gone: the sweeper re-publishes what this grants
+                    call(
+                        self._database,
+                        statements.REAP,
+                        {"limiter": limiter},
+                        lock_timeout_ms=lock_timeout_ms(None),
+                    )
             except Exception as exc:  # the next poll tries again
                 logger.info("runcell: reaping %r failed: %s", limiter, exc)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -276,3 +277,51 @@ def _wait_for_row(conn: psycopg.Connection[Any], request_id: str) -> None:
     ).fetchone():
         assert time.monotonic() < deadline, f"{request_id} never queued"
         time.sleep(0.005)
+
+
+def test_a_parked_grant_made_by_the_safety_polls_reap_is_republished_at_once(
+    pg_dsn: str,
+) -> None:
+    # A holder that died (its lease is never renewed) holds the only slot; a parked
+    # request and a waiting one stand in line. When the lease expires, the waiting
+    # process's safety poll reaps it and the parked request is granted: its task must be
+    # re-published by that pass, not seconds later by a sweeper (none runs here).
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name("reap-parked"), max_concurrent=1, lease_ttl_ms=1000
+    )
+    published: list[list[str]] = []
+    announced = threading.Event()
+
+    def republish(lease_ids: list[str]) -> None:
+        published.append(lease_ids)
+        announced.set()
+
+    limiter.set_parked_granted_handler(republish)
+
+    def request(request_id: str) -> AcquireRequest:
+        return AcquireRequest(
+            request_id=request_id,
+            workload="default",
+            lineage=RunLineage(request_id, request_id),
+            timeout_ms=3_000,
+        )
+
+    limiter.acquire(request(unique_name("dead-holder")))  # never renewed: expires in 1 s
+    parked = limiter.acquire_or_park(
+        request(unique_name("parked")), admission_wait_ms=0, payload='{"task": "t"}'
+    )
+    assert parked == "parked"
+
+    # Only there so that this process waits on the limiter (and its safety poll looks
+    # at it); what becomes of it is not this test's concern.
+    def wait() -> None:
+        with contextlib.suppress(ConcurrencyError):
+            limiter.acquire(request(unique_name("waiter")))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        assert announced.wait(SOON_S), "the parked grant was never re-published"
+        assert len(published[0]) == 1
+    finally:
+        waiter.join(SOON_S)
