@@ -365,16 +365,6 @@ def test_a_task_too_large_to_park_fails_visibly_in_the_result_backend(make_app) 
 # -- a failed re-publication ---------------------------------------------------------------
 
 
-def _granted_unpicked(pg_dsn: str) -> int:
-    """Parked rows granted and claimed for publication whose task has not started."""
-    with psycopg.connect(pg_dsn) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM runcell_queue WHERE parked AND granted_lease_id IS NOT NULL"
-            " AND published_at IS NOT NULL"
-        ).fetchone()
-        return int(row[0]) if row else 0
-
-
 def test_a_republication_that_finds_the_broker_down_leaves_the_task_parked_to_run_later(
     make_app, worker_processes, pg_dsn: str, celery_settings: dict[str, Any], caplog
 ) -> None:
@@ -390,15 +380,18 @@ def test_a_republication_that_finds_the_broker_down_leaves_the_task_parked_to_ru
     workers = worker_processes(**settings)
     first = workers.start(concurrency=2)
 
+    unacked = redis.Redis.from_url(REDIS_URL)
     with slot(registry_for(cut_off).get("llm")):
         result = app.tasks["rc.defer_echo"].apply_async(({"k": [1, 2]},), {"n": 3})
         _wait(lambda: _parked(pg_dsn) == 1, "the task parked")
+        # Acked once parked; a worker stopped before that would hand the message back.
+        _wait(lambda: unacked.hlen(f"{celery_settings['queue']}-unacked") == 0, "the ack")
         # No other process may publish the grant this release makes.
         workers.stop_all()
         assert first.poll() is not None
     _wait(lambda: "re-publishing parked task" in caplog.text, "the publication failed")
-    assert _granted_unpicked(pg_dsn) == 1, "the grant is not kept for a later publication"
-    assert redis.Redis.from_url(REDIS_URL).llen(celery_settings["queue"]) == 0
+    assert _parked(pg_dsn) == 1, "the parked row is gone with its failed publication"
+    assert unacked.llen(celery_settings["queue"]) == 0
 
     # A worker comes back: the unpicked grant's lease expires, the row is back in line,
     # granted again and published through a broker that works.
