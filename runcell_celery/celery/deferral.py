@@ -146,8 +146,9 @@ def admission_for(
                 return _unless_finished(task, task_id, limiter, claimed)
             if claimed == "stale":
                 # The parked delivery is still stored (back in line, or granted to a
-                # newer publication): that publication carries it, not this copy.
-                raise DuplicateDelivery()
+                # newer publication): this copy ends, and the run stays parked (a
+                # deferral, as if it had parked again); its own publication runs it.
+                raise SlotDeferred()
             # Nothing stored: another copy of this message claimed it (and runs), or it
             # ended. This copy is a delivery of its own.
             request_id = _delivery_id(task_id)

@@ -25,7 +25,9 @@ from tests.support.reply_dropper import ReplyDropper
 
 LIMITS = {
     "max_concurrent": 1,
-    "lease_ttl_ms": 5_000,
+    # Long enough that no grant can expire before its task picks it up, however loaded
+    # the machine: each task must park exactly once.
+    "lease_ttl_ms": 30_000,
     "workloads": {"interactive": {}, "background": {}},
     "default_workload": "background",
 }
@@ -74,6 +76,7 @@ def test_deferred_tasks_complete_exactly_once_when_parking_replies_are_lost(
         "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
     }
     app = make_app(**settings)  # the test's own process: direct to the server
+    before = _task_counts(app)  # fleet-wide: earlier tests' counts are in them
     proxied = psycopg.conninfo.conninfo_to_dict(pg_dsn)
     proxied.update(host="127.0.0.1", port=str(dropper.port))
     worker_settings = copy.deepcopy(settings)
@@ -110,25 +113,27 @@ def test_deferred_tasks_complete_exactly_once_when_parking_replies_are_lost(
     assert witness.completed == 5, f"{witness.completed} provider calls for 5 tasks"
     assert witness.max_in_flight == 1
     wait_until(
-        lambda: any(
-            c.task_name == "rc.defer_budget" and c.concurrency_failures >= 1
-            for c in admission_counts(app)
-        ),
+        lambda: _task_counts(app, before)[2] >= 1,
         "the stale task counted as a concurrency failure",
         30,
         interval=0.2,
     )
-    (counted,) = [c for c in admission_counts(app) if c.task_name == "rc.defer_budget"]
-    assert counted.concurrency_failures == 1
     # Each task parked once and ran from its one re-publication: a retry that read its
     # own claim as "gone" would have left the lease unused and parked the task again.
-    wait_until(lambda: _defer_counts(app)[0] >= 10, "the deliveries are counted", 30, interval=0.2)
-    assert _defer_counts(app) == (10, 5)
+    wait_until(
+        lambda: _task_counts(app, before)[0] >= 10, "the deliveries are counted", 30, interval=0.2
+    )
+    assert _task_counts(app, before) == (10, 5, 1)
 
 
-def _defer_counts(app: Any) -> tuple[int, int]:
-    """(deliveries, deferrals) of ``rc.defer``, as the workers wrote them."""
-    for count in admission_counts(app):
-        if count.task_name == "rc.defer":
-            return count.deliveries, count.deferrals
-    return 0, 0
+def _task_counts(app: Any, since: tuple[int, int, int] = (0, 0, 0)) -> tuple[int, int, int]:
+    """``rc.defer``'s deliveries and deferrals and ``rc.defer_budget``'s concurrency
+    failures, as the workers wrote them, less ``since``."""
+    registry_for(app).get("llm")  # the schema exists once the limiter does
+    counts = {c.task_name: c for c in admission_counts(app)}
+    defer, budget = counts.get("rc.defer"), counts.get("rc.defer_budget")
+    return (
+        (defer.deliveries if defer else 0) - since[0],
+        (defer.deferrals if defer else 0) - since[1],
+        (budget.concurrency_failures if budget else 0) - since[2],
+    )
