@@ -58,6 +58,7 @@ if "RUNCELL" in namespace and "ConcurrencyConfigError" not in namespace:
 BENCH_ARGS = {
     "bench/slot_overhead.py": ["--ops", "2000", "--rounds", "2"],
     "bench/postgres_engine.py": ["--size", "small", "--only", "cycles,tables"],
+    "bench/celery_overhead.py": ["--size", "small"],
 }
 
 
