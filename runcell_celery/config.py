@@ -23,6 +23,7 @@ from .errors import ConcurrencyConfigError
 from .hints import did_you_mean
 
 __all__ = [
+    "DEFAULT_CLAIM_WINDOW_MS",
     "DEFAULT_LEASE_TTL_MS",
     "DEFAULT_WORKLOAD",
     "MAX_DURATION_MS",
@@ -41,6 +42,12 @@ MAX_INT = 2**31 - 1
 #: about 24.8 days). Budgets and waits longer than that are "no limit": ``None``.
 MAX_DURATION_MS = MAX_INT
 DEFAULT_LEASE_TTL_MS = 30_000
+#: How long a grant to a parked request waits for its re-published task to claim it
+#: before it passes to the next in line (``runcell_allocate_v4`` has the same default).
+DEFAULT_CLAIM_WINDOW_MS = 5_000
+#: The shortest claim window: below it a healthy hand-off (publish, deliver, claim)
+#: would miss its grant.
+MIN_CLAIM_WINDOW_MS = 100
 MAX_NAME_LENGTH = 200
 
 _LIMITER_OPTIONS = (
@@ -51,6 +58,7 @@ _LIMITER_OPTIONS = (
     "name",
     "lease_ttl_ms",
     "max_hold_ms",
+    "claim_window_ms",
 )
 _WORKLOAD_OPTIONS = ("max_concurrent", "reserved", "priority", "max_wait_ms")
 
@@ -221,6 +229,7 @@ class LimiterConfig:
     name: str = "default"
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS
     max_hold_ms: int | None = None
+    claim_window_ms: int | None = None
 
     def __post_init__(self) -> None:
         _check_name(("name",), self.name)
@@ -228,8 +237,28 @@ class LimiterConfig:
         _check_optional_int(("max_queued",), self.max_queued, minimum=0)
         _check_int(("lease_ttl_ms",), self.lease_ttl_ms, minimum=1)
         _check_optional_int(("max_hold_ms",), self.max_hold_ms, minimum=1)
+        if self.claim_window_ms is None:
+            object.__setattr__(self, "claim_window_ms", self._default_claim_window_ms())
+        elif (
+            _check_int(("claim_window_ms",), self.claim_window_ms, minimum=MIN_CLAIM_WINDOW_MS)
+            > self.lease_ttl_ms
+        ):
+            raise _InvalidSettingError(
+                ("claim_window_ms",),
+                self.claim_window_ms,
+                f"must not exceed lease_ttl_ms ({self.lease_ttl_ms}): a grant is held "
+                "for a parked task at most one lease TTL",
+            )
         object.__setattr__(self, "workloads", self._resolve_workloads())
         object.__setattr__(self, "default_workload", self._resolve_default())
+
+    def _default_claim_window_ms(self) -> int:
+        return min(DEFAULT_CLAIM_WINDOW_MS, self.lease_ttl_ms)
+
+    @property
+    def claim_window(self) -> int:
+        """``claim_window_ms``, resolved (never ``None``)."""
+        return self.claim_window_ms or self._default_claim_window_ms()
 
     def _resolve_workloads(self) -> Mapping[str, WorkloadConfig]:
         raw: Any = self.workloads  # dicts are accepted too, from settings
@@ -356,8 +385,12 @@ class LimiterConfig:
         return ceiling
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the limits as JSON-compatible values (what workers compare and store)."""
-        return {
+        """Return the limits as JSON-compatible values (what workers compare and store).
+
+        ``claim_window_ms`` is left out at its default, so limits stored before it
+        existed keep their hash (workers of both versions agree during an upgrade).
+        """
+        out: dict[str, Any] = {
             "name": self.name,
             "max_concurrent": self.max_concurrent,
             "max_queued": self.max_queued,
@@ -366,6 +399,9 @@ class LimiterConfig:
             "max_hold_ms": self.max_hold_ms,
             "workloads": {n: w.to_dict() for n, w in sorted(self.workloads.items())},
         }
+        if self.claim_window != self._default_claim_window_ms():
+            out["claim_window_ms"] = self.claim_window
+        return out
 
     def differences(self, other: LimiterConfig) -> list[str]:
         """Name the fields whose values differ from ``other``'s, as dotted paths."""
@@ -381,6 +417,7 @@ def limiter_config(
     name: str = "default",
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     max_hold_ms: int | None = None,
+    claim_window_ms: int | None = None,
 ) -> LimiterConfig:
     """Build limits from the keyword arguments the limiter factories take.
 
@@ -394,6 +431,8 @@ def limiter_config(
         "lease_ttl_ms": lease_ttl_ms,
         "max_hold_ms": max_hold_ms,
     }
+    if claim_window_ms is not None:
+        options["claim_window_ms"] = claim_window_ms
     if workloads is not None:
         options["workloads"] = workloads
     return LimiterConfig.from_mapping(options)

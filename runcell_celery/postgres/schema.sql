@@ -382,13 +382,19 @@ BEGIN
 
         p_row.last_fencing_token := p_row.last_fencing_token + 1;
         IF v_parked THEN
+            -- Held for the parked task only for the claim window (the limits'
+            -- claim_window_ms; 5 s, or the lease TTL if shorter, when omitted): not
+            -- claimed by then, the lease expires, the next in line gets the slot and the
+            -- row goes to the back (runcell_reap_expired_v3). The claim extends it to
+            -- the full TTL (runcell_claim_parked_v4).
             INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
                 root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
                 acquired_at, renewed_at, expires_at, parked)
             SELECT p_row.name, q.workload, q.request_id, p_row.last_fencing_token, q.run_id,
                 q.root_run_id, q.parent_run_id, q.holder_name, q.holder_host, q.holder_pid,
                 p_row.lease_ttl_ms, p_now, p_now,
-                p_now + p_row.lease_ttl_ms * interval '1 millisecond', true
+                p_now + least(coalesce((p_row.config->>'claim_window_ms')::integer, 5000),
+                              p_row.lease_ttl_ms) * interval '1 millisecond', true
             FROM runcell_queue q WHERE q.request_id = v_request
             RETURNING lease_id INTO v_lease_id;
             UPDATE runcell_queue SET granted_lease_id = v_lease_id, granted_at = p_now
@@ -503,8 +509,11 @@ END;
 $$;
 
 -- Delete up to p_limit leases of the limiter that expired (holders that crashed or
--- stopped renewing), keeping the counts. A parked grant whose task never claimed it
--- goes back in line, in its old place.
+-- stopped renewing), keeping the counts. A parked grant whose task did not claim it
+-- within the claim window goes back in line at the back of its workload's line (a new
+-- position; a run in progress stays ahead of new runs): one message slow to arrive
+-- cannot hold the head of the line, and the parked task is granted again, and
+-- re-published, when its turn comes round.
 CREATE OR REPLACE FUNCTION runcell_reap_expired_v3(
     INOUT p_row runcell_limiter, p_now timestamptz, p_limit integer, OUT reaped integer
 ) LANGUAGE plpgsql AS $$
@@ -527,7 +536,7 @@ BEGIN
         IF v_lease.parked THEN
             UPDATE runcell_queue
             SET granted_lease_id = NULL, granted_at = NULL, published_at = NULL,
-                publication_id = NULL
+                publication_id = NULL, position = nextval('runcell_queue_position')
             WHERE granted_lease_id = v_lease.lease_id;
             IF FOUND THEN
                 p_row.waiting[v_i] := p_row.waiting[v_i] + 1;
@@ -1026,7 +1035,8 @@ CREATE OR REPLACE FUNCTION runcell_park_v3(
 $$;
 
 -- A re-published parked task takes the lease granted to its delivery: the queue row
--- goes and the lease is renewed, marked picked up. Only the publication the grant was
+-- goes and the lease is renewed to the full TTL (it was held for the claim window
+-- only), marked picked up. A claim after the window ended finds the lease expired. Only the publication the grant was
 -- sent as may take it (another copy of the same message finds it gone). No limiter
 -- lock: the counts do not change (a granted row is not waiting; the slot is held).
 -- Returns {"s": "claimed", "lease": [...], "workload"} | {"s": "stale"} (the request

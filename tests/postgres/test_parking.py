@@ -75,7 +75,7 @@ def test_parked_requests_keep_their_place_and_their_grant_is_published_once(
     assert _queue(pg_dsn, limiter.name) == [(second, True, True)]
 
 
-def test_a_grant_nobody_picks_up_returns_the_request_to_its_place(
+def test_a_grant_nobody_picks_up_passes_on_and_the_request_waits_at_the_back(
     make_limiter, pg_dsn: str
 ) -> None:
     limiter = make_limiter(max_concurrent=1, lease_ttl_ms=300)
@@ -85,11 +85,10 @@ def test_a_grant_nobody_picks_up_returns_the_request_to_its_place(
     limiter.acquire_or_park(_request(second), admission_wait_ms=0, payload=PAYLOAD)
     limiter.release(held)
     assert _queue(pg_dsn, limiter.name)[0] == (first, True, True)
-    time.sleep(0.5)  # the grant's lease expires: its task never started
+    time.sleep(0.5)  # the grant's claim window (the 300 ms TTL) ends: its task never started
     limiter.reap()
-    # Back in line in its old place, and granted again at once (the slot is free).
-    assert [row[0] for row in _queue(pg_dsn, limiter.name)] == [first, second]
-    assert _queue(pg_dsn, limiter.name)[0] == (first, True, True)
+    # The slot goes to the next in line; the unclaimed request waits behind it.
+    assert _queue(pg_dsn, limiter.name) == [(second, True, True), (first, True, False)]
 
 
 def test_a_run_in_progress_goes_before_parked_requests_that_queued_earlier(
