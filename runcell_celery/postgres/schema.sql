@@ -178,6 +178,12 @@ ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS max_queued integer;
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS lease_ttl_ms integer NOT NULL DEFAULT 30000;
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS active integer[] NOT NULL DEFAULT '{}';
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS waiting integer[] NOT NULL DEFAULT '{}';
+-- How long a slot of this limiter is held, on average (milliseconds): an exponentially
+-- weighted mean of recent holds (weight 0.2 for the newest), kept by the release in
+-- the update it makes anyway. NULL until the first release. A queued acquire answers
+-- with it so a deferrable task can tell a short wait from a long one (README "When a
+-- task parks").
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS hold_ms_avg double precision;
 -- The limiter row is written by every operation: room on its page keeps those updates
 -- HOT (pruned in place), so it stays fast without VACUUM.
 ALTER TABLE runcell_limiter SET (fillfactor = 20);
@@ -578,7 +584,11 @@ $$;
 -- Returns {"s": "granted", "lease": [lease_id, token]} | {"s": "queued", "left_ms"}
 -- | {"s": "no-wait"} | {"s": "queue-full"} | {"s": "duplicate"} | {"s": "unknown-workload"},
 -- each with "now", the database's clock (epoch seconds), and "parked": lease ids
--- granted to parked requests by this call.
+-- granted to parked requests by this call. A new queued request's answer also says
+-- what its wait is likely to be, from the row already locked (no extra read): "ahead"
+-- (requests of its workload in line before it: the kept count), "hold_ms" (the mean
+-- hold, NULL before any release) and "slots" (its workload's ceiling, at most the
+-- limiter's).
 CREATE OR REPLACE FUNCTION runcell_acquire_v3(
     p_limiter text,
     p_config_hash text,
@@ -605,6 +615,7 @@ DECLARE
     v_first_expiry timestamptz;
     v_j integer;
     v_queued integer := 0;
+    v_ahead integer;
 BEGIN
     v_row := runcell_lock_v3(p_limiter, p_config_hash, p_lock_timeout_ms);
     v_now := clock_timestamp();
@@ -671,6 +682,7 @@ BEGIN
         ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
     END IF;
 
+    v_ahead := v_row.waiting[v_i];
     INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
         parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
         expires_at, in_progress, process_id)
@@ -710,12 +722,16 @@ BEGIN
     IF cardinality(v_requests) = 0 THEN
         PERFORM set_config('synchronous_commit', 'off', true);
         RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
-            'left_ms', p_wait_ms, 'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000);
+            'left_ms', p_wait_ms, 'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
+            'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
+            'slots', least(v_row.ceilings[v_i], v_row.max_concurrent));
     END IF;
     RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
         'left_ms', p_wait_ms,
         'parked', runcell_parked_leases_v4(v_leases, v_parked),
-        'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000);
+        'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
+        'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
+        'slots', least(v_row.ceilings[v_i], v_row.max_concurrent));
 END;
 $$;
 
@@ -726,6 +742,9 @@ $$;
 -- Returns {"t": grant time (epoch s), "g": [[request_id, lease_id, token], ...] (the
 -- waiters granted: the caller wakes its own at once, before their notification
 -- arrives), "parked": [lease_id, ...] (grants to parked requests, to re-publish)}.
+-- The same update that writes the counts back folds this lease's hold (acquired_at
+-- to now) into the limiter's mean hold time (hold_ms_avg, weight 0.2 for the newest),
+-- which queued acquires report: no extra statement, no extra row touched.
 CREATE OR REPLACE FUNCTION runcell_release_v4(
     p_limiter text, p_lease_id uuid, p_lock_timeout_ms integer
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
@@ -736,28 +755,33 @@ DECLARE
     v_now timestamptz;
     v_result record;
     v_granted integer := 0;
+    v_acquired_at timestamptz;
+    v_held_ms double precision;
 BEGIN
     v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
     -- "limiter || ''": found by its primary key whatever the statistics say (with
     -- statistics taken while the table was empty, the planner would otherwise pick
     -- the (limiter, expires_at) index and read every lease of the limiter).
     DELETE FROM runcell_lease WHERE lease_id = p_lease_id AND limiter || '' = p_limiter
-    RETURNING workload INTO v_workload;
+    RETURNING workload, acquired_at INTO v_workload, v_acquired_at;
     v_i := array_position(v_row.workloads, v_workload);
     IF v_i IS NULL THEN
         PERFORM set_config('synchronous_commit', 'off', true);
         RETURN '{}'::jsonb;
     END IF;
     v_row.active[v_i] := greatest(0, v_row.active[v_i] - 1);
+    v_now := clock_timestamp();
+    v_held_ms := greatest(0, extract(epoch FROM v_now - v_acquired_at) * 1000);
     IF 0 < ANY(v_row.waiting) THEN
-        v_now := clock_timestamp();
         v_result := runcell_allocate_v4(v_row, v_now, NULL);
         v_row := v_result.p_row;
         v_granted := cardinality(v_result.requests);
     END IF;
     UPDATE runcell_limiter
     SET active = v_row.active, waiting = v_row.waiting,
-        last_fencing_token = v_row.last_fencing_token
+        last_fencing_token = v_row.last_fencing_token,
+        hold_ms_avg = CASE WHEN hold_ms_avg IS NULL THEN v_held_ms
+                           ELSE hold_ms_avg + 0.2 * (v_held_ms - hold_ms_avg) END
     WHERE name = p_limiter;
     IF v_granted = 0 THEN
         PERFORM set_config('synchronous_commit', 'off', true);
