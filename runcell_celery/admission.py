@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 
 from .cancellation import CancellationToken
+from .ports import Parked
 from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
 
 __all__ = ["Admission", "AdmissionAcquire", "SlotDeferred"]
@@ -47,6 +48,9 @@ class Admission:
         self.acquire = acquire
         self.limiter = limiter
         self.request_id = request_id
+        #: Set by the job system when the run parked: where it waits (its place and
+        #: expected wait, see :class:`~runcell_celery.ports.Parked`), for its log line.
+        self.parked: Parked | None = None
         self._taken = False
         self._lock = threading.Lock()
 

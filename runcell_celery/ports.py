@@ -20,18 +20,29 @@ from .config import LimiterConfig
 from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
 
 __all__ = [
+    "DEFAULT_DEFER_AFTER_MS",
     "AdmissionCount",
     "Backend",
     "BackendFactory",
     "ClaimMiss",
     "CounterStore",
     "ExpiredParked",
+    "Parked",
     "ParkingStore",
     "Republish",
     "RevocationStore",
     "RunStore",
     "SupportsParking",
+    "WaitEstimate",
 ]
+
+#: A deferrable request parks when its expected wait exceeds this (milliseconds), and
+#: otherwise waits at most this long before it parks. Parking is not free: the parked
+#: grant holds its slot idle while the task's message travels back through the broker
+#: (a publish, a queue, a delivery, a claim: tens of milliseconds on a healthy broker,
+#: more behind a backlog), so a process blocked for up to a second is the cheaper way
+#: through short waits, and parking pays off on waits well beyond that.
+DEFAULT_DEFER_AFTER_MS = 1_000.0
 
 
 @runtime_checkable
@@ -73,6 +84,86 @@ class AdmissionCount:
     provider_attempts: int = 0
     provider_failures: int = 0
     concurrency_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WaitEstimate:
+    """How long a request that joined a line is likely to wait, from the limiter's own
+    figures at that moment (no extra read: the acquire answers with them).
+
+    The line of a workload is served first come first served, and a slot of the
+    workload frees every ``hold_ms / slots`` milliseconds on average when all are held
+    (which they are, or the request would have been granted), so the request waits for
+    ``ahead + 1`` slots to free::
+
+        expected_ms = (ahead + 1) * hold_ms / slots
+
+    It is an estimate: a higher-priority workload can take freed slots first, a
+    reservation can keep them, and holds vary.
+
+    :param ahead: requests of its workload in line before it (waiting or parked).
+    :param hold_ms: the limiter's mean hold time (an exponentially weighted mean of
+        recent holds); ``None`` before any release, when nothing can be estimated.
+    :param slots: the slots its workload may hold at once (its ceiling).
+    """
+
+    ahead: int
+    hold_ms: float | None
+    slots: int
+
+    @property
+    def place(self) -> int:
+        """Its place in its workload's line, counting from 1."""
+        return self.ahead + 1
+
+    @property
+    def expected_ms(self) -> float | None:
+        """The expected wait in milliseconds, ``None`` when unknown."""
+        if self.hold_ms is None or self.slots <= 0:
+            return None
+        return self.place * self.hold_ms / self.slots
+
+
+class Parked(str):
+    """The answer ``"parked"`` of :meth:`SupportsParking.acquire_or_park`, with where
+    the request waits, for a deferral's log line.
+
+    It equals the string ``"parked"`` (callers that only compare keep working) and
+    also carries: ``limiter`` and ``workload``; ``estimate`` (:class:`WaitEstimate`
+    when the limiter gave one: ``place`` and ``expected_wait_ms`` read it); and
+    ``waited_ms``, how long the request waited before it was parked (about ``0`` when
+    it parked at once because its expected wait was long).
+    """
+
+    limiter: str
+    workload: str
+    estimate: WaitEstimate | None
+    waited_ms: float
+
+    def __new__(
+        cls,
+        *,
+        limiter: str,
+        workload: str,
+        estimate: WaitEstimate | None = None,
+        waited_ms: float = 0.0,
+    ) -> Parked:
+        self = super().__new__(cls, "parked")
+        self.limiter = limiter
+        self.workload = workload
+        self.estimate = estimate
+        self.waited_ms = waited_ms
+        return self
+
+    @property
+    def place(self) -> int | None:
+        """Its place in its workload's line when it joined it (``None``: unknown)."""
+        return self.estimate.place if self.estimate is not None else None
+
+    @property
+    def expected_wait_ms(self) -> float | None:
+        """Its expected wait when it joined the line (``None``: unknown)."""
+        return self.estimate.expected_ms if self.estimate is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +267,13 @@ class SupportsParking(Protocol):
     A request belongs to one delivery of a task, never to the task id alone: the
     caller gives every delivery a request id of its own, carried across re-publication.
 
-    ``acquire_or_park`` waits up to ``admission_wait_ms`` and then parks the request
-    (it keeps its place in the queue with ``payload``); it returns the lease, or
-    ``"parked"``, or ``"duplicate"`` when the request was already parked and granted
-    (its own publication carries it). ``claim_parked`` takes a parked grant from the
+    ``acquire_or_park`` decides when to park the request (it keeps its place in the
+    queue with ``payload``): with ``admission_wait_ms`` it waits that long first; by
+    default it parks at once when the request's expected wait
+    (:class:`WaitEstimate`) exceeds ``defer_after_ms``, else waits up to
+    ``defer_after_ms`` and then parks. It returns the lease, or :class:`Parked`
+    (equal to ``"parked"``), or ``"duplicate"`` when the request was already parked
+    and granted (its own publication carries it). ``claim_parked`` takes a parked grant from the
     re-published message ``publication_id``, or says why not (:data:`ClaimMiss`).
     ``withdraw`` gives up a request's place or unclaimed grant. Parking, claiming
     and withdrawing are idempotent under lost replies (a retry gets the first
@@ -192,11 +286,12 @@ class SupportsParking(Protocol):
         self,
         request: AcquireRequest,
         *,
-        admission_wait_ms: float,
         payload: str,
+        admission_wait_ms: float | None = None,
+        defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
-    ) -> Lease | str: ...
+    ) -> Lease | Parked | Literal["duplicate"]: ...
 
     def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss: ...
 

@@ -1,8 +1,9 @@
 """Admission deferral: park a task that finds no slot, re-publish it when one frees.
 
 Blocking a prefork worker process while it waits for a slot wastes the process. A
-task declared with ``"admission": "defer"`` waits only ``admission_wait_ms`` for its
-run's first slot; then it is **parked**:
+task declared with ``"admission": "defer"`` waits for its run's first slot only while
+waiting is expected to be short (``defer_after_ms``, or a fixed ``admission_wait_ms``;
+see :meth:`~runcell_celery.ports.SupportsParking.acquire_or_park`); then it is **parked**:
 
 1. its waiting queue row becomes a parked row holding the task message, keeping its
    place (FIFO and priority hold across deferral);
@@ -46,7 +47,7 @@ from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
-from ..ports import ExpiredParked, ParkingStore, Republish, SupportsParking
+from ..ports import ExpiredParked, Parked, ParkingStore, Republish, SupportsParking
 from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, SupportsReap
 from ..registry import LimiterRegistry
 from . import headers
@@ -156,6 +157,7 @@ def admission_for(
         result = parking.acquire_or_park(
             dataclasses.replace(slot_request, request_id=request_id),
             admission_wait_ms=spec.admission_wait_ms,
+            defer_after_ms=spec.defer_after_ms,
             payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
             cancel=cancel,
             on_wait=on_wait,
@@ -164,6 +166,8 @@ def admission_for(
             return _unless_finished(task, task_id, limiter, result)
         if result == "duplicate":  # already parked and granted: its publication runs it
             raise DuplicateDelivery()
+        if isinstance(result, Parked):
+            admission.parked = result  # its place and expected wait, for the log line
         raise SlotDeferred()
 
     own_id = parked_as if republished else _delivery_id(task_id)

@@ -20,16 +20,26 @@ from typing import Any, Literal
 from ..config import check_duration_ms
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
+from ..ports import DEFAULT_DEFER_AFTER_MS
 
-__all__ = ["RunOverride", "TaskConcurrency"]
+__all__ = ["DEFAULT_DEFER_AFTER_MS", "RunOverride", "TaskConcurrency"]
 
 Admission = Literal["wait", "defer"]
 Hold = Literal["slot", "task"]
 
-#: How long a deferrable run waits for its first slot before it is parked.
-DEFAULT_ADMISSION_WAIT_MS = 500
+#: No fixed admission wait: a deferrable run's first slot parks by the expected-wait
+#: rule (``defer_after_ms``) unless the task sets ``admission_wait_ms``.
+DEFAULT_ADMISSION_WAIT_MS: float | None = None
 
-_TASK_KEYS = ("limiter", "workload", "timeout_ms", "admission", "hold", "admission_wait_ms")
+_TASK_KEYS = (
+    "limiter",
+    "workload",
+    "timeout_ms",
+    "admission",
+    "hold",
+    "admission_wait_ms",
+    "defer_after_ms",
+)
 _OVERRIDE_KEYS = ("workload", "timeout_ms")
 
 
@@ -73,8 +83,12 @@ class TaskConcurrency:
         deadline passes); ``"defer"`` parks the run when its first slot finds no room.
     :param hold: ``"slot"``: the body takes slots with ``slot()``; ``"task"``: the
         whole body runs inside one slot.
-    :param admission_wait_ms: with ``"defer"``, how long the first slot waits before
-        the run is parked.
+    :param admission_wait_ms: with ``"defer"``, a fixed wait for the first slot
+        before the run is parked, replacing the rule below (``None``: the rule).
+    :param defer_after_ms: with ``"defer"``, the rule's threshold: the run parks at
+        once when its first slot's expected wait ((place in line) x (mean hold) /
+        (workload's slots)) exceeds it, and otherwise waits up to it, then parks; so
+        a worker process is blocked at most this long.
     """
 
     limiter: str | None = None
@@ -82,7 +96,8 @@ class TaskConcurrency:
     timeout_ms: float | None = None
     admission: Admission = "wait"
     hold: Hold = "slot"
-    admission_wait_ms: float = DEFAULT_ADMISSION_WAIT_MS
+    admission_wait_ms: float | None = DEFAULT_ADMISSION_WAIT_MS
+    defer_after_ms: float = DEFAULT_DEFER_AFTER_MS
 
     @classmethod
     def parse(cls, options: object, *, task_name: str) -> TaskConcurrency:
@@ -96,6 +111,12 @@ class TaskConcurrency:
         limiter = options.get("limiter")
         workload = options.get("workload")
         timeout_ms = options.get("timeout_ms")
+        admission_wait_ms = options.get("admission_wait_ms")
+        if admission_wait_ms is not None and "defer_after_ms" in options:
+            raise ConcurrencyConfigError(
+                f"{where}['defer_after_ms'] is invalid beside 'admission_wait_ms': a fixed "
+                "admission wait replaces the expected-wait rule; set one of the two"
+            )
         spec = cls(
             limiter=None if limiter is None else _name(where, "limiter", limiter),
             workload=None if workload is None else _name(where, "workload", workload),
@@ -106,10 +127,13 @@ class TaskConcurrency:
                 where, "admission", options.get("admission", "wait"), ("wait", "defer")
             ),
             hold=_choice(where, "hold", options.get("hold", "slot"), ("slot", "task")),
-            admission_wait_ms=_positive_number(
+            admission_wait_ms=None
+            if admission_wait_ms is None
+            else _positive_number(where, "admission_wait_ms", admission_wait_ms, allow_zero=True),
+            defer_after_ms=_positive_number(
                 where,
-                "admission_wait_ms",
-                options.get("admission_wait_ms", DEFAULT_ADMISSION_WAIT_MS),
+                "defer_after_ms",
+                options.get("defer_after_ms", DEFAULT_DEFER_AFTER_MS),
                 allow_zero=True,
             ),
         )

@@ -29,7 +29,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Literal, LiteralString
 
 import psycopg
@@ -38,10 +37,10 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..background import ProcessLocal
 from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
-from ..config import LimiterConfig
+from ..config import LimiterConfig, check_duration_ms
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
-from ..ports import ClaimMiss
+from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
 from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
 from . import statements
 from .calls import (
@@ -64,7 +63,7 @@ __all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
 logger = logging.getLogger("runcell_celery.postgres")
 
 #: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
-AdmissionResult = Literal["parked", "duplicate"]
+AdmissionResult = Parked | Literal["duplicate"]
 
 #: A lease is taken as lost this much before its TTL would end on the database, so a
 #: pause or a slow clock never lets a body run on a lease another holder already has.
@@ -73,12 +72,26 @@ MAX_SAFETY_MARGIN_MS = 1_000
 RELEASE_ATTEMPTS = 3
 
 
-@dataclass(frozen=True, slots=True)
 class _Park:
-    """Park the request instead of waiting past ``until``."""
+    """When to park a waiting request, and the message it parks with.
 
-    until: Deadline
-    payload: str
+    It waits until ``until`` and then parks; under the expected-wait rule
+    (``rule_ms`` set) a queued answer whose expected wait exceeds ``rule_ms`` moves
+    ``until`` to now, so the request parks at once.
+    """
+
+    __slots__ = ("payload", "rule_ms", "until")
+
+    def __init__(self, wait_ms: float, payload: str, *, rule_ms: float | None) -> None:
+        self.until = Deadline.after_ms(wait_ms)
+        self.payload = payload
+        self.rule_ms = rule_ms
+
+    def estimated(self, estimate: WaitEstimate | None) -> None:
+        """Apply the rule to the request's estimate (unknown: wait, then park)."""
+        expected = estimate.expected_ms if estimate is not None else None
+        if self.rule_ms is not None and expected is not None and expected > self.rule_ms:
+            self.until = Deadline.after_ms(0)
 
 
 class _Waiting:
@@ -87,6 +100,7 @@ class _Waiting:
     __slots__ = (
         "cancel",
         "deadline",
+        "estimate",
         "park",
         "request",
         "sent",
@@ -113,6 +127,8 @@ class _Waiting:
         self.park = park
         self.waiter = waiter
         self.sent = time.monotonic()
+        #: What the limiter said of its wait when it joined the line.
+        self.estimate: WaitEstimate | None = None
         #: Nothing is left in the database for this request but what it returned (a
         #: lease, a parked row) or nothing at all: no withdrawal needed on the way out.
         self.settled = False
@@ -214,12 +230,21 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self,
         request: AcquireRequest,
         *,
-        admission_wait_ms: float,
         payload: str,
+        admission_wait_ms: float | None = None,
+        defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> Lease | AdmissionResult:
-        """Wait up to ``admission_wait_ms`` for a slot, then park the request.
+        """Wait for a slot while waiting is cheaper than parking, then park the request.
+
+        By default the rule decides: when the request joins the line, the acquire's
+        answer gives its place and the limiter's mean hold time, and a request whose
+        expected wait (:class:`~runcell_celery.ports.WaitEstimate`) exceeds
+        ``defer_after_ms`` parks at once; any other waits up to ``defer_after_ms``
+        and then parks. So a worker process is never blocked longer than
+        ``defer_after_ms``, and never for a wait expected to be longer. An explicit
+        ``admission_wait_ms`` replaces the rule: wait that long, then park.
 
         A parked request keeps its place in the queue, with ``payload`` (the task
         message to re-publish) and no process waiting for it. When allocation grants
@@ -227,11 +252,21 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         :mod:`runcell_celery.postgres.parking`); the re-published task takes the lease
         with :meth:`claim_parked`.
 
-        :returns: the lease if one was granted in time; ``"parked"`` once the request
+        :returns: the lease if one was granted in time; :class:`~runcell_celery.ports.Parked`
+            (equal to ``"parked"``, with the place and expected wait) once the request
             is parked; ``"duplicate"`` if this request already had a lease granted
             while parked (another delivery of the same task owns it).
+        :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
+            not a duration (naming which, and the bound).
         """
-        park = _Park(Deadline.after_ms(admission_wait_ms), payload)
+        rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
+        if admission_wait_ms is None:
+            park = _Park(rule_ms, payload, rule_ms=rule_ms)
+        else:
+            wait_ms = check_duration_ms(
+                admission_wait_ms, field="admission_wait_ms", allow_zero=True
+            )
+            park = _Park(wait_ms, payload, rule_ms=None)
         return self._acquire(request, cancel, on_wait, park=park, retry=True)
 
     def _acquire(
@@ -387,6 +422,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         if status == "queued":
             self.room.queued(waiting.waiter)
             self.room.expiry_in(answer.get("expiry_ms"))
+            if "ahead" in answer:  # a new place (a retry finding its row tells none)
+                waiting.estimate = _estimate(answer)
+                if waiting.park is not None:
+                    waiting.park.estimated(waiting.estimate)
             return None
         if status == "duplicate":
             return "duplicate"
@@ -492,7 +531,12 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             lock_ms=lock_timeout_ms(None),
         )
         if answer["s"] == "parked":
-            return "parked"
+            return Parked(
+                limiter=self.name,
+                workload=waiting.workload,
+                estimate=waiting.estimate,
+                waited_ms=(time.monotonic() - waiting.sent) * 1000,
+            )
         if answer["s"] == "granted":
             return self._lease(request.request_id, waiting.workload, answer["lease"], None)
         # Neither waiting nor granted: let the next step ask again what it has (a new
@@ -722,6 +766,16 @@ def _executor(database: Database) -> ThreadPoolExecutor:
 
 def _nothing() -> None:
     return None
+
+
+def _estimate(answer: Mapping[str, Any]) -> WaitEstimate:
+    """The wait estimate of a queued acquire's answer."""
+    hold_ms = answer.get("hold_ms")
+    return WaitEstimate(
+        ahead=int(answer["ahead"]),
+        hold_ms=float(hold_ms) if hold_ms is not None else None,
+        slots=int(answer.get("slots") or 0),
+    )
 
 
 def _op_id() -> str:
