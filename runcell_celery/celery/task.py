@@ -17,8 +17,10 @@ and cancellation. A task sent from inside a limited task inherits them through
 message headers (:mod:`.headers`).
 
 Failure semantics: a :class:`~runcell_celery.errors.ConcurrencyError` stops the run
-and is never retried, whatever ``autoretry_for`` says; an admission deferral is not a
-failure at all (:mod:`.deferral`).
+and is never retried, whatever ``autoretry_for`` says; one raised before the run asks
+for a slot (a malformed header, a limiter that cannot be created) leaves the body
+unrun. An admission deferral is not a failure at all (:mod:`.deferral`): it is logged
+on ``runcell_celery.celery`` and acked without Celery's "ignored" line.
 """
 
 from __future__ import annotations
@@ -330,10 +332,11 @@ class _Budget(NamedTuple):
 class DeliverySetAside(Ignore):
     """This delivery ends without running its body, and that is not a failure.
 
-    Raised when the run was parked (admission deferral) or when another delivery of
-    the same run owns its lease. Celery's ``Ignore`` is what these need: the message is
-    acked — after the parking committed, since deferrable tasks are ``acks_late`` —
-    with no state stored, no retry spent and no ``task_failure``. But Celery logs
+    Raised when the run was parked (admission deferral) or when the delivery is a
+    duplicate (another delivery carries the run, or the task has a result). Celery's
+    ``Ignore`` is what these need: the message is acked — after the parking committed,
+    since deferrable tasks are ``acks_late`` — with no state stored, no retry spent
+    and no ``task_failure``. But Celery logs
     every ``Ignore`` as "Task ... ignored", which reads as work thrown away; this
     subclass lets :class:`_HideSetAsideIgnored` drop exactly that line, and the task
     logs what happened instead.
