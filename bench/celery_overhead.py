@@ -86,7 +86,7 @@ from celery_bench_app import ENV, VARIANTS, create_app, records_key
 
 from runcell_celery import slot
 from runcell_celery.celery import admission_counts
-from runcell_celery.celery.options import DEFAULT_ADMISSION_WAIT_MS
+from runcell_celery.celery.options import DEFAULT_ADMISSION_WAIT_MS, DEFAULT_DEFER_AFTER_MS
 from runcell_celery.postgres import PostgresBackend, create_postgres_concurrency_limiter
 
 DSN = os.environ.get("RUNCELL_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -624,6 +624,9 @@ def bench_saturated(
         "hold_ms": HOLD_MS,
         "workers": "2 x prefork 4",
         "library_default_admission_wait_ms": DEFAULT_ADMISSION_WAIT_MS,
+        # With no fixed wait, a deferrable task parks once its expected wait exceeds
+        # this (README "When a task parks").
+        "library_default_defer_after_ms": DEFAULT_DEFER_AFTER_MS,
     }
     try:
         workers.wait_ready(client, hostnames)

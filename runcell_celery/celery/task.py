@@ -382,14 +382,32 @@ def _log_deferral(
 ) -> None:
     """One INFO line per parking, saying where the run waits.
 
-    The place is the length of its workload's line read just after it parked (one
-    short read of the limiter's kept counts, only on this already slow path): lines
-    are first come first served, so that is its place, or a bound on it if others
-    joined in between. A limiter without stats (or one that fails) gives no place.
+    The place is the one the limiter answered when the request joined the line (with
+    the wait it expected then). A limiter that does not say falls back to the length
+    of the workload's line read just after parking (one short read of the kept
+    counts, only on this already slow path): lines are first come first served, so
+    that is its place, or a bound on it if others joined in between. A limiter
+    without stats (or one that fails) gives no place.
     """
     if admission is None:
         return
     limiter = admission.limiter
+    parked = admission.parked
+    if parked is not None and parked.place is not None:
+        expected = parked.expected_wait_ms
+        logger.info(
+            "Task %s[%s] deferred: parked at place %d of limiter %r (workload %r), "
+            "expected wait %s, after waiting %.0f ms; its message is acked and is "
+            "published again when a slot frees",
+            task_name,
+            task_id,
+            parked.place,
+            limiter.name,
+            workload,
+            f"{expected / 1000:.1f} s" if expected is not None else "unknown",
+            parked.waited_ms,
+        )
+        return
     place: int | None = None
     if isinstance(limiter, SupportsStats):
         try:
