@@ -12,6 +12,11 @@ forked and inherit none of these threads):
   (``runcell-revocation-publisher``), which shares the worker's revoked task ids, when
   the backend stores revocations.
 
+It also makes the worker consume the **granted queue** of each task queue it
+consumes (``<queue>.runcell``, see :func:`~runcell_celery.celery.message.granted_queue`),
+where parked tasks granted a slot are re-published: the worker takes from its queues
+in turn, so a granted task does not wait behind the backlog of its own queue.
+
 On stop it stops both and writes the main process's last admission counts.
 """
 
@@ -23,6 +28,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from .deferral import Sweeper
+from .message import granted_queue
 from .revocation import RevocationPublisher
 from .state import state_for
 
@@ -36,6 +42,18 @@ def _revoked() -> list[str]:
     return list(worker_state.revoked)
 
 
+def consume_granted_queues(app: Any) -> None:
+    """Add the granted queue of every task queue the worker consumes to what it
+    consumes (before its consumer starts: the blueprint's steps are made after the
+    worker selected its queues). Broadcast (fanout) queues have none."""
+    queues = app.amqp.queues
+    for queue in list(queues.consume_from.values()):
+        exchange = queue.exchange
+        if exchange is not None and exchange.type == "fanout":
+            continue
+        queues.select_add(granted_queue(app, str(queue.name)))
+
+
 class RunCellStep(bootsteps.StartStopStep):
     """Runs the sweeper and the revocation publisher for one worker."""
 
@@ -46,6 +64,7 @@ class RunCellStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.sweeper: Sweeper | None = None
         self.publisher: RevocationPublisher | None = None
+        consume_granted_queues(parent.app)
 
     def start(self, parent: Any) -> None:
         app = parent.app

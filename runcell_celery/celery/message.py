@@ -17,7 +17,14 @@ fail even with a free slot. So the library never decodes task arguments for park
    ``jsonb`` column (body and headers in base64), after the deferral changed only
    the runcell headers it must; its size is bounded (:data:`MAX_PARKED_MESSAGE_BYTES`).
 3. :func:`republish` sends those bytes again with kombu's producer: a ``bytes`` body
-   with a content type is published without being serialised.
+   with a content type is published without being serialised. It goes to the
+   **granted queue** of the queue the message was delivered from (``<queue>.runcell``,
+   :func:`granted_queue`), which every worker consuming ``<queue>`` also consumes
+   (:class:`~runcell_celery.celery.bootsteps.RunCellStep` adds it): a worker takes
+   from its queues in turn, so a granted task overtakes a backlog of the original
+   queue instead of waiting behind it while its slot stays idle. A message whose
+   queue is unknown (another exchange type, a row parked by an older version) is
+   sent to the exchange and routing key it was delivered from.
 
 Only Celery's message protocol 2 (the default since Celery 4) is supported: its body
 is the serialised ``(args, kwargs, embed)`` and everything else travels in headers.
@@ -35,17 +42,21 @@ from typing import Any, Final
 
 from celery import Celery
 from celery.worker.request import Request
-from kombu import Producer
+from kombu import Producer, Queue
 from kombu.utils.json import dumps as kombu_dumps
 from kombu.utils.json import loads as kombu_loads
 
 __all__ = [
+    "GRANTED_QUEUE_SUFFIX",
     "MAX_PARKED_MESSAGE_BYTES",
     "REQUEST_KEY",
     "DeliveredMessage",
     "MessageFormatError",
     "RunCellRequest",
+    "delivered_queue",
     "from_request",
+    "granted_queue",
+    "granted_queue_name",
     "republish",
 ]
 
@@ -65,6 +76,46 @@ FORMAT: Final = "runcell-message/1"
 #: Transport bookkeeping (delivery tags, the Redis envelope's body encoding) is left
 #: out: the transport sets its own on the new message.
 PROPERTIES: Final = ("correlation_id", "reply_to", "priority", "delivery_mode")
+
+#: The granted queue of queue ``q`` is ``q`` + this suffix (see :func:`granted_queue`).
+GRANTED_QUEUE_SUFFIX: Final = ".runcell"
+
+
+def granted_queue_name(queue: str) -> str:
+    """The queue re-published granted tasks of ``queue`` go to (itself if it is one)."""
+    return queue if queue.endswith(GRANTED_QUEUE_SUFFIX) else queue + GRANTED_QUEUE_SUFFIX
+
+
+def granted_queue(app: Celery, queue: str) -> Queue:
+    """The granted queue of ``queue`` as the app declares it (Celery's default exchange
+    and queue arguments, as for its own queues); added to the app's queues if missing.
+
+    Workers consume it beside ``queue``; publishers send to it by name (the default
+    exchange), so it needs no binding of its own.
+    """
+    name = granted_queue_name(queue)
+    queues = app.amqp.queues
+    if name not in queues:  # a plain lookup: ``queues[name]`` may create a missing queue
+        queues.add(Queue(name, routing_key=name))
+    found: Queue = queues[name]
+    return found
+
+
+def delivered_queue(app: Celery, exchange: str, routing_key: str) -> str:
+    """The queue a message sent to ``exchange`` with ``routing_key`` was consumed from,
+    among the queues this worker consumes; ``""`` when it cannot tell."""
+    if not exchange:  # the default exchange routes by queue name
+        return routing_key
+    for queue in app.amqp.queues.consume_from.values():
+        bound = queue.exchange
+        if (
+            bound is not None
+            and bound.name == exchange
+            and bound.type == "direct"
+            and queue.routing_key == routing_key
+        ):
+            return str(queue.name)
+    return ""
 
 
 class MessageFormatError(ValueError):
@@ -87,10 +138,14 @@ class DeliveredMessage:
     properties: Mapping[str, Any]
     exchange: str
     routing_key: str
+    #: The queue it was consumed from (``""``: unknown); its re-publication goes to
+    #: that queue's granted queue.
+    queue: str = ""
 
     @classmethod
-    def capture(cls, message: Any, body: Any) -> DeliveredMessage:
-        """Keep ``message`` (a ``kombu.Message``) with ``body``, its raw body."""
+    def capture(cls, message: Any, body: Any, *, queue: str = "") -> DeliveredMessage:
+        """Keep ``message`` (a ``kombu.Message``) with ``body``, its raw body, delivered
+        from ``queue``."""
         content_encoding = message.content_encoding or "binary"
         if isinstance(body, str):  # a transport that hands text: send it back as sent
             content_encoding = message.content_encoding or "utf-8"
@@ -105,6 +160,7 @@ class DeliveredMessage:
             properties={k: properties[k] for k in PROPERTIES if properties.get(k) is not None},
             exchange=delivery_info.get("exchange") or "",
             routing_key=delivery_info.get("routing_key") or "",
+            queue=queue,
         )
 
     def with_headers(
@@ -136,6 +192,7 @@ class DeliveredMessage:
                     "properties": dict(self.properties),
                     "exchange": self.exchange,
                     "routing_key": self.routing_key,
+                    "queue": self.queue,
                 }
             )
         )
@@ -162,6 +219,7 @@ class DeliveredMessage:
                 properties=data["properties"],
                 exchange=data["exchange"],
                 routing_key=data["routing_key"],
+                queue=str(data.get("queue") or ""),  # absent in rows parked before it
             )
         except (KeyError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
             raise MessageFormatError(f"parked payload is incomplete: {exc!r}") from exc
@@ -170,13 +228,20 @@ class DeliveredMessage:
         """Send the message again, unchanged but for its headers' own changes.
 
         The body goes out as the bytes it is (``content_type`` set: kombu does not
-        serialise it), to the exchange and routing key it was delivered from, with the
-        app's publish retry policy, as Celery sends a task.
+        serialise it), to the granted queue of the queue it was delivered from (by
+        name, through the default exchange; declared first, as Celery declares its
+        own queues) or, when that queue is unknown, to the exchange and routing key it
+        was delivered from; with the app's publish retry policy, as Celery sends a task.
         """
         headers = dict(self.headers)
         compression = headers.pop("compression", None)  # kombu compresses and sets it
         declare = []
-        if not self.exchange:
+        exchange, routing_key = self.exchange, self.routing_key
+        if self.queue:
+            granted = granted_queue(app, self.queue)
+            declare.append(granted)
+            exchange, routing_key = "", str(granted.name)
+        elif not self.exchange:
             # Sent to the default exchange, by queue name: make sure the queue exists,
             # as Celery does for its own sends (cached, so this costs once).
             queue = app.amqp.queues.get(self.routing_key)
@@ -184,8 +249,8 @@ class DeliveredMessage:
                 declare.append(queue)
         producer.publish(
             self.body,
-            exchange=self.exchange,
-            routing_key=self.routing_key,
+            exchange=exchange,
+            routing_key=routing_key,
             headers=headers,
             content_type=self.content_type,
             content_encoding=self.content_encoding,
@@ -242,7 +307,16 @@ class RunCellRequest(Request):
         super().__init__(message, *args, **kwargs)
         # ``content_type`` is None when the worker decoded the body itself (protocol 1).
         if self.content_type is not None and _may_park(self.task):
-            self.request_dict[REQUEST_KEY] = DeliveredMessage.capture(message, self.body)
+            info = message.delivery_info or {}
+            app = self.app
+            queue = (
+                delivered_queue(app, info.get("exchange") or "", info.get("routing_key") or "")
+                if app is not None
+                else ""
+            )
+            self.request_dict[REQUEST_KEY] = DeliveredMessage.capture(
+                message, self.body, queue=queue
+            )
 
 
 def _may_park(task: Any) -> bool:
