@@ -13,9 +13,14 @@ see :meth:`~runcell_celery.ports.SupportsParking.acquire_or_park`); then it is *
 3. when a release grants the parked row, the granting process re-publishes the
    message at once (the limiter's parked-granted handler); the backend's wake-up
    channel and a sweeper in every worker do it if that process cannot (see
-   :class:`~runcell_celery.ports.ParkingStore`);
-4. the re-published task (same task id) takes its granted lease and runs from the
-   start. Stale work — a parked run whose deadline passed — is never re-published:
+   :class:`~runcell_celery.ports.ParkingStore`). It goes to the granted queue of the
+   queue it came from (:func:`~.message.granted_queue`), which workers consume beside
+   it, so it overtakes that queue's backlog;
+4. the re-published task (same task id) claims its granted lease and runs from the
+   start. The grant waits for the claim only the limiter's ``claim_window_ms``: not
+   claimed by then, the slot passes to the next in line and the parked row goes to
+   the back of its workload's line, to be granted and re-published again. Stale
+   work — a parked run whose deadline passed — is never re-published:
    the sweeper records it as failed (``ConcurrencyTimeoutError``) in the result
    backend, and deletes its row only once that is done.
 
@@ -58,10 +63,13 @@ __all__ = ["DuplicateDelivery", "Sweeper", "admission_for", "publish_grants", "w
 
 logger = logging.getLogger("runcell_celery.celery.deferral")
 
-#: How often the sweeper looks for grants nobody published and for stale parked runs.
-SWEEP_INTERVAL_S = 2.0
-#: A grant nobody published within this long is published by the sweeper.
-REPUBLISH_AFTER_MS = 2_000
+#: How often the sweeper looks for grants nobody published and for stale parked runs,
+#: and reaps expired leases (a grant whose claim window ended passes on at the next
+#: pass): well within the default claim window of 5 s.
+SWEEP_INTERVAL_S = 1.0
+#: A grant nobody published within this long is published by the sweeper (so a lost
+#: wake-up still leaves most of the claim window for the task to claim it).
+REPUBLISH_AFTER_MS = 1_000
 
 
 class DuplicateDelivery(SlotDeferred):
@@ -212,11 +220,12 @@ def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
 
     Each parked message is sent as the bytes it was delivered in, with its
     ``runcell_publication`` header set to the claimed publication. A message that
-    cannot be sent is logged and skipped: its grant stays claimed but unpicked, so its
-    lease expires and the parked row goes back in line, to be granted and published
-    again. Nothing is lost. Once the broker is unreachable (after the app's publish
-    retries) the rest of the batch is left the same way rather than tried one by one:
-    the caller may be a task releasing its slot, and would wait for each.
+    cannot be sent is logged and skipped: its grant stays claimed but unclaimed by a
+    task, so its claim window ends, the slot passes on and the parked row goes back in
+    line, to be granted and published again. Nothing is lost. Once the broker is
+    unreachable (after the app's publish retries) the rest of the batch is left the
+    same way rather than tried one by one: the caller may be a task releasing its
+    slot, and would wait for each.
     """
     pending = list(items)
     if not pending:
