@@ -34,6 +34,7 @@ from runcell_celery.celery.message import (
     REQUEST_KEY,
     DeliveredMessage,
     RunCellRequest,
+    granted_queue_name,
 )
 from runcell_celery.ports import Republish
 from tests.conftest import wait_until
@@ -100,12 +101,14 @@ def _serializer_conf(serializer: str, broker: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _rabbitmq_queue_removed(app: Celery, queue: str) -> Iterator[None]:
-    """Delete this test's queue from RabbitMQ afterwards (Redis keys are the fixture's)."""
+    """Delete this test's queue and its granted queue from RabbitMQ afterwards (Redis
+    keys are the fixture's)."""
     try:
         yield
     finally:
         with app.connection_for_write() as conn:
-            Queue(queue).bind(conn.default_channel).delete()
+            for name in (queue, granted_queue_name(queue)):
+                Queue(name).bind(conn.default_channel).delete()
 
 
 @pytest.mark.parametrize(
@@ -230,7 +233,8 @@ def test_a_parked_message_keeps_the_delivered_body_bytes_and_is_sent_again_as_th
     assert parked["content_encoding"] == "binary"
 
     assert publish_grants(app, [Republish("llm", "a1", "pub-1", payload)]) == 1
-    again, envelope = _sent_body(queue)
+    # To the granted queue of the queue it was delivered from (workers consume both).
+    again, envelope = _sent_body(granted_queue_name(queue))
     assert again == sent, "the re-published body is not the sent bytes"
     assert envelope["content-type"] == sent_envelope["content-type"]
     assert envelope["content-encoding"] == sent_envelope["content-encoding"]
@@ -238,7 +242,7 @@ def test_a_parked_message_keeps_the_delivered_body_bytes_and_is_sent_again_as_th
     assert envelope["headers"] == {**sent_envelope["headers"], **changed}
     for name in ("correlation_id", "reply_to", "priority", "delivery_mode"):
         assert envelope["properties"].get(name) == sent_envelope["properties"].get(name), name
-    redis.Redis.from_url(REDIS_URL).delete(queue)
+    redis.Redis.from_url(REDIS_URL).delete(queue, granted_queue_name(queue))
 
 
 def test_on_rabbitmq_a_republished_message_keeps_its_bytes_headers_and_properties(
@@ -255,7 +259,7 @@ def test_on_rabbitmq_a_republished_message_keeps_its_bytes_headers_and_propertie
             _payload(task, Context(request.request_dict), deadline_at=None, admission_id="a1"),
         )
         assert publish_grants(app, [Republish("llm", "a1", "pub-1", payload)]) == 1
-        again, _request = _receive(app, queue)
+        again, _request = _receive(app, granted_queue_name(queue))
     assert again.body == sent.body, "the re-published body is not the delivered bytes"
     assert (again.content_type, again.content_encoding) == (
         sent.content_type,
@@ -266,7 +270,8 @@ def test_on_rabbitmq_a_republished_message_keeps_its_bytes_headers_and_propertie
     assert sent.properties["priority"] == 5
     for name in ("correlation_id", "reply_to", "priority", "delivery_mode"):
         assert again.properties.get(name) == sent.properties.get(name), name
-    assert again.delivery_info["routing_key"] == sent.delivery_info["routing_key"]
+    # Sent by name to the granted queue of the queue it was delivered from.
+    assert again.delivery_info["routing_key"] == granted_queue_name(queue)
 
 
 def test_only_a_task_that_may_park_keeps_its_delivered_message(
@@ -303,10 +308,10 @@ def test_a_compressed_message_is_parked_as_delivered_and_sent_compressed_again(
     assert base64.b64decode(json.loads(payload)["body"]) == zlib.decompress(sent)
     assert publish_grants(app, [Republish("llm", "a1", "pub-1", payload)]) == 1
     # ... and sent compressed again, under the same compression header.
-    again, envelope = _sent_body(queue)
+    again, envelope = _sent_body(granted_queue_name(queue))
     assert envelope["headers"]["compression"] == "application/x-gzip"
     assert zlib.decompress(again) == zlib.decompress(sent)
-    republished, _request = _receive(app, queue)
+    republished, _request = _receive(app, granted_queue_name(queue))
     args, kwargs, _embed = republished.decode()
     assert (tuple(args), kwargs) == (sent_args, {})
 
