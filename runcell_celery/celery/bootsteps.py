@@ -28,7 +28,7 @@ from celery import bootsteps
 from celery.worker import state as worker_state
 
 from .deferral import Sweeper
-from .message import granted_queue
+from .message import granted_queue, has_granted_queue
 from .revocation import RevocationPublisher
 from .state import state_for
 
@@ -45,13 +45,12 @@ def _revoked() -> list[str]:
 def consume_granted_queues(app: Any) -> None:
     """Add the granted queue of every task queue the worker consumes to what it
     consumes (before its consumer starts: the blueprint's steps are made after the
-    worker selected its queues). Broadcast (fanout) queues have none."""
+    worker selected its queues); see :func:`~.message.has_granted_queue` for the
+    queues that have none."""
     queues = app.amqp.queues
     for queue in list(queues.consume_from.values()):
-        exchange = queue.exchange
-        if exchange is not None and exchange.type == "fanout":
-            continue
-        queues.select_add(granted_queue(app, str(queue.name)))
+        if has_granted_queue(queue):
+            queues.select_add(granted_queue(app, str(queue.name)))
 
 
 class RunCellStep(bootsteps.StartStopStep):

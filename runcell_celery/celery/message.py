@@ -57,6 +57,7 @@ __all__ = [
     "from_request",
     "granted_queue",
     "granted_queue_name",
+    "has_granted_queue",
     "republish",
 ]
 
@@ -101,20 +102,34 @@ def granted_queue(app: Celery, queue: str) -> Queue:
     return found
 
 
+def has_granted_queue(queue: Queue) -> bool:
+    """Whether workers consuming ``queue`` also consume a granted queue for it: not for
+    broadcast (fanout) queues, nor for queues that live only as long as their consumer
+    (``auto_delete``, ``exclusive``: a worker's own direct queue), which would leave a
+    durable granted queue behind."""
+    exchange = queue.exchange
+    if exchange is not None and exchange.type == "fanout":
+        return False
+    return not (queue.auto_delete or queue.exclusive)
+
+
 def delivered_queue(app: Celery, exchange: str, routing_key: str) -> str:
     """The queue a message sent to ``exchange`` with ``routing_key`` was consumed from,
-    among the queues this worker consumes; ``""`` when it cannot tell."""
-    if not exchange:  # the default exchange routes by queue name
-        return routing_key
+    among the queues this worker consumes, if it has a granted queue; ``""`` otherwise
+    (the message is then re-published as it was sent)."""
     for queue in app.amqp.queues.consume_from.values():
         bound = queue.exchange
-        if (
-            bound is not None
-            and bound.name == exchange
-            and bound.type == "direct"
-            and queue.routing_key == routing_key
-        ):
-            return str(queue.name)
+        if not exchange:  # the default exchange routes by queue name
+            found = queue.name == routing_key
+        else:
+            found = (
+                bound is not None
+                and bound.name == exchange
+                and bound.type == "direct"
+                and queue.routing_key == routing_key
+            )
+        if found:
+            return str(queue.name) if has_granted_queue(queue) else ""
     return ""
 
 
