@@ -37,6 +37,7 @@ def create_postgres_concurrency_limiter(
     default_workload: str | None = None,
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     max_hold_ms: int | None = None,
+    claim_window_ms: int | None = None,
     poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
     queue_entry_ttl_ms: int = DEFAULT_QUEUE_ENTRY_TTL_MS,
     ensure_schema: bool = True,
@@ -76,5 +77,6 @@ def create_postgres_concurrency_limiter(
         name=name,
         lease_ttl_ms=lease_ttl_ms,
         max_hold_ms=max_hold_ms,
+        claim_window_ms=claim_window_ms,
     )
     return PostgresBackend.from_options(db, options).create_limiter(config)

@@ -16,8 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
-from runcell_celery import AcquireRequest, Lease, LimiterConfig, RunLineage
-from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
+from runcell_celery import (
+    AcquireRequest,
+    ConcurrencyConfigError,
+    Lease,
+    LimiterConfig,
+    RunLineage,
+)
+from runcell_celery.postgres import (
+    PostgresBackend,
+    PostgresConcurrencyLimiter,
+    create_postgres_concurrency_limiter,
+)
 from tests.support.pg import unique_name
 
 PAYLOAD = '{"task": "demo.summarize", "args": [42]}'
@@ -151,3 +161,16 @@ def test_a_claim_within_the_window_holds_the_slot_for_the_full_lease_ttl(
     assert limiter.stats().active == 1
     assert _queue(pg_dsn, limiter.name) == []
     limiter.release(lease)
+
+
+def test_the_postgres_factory_takes_a_claim_window_and_refuses_one_out_of_bounds(
+    pg_dsn: str,
+) -> None:
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name("claim-factory"), max_concurrent=1, claim_window_ms=2_000
+    )
+    assert limiter.config.claim_window_ms == 2_000
+    with pytest.raises(ConcurrencyConfigError, match="claim_window_ms"):
+        create_postgres_concurrency_limiter(
+            pg_dsn, name=unique_name("claim-factory"), max_concurrent=1, claim_window_ms=10
+        )

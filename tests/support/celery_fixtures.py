@@ -70,7 +70,8 @@ def celery_settings(pg_dsn: str, provider: FakeProvider) -> Iterator[dict[str, A
     }
     yield settings
     client = redis.Redis.from_url(REDIS_URL)
-    client.delete(settings["events_key"], settings["queue"])
+    # The queue, and the granted queue its workers also consume (runcell_celery.celery.message).
+    client.delete(settings["events_key"], settings["queue"], f"{settings['queue']}.runcell")
 
 
 @pytest.fixture
