@@ -92,6 +92,14 @@ class Limiter(models.Model):
         verbose_name=_("requests waiting"),
         help_text=_("Per workload: waiting or parked, not yet granted."),
     )
+    hold_ms_avg = models.FloatField(
+        _("mean hold (ms)"),
+        null=True,
+        help_text=_(
+            "Recent holds, weighted towards the newest (kept by every release): what a "
+            "deferrable task's expected wait is estimated from."
+        ),
+    )
 
     objects = LimiterManager()
 
@@ -231,6 +239,18 @@ class QueueEntry(_Holder):
     granted_at = models.DateTimeField(_("granted at"), null=True)
     published_at = models.DateTimeField(_("re-published at"), null=True)
     publication_id = models.UUIDField(_("publication id"), null=True)
+    expired_at = models.DateTimeField(
+        _("budget ended at"),
+        null=True,
+        help_text=_(
+            "A parked task whose budget ended: out of line, kept until its failure is "
+            "recorded in the result backend."
+        ),
+    )
+    failing_by = models.TextField(
+        _("failure recorded by"), null=True, help_text=_("The sweeper recording its failure.")
+    )
+    failing_at = models.DateTimeField(_("failure recording since"), null=True)
 
     objects = QueueEntryManager()
 

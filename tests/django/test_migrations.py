@@ -35,6 +35,9 @@ FROZEN = {
     "0004_limiter_schema_v3_hot_path": (
         "f9e3ef0f1ae2dbc819e0339267da69a42939d89b970d9ee7021c177bba561147"
     ),
+    "0005_limiter_schema_v3_deferral": (
+        "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
+    ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"
 
