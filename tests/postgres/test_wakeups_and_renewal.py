@@ -28,12 +28,10 @@ def _wait_listening(limiter: Any) -> None:
         time.sleep(0.01)
 
 
-def test_a_release_wakes_the_granted_waiter_long_before_its_next_poll(pg_dsn: str) -> None:
-    # Polling once a minute: only a notification can serve the waiter within the join.
-    limiter = create_postgres_concurrency_limiter(
-        pg_dsn, name=unique_name("notify"), max_concurrent=1, poll_interval_ms=60_000
-    )
-    _wait_listening(limiter)
+def _released_to_a_waiter(limiter: Any, *, settle_s: float = 0.0) -> bool:
+    """Hold the only slot while another thread queues for it, then release it; return
+    whether the waiter got the slot soon after (``settle_s``: how long to keep holding
+    once it queued)."""
     granted = threading.Event()
 
     def wait_for_the_slot() -> None:
@@ -47,8 +45,19 @@ def test_a_release_wakes_the_granted_waiter_long_before_its_next_poll(pg_dsn: st
         while limiter.stats().queued == 0:
             assert time.monotonic() < deadline, "the waiter never queued"
             time.sleep(0.01)
-    assert granted.wait(SOON_S), "the release did not wake the waiter"
+        time.sleep(settle_s)
+    served = granted.wait(SOON_S)
     waiter.join(SOON_S)
+    return served
+
+
+def test_a_release_wakes_the_granted_waiter_long_before_its_next_poll(pg_dsn: str) -> None:
+    # Polling once a minute: only a notification can serve the waiter within the join.
+    limiter = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name("notify"), max_concurrent=1, poll_interval_ms=60_000
+    )
+    _wait_listening(limiter)
+    assert _released_to_a_waiter(limiter), "the release did not wake the waiter"
 
 
 def test_a_release_wakes_a_waiter_of_its_own_process_without_any_notification(
@@ -63,23 +72,10 @@ def test_a_release_wakes_a_waiter_of_its_own_process_without_any_notification(
         listen=False,
         poll_interval_ms=60_000,
     )
-    granted = threading.Event()
-
-    def wait_for_the_slot() -> None:
-        with slot(limiter):
-            granted.set()
-
-    with slot(limiter):
-        waiter = threading.Thread(target=wait_for_the_slot)
-        waiter.start()
-        deadline = time.monotonic() + SOON_S
-        while limiter.stats().queued == 0:
-            assert time.monotonic() < deadline, "the waiter never queued"
-            time.sleep(0.01)
-        # The safety poll ran once when the waiter queued; the next is a minute away.
-        time.sleep(0.3)
-    assert granted.wait(5.0), "the release did not hand the slot to its own process's waiter"
-    waiter.join(SOON_S)
+    # The safety poll ran once when the waiter queued; the next is a minute away.
+    assert _released_to_a_waiter(limiter, settle_s=0.3), (
+        "the release did not hand the slot to its own process's waiter"
+    )
 
 
 def test_joining_the_queue_commits_asynchronously_and_a_grant_synchronously(
