@@ -17,6 +17,12 @@ LIMITS = {
     "default_workload": "background",
 }
 
+#: Background requests in line on this test's limiter (other tests leave limiters of
+#: their own in the same database).
+BACKGROUND_QUEUED = (
+    "SELECT count(*) FROM runcell_queue WHERE limiter = 'llm' AND workload = 'background'"
+)
+
 
 def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
     wait_until(check, what, timeout, interval=0.05)
@@ -50,10 +56,7 @@ def test_an_interactive_task_takes_the_next_freed_slot_while_background_saturate
     background = [app.tasks["rc.background"].delay(1_200) for _ in range(18)]
     _wait(lambda: provider.stats().in_flight == 3, "background holds every slot")
     _wait(
-        lambda: (
-            _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'background'")
-            >= 10
-        ),
+        lambda: _scalar(pg_dsn, BACKGROUND_QUEUED) >= 10,
         "a background backlog",
     )
     interactive = app.tasks["rc.wait"].apply_async((5,), concurrency={"workload": "interactive"})
@@ -65,8 +68,11 @@ def test_an_interactive_task_takes_the_next_freed_slot_while_background_saturate
         "the interactive request queued",
     )
     # Every lease gets the next fencing token, so tokens count hand-offs.
-    token_when_queued = _scalar(pg_dsn, "SELECT last_fencing_token FROM runcell_limiter")
-    backlog = _scalar(pg_dsn, "SELECT count(*) FROM runcell_queue WHERE workload = 'background'")
+    # (Other tests leave limiters of their own in this database: read this one's.)
+    token_when_queued = _scalar(
+        pg_dsn, "SELECT last_fencing_token FROM runcell_limiter WHERE name = 'llm'"
+    )
+    backlog = _scalar(pg_dsn, BACKGROUND_QUEUED)
 
     try:
         reply = interactive.get(timeout=60)
