@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,10 @@ from .options import PostgresOptions
 __all__ = ["DatabaseClock", "Grant", "WaitRoom", "Waiter", "get_room"]
 
 logger = logging.getLogger("runcell_celery.postgres.waiting")
+
+#: How soon a request found missing is looked at again before it is taken as dropped
+#: (the listener may not have read its grant yet).
+SECOND_LOOK_S = 0.25
 
 _HOST = socket.gethostname()
 
@@ -72,11 +76,30 @@ class DatabaseClock:
     than the database's.
     """
 
+    #: Samples older than this no longer count: the two clocks drift apart slowly, so
+    #: the bound is kept from recent samples only.
+    WINDOW_S = 60.0
+
     def __init__(self) -> None:
         self._offset: float | None = None  # local monotonic minus database epoch
+        # (sent, bound) of recent samples whose bound may still be the best, bounds
+        # decreasing: the tightest bound of the window is the first.
+        self._samples: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
 
     def sample(self, sent_monotonic: float, db_epoch: float) -> None:
-        self._offset = sent_monotonic - db_epoch
+        """Add a sample. Each gives a lower bound of the offset; the tightest one of the
+        last minute is kept, so one statement that waited long for the row lock (its
+        database time read late) does not make every lease look older than it is."""
+        bound = sent_monotonic - db_epoch
+        with self._lock:
+            samples = self._samples
+            while samples and samples[-1][1] <= bound:
+                samples.pop()
+            samples.append((sent_monotonic, bound))
+            while samples[0][0] < sent_monotonic - self.WINDOW_S:
+                samples.popleft()
+            self._offset = samples[0][1]
 
     def local(self, db_epoch: float) -> float | None:
         """The earliest local monotonic instant ``db_epoch`` can be; ``None``: no sample yet."""
@@ -166,6 +189,8 @@ class WaitRoom:
         self._waiters: dict[str, Waiter] = {}
         self._limiters: Counter[str] = Counter()
         self._reapers: dict[str, weakref.WeakMethod[Callable[[], None]]] = {}
+        #: Requests the last poll found missing, to confirm at the next look.
+        self._suspects: set[str] = set()
         self._heartbeat_due = 0.0
         #: When to look for expired leases next (the earliest lease of a limiter we
         #: wait on would expire then, unless renewed).
@@ -329,9 +354,23 @@ class WaitRoom:
             waiter = waiters.get(request_id)
             if waiter is not None:
                 waiter.granted(Grant(str(lease_id), int(token), float(granted_at)))
-        for request_id in answer["missing"]:
-            waiter = waiters.get(request_id)
-            if waiter is not None and waiter.grant is None:
+        missing = {r for r in answer["missing"] if r in waiters}
+        if missing and self.listening:
+            # After a pause (a stopped or starved process) the poll may run before the
+            # listener has read the grants that arrived meanwhile: a request granted
+            # then is missing from the tables too (its lease may have expired since).
+            # Only what is still missing, ungranted, at a second look a moment later
+            # is taken as dropped.
+            confirmed = missing & self._suspects
+            self._suspects = missing - confirmed
+            if self._suspects:
+                self._check_due = min(self._check_due, time.monotonic() + SECOND_LOOK_S)
+            missing = confirmed
+        else:
+            self._suspects = set()
+        for request_id in missing:
+            waiter = waiters[request_id]
+            if waiter.grant is None:
                 waiter.missing = True
                 waiter.wake()
         for limiter in answer["reap"]:
