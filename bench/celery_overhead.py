@@ -73,7 +73,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +82,7 @@ from celery import Celery
 from celery.result import AsyncResult
 from celery.signals import after_task_publish
 from celery_bench_app import ENV, VARIANTS, create_app, records_key
+from postgres_engine import scratch_database
 
 from runcell_celery import slot
 from runcell_celery.celery import admission_counts
@@ -114,28 +114,6 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 # -- scratch database ---------------------------------------------------------------------
-
-
-def with_database(dsn: str, name: str) -> str:
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    params["dbname"] = name
-    return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in params.items()})
-
-
-@contextlib.contextmanager
-def scratch_database() -> Iterator[str]:
-    name = f"runcell_bench_celery_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(DSN, autocommit=True) as conn:
-        conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
-    try:
-        yield with_database(DSN, name)
-    finally:
-        with psycopg.connect(DSN, autocommit=True) as conn:
-            conn.execute(
-                psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                    psycopg.sql.Identifier(name)
-                )
-            )
 
 
 def clock_offset_ms(dsn: str) -> float:
@@ -686,7 +664,7 @@ def main() -> None:
     atexit.register(lambda: [w.stop_all() for w in live])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        with scratch_database() as dsn:
+        with scratch_database("celery") as dsn:
             settings = {
                 "redis_url": REDIS_URL,
                 "queue": f"runcell-bench-{tag}",
