@@ -13,7 +13,10 @@ A run started inside another is a child (README, "Celery": child tasks). It inhe
 * the parent's workload, unless it selects one with ``workload=``. Its own
   ``default_workload`` (what a Celery task declares) does not replace the parent's,
   so nesting cannot move work to another workload by accident;
-* the parent's cancellation and remaining time budget: a child never outlives it.
+* the parent's cancellation and remaining time budget: a child never outlives it;
+* the parent's :class:`~runcell_celery.admission.Admission`: the first slot any run of
+  the tree asks for in this process adopts (or gives back) a slot admitted before the
+  parent's body ran.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from __future__ import annotations
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from .admission import Admission
 from .cancellation import CancellationToken
 from .config import check_duration_ms
 from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
 from .protocol import ConcurrencyLimiter, RunLineage, SupportsValidateWorkload
+
+if TYPE_CHECKING:
+    from .admission import Admission
 
 __all__ = ["RunContext", "RunOptions", "RunProgress", "current_run", "run"]
 
@@ -47,6 +53,8 @@ class RunContext:
     :param deadline: when the budget ends, or ``None`` for no budget.
     :param cancel: cancels the run and every child; ``None`` if nobody can cancel it.
     :param name: a label for the run (the Celery task name), shown as the holder.
+    :param admission: the run's first-slot admission (shared with its child runs);
+        its pre-admitted slot waits there for the first ``slot()``.
     """
 
     run_id: str
@@ -126,8 +134,9 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
     :param root_run_id: with ``parent_run_id``, the lineage when the parent lives in
         another process (Celery headers); otherwise taken from the enclosing run.
     :param name: a label for the run, shown as the slot holder.
-    :param admission: how the run's first slot is admitted (see
-        :mod:`runcell_celery.admission`); not inherited by child runs.
+    :param admission: how the run's first slot was admitted, and the slot admitted
+        before the run's body until a slot adopts it (see
+        :mod:`runcell_celery.admission`); a child run without one shares its parent's.
     :raises ConcurrencyConfigError: the workload does not exist, or the limiter has
         several workloads, no default and none was selected. Raised at once, before
         anything waits.
@@ -222,8 +231,9 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             deadline=deadline,
             cancel=cancel,
             name=o.name or (parent.name if parent is not None else None),
-            # Never inherited: it is about this run's own first slot.
-            admission=o.admission,
+            # Shared with children: the tree's first slot request in this process
+            # adopts (or gives back) the slot admitted before the parent's body ran.
+            admission=o.admission or (parent.admission if parent is not None else None),
         )
 
     def _link_cancel(

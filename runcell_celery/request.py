@@ -6,9 +6,9 @@ limiter, which workload (validated before anything waits), which request id, how
 much of the run's budget is left, and whether the request may be made at all (a
 cancelled run or a spent budget never asks; README, "Errors").
 
-It touches one piece of state: it claims the run's one-shot
-:class:`~runcell_celery.admission.Admission` when the request is that run's first on
-the admission's limiter, since the admission decides the request id.
+It touches no state: a run's first slot, admitted before the run's body
+(:mod:`runcell_celery.admission`), is adopted by :class:`~runcell_celery.slot.Slot`
+after the request is resolved.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar, cast
 
-from .admission import Admission
 from .cancellation import CancellationToken
 from .config import DEFAULT_WORKLOAD
 from .context import RunContext
@@ -48,26 +47,19 @@ class SlotRequest:
         then a one-slot run of its own: its run id is its request id).
     :param limiter: the limiter to ask.
     :param request: the request to send it.
-    :param admission: the run's admission, when it replaces ``limiter.acquire`` for
-        this request (the run's first slot on that limiter).
 
     A plain slotted class rather than a frozen dataclass: one is built per slot, on
     the hot path, and a frozen dataclass pays an ``object.__setattr__`` per field.
     """
 
-    __slots__ = ("admission", "limiter", "request", "run")
+    __slots__ = ("limiter", "request", "run")
 
     def __init__(
-        self,
-        run: RunContext | None,
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
-        admission: Admission | None = None,
+        self, run: RunContext | None, limiter: ConcurrencyLimiter, request: AcquireRequest
     ) -> None:
         self.run = run
         self.limiter = limiter
         self.request = request
-        self.admission = admission
 
     def __repr__(self) -> str:
         return f"SlotRequest({self.limiter.name!r}, {self.request!r})"
@@ -118,7 +110,7 @@ def build_request(
     :param limiter: the limiter the slot names; defaults to the run's.
     :param workload: the workload the slot selects; defaults to the run's when the
         slot uses the run's limiter, then to the limiter's default.
-    :param request_id: a stable request id; defaults to the admission's, then a new one.
+    :param request_id: a stable request id; defaults to a new one.
     :param cancel: the slot's own token (only read: a set one refuses the request).
     :raises ConcurrencyConfigError: no limiter, or the workload is invalid.
     :raises ConcurrencyCancelledError: the run or the slot is already cancelled.
@@ -140,9 +132,6 @@ def build_request(
             parent_run_id=run.parent_run_id,
             request_id=resolved_id,
         )
-    admission = run.admission.take(limiter) if run.admission is not None else None
-    if admission is not None and request_id is None:
-        resolved_id = admission.request_id
     if workload is None and limiter is run.limiter:
         workload = run.workload
     remaining = run.remaining_ms()
@@ -155,7 +144,7 @@ def build_request(
         holder_name=run.name,
         in_progress=run.progress.slots_taken > 0,
     )
-    resolved = SlotRequest(run, limiter, request, admission)
+    resolved = SlotRequest(run, limiter, request)
     if (cancel is not None and cancel.is_set()) or (run.cancel is not None and run.cancel.is_set()):
         raise resolved.error(
             ConcurrencyCancelledError, "the run was cancelled before it asked for a slot"

@@ -4,7 +4,10 @@
 
 1. **Ask**: :func:`~runcell_celery.request.build_request` resolves the limiter,
    workload, request id and remaining budget from the run and the arguments; a
-   cancelled run or a spent budget never asks.
+   cancelled run or a spent budget never asks. The run's first request **adopts** the
+   slot admitted before the run's body (:func:`preadmit`,
+   :mod:`runcell_celery.admission`) when it names the same limiter and workload, and
+   skips step 2.
 2. **Acquire** with a deadline of ``min(workload max_wait_ms, run's remaining
    timeout_ms)`` and the run's cancellation. A slot granted at the moment of a cancel
    or timeout is returned to the limiter, never leaked.
@@ -27,13 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, cast
 
-from .admission import SlotDeferred
+from .admission import Admission, PreAdmitted, SlotDeferred
 from .cancellation import CancellationToken
 from .context import current_run
 from .deadline import Deadline
@@ -47,7 +51,7 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import EventType, describe_error, has_listeners
-from .hold import Hold, is_interrupt, register_interrupt
+from .hold import Hold, abort_error, is_interrupt, register_interrupt
 from .protocol import (
     ConcurrencyLimiter,
     Lease,
@@ -58,7 +62,7 @@ from .protocol import (
 )
 from .request import SlotRequest, build_request, report_refusal
 
-__all__ = ["Slot", "is_interrupt", "register_interrupt", "slot"]
+__all__ = ["Slot", "is_interrupt", "preadmit", "register_interrupt", "slot"]
 
 _WAIT_FAILURE_EVENTS: tuple[tuple[type[ConcurrencyError], EventType], ...] = (
     (ConcurrencyTimeoutError, "timed-out"),
@@ -135,6 +139,10 @@ class Slot:
     def __enter__(self) -> Slot:
         asked, cancel, cleanups = self._ask()
         started = time.monotonic()
+        adopted = _adopt(asked, cleanups)
+        if adopted is not None:
+            asked, lease, waited_ms = adopted
+            return self._granted(asked, lease, started, cancel, cleanups, None, waited_ms)
         try:
             lease = _acquire(asked, cancel, asked.wait_started)
         except BaseException as exc:
@@ -144,11 +152,16 @@ class Slot:
     async def __aenter__(self) -> Slot:
         asked, cancel, cleanups = self._ask()
         started = time.monotonic()
+        task = asyncio.current_task()
+        adopted = _adopt(asked, cleanups)
+        if adopted is not None:
+            asked, lease, waited_ms = adopted
+            return self._granted(asked, lease, started, cancel, cleanups, task, waited_ms)
         try:
             lease = await _acquire_async(asked, cancel, asked.wait_started)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
-        return self._granted(asked, lease, started, cancel, cleanups, asyncio.current_task())
+        return self._granted(asked, lease, started, cancel, cleanups, task)
 
     def _ask(
         self,
@@ -198,6 +211,7 @@ class Slot:
         cancel: CancellationToken | None,
         cleanups: list[Callable[[], object]],
         task: asyncio.Task[Any] | None,
+        waited_ms: float | None = None,
     ) -> Slot:
         if lease.valid_until is not None and lease.valid_until.passed():
             # The process stood still between the grant and here (a pause, a swapped
@@ -223,7 +237,7 @@ class Slot:
                 "acquired",
                 lease_id=lease.lease_id,
                 fencing_token=lease.fencing_token,
-                wait_ms=(hold.held_since - started) * 1000,
+                wait_ms=(hold.held_since - started) * 1000 if waited_ms is None else waited_ms,
             )
         hold.keep(run.deadline if run is not None else None)
         if cancel is not None:
@@ -289,8 +303,6 @@ def _lease_expired_before_start(
 def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> BaseException:
     """Emit the event for a failed wait; return the error the caller should see."""
     wait_ms = (time.monotonic() - started) * 1000
-    if isinstance(exc, SlotDeferred):
-        return exc  # parked by the run's admission: not a failure, no event
     if is_interrupt(exc) and not isinstance(exc, ConcurrencyError):
         asked.event("wait-cancelled", wait_ms=wait_ms)
         return exc
@@ -308,9 +320,77 @@ def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> Base
     return asked.error(ConcurrencyLimiterError, f"limiter {name!r} failed: {describe_error(exc)}")
 
 
+def _adopt(
+    asked: SlotRequest, cleanups: list[Callable[[], object]]
+) -> tuple[SlotRequest, Lease, float] | None:
+    """The run's pre-admitted first slot, when this request is the run's first and
+    names its limiter and workload: the request (with the lease's request id), the
+    lease and how long its admission waited. ``None``: acquire as usual.
+
+    :raises ConcurrencyLeaseLostError: the pre-admitted lease was lost before now.
+    """
+    run = asked.run
+    admission = run.admission if run is not None else None
+    if admission is None:
+        return None
+    admitted = admission.first_slot(asked.limiter, asked.request.workload)
+    if admitted is None:
+        return None
+    kept = admitted.hand_over()
+    if kept is None:  # released meanwhile (cancelled, budget ended): ask as usual
+        return None
+    lease = admitted.lease
+    if asked.request.request_id != lease.request_id:
+        request = dataclasses.replace(asked.request, request_id=lease.request_id)
+        asked = SlotRequest(run, asked.limiter, request)
+    if kept == "lost":
+        _pre_admitted_lost(asked, lease, cleanups)
+    return asked, lease, admitted.wait_ms
+
+
+def _pre_admitted_lost(
+    asked: SlotRequest, lease: Lease, cleanups: list[Callable[[], object]]
+) -> NoReturn:
+    for cleanup in cleanups:
+        cleanup()
+    asked.event("lease-lost", lease_id=lease.lease_id, hold_ms=0.0, reason="renewal", error=None)
+    with contextlib.suppress(Exception):  # lost already: the limiter may know it
+        asked.limiter.release(lease, "lease-lost")
+    raise abort_error(asked, lease, "lease-lost")
+
+
+def preadmit(admission: Admission) -> None:
+    """Decide the current run's first slot before its body runs.
+
+    Asks through ``admission`` (which may park the run) for the slot the run's first
+    ``slot()`` would ask for: the run's limiter and workload, the admission's request
+    id. A granted slot is kept (renewed, released on cancellation or at the end of the
+    budget) as ``admission.admitted`` until a slot adopts it or the run ends
+    (:meth:`~runcell_celery.admission.Admission.end`).
+
+    :raises SlotDeferred: the run was parked (no event: it is not a failure).
+    :raises ConcurrencyError: as entering a slot would, with the same events.
+    """
+    run = current_run()
+    if run is None:
+        raise RuntimeError("preadmit() needs the run whose first slot it admits")
+    try:
+        asked = build_request(run, admission.limiter, request_id=admission.request_id)
+    except ConcurrencyError as exc:
+        report_refusal(exc, run.name)
+        raise
+    started = time.monotonic()
+    try:
+        lease = admission.acquire(asked.limiter, asked.request, run.cancel, asked.wait_started)
+    except SlotDeferred:
+        raise
+    except BaseException as exc:
+        Slot._not_granted(asked, exc, started, [])
+    waited_ms = (time.monotonic() - started) * 1000
+    admission.hold(PreAdmitted(asked, lease, wait_ms=waited_ms), run.deadline, run.cancel)
+
+
 def _acquire(asked: SlotRequest, cancel: CancellationToken | None, on_wait: OnWait) -> Lease:
-    if asked.admission is not None:
-        return asked.admission.acquire(asked.limiter, asked.request, cancel, on_wait)
     return asked.limiter.acquire(asked.request, cancel=cancel, on_wait=on_wait)
 
 
@@ -322,8 +402,8 @@ async def _acquire_async(
     In the thread case an asyncio cancellation cancels the thread's wait through a
     token, and a slot the thread was granted meanwhile is released, not leaked.
     """
-    limiter, request, admission = asked.limiter, asked.request, asked.admission
-    if admission is None and supports(limiter, SupportsAsyncAcquire):
+    limiter, request = asked.limiter, asked.request
+    if supports(limiter, SupportsAsyncAcquire):
         native = cast(SupportsAsyncAcquire, limiter)
         return await native.acquire_async(request, cancel=cancel, on_wait=on_wait)
     stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
@@ -335,7 +415,7 @@ async def _acquire_async(
         stop.cancel("the asyncio task was cancelled")
         try:
             granted = await waiting
-        except (ConcurrencyError, SlotDeferred):
+        except ConcurrencyError:
             pass
         else:
             limiter.release(granted, "cancelled")

@@ -16,16 +16,19 @@ see :meth:`~runcell_celery.ports.SupportsParking.acquire_or_park`); then it is *
    :class:`~runcell_celery.ports.ParkingStore`). It goes to the granted queue of the
    queue it came from (:func:`~.message.granted_queue`), which workers consume beside
    it, so it overtakes that queue's backlog;
-4. the re-published task (same task id) claims its granted lease and runs from the
-   start. The grant waits for the claim only the limiter's ``claim_window_ms``: not
-   claimed by then, the slot passes to the next in line and the parked row goes to
-   the back of its workload's line, to be granted and re-published again. Stale
-   work — a parked run whose deadline passed — is never re-published:
-   the sweeper records it as failed (``ConcurrencyTimeoutError``) in the result
-   backend, and deletes its row only once that is done.
+4. the re-published task (same task id) claims its granted lease, then runs its
+   body, whose first ``slot()`` adopts that lease. The grant waits for the claim only
+   the limiter's ``claim_window_ms``: not claimed by then, the slot passes to the
+   next in line and the parked row goes to the back of its workload's line, to be
+   granted and re-published again. Stale work — a parked run whose deadline passed —
+   is never re-published: the sweeper records it as failed
+   (``ConcurrencyTimeoutError``) in the result backend, and deletes its row only once
+   that is done.
 
-The task body must do nothing irreversible before its first slot: a deferred run is
-executed again from the start.
+All of this happens before the task body starts (:meth:`.RunCellTask.__call__` takes
+the run's first slot first, :func:`runcell_celery.slot.preadmit`): a parked or
+duplicate delivery never runs its body, and a granted one hands its slot to the body's
+first ``slot()``. Only the first slot is decided this way; later ones wait as usual.
 """
 
 from __future__ import annotations

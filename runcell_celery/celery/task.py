@@ -16,11 +16,20 @@ Celery request. ``slot()`` inside the body uses the run's limiter, workload, bud
 and cancellation. A task sent from inside a limited task inherits them through
 message headers (:mod:`.headers`).
 
+Admission of a deferrable task (``"admission": "defer"``) is decided before the body
+runs: the run's first slot is asked for first, and the body starts only once it is
+granted. The granted slot is held for the body (renewed, released on cancellation)
+and the body's first ``slot()`` adopts it, so work done before that call occupies it;
+a body that never adopts it gives it back when it ends (see
+:mod:`runcell_celery.admission`). A deferral or a duplicate delivery never runs the
+body, so nothing raised by either passes through user code.
+
 Failure semantics: a :class:`~runcell_celery.errors.ConcurrencyError` stops the run
-and is never retried, whatever ``autoretry_for`` says; one raised before the run asks
-for a slot (a malformed header, a limiter that cannot be created) leaves the body
-unrun. An admission deferral is not a failure at all (:mod:`.deferral`): it is logged
-on ``runcell_celery.celery`` and acked without Celery's "ignored" line.
+and is never retried, whatever ``autoretry_for`` says; one raised before the body
+runs (a malformed header, a limiter that cannot be created, a deferrable task's first
+slot failing) leaves the body unrun. An admission deferral is not a failure at all
+(:mod:`.deferral`): it is logged on ``runcell_celery.celery`` and acked without
+Celery's "ignored" line.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from ..errors import ConcurrencyError, ConcurrencyLimiterError
 from ..ports import RunStore
 from ..protocol import SupportsStats, SupportsWithdraw
 from ..registry import LimiterRegistry
-from ..slot import register_interrupt, slot
+from ..slot import preadmit, register_interrupt, slot
 from . import headers
 from .deferral import DuplicateDelivery, admission_for
 from .options import RunOverride, TaskConcurrency
@@ -146,11 +155,10 @@ class RunCellTask(Task[Any, Any]):
         counters.add(self.name, limiter_name, "deliveries")
         with contextlib.ExitStack() as stack:
             try:
-                context = self._start_run(stack, request, spec, carried)
+                context, admission = self._start_run(stack, request, spec, carried)
             except ConcurrencyError:
                 counters.add(self.name, limiter_name, "concurrency_failures")
                 raise
-            admission = context.admission
             try:
                 remaining = context.remaining_ms()
                 if remaining is not None and remaining <= 0:
@@ -159,10 +167,10 @@ class RunCellTask(Task[Any, Any]):
                     _withdraw(admission)
                     with slot():
                         pass
-                if spec.hold == "task":
-                    with slot():
-                        return super().__call__(*args, **kwargs)
-                return super().__call__(*args, **kwargs)
+                if admission is not None:
+                    # The first slot, before the body: a deferral parks the run here,
+                    # and the body never sees it.
+                    preadmit(admission)
             except DuplicateDelivery:
                 logger.info(
                     "Task %s[%s] dropped: a duplicate delivery (another delivery of this run "
@@ -175,6 +183,30 @@ class RunCellTask(Task[Any, Any]):
                 counters.add(self.name, limiter_name, "deferrals")
                 _log_deferral(self.name, request.id, admission, context.workload)
                 raise DeliverySetAside(request.id) from None
+            return self._run_body(spec, admission, args, kwargs)
+
+    def _run_body(
+        self,
+        spec: TaskConcurrency,
+        admission: Admission | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run the body; then give back a pre-admitted first slot it did not adopt
+        (outcome by how the body ended)."""
+        try:
+            if spec.hold == "task":
+                with slot():
+                    result = super().__call__(*args, **kwargs)
+            else:
+                result = super().__call__(*args, **kwargs)
+        except BaseException as exc:
+            if admission is not None:
+                admission.end(exc)
+            raise
+        if admission is not None:
+            admission.end(None)
+        return result
 
     def _start_run(
         self,
@@ -182,8 +214,10 @@ class RunCellTask(Task[Any, Any]):
         request: Any,
         spec: TaskConcurrency,
         carried: headers.CarriedRun,
-    ) -> RunContext:
-        """Enter this delivery's run (and a stand-in for a parent in another process).
+    ) -> tuple[RunContext, Admission | None]:
+        """Enter this delivery's run (and a stand-in for a parent in another process);
+        return it and its own admission (a deferrable run's; never one its context
+        shares with an enclosing run).
 
         Everything here happens before the run asks for a slot: its errors emit no
         event, which is why the caller counts them.
@@ -230,7 +264,7 @@ class RunCellTask(Task[Any, Any]):
             )
         )
         self._watch_revocation(request, context.cancel, admission, stack)
-        return context
+        return context, admission
 
     def _watch_revocation(
         self,
