@@ -1,0 +1,282 @@
+"""Admission is decided before a deferrable task's body runs (issue 11).
+
+A parked or duplicate delivery never starts its body; a granted one starts it holding
+its first slot, which the body's first ``slot()`` adopts. Real ``celery worker``
+subprocesses (prefork), Redis broker and results, PostgreSQL limiter, the fake
+provider as the witness of the limit. App: :mod:`tests.celery.preadmission_app`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from runcell_celery.celery import admission_counts, registry_for
+from runcell_celery.postgres import PostgresBackend
+from runcell_celery.testing import FakeProvider
+from tests.conftest import wait_until
+
+from .preadmission_app import ENV, REDIS_URL, create_app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Scenario:
+    """One test's app, worker processes (stopped by PID) and Redis records."""
+
+    def __init__(self, pg_dsn: str, provider: FakeProvider, log_dir: Path) -> None:
+        tag = uuid.uuid4().hex[:10]
+        self.settings: dict[str, Any] = {
+            "queue": f"runcell-pre-{tag}",
+            "database": pg_dsn,
+            "limiter": f"pre-{tag}",
+            "limits": {"max_concurrent": 1, "lease_ttl_ms": 5_000},
+            "records_key": f"runcell-pre-records-{tag}",
+            "provider_url": provider.url,
+        }
+        self.dsn = pg_dsn
+        self.log_dir = log_dir
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._app: Celery | None = None
+
+    def configure(self, **limits: Any) -> None:
+        self.settings["limits"] = {**self.settings["limits"], **limits}
+
+    @property
+    def app(self) -> Celery:
+        if self._app is None:
+            self._app = create_app(self.settings)
+        return self._app
+
+    @property
+    def limiter(self) -> str:
+        return str(self.settings["limiter"])
+
+    def start_worker(self, concurrency: int) -> None:
+        hostname = f"pre-{uuid.uuid4().hex[:6]}@test"
+        env = {**os.environ, ENV: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
+        log = open(self.log_dir / f"{hostname}.log", "wb")  # noqa: SIM115 - closed in stop()
+        command = [
+            sys.executable, "-m", "celery", "-A", "tests.celery.preadmission_app:app",
+            "worker", "--pool=prefork", f"--concurrency={concurrency}",
+            "-Q", self.settings["queue"], f"--hostname={hostname}", "--loglevel=WARNING",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        proc.log = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        wait_until(
+            lambda: self.app.control.ping(destination=[hostname], timeout=0.5),
+            "the worker answers",
+            60,
+            interval=0.1,
+        )
+
+    def records(self, what: str) -> list[Any]:
+        key = f"{self.settings['records_key']}:{what}"
+        return [json.loads(raw) for raw in self.redis.lrange(key, 0, -1)]
+
+    def open_gate(self, times: int = 1) -> None:
+        self.redis.rpush(f"{self.settings['records_key']}:gate", *["go"] * times)
+
+    def active(self) -> int:
+        return registry_for(self.app).get(self.limiter).stats().active
+
+    def counts(self, task_name: str) -> dict[str, int]:
+        for count in admission_counts(self.app):
+            if count.task_name == task_name and count.limiter == self.limiter:
+                return {
+                    "deliveries": count.deliveries,
+                    "deferrals": count.deferrals,
+                    "provider_attempts": count.provider_attempts,
+                    "concurrency_failures": count.concurrency_failures,
+                }
+        return {}
+
+    def parked(self) -> int:
+        with psycopg.connect(self.dsn) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM runcell_queue WHERE limiter = %s AND parked", [self.limiter]
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
+            for path in sorted(self.log_dir.glob("*.log"))
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGCONT)  # a test may have paused a child
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            proc.log.close()  # type: ignore[attr-defined]
+        keys = list(self.redis.scan_iter(f"{self.settings['records_key']}:*"))
+        queue = self.settings["queue"]
+        self.redis.delete(queue, f"{queue}.runcell", *keys)
+
+
+@pytest.fixture
+def scenario(pg_dsn: str, provider: FakeProvider, tmp_path: Path) -> Iterator[Scenario]:
+    made = Scenario(pg_dsn, provider, tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+def _results(scenario: Scenario, results: list[AsyncResult], timeout: float = 120) -> list[Any]:
+    try:
+        return [result.get(timeout=timeout) for result in results]
+    except Exception:
+        print(scenario.logs())
+        raise
+
+
+def _deferred_batch(scenario: Scenario, tasks: int) -> tuple[list[str], list[dict[str, Any]]]:
+    """Run ``tasks`` side-effect tasks on one slot and four processes (most park);
+    return their ids and replies."""
+    scenario.start_worker(concurrency=4)
+    results = [scenario.app.tasks["pre.side_effect"].delay(150) for _ in range(tasks)]
+    replies: list[dict[str, Any]] = _results(scenario, results)
+    wait_until(
+        lambda: scenario.counts("pre.side_effect").get("provider_attempts", 0) >= tasks,
+        "the workers' counts are written",
+        30,
+        interval=0.1,
+    )
+    counts = scenario.counts("pre.side_effect")
+    assert counts["deferrals"] > 0, f"no task was deferred; the test proves nothing: {counts}"
+    assert counts["deliveries"] == tasks + counts["deferrals"], counts
+    assert counts["provider_attempts"] == tasks, counts
+    assert counts["concurrency_failures"] == 0, counts
+    assert scenario.parked() == 0
+    return [result.id for result in results], replies
+
+
+def test_work_before_the_first_slot_runs_once_per_task_even_when_it_was_deferred(
+    scenario: Scenario,
+) -> None:
+    _deferred_batch(scenario, tasks=8)
+    before = scenario.redis.get(f"{scenario.settings['records_key']}:before")
+    assert before is not None
+    assert int(before) == 8, f"the work before slot() ran {int(before)} times for 8 tasks"
+
+
+def test_a_body_guarding_its_slot_with_try_finally_never_sees_a_deferral(
+    scenario: Scenario,
+) -> None:
+    task_ids, replies = _deferred_batch(scenario, tasks=8)
+    assert scenario.records("caught") == [], "a deferral passed through the task body"
+    assert sorted(scenario.records("finally")) == sorted(task_ids)  # once per task
+    assert [reply["retries"] for reply in replies] == [0] * 8
+
+
+def test_the_adopted_slot_is_the_pre_admitted_lease_and_the_limit_holds(
+    scenario: Scenario, provider: FakeProvider
+) -> None:
+    scenario.configure(max_concurrent=2)
+    scenario.start_worker(concurrency=4)
+    results = [scenario.app.tasks["pre.side_effect"].delay(100) for _ in range(12)]
+    replies = _results(scenario, results)
+    for reply in replies:
+        assert reply["adopted"] == reply["pre_admitted"], reply
+    tokens = [reply["adopted"][1] for reply in replies]
+    assert len(set(tokens)) == 12, f"fencing tokens shared between runs: {tokens}"
+    witness = provider.stats()
+    assert witness.max_in_flight <= 2, f"the provider saw {witness.max_in_flight} in flight"
+    assert witness.max_in_flight == 2, "the limit was never reached; the test proves nothing"
+    assert witness.rejected_stale == 0
+    assert witness.completed == 12
+    acquired = [e for e in scenario.records("events") if e["type"] == "acquired"]
+    assert sorted(e["lease_id"] for e in acquired) == sorted(r["adopted"][0] for r in replies)
+    assert scenario.active() == 0
+
+
+def test_a_body_that_never_calls_slot_holds_its_slot_until_it_ends(scenario: Scenario) -> None:
+    scenario.start_worker(concurrency=2)
+    first = scenario.app.tasks["pre.no_slot"].delay()
+    wait_until(lambda: scenario.records("started"), "the first body started", 60, interval=0.05)
+    assert scenario.active() == 1  # pre-admitted: the body's work occupies the slot
+    second = scenario.app.tasks["pre.no_slot"].delay()
+    wait_until(lambda: scenario.parked() == 1, "the second task parks", 60, interval=0.05)
+    assert len(scenario.records("started")) == 1, "a body ran without a slot"
+
+    scenario.open_gate(times=2)
+    assert _results(scenario, [first, second]) == ["done", "done"]
+    assert scenario.active() == 0
+    assert len(scenario.records("started")) == 2
+    events = scenario.records("events")
+    assert [e for e in events if e["type"] in ("acquired", "released")] == [], (
+        "a slot no provider request used was reported as one"
+    )
+
+
+@pytest.mark.parametrize("how", ["force-released", "paused past its ttl"])
+def test_a_pre_admitted_lease_lost_before_the_first_slot_fails_it_without_running_its_block(
+    scenario: Scenario, pg_dsn: str, how: str
+) -> None:
+    ttl_s = 1.5
+    scenario.configure(lease_ttl_ms=int(ttl_s * 1000))
+    scenario.start_worker(concurrency=1)
+    result = scenario.app.tasks["pre.gated_slot"].delay()
+    wait_until(lambda: scenario.records("pre_admitted"), "the body started", 60, interval=0.05)
+    (started,) = scenario.records("pre_admitted")
+    if how == "force-released":
+        backend = PostgresBackend(database=pg_dsn)
+        try:
+            assert [r.lease_id for r in backend.force_release([started["lease_id"]])] == [
+                started["lease_id"]
+            ]
+        finally:
+            backend.close()
+        # Past a whole TTL the keeper has tried to renew it (every third of the TTL),
+        # and a lease not renewed is lost anyway.
+        time.sleep(ttl_s + 0.5)
+    else:
+        os.kill(started["pid"], signal.SIGSTOP)
+        try:
+            time.sleep(ttl_s + 0.5)
+        finally:
+            os.kill(started["pid"], signal.SIGCONT)
+    scenario.open_gate()
+
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - the type is rebuilt by Celery
+        result.get(timeout=60, propagate=True)
+    assert type(caught.value).__name__ == "ConcurrencyLeaseLostError", repr(caught.value)
+    assert AsyncResult(result.id, app=scenario.app).state == "FAILURE"
+    assert scenario.records("guarded") == [], "the guarded block ran on a lost lease"
+    lost = [e for e in scenario.records("events") if e["type"] == "lease-lost"]
+    assert [e["lease_id"] for e in lost] == [started["lease_id"]]
+    assert scenario.active() == 0
