@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .errors import ConcurrencyConfigError
 from .hints import did_you_mean
@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_WORKLOAD",
     "MAX_DURATION_MS",
     "MAX_INT",
+    "Fairness",
     "LimiterConfig",
     "WorkloadConfig",
     "check_duration_ms",
@@ -50,6 +51,12 @@ DEFAULT_CLAIM_WINDOW_MS = 5_000
 MIN_CLAIM_WINDOW_MS = 100
 MAX_NAME_LENGTH = 200
 
+#: How a limiter orders waiting requests of the same workload (and the same
+#: in-progress group): ``"fifo"`` by arrival; ``"round_robin"`` the i-th waiting request
+#: of every key before any key's (i+1)-th (see :mod:`runcell_celery.allocation`).
+Fairness = Literal["fifo", "round_robin"]
+_FAIRNESS_VALUES: tuple[str, ...] = get_args(Fairness)
+
 _LIMITER_OPTIONS = (
     "max_concurrent",
     "max_queued",
@@ -59,6 +66,7 @@ _LIMITER_OPTIONS = (
     "lease_ttl_ms",
     "max_hold_ms",
     "claim_window_ms",
+    "fairness",
 )
 _WORKLOAD_OPTIONS = ("max_concurrent", "reserved", "priority", "max_wait_ms")
 
@@ -141,6 +149,12 @@ def _check_name(path: FieldPath, value: object) -> str:
     if len(value) > MAX_NAME_LENGTH:
         raise _InvalidSettingError(path, value, f"must be at most {MAX_NAME_LENGTH} characters")
     return value
+
+
+def _check_fairness(value: object) -> None:
+    if not isinstance(value, str) or value not in _FAIRNESS_VALUES:
+        hint = did_you_mean(str(value), _FAIRNESS_VALUES)
+        raise _InvalidSettingError(("fairness",), value, f"unknown fairness; {hint}")
 
 
 def _check_keys(path: FieldPath, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -230,9 +244,11 @@ class LimiterConfig:
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS
     max_hold_ms: int | None = None
     claim_window_ms: int | None = None
+    fairness: Fairness = "fifo"
 
     def __post_init__(self) -> None:
         _check_name(("name",), self.name)
+        _check_fairness(self.fairness)
         _check_int(("max_concurrent",), self.max_concurrent, minimum=1)
         _check_optional_int(("max_queued",), self.max_queued, minimum=0)
         _check_int(("lease_ttl_ms",), self.lease_ttl_ms, minimum=1)
@@ -387,8 +403,9 @@ class LimiterConfig:
     def to_dict(self) -> dict[str, Any]:
         """Return the limits as JSON-compatible values (what workers compare and store).
 
-        ``claim_window_ms`` is left out at its default, so limits stored before it
-        existed keep their hash (workers of both versions agree during an upgrade).
+        ``claim_window_ms`` and ``fairness`` are left out at their defaults, so limits
+        stored before they existed keep their hash (workers of both versions agree
+        during an upgrade).
         """
         out: dict[str, Any] = {
             "name": self.name,
@@ -401,6 +418,8 @@ class LimiterConfig:
         }
         if self.claim_window != self._default_claim_window_ms():
             out["claim_window_ms"] = self.claim_window
+        if self.fairness != "fifo":
+            out["fairness"] = self.fairness
         return out
 
     def differences(self, other: LimiterConfig) -> list[str]:
@@ -418,6 +437,7 @@ def limiter_config(
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     max_hold_ms: int | None = None,
     claim_window_ms: int | None = None,
+    fairness: Fairness = "fifo",
 ) -> LimiterConfig:
     """Build limits from the keyword arguments the limiter factories take.
 
@@ -433,6 +453,8 @@ def limiter_config(
     }
     if claim_window_ms is not None:
         options["claim_window_ms"] = claim_window_ms
+    if fairness != "fifo":
+        options["fairness"] = fairness
     if workloads is not None:
         options["workloads"] = workloads
     return LimiterConfig.from_mapping(options)

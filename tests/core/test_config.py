@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ from runcell_celery import (
     run,
     slot,
 )
-from runcell_celery.config import DEFAULT_LEASE_TTL_MS, check_duration_ms
+from runcell_celery.config import DEFAULT_LEASE_TTL_MS, check_duration_ms, limiter_config
 
 if TYPE_CHECKING:
     from tests.conftest import EventRecorder
@@ -204,7 +206,7 @@ def test_an_unknown_workload_option_given_to_the_factory_is_refused() -> None:
 def test_an_option_with_no_close_match_lists_the_valid_ones() -> None:
     error = config_error({"max_concurrent": 8, "flavour": "vanilla"})
     assert "did you mean" not in str(error)
-    assert "valid: 'claim_window_ms', 'default_workload', 'lease_ttl_ms'" in str(error)
+    assert "valid: 'claim_window_ms', 'default_workload', 'fairness', 'lease_ttl_ms'" in str(error)
 
 
 def test_an_empty_workloads_dict_is_refused() -> None:
@@ -542,3 +544,82 @@ def test_a_duration_at_the_bound_is_accepted() -> None:
 def test_a_duration_in_code_names_the_field_and_the_longest_allowed(value: float) -> None:
     with pytest.raises(ConcurrencyConfigError, match=r"^timeout_ms = .* is invalid: must be"):
         check_duration_ms(value, field="timeout_ms")
+
+
+# -- fairness ------------------------------------------------------------------------------
+
+
+def test_fairness_defaults_to_fifo_and_round_robin_is_accepted_from_settings() -> None:
+    assert LimiterConfig(max_concurrent=2).fairness == "fifo"
+    config = LimiterConfig.from_mapping(
+        {"max_concurrent": 1, "fairness": "round_robin"}, name="openai"
+    )
+    assert config.fairness == "round_robin"
+    assert limiter_config(1, fairness="round_robin").fairness == "round_robin"
+
+
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [
+        ("roundrobin", "did you mean 'round_robin'? "),
+        ("FIFO", ""),
+        ("", ""),
+        (None, ""),
+        (1, ""),
+    ],
+)
+def test_an_unknown_fairness_is_refused_naming_the_field_the_value_and_the_choices(
+    value: object, hint: str
+) -> None:
+    error = config_error({"max_concurrent": 1, "fairness": value}, path=CLAUDE)
+    assert str(error) == (
+        f'{CLAUDE}["fairness"] = {value!r} is invalid: unknown fairness; '
+        f"{hint}valid: 'fifo', 'round_robin'"
+    )
+
+
+def test_a_fairness_given_in_code_is_checked_too() -> None:
+    with pytest.raises(ConcurrencyConfigError, match=r"fairness = 'lifo' is invalid"):
+        LimiterConfig(max_concurrent=1, fairness="lifo")  # type: ignore[arg-type]
+
+
+def test_fifo_limits_keep_the_form_and_hash_they_were_stored_with() -> None:
+    # Hashes of these limits as stored before fairness existed: a worker upgraded to
+    # a version with fairness must agree with the rows older workers wrote.
+    plain = LimiterConfig(max_concurrent=8, name="claude")
+    split = LimiterConfig.from_mapping(
+        {
+            "max_concurrent": 8,
+            "max_queued": 200,
+            "workloads": {
+                "interactive": {"reserved": 2, "priority": 10},
+                "background": {"max_concurrent": 6},
+            },
+        },
+        name="claude",
+    )
+    assert "fairness" not in plain.to_dict()
+    assert _stored_hash(plain) == (
+        "0b7922728dd177d9d9a65df68ba80671484bf3db785f136f778e342317f70235"
+    )
+    assert _stored_hash(split) == (
+        "26947d1dc17aac4637bb2b95e25e55fd03131d9e5c1e2d7e4c64ea6bd441df80"
+    )
+    assert _stored_hash(LimiterConfig(max_concurrent=8, name="claude", fairness="fifo")) == (
+        _stored_hash(plain)
+    )
+
+
+def test_round_robin_is_stored_compared_and_rebuilt() -> None:
+    fair = LimiterConfig(max_concurrent=8, name="claude", fairness="round_robin")
+    plain = LimiterConfig(max_concurrent=8, name="claude")
+    assert fair.to_dict()["fairness"] == "round_robin"
+    assert _stored_hash(fair) != _stored_hash(plain)
+    assert fair.differences(plain) == ["fairness"]
+    assert LimiterConfig.from_mapping(fair.to_dict()) == fair
+
+
+def _stored_hash(config: LimiterConfig) -> str:
+    """The hash the PostgreSQL limiter stores and compares (``config_hash``)."""
+    canonical = json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
