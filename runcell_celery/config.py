@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_CLAIM_WINDOW_MS",
     "DEFAULT_LEASE_TTL_MS",
     "DEFAULT_WORKLOAD",
+    "KEY_SEPARATOR",
     "MAX_DURATION_MS",
     "MAX_INT",
     "Fairness",
@@ -50,6 +51,9 @@ DEFAULT_CLAIM_WINDOW_MS = 5_000
 #: would miss its grant.
 MIN_CLAIM_WINDOW_MS = 100
 MAX_NAME_LENGTH = 200
+#: Between a keyed limiter's name and a key, in the name of the key's limiter
+#: (``"tenant:acme"``): keyed limiters' names may not contain it; keys may.
+KEY_SEPARATOR = ":"
 
 #: How a limiter orders waiting requests of the same workload (and the same
 #: in-progress group): ``"fifo"`` by arrival; ``"round_robin"`` the i-th waiting request
@@ -67,6 +71,7 @@ _LIMITER_OPTIONS = (
     "max_hold_ms",
     "claim_window_ms",
     "fairness",
+    "keyed",
 )
 _WORKLOAD_OPTIONS = ("max_concurrent", "reserved", "priority", "max_wait_ms")
 
@@ -234,6 +239,10 @@ class LimiterConfig:
         renews held slots automatically, about every third of this.
     :param max_hold_ms: longest a slot may be held; past it the hold ends as a lost
         lease (accounting protection for calls that never return). ``None``: no limit.
+    :param keyed: a limit per key (a tenant, an API key): every key gets these limits
+        of its own, through ``limiter.key("acme")`` (:mod:`runcell_celery.keys`). A
+        keyed limiter's name may not contain ``":"``, which separates it from the key
+        in the name of a key's limiter.
     """
 
     max_concurrent: int
@@ -245,10 +254,20 @@ class LimiterConfig:
     max_hold_ms: int | None = None
     claim_window_ms: int | None = None
     fairness: Fairness = "fifo"
+    keyed: bool = False
 
     def __post_init__(self) -> None:
         _check_name(("name",), self.name)
         _check_fairness(self.fairness)
+        if not isinstance(self.keyed, bool):
+            raise _InvalidSettingError(("keyed",), self.keyed, "must be True or False")
+        if self.keyed and KEY_SEPARATOR in self.name:
+            raise _InvalidSettingError(
+                ("name",),
+                self.name,
+                f"a keyed limiter's name must not contain {KEY_SEPARATOR!r} (it separates "
+                "the name from the key)",
+            )
         _check_int(("max_concurrent",), self.max_concurrent, minimum=1)
         _check_optional_int(("max_queued",), self.max_queued, minimum=0)
         _check_int(("lease_ttl_ms",), self.lease_ttl_ms, minimum=1)
@@ -403,7 +422,7 @@ class LimiterConfig:
     def to_dict(self) -> dict[str, Any]:
         """Return the limits as JSON-compatible values (what workers compare and store).
 
-        ``claim_window_ms`` and ``fairness`` are left out at their defaults, so limits
+        ``claim_window_ms``, ``fairness`` and ``keyed`` are left out at their defaults, so limits
         stored before they existed keep their hash (workers of both versions agree
         during an upgrade).
         """
@@ -420,6 +439,8 @@ class LimiterConfig:
             out["claim_window_ms"] = self.claim_window
         if self.fairness != "fifo":
             out["fairness"] = self.fairness
+        if self.keyed:
+            out["keyed"] = True
         return out
 
     def differences(self, other: LimiterConfig) -> list[str]:
@@ -438,6 +459,7 @@ def limiter_config(
     max_hold_ms: int | None = None,
     claim_window_ms: int | None = None,
     fairness: Fairness = "fifo",
+    keyed: bool = False,
 ) -> LimiterConfig:
     """Build limits from the keyword arguments the limiter factories take.
 
@@ -455,6 +477,8 @@ def limiter_config(
         options["claim_window_ms"] = claim_window_ms
     if fairness != "fifo":
         options["fairness"] = fairness
+    if keyed:
+        options["keyed"] = keyed
     if workloads is not None:
         options["workloads"] = workloads
     return LimiterConfig.from_mapping(options)

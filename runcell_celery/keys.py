@@ -1,0 +1,97 @@
+"""Keys of a keyed limiter: what a key may be, and the limiter each key gets.
+
+A limiter declared ``keyed=True`` (``create_concurrency_limiter(2, name="tenant",
+keyed=True)``) is a template: every key (a tenant, an API key, a user) gets a limiter
+of its own with the same limits, ``tenant.key("acme")``, so one customer's batch cannot
+take another customer's slots. To everything below the factories — allocation, the
+waiting room, the database — a key's limiter is an ordinary limiter whose name is the
+keyed limiter's name, ``":"``, and the key (``"tenant:acme"``); its state appears on
+first use and is removed once idle, so 100,000 tenants leave nothing behind.
+
+Keys come from user data (a task argument, a header), so they are checked here, in one
+place, before they name anything: a string of 1 to :data:`MAX_KEY_LENGTH` characters,
+not blank, with no control characters, whose limiter name stays within
+:data:`~runcell_celery.config.MAX_NAME_LENGTH`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import unicodedata
+
+from .config import KEY_SEPARATOR, MAX_NAME_LENGTH, LimiterConfig
+from .errors import ConcurrencyConfigError
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "check_key",
+    "config_for_key",
+    "key_limiter_name",
+    "split_key_name",
+]
+
+#: The longest key, in characters.
+MAX_KEY_LENGTH = 128
+
+
+def check_key(limiter: str, key: object) -> str:
+    """Return ``key`` if it may name a key of ``limiter``; raise naming it otherwise.
+
+    :raises ConcurrencyConfigError: not a string, blank, longer than
+        :data:`MAX_KEY_LENGTH`, containing a control character, or making the key's
+        limiter name longer than :data:`~runcell_celery.config.MAX_NAME_LENGTH`.
+    """
+    problem = _key_problem(limiter, key)
+    if problem is not None:
+        raise ConcurrencyConfigError(
+            f"key {key!r} of limiter {limiter!r} is invalid: {problem}", limiter=limiter
+        )
+    assert isinstance(key, str)
+    return key
+
+
+def _key_problem(limiter: str, key: object) -> str | None:
+    if not isinstance(key, str):
+        return f"a key must be a string, not {type(key).__name__}"
+    if not key.strip():
+        return "a key must not be empty or blank"
+    if len(key) > MAX_KEY_LENGTH:
+        return f"a key must be at most {MAX_KEY_LENGTH} characters (it has {len(key)})"
+    if any(unicodedata.category(ch) == "Cc" for ch in key):
+        return "a key must not contain control characters"
+    room = MAX_NAME_LENGTH - len(limiter) - len(KEY_SEPARATOR)
+    if len(key) > room:
+        return (
+            f"with the limiter's name it would make a name longer than {MAX_NAME_LENGTH} "
+            f"characters: keys of this limiter may have at most {max(room, 0)}"
+        )
+    return None
+
+
+def key_limiter_name(limiter: str, key: str) -> str:
+    """The name of ``key``'s limiter: ``"tenant:acme"`` (``key`` already checked)."""
+    return f"{limiter}{KEY_SEPARATOR}{key}"
+
+
+def split_key_name(name: str) -> tuple[str, str | None]:
+    """``"tenant:acme"`` -> ``("tenant", "acme")``; a name without a key -> ``(name, None)``.
+
+    A keyed limiter's own name never contains the separator, so the first one splits.
+    """
+    limiter, separator, key = name.partition(KEY_SEPARATOR)
+    return (limiter, key) if separator else (name, None)
+
+
+def config_for_key(config: LimiterConfig, key: str) -> LimiterConfig:
+    """The limits of ``key``'s limiter: the keyed limiter's, under the key's name.
+
+    :raises ConcurrencyConfigError: ``config`` is not keyed, or ``key`` is invalid.
+    """
+    if not config.keyed:
+        raise ConcurrencyConfigError(
+            f"limiter {config.name!r} is not keyed: declare it with keyed=True to give "
+            "each key its own limit",
+            limiter=config.name,
+        )
+    check_key(config.name, key)
+    return dataclasses.replace(config, name=key_limiter_name(config.name, key), keyed=False)
