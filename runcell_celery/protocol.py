@@ -34,6 +34,7 @@ __all__ = [
     "RunLineage",
     "SupportsAsyncAcquire",
     "SupportsConfig",
+    "SupportsKeys",
     "SupportsReap",
     "SupportsRenewMany",
     "SupportsStats",
@@ -238,6 +239,18 @@ class SupportsReap(Protocol):
     """Runs one allocation pass on demand: reaps expired rows, grants what frees."""
 
     def reap(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsKeys(Protocol):
+    """A keyed limiter (``keyed=True``): a limit per key, each key a limiter of its own.
+
+    ``key("acme")`` returns the limiter of that key (:mod:`runcell_celery.keys` checks
+    the key and names it ``"<limiter>:<key>"``); the keyed limiter itself holds no slots,
+    so a slot names one of its keys, never the keyed limiter.
+    """
+
+    def key(self, key: str) -> ConcurrencyLimiter: ...
 
 
 _ability_cache: dict[tuple[type, type], bool] = {}
