@@ -14,6 +14,10 @@ global variable:
   re-publication so that it claims the grant made to that delivery.
 * ``runcell_publication`` — which re-publication of a parked run this message is; only
   that publication may take the granted lease.
+* ``runcell_key`` — the run's key (of its keyed limiters), formed from the task's
+  arguments when it was sent (``concurrency={"key": ...}``); re-checked as a key on
+  delivery. A message without it (sent by something else) has its key formed from the
+  delivered arguments.
 
 **Headers only shorten a budget.** Anyone who can publish to the broker can write
 headers, and a Unix time read on another host is off by that host's clock error. So
@@ -41,11 +45,13 @@ from typing import Any, TypedDict
 
 from ..config import check_duration_ms
 from ..errors import ConcurrencyConfigError, ConcurrencyHeaderError
+from ..keys import check_key
 from .options import RunOverride
 
 __all__ = [
     "ADMISSION",
     "DEADLINE",
+    "KEY",
     "PARENT",
     "PUBLICATION",
     "SELECT",
@@ -60,6 +66,7 @@ SELECT = "runcell_select"
 DEADLINE = "runcell_deadline"
 ADMISSION = "runcell_admission"
 PUBLICATION = "runcell_publication"
+KEY = "runcell_key"
 
 #: A forged header can be megabytes; an error message shows this much of it.
 _shown = reprlib.Repr()
@@ -83,11 +90,13 @@ class CarriedRun:
     :param parent: the parent run, when the message was sent from inside one.
     :param select: what the sending call selected (empty when nothing).
     :param deadline: a bound on the run's deadline (Unix time, another host's clock).
+    :param key: the run's key, formed when the message was sent (``None``: not sent).
     """
 
     parent: ParentHeader | None = None
     select: RunOverride = field(default_factory=RunOverride)
     deadline: float | None = None
+    key: str | None = None
 
 
 def read(request: Any, name: str) -> Any:
@@ -99,9 +108,11 @@ def read(request: Any, name: str) -> Any:
     return value
 
 
-def parse(request: Any, *, task_name: str) -> CarriedRun:
+def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> CarriedRun:
     """Read and validate the run headers of a delivery.
 
+    :param keyed: the task's keyed limiters: ``runcell_key`` must be a valid key of each
+        (:func:`runcell_celery.keys.check_key`).
     :raises ConcurrencyHeaderError: a header holds a value no sender writes; the
         message names the task, the header and the value, and carries the run's ids.
     """
@@ -150,7 +161,17 @@ def parse(request: Any, *, task_name: str) -> CarriedRun:
             except ConcurrencyConfigError as exc:
                 raise invalid(SELECT, select, exc.message) from None
         override = RunOverride(workload=workload, timeout_ms=timeout_ms)
-    return CarriedRun(parent=parent, select=override, deadline=deadline)
+
+    key = read(request, KEY)
+    if key is not None:
+        if not isinstance(key, str):
+            raise invalid(KEY, key, "must be a string (a key)")
+        for limiter in keyed:
+            try:
+                check_key(limiter, key)
+            except ConcurrencyConfigError as exc:
+                raise invalid(KEY, key, exc.message) from None
+    return CarriedRun(parent=parent, select=override, deadline=deadline, key=key)
 
 
 def _is_time(value: object) -> bool:

@@ -6,23 +6,42 @@
               concurrency={"limiter": "claude", "workload": "background",
                            "timeout_ms": 120_000, "admission": "defer", "hold": "slot"})
 
+    @app.task(base=RunCellTask,
+              concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"})
+    def answer(tenant_id, question): ...
+
+``limiter`` is one registry name or a list of distinct names (every slot of the run
+takes a slot in each, all together). ``key`` names the key of the keyed limiters among
+them: a :meth:`str.format` template over the task's parameters (``"{tenant_id}"``,
+``"{org}/{user}"``, ``"{payload[tenant]}"``) or a callable ``(args, kwargs) -> str``
+(:class:`RunKey`).
+
 Validation runs when the task is bound to its app (decoration, or app finalisation
 for lazily evaluated tasks), so an unknown limiter or workload fails at startup,
-never when the first message arrives.
+never when the first message arrives; a key is formed when the task is sent, and one
+that cannot be formed fails the call before anything is sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import inspect
+import re
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..config import check_duration_ms
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
+from ..keys import check_key
 from ..ports import DEFAULT_DEFER_AFTER_MS
 
-__all__ = ["DEFAULT_DEFER_AFTER_MS", "RunOverride", "TaskConcurrency"]
+__all__ = ["DEFAULT_DEFER_AFTER_MS", "KeyFunction", "RunKey", "RunOverride", "TaskConcurrency"]
+
+#: ``concurrency["key"]`` as a callable: the call's positional and keyword arguments
+#: in, the key out.
+KeyFunction = Callable[[tuple[Any, ...], dict[str, Any]], object]
 
 Admission = Literal["wait", "defer"]
 Hold = Literal["slot", "task"]
@@ -39,6 +58,7 @@ _TASK_KEYS = (
     "hold",
     "admission_wait_ms",
     "defer_after_ms",
+    "key",
 )
 _OVERRIDE_KEYS = ("workload", "timeout_ms")
 
@@ -70,12 +90,214 @@ def _name(where: str, key: str, value: object) -> str:
     return value
 
 
+def _limiter_names(where: str, value: object) -> tuple[str, ...]:
+    """``concurrency["limiter"]``: one name, or a non-empty list of distinct names."""
+    if isinstance(value, str):
+        return (_name(where, "limiter", value),)
+    if not isinstance(value, list | tuple) or not value:
+        raise ConcurrencyConfigError(
+            f"{where}['limiter'] = {value!r} is invalid: must be a limiter name or a "
+            "non-empty list of limiter names"
+        )
+    names: list[str] = []
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise ConcurrencyConfigError(
+                f"{where}['limiter'] = {value!r} is invalid: {item!r} is not a limiter name "
+                "(a non-empty string)"
+            )
+        if item in names:
+            raise ConcurrencyConfigError(
+                f"{where}['limiter'] = {value!r} is invalid: {item!r} is named twice"
+            )
+        names.append(item)
+    return tuple(names)
+
+
+#: The parameter a template field starts with: ``"payload"`` in ``"payload[tenant]"``.
+_FIELD_ROOT = re.compile(r"[^.\[]*")
+
+
+@dataclass(frozen=True, slots=True)
+class RunKey:
+    """How a run's key is formed from the arguments it is called with.
+
+    Either a :meth:`str.format` template whose fields are the task's parameters by
+    name (``"{tenant_id}"``, ``"{org}/{user}"``, ``"{payload[tenant]}"``,
+    ``"{doc.owner}"``; conversions and format specs as :meth:`str.format` has them;
+    no positional ``{}`` or ``{0}``), or a callable ``(args, kwargs) -> str``.
+    The key formed must be a valid key (:func:`runcell_celery.keys.check_key`) of
+    every keyed limiter the task names.
+
+    :param template: the template, or ``None`` for a callable.
+    :param function: the callable, or ``None`` for a template.
+    :param fields: the parameters the template reads (empty for a callable).
+    """
+
+    template: str | None = None
+    function: KeyFunction | None = None
+    fields: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, where: str, value: object) -> RunKey:
+        """Parse ``concurrency["key"]``; errors name ``where`` and what is wrong."""
+        if callable(value):
+            return cls(function=value)
+        if not isinstance(value, str) or not value.strip():
+            raise ConcurrencyConfigError(
+                f"{where}['key'] = {value!r} is invalid: must be a str.format template over "
+                "the task's parameters (e.g. '{tenant_id}') or a callable (args, kwargs) -> str"
+            )
+        fields: list[str] = []
+        try:
+            parsed = list(string.Formatter().parse(value))
+        except ValueError as exc:
+            raise ConcurrencyConfigError(
+                f"{where}['key'] = {value!r} is invalid: not a str.format template ({exc})"
+            ) from None
+        for _literal, field_name, spec, _conversion in parsed:
+            if field_name is None:
+                continue
+            root = _FIELD_ROOT.match(field_name)
+            name = root.group() if root is not None else ""
+            if not name.isidentifier():
+                raise ConcurrencyConfigError(
+                    f"{where}['key'] = {value!r} is invalid: field {{{field_name}}} must start "
+                    "with a parameter name (positional fields like {} or {0} are not supported)"
+                )
+            if spec and "{" in spec:
+                raise ConcurrencyConfigError(
+                    f"{where}['key'] = {value!r} is invalid: nested fields in a format spec "
+                    "are not supported"
+                )
+            if name not in fields:
+                fields.append(name)
+        if not fields:
+            raise ConcurrencyConfigError(
+                f"{where}['key'] = {value!r} is invalid: the template has no field, so every "
+                "call would have the same key; name a parameter, e.g. '{tenant_id}'"
+            )
+        return cls(template=value, fields=tuple(fields))
+
+    def describe(self) -> str:
+        """The key option as an error message shows it."""
+        if self.template is not None:
+            return repr(self.template)
+        name = getattr(self.function, "__qualname__", None) or repr(self.function)
+        return f"callable {name}"
+
+    def check_parameters(self, where: str, signature: inspect.Signature | None) -> None:
+        """Raise unless every field of the template is a parameter of ``signature``
+        (any name passes a signature with ``**kwargs``; ``None``: not known)."""
+        if signature is None or self.template is None:
+            return
+        parameters = signature.parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return
+        named = [
+            name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL
+        ]
+        for name in self.fields:
+            if name not in named:
+                raise ConcurrencyConfigError(
+                    f"{where}['key'] = {self.template!r} is invalid: {{{name}}} is not a "
+                    f"parameter of the task; {did_you_mean(name, named, label='parameters')}"
+                )
+
+    def form(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        *,
+        signature: inspect.Signature | None,
+        limiters: Sequence[str],
+        task_name: str,
+    ) -> str:
+        """The key of one call, checked as a key of every limiter in ``limiters``.
+
+        :raises ConcurrencyConfigError: naming the task, the key option and the reason:
+            an argument the template reads is missing, the callable raised, or the
+            result is not a valid key.
+        """
+        call_args = tuple(args or ())
+        call_kwargs = dict(kwargs or {})
+
+        def cannot(reason: str) -> ConcurrencyConfigError:
+            return ConcurrencyConfigError(
+                f"task {task_name!r}: the key {self.describe()} cannot be formed from the "
+                f"call's arguments: {reason}"
+            )
+
+        if self.function is not None:
+            try:
+                key = self.function(call_args, call_kwargs)
+            except Exception as exc:
+                raise cannot(f"it raised {type(exc).__name__}: {exc}") from exc
+        else:
+            assert self.template is not None
+            namespace = _arguments(call_args, call_kwargs, signature)
+            try:
+                key = self.template.format_map(_Fields(namespace))
+            except _MissingArgumentError as exc:
+                raise cannot(f"no argument {exc.name!r} in this call") from None
+            except (LookupError, AttributeError, ValueError, TypeError) as exc:
+                raise cannot(f"{type(exc).__name__}: {exc}") from None
+        for limiter in limiters:
+            try:
+                check_key(limiter, key)
+            except ConcurrencyConfigError as exc:
+                raise cannot(exc.message) from None
+        assert isinstance(key, str)
+        return key
+
+
+class _MissingArgumentError(LookupError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class _Fields(dict[str, Any]):
+    """The call's arguments by name; a missing one says which."""
+
+    def __missing__(self, name: str) -> Any:
+        raise _MissingArgumentError(name)
+
+
+def _arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], signature: inspect.Signature | None
+) -> dict[str, Any]:
+    """The call's arguments by parameter name, defaults included (``**kwargs`` flattened).
+
+    Arguments that do not fit the signature (Celery rejects those before sending when
+    the task is typed) are taken as given: keyword arguments by name.
+    """
+    if signature is None:
+        return dict(kwargs)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return dict(kwargs)
+    bound.apply_defaults()
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
+
+
 @dataclass(frozen=True, slots=True)
 class TaskConcurrency:
     """A task's declared concurrency settings.
 
-    :param limiter: the registry name of the limiter; ``None`` inherits the parent
-        run's limiter (a task sent from inside a limited task).
+    :param limiter: the registry name of the (first) limiter; ``None`` inherits the
+        parent run's limiter (a task sent from inside a limited task).
+    :param limiters: every limiter the run's slots take a slot in, in the order given
+        (``limiter`` first); a single name gives a one-element tuple.
+    :param key: how the run's key (the key of its keyed limiters) is formed from the
+        task's arguments; ``None`` when no limiter is keyed.
     :param workload: the task's *default* workload: a parent's workload wins over it,
         a per-call override wins over both.
     :param timeout_ms: the run's total budget, counted from its first start.
@@ -98,6 +320,22 @@ class TaskConcurrency:
     hold: Hold = "slot"
     admission_wait_ms: float | None = DEFAULT_ADMISSION_WAIT_MS
     defer_after_ms: float = DEFAULT_DEFER_AFTER_MS
+    limiters: tuple[str, ...] = ()
+    key: RunKey | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        # One source for both spellings: ``limiter`` is always ``limiters[0]``.
+        if not self.limiters and self.limiter is not None:
+            object.__setattr__(self, "limiters", (self.limiter,))
+        elif self.limiters and self.limiter is None:
+            object.__setattr__(self, "limiter", self.limiters[0])
+        if self.limiters and self.limiter != self.limiters[0]:
+            raise ValueError("TaskConcurrency: limiter must be limiters[0]")
+
+    @property
+    def label(self) -> str | None:
+        """The limiters as counters and log lines name them: ``"openai+tenant"``."""
+        return "+".join(self.limiters) if self.limiters else None
 
     @classmethod
     def parse(cls, options: object, *, task_name: str) -> TaskConcurrency:
@@ -109,6 +347,8 @@ class TaskConcurrency:
             if key not in _TASK_KEYS:
                 raise _unknown(where, key, _TASK_KEYS)
         limiter = options.get("limiter")
+        limiters = () if limiter is None else _limiter_names(where, limiter)
+        key = options.get("key")
         workload = options.get("workload")
         timeout_ms = options.get("timeout_ms")
         admission_wait_ms = options.get("admission_wait_ms")
@@ -118,7 +358,8 @@ class TaskConcurrency:
                 "admission wait replaces the expected-wait rule; set one of the two"
             )
         spec = cls(
-            limiter=None if limiter is None else _name(where, "limiter", limiter),
+            limiters=limiters,
+            key=None if key is None else RunKey.parse(where, key),
             workload=None if workload is None else _name(where, "workload", workload),
             timeout_ms=None
             if timeout_ms is None
@@ -141,6 +382,18 @@ class TaskConcurrency:
             raise ConcurrencyConfigError(
                 f"{where}['workload'] = {spec.workload!r} is invalid: a workload needs a "
                 "'limiter' to belong to"
+            )
+        if spec.key is not None and spec.limiter is None:
+            raise ConcurrencyConfigError(
+                f"{where}['key'] = {spec.key.describe()} is invalid: a key needs a keyed "
+                "'limiter' to belong to"
+            )
+        if spec.admission == "defer" and len(spec.limiters) > 1:
+            raise ConcurrencyConfigError(
+                f"{where}: admission 'defer' with several limiters "
+                f"({', '.join(map(repr, spec.limiters))}) needs a backend that parks one "
+                "request over several limiters, and none does yet; declare admission "
+                "'wait', or defer on one limiter"
             )
         return spec
 

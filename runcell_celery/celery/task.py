@@ -11,6 +11,18 @@
 
     summarize.apply_async((42,), concurrency={"workload": "interactive"})
 
+    @app.task(base=RunCellTask,
+              concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"})
+    def answer(tenant_id, question): ...
+
+Several limiters and a key: every slot of the run takes a slot in each limiter named,
+all together; a keyed limiter (``"keyed": True``) gives each key its own limit, and the
+run's key is formed from the task's arguments when it is sent (a template over the
+task's parameters or a callable ``(args, kwargs)``, :class:`.options.RunKey`). A key
+that cannot be formed fails the call before anything is sent; the key travels in the
+``runcell_key`` header, and a message without it (sent by something else) has it
+formed from the delivered arguments.
+
 A task execution is a run: its id is the task id, its root and parent come from the
 Celery request. ``slot()`` inside the body uses the run's limiter, workload, budget
 and cancellation. A task sent from inside a limited task inherits them through
@@ -35,6 +47,7 @@ Celery's "ignored" line.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 from collections.abc import Mapping
@@ -49,13 +62,26 @@ from ..cancellation import CancellationToken
 from ..config import MAX_DURATION_MS
 from ..context import RunContext, current_run, run
 from ..deadline import Deadline
-from ..errors import ConcurrencyError, ConcurrencyLimiterError
+from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
 from ..ports import RunStore
-from ..protocol import SupportsStats, SupportsWithdraw
+from ..protocol import (
+    ConcurrencyLimiter,
+    SupportsStats,
+    SupportsWithdraw,
+)
 from ..registry import LimiterRegistry
 from ..slot import preadmit, register_interrupt, slot
 from . import headers
 from .deferral import DuplicateDelivery, admission_for
+from .limiters import (
+    body_signature,
+    by_name,
+    is_keyed,
+    key_of,
+    limiter_options,
+    require,
+    validate_workload,
+)
 from .options import RunOverride, TaskConcurrency
 from .state import registry_for
 from .wiring import ensure_wired
@@ -71,10 +97,12 @@ register_interrupt(Terminated)
 class RunCellTask(Task[Any, Any]):
     """Base class for tasks whose provider calls share concurrency limits.
 
-    Task option ``concurrency`` (a dict): ``limiter`` (registry name), ``workload``
-    (the task's default), ``timeout_ms`` (total budget from the first start),
-    ``admission`` (``"wait"`` or ``"defer"``), ``hold`` (``"slot"``: the body takes
-    slots; ``"task"``: the whole body holds one), ``admission_wait_ms``.
+    Task option ``concurrency`` (a dict): ``limiter`` (a registry name, or a list of
+    them), ``key`` (the key of the keyed limiters: a template over the task's
+    parameters or a callable ``(args, kwargs)``), ``workload`` (the task's default),
+    ``timeout_ms`` (total budget from the first start), ``admission`` (``"wait"`` or
+    ``"defer"``), ``hold`` (``"slot"``: the body takes slots; ``"task"``: the whole
+    body holds one), ``admission_wait_ms``, ``defer_after_ms``.
     """
 
     abstract = True
@@ -83,6 +111,11 @@ class RunCellTask(Task[Any, Any]):
     #: The task's declared concurrency settings (see :class:`.options.TaskConcurrency`).
     concurrency: ClassVar[Mapping[str, Any] | None] = None
     _runcell: ClassVar[TaskConcurrency | None] = None
+    #: The task's keyed limiters (names), found when the task is bound.
+    _runcell_keyed: ClassVar[tuple[str, ...]] = ()
+    #: The parameters of the task's body (``bind=True``'s ``self`` left out), which a
+    #: key template reads by name; ``None`` when they cannot be read.
+    _runcell_signature: ClassVar[inspect.Signature | None] = None
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
@@ -95,13 +128,36 @@ class RunCellTask(Task[Any, Any]):
             if cls.concurrency is not None
             else TaskConcurrency()
         )
-        if spec.limiter is not None:
-            registry_for(app).validate(spec.limiter, spec.workload)
+        where = f"task {cls.name!r} concurrency"
+        keyed: tuple[str, ...] = ()
+        signature = body_signature(cls)
+        if spec.limiters:
+            registry = registry_for(app)
+            for name in spec.limiters:
+                require(registry, name, where)
+            validate_workload(registry, spec.limiters, spec.workload, where)
+            keyed = tuple(name for name in spec.limiters if is_keyed(registry, name))
+        if keyed and spec.key is None:
+            raise ConcurrencyConfigError(
+                f"{where}['key'] is missing: limiter {', '.join(map(repr, keyed))} is keyed "
+                "(a limit per key), so the task must say how its key is formed: a template "
+                "over its parameters such as '{tenant_id}', or a callable (args, kwargs) -> str"
+            )
+        if spec.key is not None and not keyed:
+            raise ConcurrencyConfigError(
+                f"{where}['key'] = {spec.key.describe()} is invalid: none of its limiters "
+                f"({', '.join(map(repr, spec.limiters))}) is keyed; declare the one that "
+                "limits per key with keyed=True, or drop 'key'"
+            )
+        if spec.key is not None:
+            spec.key.check_parameters(where, signature)
         if spec.admission == "defer":
             # The message may be acked only once the parking has committed.
             cls.acks_late = True
             cls.reject_on_worker_lost = True
         cls._runcell = spec
+        cls._runcell_keyed = keyed
+        cls._runcell_signature = signature
         # A deferral is not "ignored" work: Celery's line for it is replaced by ours.
         logging.getLogger("celery.app.trace").addFilter(_HIDE_SET_ASIDE)
         ensure_wired(app)
@@ -110,26 +166,51 @@ class RunCellTask(Task[Any, Any]):
 
     def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
         """Send the task; ``concurrency={"workload": ..., "timeout_ms": ...}`` selects
-        for this run only (it wins over the task's and the parent's workload)."""
-        self._select(options)
+        for this run only (it wins over the task's and the parent's workload).
+
+        :raises ConcurrencyConfigError: the selection is invalid, or the run's key cannot
+            be formed from ``args``/``kwargs``; nothing is sent.
+        """
+        self._select(args, kwargs, options)
         return super().apply_async(args, kwargs, *a, **options)
 
     def apply(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
         """Run eagerly; accepts the same ``concurrency=`` selection as ``apply_async``."""
-        self._select(options)
+        self._select(args, kwargs, options)
         return super().apply(args, kwargs, *a, **options)
 
-    def _select(self, options: dict[str, Any]) -> None:
+    def _select(self, args: Any, kwargs: Any, options: dict[str, Any]) -> None:
+        """Turn this call's selection and the run's key into message headers."""
         selected = options.pop("concurrency", None)
-        if selected is None:
-            return
-        override = RunOverride.parse(selected, task_name=self.name)
         spec = self._runcell
-        if override.workload is not None and spec is not None and spec.limiter is not None:
-            registry_for(self.app).validate(spec.limiter, override.workload)
-        message_headers = dict(options.get("headers") or {})
-        message_headers[headers.SELECT] = override.to_header()
-        options["headers"] = message_headers
+        added: dict[str, Any] = {}
+        if selected is not None:
+            override = RunOverride.parse(selected, task_name=self.name)
+            if override.workload is not None and spec is not None and spec.limiters:
+                validate_workload(
+                    registry_for(self.app),
+                    spec.limiters,
+                    override.workload,
+                    f"{self.name}.apply_async(concurrency=...)",
+                )
+            added[headers.SELECT] = override.to_header()
+        if spec is not None and spec.key is not None:
+            added[headers.KEY] = self._form_key(spec, args, kwargs)
+        if added:
+            message_headers = dict(options.get("headers") or {})
+            message_headers.update(added)
+            options["headers"] = message_headers
+
+    def _form_key(self, spec: TaskConcurrency, args: Any, kwargs: Any) -> str:
+        """The run's key for these arguments (see :meth:`.options.RunKey.form`)."""
+        assert spec.key is not None
+        return spec.key.form(
+            args,
+            kwargs,
+            signature=self._runcell_signature,
+            limiters=self._runcell_keyed,
+            task_name=self.name,
+        )
 
     # -- running --------------------------------------------------------------------------
 
@@ -146,7 +227,7 @@ class RunCellTask(Task[Any, Any]):
         # Every delivery is counted before anything can fail; a failure before the run
         # asks for a slot emits no event, so it is counted here, not by the listener.
         try:
-            carried = headers.parse(request, task_name=self.name)
+            carried = headers.parse(request, task_name=self.name, keyed=self._runcell_keyed)
         except ConcurrencyError:
             counters.add(self.name, _limiter_name(spec, None), "deliveries")
             counters.add(self.name, _limiter_name(spec, None), "concurrency_failures")
@@ -155,7 +236,7 @@ class RunCellTask(Task[Any, Any]):
         counters.add(self.name, limiter_name, "deliveries")
         with contextlib.ExitStack() as stack:
             try:
-                context, admission = self._start_run(stack, request, spec, carried)
+                context, admission = self._start_run(stack, request, spec, carried, args, kwargs)
             except ConcurrencyError:
                 counters.add(self.name, limiter_name, "concurrency_failures")
                 raise
@@ -214,6 +295,8 @@ class RunCellTask(Task[Any, Any]):
         request: Any,
         spec: TaskConcurrency,
         carried: headers.CarriedRun,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> tuple[RunContext, Admission | None]:
         """Enter this delivery's run (and a stand-in for a parent in another process);
         return it and its own admission (a deferrable run's; never one its context
@@ -232,7 +315,7 @@ class RunCellTask(Task[Any, Any]):
             parent_limiter = parent.get("limiter")
             stack.enter_context(
                 run(
-                    limiter=registry.get(parent_limiter) if parent_limiter else None,
+                    limiter=by_name(registry, parent_limiter) if parent_limiter else None,
                     workload=parent.get("workload"),
                     deadline=_header_bound(parent.get("deadline")),
                     run_id=request.parent_id or request.root_id,
@@ -240,7 +323,9 @@ class RunCellTask(Task[Any, Any]):
                     name=parent.get("name"),
                 )
             )
-        limiter = registry.get(spec.limiter) if spec.limiter is not None else None
+        key = self._delivered_key(spec, carried, args, kwargs)
+        limiters = self._run_limiters(registry, spec, key)
+        limiter = limiters[0] if limiters else None
         inherited = current_run()
         effective = limiter or (inherited.limiter if inherited is not None else None)
         budget = self._budget(request, spec, carried, registry)
@@ -251,7 +336,7 @@ class RunCellTask(Task[Any, Any]):
             )
         context = stack.enter_context(
             run(
-                limiter=limiter,
+                **limiter_options(limiters, key),
                 workload=carried.select.workload,
                 default_workload=spec.workload,
                 deadline=budget.deadline,
@@ -265,6 +350,35 @@ class RunCellTask(Task[Any, Any]):
         )
         self._watch_revocation(request, context.cancel, admission, stack)
         return context, admission
+
+    def _delivered_key(
+        self,
+        spec: TaskConcurrency,
+        carried: headers.CarriedRun,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> str | None:
+        """The run's key: the one it was sent with (checked by :func:`headers.parse`),
+        else formed from the delivered arguments (a message sent by something else)."""
+        if spec.key is None:
+            return None
+        if carried.key is not None:
+            return carried.key
+        return self._form_key(spec, args, kwargs)
+
+    def _run_limiters(
+        self, registry: LimiterRegistry, spec: TaskConcurrency, key: str | None
+    ) -> tuple[ConcurrencyLimiter, ...]:
+        """The run's limiters, in the order named: a keyed one's key limiter
+        (``registry.get("tenant").key(key)``), the others as they are."""
+        limiters: list[ConcurrencyLimiter] = []
+        for name in spec.limiters:
+            limiter = registry.get(name)
+            if name in self._runcell_keyed:
+                assert key is not None  # on_bound requires a key beside a keyed limiter
+                limiter = key_of(limiter, name, key, task_name=self.name)
+            limiters.append(limiter)
+        return tuple(limiters)
 
     def _watch_revocation(
         self,
@@ -402,9 +516,10 @@ _HIDE_SET_ASIDE = _HideSetAsideIgnored()
 
 def _limiter_name(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> str:
     """The limiter a delivery is counted under, known before its run starts (the one
-    the run will use: its own, else its parent's)."""
-    if spec.limiter is not None:
-        return spec.limiter
+    the run will use: its own, else its parent's); several are joined, as
+    ``"openai+tenant"`` (a keyed limiter by its name, not its key's)."""
+    if spec.label is not None:
+        return spec.label
     local = current_run()
     if local is not None and local.limiter is not None:
         return local.limiter.name

@@ -1,0 +1,146 @@
+"""A task's limiters: the names it declares, checked when it is bound, and the
+limiters a delivery runs with.
+
+``concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"}``: each name must
+be known to the registry; a keyed one (``"keyed": True``) is resolved, for each run, to
+the limiter of the run's key (``registry.get("tenant").key("acme")``, named
+``"tenant:acme"``); the others are used as they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, cast
+
+from celery import Task
+
+from ..errors import ConcurrencyConfigError
+from ..hints import did_you_mean
+from ..keys import split_key_name
+from ..protocol import ConcurrencyLimiter, SupportsKeys, supports
+from ..registry import LimiterRegistry
+
+__all__ = [
+    "body_signature",
+    "by_name",
+    "is_keyed",
+    "key_of",
+    "limiter_options",
+    "require",
+    "validate_workload",
+]
+
+
+def body_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
+    """The parameters a task's body is called with: its run function's, without the
+    ``self`` of ``bind=True`` (or of a ``run`` method); ``None`` if unreadable."""
+    raw = inspect.getattr_static(cls, "run", None)
+    bound = not isinstance(raw, staticmethod)
+    function = raw.__func__ if isinstance(raw, staticmethod) else raw
+    if not callable(function):
+        return None
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    parameters = list(signature.parameters.values())
+    if (
+        bound
+        and parameters
+        and parameters[0].kind
+        in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        )
+    ):
+        parameters = parameters[1:]
+    return signature.replace(parameters=parameters)
+
+
+def require(registry: LimiterRegistry, name: str, where: str) -> None:
+    """Raise unless the registry knows ``name``; the error names the task."""
+    try:
+        registry.require(name)
+    except ConcurrencyConfigError as exc:
+        raise ConcurrencyConfigError(f"{where}['limiter']: {exc.message}", limiter=name) from None
+
+
+def is_keyed(registry: LimiterRegistry, name: str) -> bool:
+    """Whether ``name`` is a keyed limiter: its configured limits say so, or (registered
+    in code without limits) the limiter has keys."""
+    config = registry.config(name)
+    if config is not None:
+        return config.keyed
+    return supports(registry.get(name), SupportsKeys)
+
+
+def validate_workload(
+    registry: LimiterRegistry, names: Sequence[str], workload: str | None, where: str
+) -> None:
+    """Raise unless ``workload`` can be used with the limiters ``names``.
+
+    One limiter: it must have the workload. Several: a request's workload applies in
+    each limiter that has it, else that limiter's default workload (see
+    :mod:`runcell_celery.allocation`), so at least one must have it and the others a
+    default.
+    """
+    if len(names) == 1:
+        registry.validate(names[0], workload)
+        return
+    if workload is None:
+        return
+    configs = [registry.config(name) for name in names]
+    known = [config for config in configs if config is not None]
+    having = [config for config in known if workload in config.workloads]
+    if len(known) == len(configs) and not having:
+        every = sorted({w for config in known for w in config.workloads})
+        raise ConcurrencyConfigError(
+            f"{where}: no limiter of {', '.join(map(repr, names))} has workload "
+            f"{workload!r}; {did_you_mean(workload, every)}",
+            workload=workload,
+        )
+    for config in known:
+        if workload not in config.workloads:
+            try:
+                config.resolve_workload(None)
+            except ConcurrencyConfigError as exc:
+                raise ConcurrencyConfigError(
+                    f"{where}: workload {workload!r} is not in limiter {config.name!r}, "
+                    f"which would use its default, and it has none: {exc.message}",
+                    limiter=config.name,
+                    workload=workload,
+                ) from None
+
+
+def key_of(
+    limiter: ConcurrencyLimiter, name: str, key: str, *, task_name: str
+) -> ConcurrencyLimiter:
+    """The limiter of ``key`` in the keyed limiter ``name``."""
+    if not supports(limiter, SupportsKeys):
+        raise ConcurrencyConfigError(
+            f"task {task_name!r}: limiter {name!r} is declared keyed, but the limiter its "
+            f"backend built ({type(limiter).__name__}) has no keys (SupportsKeys)",
+            limiter=name,
+        )
+    return cast(SupportsKeys, limiter).key(key)
+
+
+def by_name(registry: LimiterRegistry, name: str) -> ConcurrencyLimiter:
+    """A limiter by the name a run carries: a registry name, or a key's limiter
+    (``"tenant:acme"``: the key ``acme`` of the keyed limiter ``tenant``)."""
+    base, key = split_key_name(name)
+    if key is None:
+        return registry.get(name)
+    return key_of(registry.get(base), base, key, task_name="-")
+
+
+def limiter_options(limiters: tuple[ConcurrencyLimiter, ...], key: str | None) -> dict[str, Any]:
+    """``run()``'s limiter arguments: one limiter as before; several as a sequence
+    (every slot takes one in each), and the run's key when it has one."""
+    options: dict[str, Any] = {"limiter": limiters[0] if len(limiters) == 1 else limiters}
+    if not limiters:
+        options["limiter"] = None
+    if key is not None:
+        options["key"] = key
+    return options

@@ -1,0 +1,324 @@
+"""``concurrency={"limiter": [...], "key": ...}``: several limiters and a key per run.
+
+Names and keys are checked when the task is bound (every name known, a key exactly
+when a limiter is keyed, a template reading only the task's parameters); the key is
+formed when the task is sent, and a call whose key cannot be formed fails, naming the
+task, before anything is published. No worker is needed: messages are caught at
+``before_task_publish``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.signals import before_task_publish
+
+from runcell_celery import ConcurrencyConfigError, ConcurrencyHeaderError
+from runcell_celery.celery import RunCellTask
+from runcell_celery.celery import headers as run_headers
+
+LIMITERS: dict[str, Any] = {
+    "openai": {"max_concurrent": 4},
+    "tenant": {"max_concurrent": 2, "keyed": True},
+    "claude": {"max_concurrent": 2, "workloads": {"interactive": {}, "batch": {}}},
+}
+
+
+def _app() -> Celery:
+    app = Celery("keys", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.runcell = {"BACKEND": "memory", "LIMITERS": LIMITERS}
+    return app
+
+
+def _define(app: Celery, *, bind: bool = False, **concurrency: object) -> Any:
+    """Define and register a task ``(tenant_id, payload=None, *, org="o")``."""
+    if bind:
+
+        @app.task(
+            base=RunCellTask, name="keys.task", bind=True, concurrency=concurrency, shared=False
+        )
+        def bound(self: Any, tenant_id: str, payload: Any = None, *, org: str = "o") -> None:
+            return None
+
+    else:
+
+        @app.task(base=RunCellTask, name="keys.task", concurrency=concurrency, shared=False)
+        def plain(tenant_id: str, payload: Any = None, *, org: str = "o") -> None:
+            return None
+
+    app.finalize(auto=True)
+    return app.tasks["keys.task"]
+
+
+@pytest.fixture
+def published() -> Iterator[list[dict[str, Any]]]:
+    """The headers of every task message published while the test runs."""
+    sent: list[dict[str, Any]] = []
+
+    def catch(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        sent.append(dict(headers or {}))
+
+    before_task_publish.connect(catch, weak=False)
+    try:
+        yield sent
+    finally:
+        before_task_publish.disconnect(catch)
+
+
+# -- when the task is bound -----------------------------------------------------------
+
+
+def test_a_list_of_limiters_is_kept_in_order_and_counted_under_the_names_joined() -> None:
+    task = _define(_app(), limiter=["openai", "tenant"], key="{tenant_id}")
+    spec = task._runcell
+    assert spec.limiters == ("openai", "tenant")
+    assert spec.limiter == "openai"
+    assert spec.label == "openai+tenant"
+    assert task._runcell_keyed == ("tenant",)
+
+
+def test_one_limiter_keeps_its_name_as_the_label() -> None:
+    spec = _define(_app(), limiter="openai")._runcell
+    assert spec.limiters == ("openai",)
+    assert spec.label == "openai"
+
+
+def test_an_unknown_name_in_the_list_fails_naming_the_task_and_the_name() -> None:
+    with pytest.raises(ConcurrencyConfigError) as caught:
+        _define(_app(), limiter=["openai", "tenat"], key="{tenant_id}")
+    assert caught.match(r"task 'keys.task' concurrency\['limiter'\]")
+    assert caught.match(r"no limiter named 'tenat'.*did you mean 'tenant'")
+
+
+@pytest.mark.parametrize(
+    ("limiter", "message"),
+    [
+        ([], r"\['limiter'\] = \[\] is invalid: must be a limiter name or a non-empty list"),
+        (["openai", "openai"], r"'openai' is named twice"),
+        (["openai", 7], r"7 is not a limiter name"),
+        (["openai", ""], r"'' is not a limiter name"),
+        ({"openai": 1}, r"must be a limiter name or a non-empty list"),
+    ],
+)
+def test_a_malformed_limiter_list_fails_naming_the_task(limiter: object, message: str) -> None:
+    with pytest.raises(ConcurrencyConfigError, match=r"task 'keys.task' concurrency") as caught:
+        _define(_app(), limiter=limiter)
+    assert caught.match(message)
+
+
+def test_a_keyed_limiter_without_a_key_fails_saying_which_limiter_is_keyed() -> None:
+    with pytest.raises(
+        ConcurrencyConfigError,
+        match=r"task 'keys.task' concurrency\['key'\] is missing: limiter 'tenant' is keyed",
+    ):
+        _define(_app(), limiter=["openai", "tenant"])
+
+
+def test_a_key_without_a_keyed_limiter_fails_saying_none_is_keyed() -> None:
+    with pytest.raises(
+        ConcurrencyConfigError,
+        match=r"task 'keys.task' concurrency\['key'\] = '\{tenant_id\}' is invalid: none of "
+        r"its limiters \('openai', 'claude'\) is keyed",
+    ):
+        _define(_app(), limiter=["openai", "claude"], key="{tenant_id}", workload="batch")
+
+
+def test_a_key_without_any_limiter_fails() -> None:
+    with pytest.raises(ConcurrencyConfigError, match=r"a key needs a keyed 'limiter'"):
+        _define(_app(), key="{tenant_id}")
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("{tenant}", r"\{tenant\} is not a parameter of the task; did you mean 'tenant_id'"),
+        ("{0}", r"positional fields like \{\} or \{0\} are not supported"),
+        ("{}", r"positional fields"),
+        ("tenant", r"the template has no field"),
+        ("{tenant_id", r"not a str.format template"),
+        ("{tenant_id:{org}}", r"nested fields"),
+        ("", r"must be a str.format template"),
+        (42, r"must be a str.format template"),
+    ],
+)
+def test_a_key_template_that_cannot_fit_the_task_fails_when_bound(
+    key: object, message: str
+) -> None:
+    with pytest.raises(ConcurrencyConfigError, match=r"task 'keys.task' concurrency") as caught:
+        _define(_app(), limiter="tenant", key=key)
+    assert caught.match(message)
+
+
+def test_a_bound_tasks_self_is_not_a_parameter_a_key_can_read() -> None:
+    with pytest.raises(ConcurrencyConfigError, match=r"\{self\} is not a parameter"):
+        _define(_app(), bind=True, limiter="tenant", key="{self.name}")
+    task = _define(_app(), bind=True, limiter="tenant", key="{tenant_id}")
+    assert list(task._runcell_signature.parameters) == ["tenant_id", "payload", "org"]
+
+
+def test_defer_with_several_limiters_fails_when_bound_naming_the_task() -> None:
+    with pytest.raises(
+        ConcurrencyConfigError,
+        match=r"task 'keys.task' concurrency: admission 'defer' with several limiters "
+        r"\('openai', 'tenant'\) needs a backend that parks one request over several",
+    ):
+        _define(_app(), limiter=["openai", "tenant"], key="{tenant_id}", admission="defer")
+
+
+def test_a_workload_with_several_limiters_must_exist_in_one_of_them() -> None:
+    with pytest.raises(
+        ConcurrencyConfigError,
+        match=r"no limiter of 'openai', 'claude' has workload 'bach'.*did you mean 'batch'",
+    ):
+        _define(_app(), limiter=["openai", "claude"], workload="bach")
+    # "batch" is claude's; openai uses its default workload.
+    _define(_app(), limiter=["openai", "claude"], workload="batch")
+
+
+def test_a_workload_missing_from_a_limiter_without_a_default_fails() -> None:
+    with pytest.raises(
+        ConcurrencyConfigError,
+        match=r"workload 'default' is not in limiter 'claude'.*no default_workload",
+    ):
+        _define(_app(), limiter=["openai", "claude"], workload="default")
+
+
+# -- when the task is sent ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "args", "kwargs", "formed"),
+    [
+        ("{tenant_id}", ("acme",), {}, "acme"),
+        ("{tenant_id}", (), {"tenant_id": "acme"}, "acme"),
+        ("{org}/{tenant_id}", ("acme",), {"org": "eu"}, "eu/acme"),
+        ("{org}/{tenant_id}", ("acme",), {}, "o/acme"),  # a default counts
+        ("{payload[tenant]}", ("x", {"tenant": "globex"}), {}, "globex"),
+        ("{payload.real:.0f}", ("x", 3.0), {}, "3"),
+        ("t-{tenant_id!r}", (7,), {}, "t-7"),
+    ],
+)
+def test_the_key_is_formed_from_the_calls_arguments_and_sent_in_a_header(
+    published: list[dict[str, Any]],
+    key: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    formed: str,
+) -> None:
+    task = _define(_app(), limiter=["openai", "tenant"], key=key)
+    task.apply_async(args, kwargs)
+    assert published[-1][run_headers.KEY] == formed
+
+
+def test_a_callable_key_gets_args_and_kwargs(published: list[dict[str, Any]]) -> None:
+    seen: list[tuple[Any, Any]] = []
+
+    def tenant_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        seen.append((args, kwargs))
+        return f"{kwargs.get('org', 'o')}:{args[0]}"
+
+    task = _define(_app(), limiter="tenant", key=tenant_of)
+    task.delay("acme", org="eu")
+    assert seen == [(("acme",), {"org": "eu"})]
+    assert published[-1][run_headers.KEY] == "eu:acme"
+
+
+def test_the_key_header_sits_beside_a_per_call_selection(
+    published: list[dict[str, Any]],
+) -> None:
+    task = _define(_app(), limiter=["tenant", "claude"], key="{tenant_id}", workload="batch")
+    task.apply_async(("acme",), concurrency={"workload": "interactive"}, headers={"x": 1})
+    sent = published[-1]
+    assert sent[run_headers.KEY] == "acme"
+    assert sent[run_headers.SELECT] == {"workload": "interactive"}
+    assert sent["x"] == 1
+
+
+def _key_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    return args[0]
+
+
+def _raises(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    raise KeyError("tenant")
+
+
+@pytest.mark.parametrize(
+    ("key", "args", "kwargs", "reason"),
+    [
+        ("{tenant_id}", (), {}, r"no argument 'tenant_id' in this call"),
+        ("{payload[tenant]}", ("x", {}), {}, r"KeyError: 'tenant'"),
+        ("{payload[tenant]}", ("x",), {}, r"TypeError"),  # payload=None
+        ("{payload.tenant}", ("x", 1), {}, r"AttributeError"),
+        ("{tenant_id}", ("  ",), {}, r"a key must not be empty or blank"),
+        ("{tenant_id}", ("a\nb",), {}, r"must not contain control characters"),
+        ("{tenant_id}", ("x" * 129,), {}, r"at most 128 characters"),
+        (_raises, ("acme",), {}, r"it raised KeyError: 'tenant'"),
+        (_key_of, (42,), {}, r"a key must be a string, not int"),
+    ],
+)
+def test_a_key_that_cannot_be_formed_fails_before_anything_is_sent(
+    published: list[dict[str, Any]],
+    key: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reason: str,
+) -> None:
+    task = _define(_app(), limiter=["openai", "tenant"], key=key)
+    with pytest.raises(
+        ConcurrencyConfigError, match=r"task 'keys.task': the key .* cannot be formed"
+    ) as caught:
+        task.apply_async(args, kwargs)
+    assert caught.match(reason)
+    assert published == []
+    with pytest.raises(ConcurrencyConfigError, match=reason):
+        task.apply(args, kwargs)  # eager: fails the same way, before the run
+
+
+def test_a_tasks_without_a_key_send_no_key_header(published: list[dict[str, Any]]) -> None:
+    task = _define(_app(), limiter="openai")
+    task.delay("acme")
+    assert run_headers.KEY not in published[-1]
+
+
+# -- when the task is delivered -------------------------------------------------------
+
+
+class _Request:
+    id = "t1"
+    root_id = "t1"
+    parent_id = None
+
+    def __init__(self, headers: dict[str, Any]) -> None:
+        self.headers = headers
+
+
+@pytest.mark.parametrize(
+    ("value", "rule"),
+    [
+        (7, r"must be a string"),
+        ("", r"a key must not be empty or blank"),
+        ("a\x00b", r"control characters"),
+        ("x" * 129, r"at most 128 characters"),
+    ],
+)
+def test_a_malformed_key_header_is_a_header_error_naming_the_header(
+    value: object, rule: str
+) -> None:
+    with pytest.raises(
+        ConcurrencyHeaderError, match=r"task 'keys.task': message header 'runcell_key'"
+    ) as caught:
+        run_headers.parse(
+            _Request({run_headers.KEY: value}), task_name="keys.task", keyed=("tenant",)
+        )
+    assert caught.match(rule)
+    assert caught.value.run_id == "t1"
+
+
+def test_a_well_formed_key_header_is_carried() -> None:
+    carried = run_headers.parse(
+        _Request({run_headers.KEY: "acme"}), task_name="keys.task", keyed=("tenant",)
+    )
+    assert carried.key == "acme"
