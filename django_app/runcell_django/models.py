@@ -101,6 +101,15 @@ class Limiter(models.Model):
         ),
     )
 
+    parent = models.TextField(
+        _("keyed limiter"),
+        null=True,
+        help_text=_(
+            "For a key of a keyed limiter (named '<keyed limiter>:<key>'): the keyed "
+            "limiter whose limits it has. Made on first use, deleted once idle."
+        ),
+    )
+
     objects = LimiterManager()
 
     class Meta:
@@ -121,7 +130,8 @@ class Limiter(models.Model):
         ``None`` when they do not parse (a newer version of the library wrote them).
         """
         try:
-            return LimiterConfig.from_mapping(self.config, name=self.name)
+            # A key's row carries its keyed limiter's limits, under that name.
+            return LimiterConfig.from_mapping(self.config, name=self.parent or self.name)
         except ConcurrencyConfigError:
             return None
 

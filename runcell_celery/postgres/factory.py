@@ -12,7 +12,7 @@ from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from ..config import DEFAULT_LEASE_TTL_MS, WorkloadConfig, limiter_config
+from ..config import DEFAULT_LEASE_TTL_MS, Fairness, WorkloadConfig, limiter_config
 from .backend import PostgresBackend
 from .limiter import PostgresConcurrencyLimiter
 from .options import (
@@ -38,6 +38,8 @@ def create_postgres_concurrency_limiter(
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
     max_hold_ms: int | None = None,
     claim_window_ms: int | None = None,
+    keyed: bool = False,
+    fairness: Fairness = "fifo",
     poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
     queue_entry_ttl_ms: int = DEFAULT_QUEUE_ENTRY_TTL_MS,
     ensure_schema: bool = True,
@@ -53,7 +55,9 @@ def create_postgres_concurrency_limiter(
     ``poll_interval_ms``, ``queue_entry_ttl_ms``, ``ensure_schema``, ``on_conflict``,
     ``listen``, ``pool_max_size`` and ``connect_timeout_ms`` are the fields of
     :class:`~runcell_celery.postgres.PostgresOptions` (documented there); the others
-    those of :class:`~runcell_celery.config.LimiterConfig`.
+    those of :class:`~runcell_celery.config.LimiterConfig`. With ``keyed=True`` the
+    limiter is a template: ``limiter.key("acme")`` is the limiter of that key, with the
+    same limits (:mod:`runcell_celery.postgres.keyed`).
 
     :raises ConcurrencyConfigError: an option or limit is invalid, or the stored
         limits differ (``on_conflict="error"``).
@@ -78,5 +82,7 @@ def create_postgres_concurrency_limiter(
         lease_ttl_ms=lease_ttl_ms,
         max_hold_ms=max_hold_ms,
         claim_window_ms=claim_window_ms,
+        keyed=keyed,
+        fairness=fairness,
     )
     return PostgresBackend.from_options(db, options).create_limiter(config)

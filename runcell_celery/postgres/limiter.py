@@ -54,6 +54,7 @@ from .calls import (
     lock_timeout_ms,
 )
 from .connection import Database
+from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
 from .registration import config_hash, store_limits
 from .waiting import Grant, Waiter, WaitRoom, get_room
@@ -152,13 +153,17 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         database: Database,
         config: LimiterConfig,
         options: PostgresOptions = PostgresOptions(),  # noqa: B008 - frozen, shared safely
+        *,
+        stored_hash: str | None = None,
     ) -> None:
         self._db = database
         super().__init__(config)
         self._options = options
-        self._hash = config_hash(config)
+        # A key's row carries its keyed limiter's limits and checksum.
+        self._hash = stored_hash or config_hash(config)
         self._margin_s = min(MAX_SAFETY_MARGIN_MS, config.lease_ttl_ms / 10) / 1000
         self._on_parked_granted: Callable[[list[str]], None] | None = None
+        self._keys: KeySet | None = None
 
     @property
     def options(self) -> PostgresOptions:
@@ -173,6 +178,60 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def room(self) -> WaitRoom:
         """This process's waiting room on the limiter's database."""
         return get_room(self._db, self._options)
+
+    @property
+    def database(self) -> Database:
+        """The pool and listener this limiter shares with the others on its database."""
+        return self._db
+
+    @property
+    def stored_hash(self) -> str:
+        """The checksum of the stored limits this limiter checks at every operation."""
+        return self._hash
+
+    @property
+    def parked_granted_handler(self) -> Callable[[list[str]], None] | None:
+        return self._on_parked_granted
+
+    # -- keys -------------------------------------------------------------------------
+
+    def key(self, key: str) -> PostgresConcurrencyLimiter:
+        """The limiter of ``key`` of this keyed limiter (its row appears on first use).
+
+        :raises ConcurrencyConfigError: this limiter is not keyed, or the key is invalid
+            (:func:`runcell_celery.keys.check_key`).
+        """
+        return self._key_set().get(key)
+
+    def purge_idle_keys(self, limit: int = PURGE_BATCH) -> int:
+        """Delete up to ``limit`` idle keys now (a loop does it every few seconds in a
+        process that uses keys); return how many went."""
+        return self._key_set().purge(limit)
+
+    def key_stats(self, *, limit: int = 20, search: str | None = None) -> dict[str, LimiterStats]:
+        """The busiest keys' counts (most held, then most waiting), at most ``limit``;
+        ``search``: only keys containing it (case-insensitive)."""
+        return self._key_set().stats(limit=limit, search=search)
+
+    def _key_set(self) -> KeySet:
+        if not self._config.keyed:
+            raise ConcurrencyConfigError(
+                f"limiter {self.name!r} is not keyed: declare it with keyed=True to give "
+                "each key its own limit",
+                limiter=self.name,
+            )
+        if self._keys is None:
+            self._keys = KeySet(self)
+        return self._keys
+
+    def call_database(self, query: LiteralString, params: Mapping[str, Any]) -> Any:
+        """Run one bounded function call on this limiter's pool (failing closed)."""
+        return self._call(None, query, params, lock_ms=lock_timeout_ms(None))
+
+    def fetch(self, query: LiteralString, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """Read rows on this limiter's pool (failing closed)."""
+        with _failing_closed(self, None), self._db.connection() as conn:
+            return list(conn.execute(query, params).fetchall())
 
     def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None:
         """Call ``handler(lease_ids)`` after an operation in this process granted
@@ -337,6 +396,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         *,
         loop: asyncio.AbstractEventLoop | None,
     ) -> _Waiting:
+        if self._config.keyed:
+            raise request.error(
+                ConcurrencyConfigError,
+                f"limiter {self.name!r} is keyed: a slot names one of its keys, "
+                f"{self.name}.key(...), not the keyed limiter itself",
+                limiter=self.name,
+            )
         workload = self._resolve(request)
         if cancel is not None and cancel.is_set():
             raise self._cancelled(request)
@@ -642,6 +708,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def stats(self) -> LimiterStats:
         """Slots held and requests waiting, in total and per workload, as allocation
         counts them (a crashed holder's slot counts until its lease is reaped)."""
+        if self._config.keyed:
+            return self._key_set().totals()
         with _failing_closed(self, None), self._db.connection() as conn:
             row = conn.execute(statements.STATS, {"limiter": self.name}).fetchone()
         names: list[str] = list(self._config.workloads)

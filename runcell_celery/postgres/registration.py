@@ -21,6 +21,7 @@ from psycopg.types.json import Jsonb
 
 from ..config import LimiterConfig
 from ..errors import ConcurrencyConfigError
+from ..keys import split_key_name
 from . import statements
 from .connection import Connection
 from .schema import ensure_schema
@@ -52,6 +53,7 @@ def store_limits(
     with conn.transaction():
         # Several round trips: a frozen worker must not hold the row for long.
         conn.execute(statements.TRANSACTION_BOUNDS)
+        _refuse_a_keys_name(conn, config)
         if conn.execute(statements.REGISTER_LIMITER, params).fetchone() is not None:
             conn.execute(statements.SET_LIMITS, params)
             return
@@ -63,12 +65,28 @@ def store_limits(
         if on_conflict == "replace":
             conn.execute(statements.REPLACE_LIMITER, params)
             conn.execute(statements.SET_LIMITS, params)
+            # A keyed limiter's keys take its new limits (or stop being keys of it).
+            conn.execute(statements.SYNC_KEYS, params)
             logger.warning("runcell: replaced the limits of %r: %s", config.name, differences)
             return
         raise ConcurrencyConfigError(
             f"limiter {config.name!r} is stored with different limits: {differences}. "
             "All workers sharing a name must use the same limits: use a new name, "
             "or deploy them together with on_conflict='replace'",
+            limiter=config.name,
+        )
+
+
+def _refuse_a_keys_name(conn: Connection, config: LimiterConfig) -> None:
+    """A limiter may not be named like a key of a keyed limiter (``"tenant:acme"`` while
+    ``"tenant"`` is keyed): both would be one row."""
+    parent, key = split_key_name(config.name)
+    if key is None or config.keyed:
+        return
+    if conn.execute(statements.IS_KEYED, {"name": parent}).fetchone() is not None:
+        raise ConcurrencyConfigError(
+            f"limiter {config.name!r} is named like key {key!r} of the keyed limiter "
+            f"{parent!r}: use {parent}.key({key!r}), or another name",
             limiter=config.name,
         )
 

@@ -184,6 +184,14 @@ ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS waiting integer[] NOT NULL 
 -- with it so a deferrable task can tell a short wait from a long one (README "When a
 -- task parks").
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS hold_ms_avg double precision;
+-- A key of a keyed limiter (``limiter.key("acme")``): a limiter row named
+-- "<keyed limiter>:<key>" whose parent is the keyed limiter's row. It is created by the
+-- first operation that names it (runcell_create_key_v5, copying the keyed limiter's
+-- limits) and deleted once idle (runcell_purge_idle_keys_v5), so 100,000 tenants
+-- leave no rows behind. NULL for every other limiter.
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS parent text;
+CREATE INDEX IF NOT EXISTS runcell_limiter_keys ON runcell_limiter (parent)
+    WHERE parent IS NOT NULL;
 -- The limiter row is written by every operation: room on its page keeps those updates
 -- HOT (pruned in place), so it stays fast without VACUUM.
 ALTER TABLE runcell_limiter SET (fillfactor = 20);
@@ -552,6 +560,100 @@ BEGIN
 END;
 $$;
 
+-- Create the row of a key of a keyed limiter ("tenant:acme" for the keyed limiter
+-- "tenant") with the keyed limiter's limits and no counts; false when the name is not
+-- such a key. Another transaction creating it at the same moment is waited for. A key
+-- deleted while idle and created again continues above every fencing token its
+-- earlier rows gave: the purge raises the keyed limiter's last_fencing_token (which
+-- it never uses itself) to theirs, and a new key starts from it, read after the
+-- insert so a purge that just committed is seen.
+CREATE OR REPLACE FUNCTION runcell_create_key_v5(p_name text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_parent text := split_part(p_name, ':', 1);
+BEGIN
+    IF v_parent = p_name OR v_parent = '' THEN
+        RETURN false;
+    END IF;
+    INSERT INTO runcell_limiter (name, config, config_hash, last_fencing_token, workloads,
+        ceilings, reserved, priorities, max_concurrent, max_queued, lease_ttl_ms, active,
+        waiting, parent)
+    SELECT p_name, p.config, p.config_hash, p.last_fencing_token, p.workloads, p.ceilings,
+        p.reserved, p.priorities, p.max_concurrent, p.max_queued, p.lease_ttl_ms,
+        array_fill(0, ARRAY[cardinality(p.workloads)]),
+        array_fill(0, ARRAY[cardinality(p.workloads)]), p.name
+    FROM runcell_limiter p
+    WHERE p.name = v_parent AND p.parent IS NULL
+      AND coalesce((p.config->>'keyed')::boolean, false)
+    ON CONFLICT (name) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN EXISTS (SELECT 1 FROM runcell_limiter WHERE name = p_name);
+    END IF;
+    UPDATE runcell_limiter k SET last_fencing_token = greatest(k.last_fencing_token,
+                                                              p.last_fencing_token)
+    FROM runcell_limiter p WHERE k.name = p_name AND p.name = v_parent;
+    RETURN true;
+END;
+$$;
+
+-- Delete up to p_limit keys of a keyed limiter that are idle: no slot held, nobody
+-- waiting or parked (the kept counts, checked again on the locked row), no lease or
+-- expired parked request left. Keys in use are skipped, never waited for (SKIP
+-- LOCKED): an operation holding a key's row is never delayed by a purge. Returns how
+-- many went. Asynchronous commit: a purge lost in a crash is simply done again.
+CREATE OR REPLACE FUNCTION runcell_purge_idle_keys_v5(p_parent text, p_limit integer)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_floor bigint;
+    v_gone integer;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    WITH idle AS (
+        SELECT k.name FROM runcell_limiter k
+        WHERE k.parent = p_parent AND 0 = ALL(k.active) AND 0 = ALL(k.waiting)
+          AND NOT EXISTS (SELECT 1 FROM runcell_lease l WHERE l.limiter = k.name)
+          AND k.name NOT IN (SELECT q.limiter FROM runcell_queue q
+                             WHERE q.expired_at IS NOT NULL)
+        LIMIT p_limit
+        FOR UPDATE OF k SKIP LOCKED
+    ), gone AS (
+        DELETE FROM runcell_limiter k USING idle WHERE k.name = idle.name
+        RETURNING k.last_fencing_token
+    )
+    SELECT max(last_fencing_token), count(*) INTO v_floor, v_gone FROM gone;
+    IF v_gone > 0 THEN
+        UPDATE runcell_limiter SET last_fencing_token = greatest(last_fencing_token, v_floor)
+        WHERE name = p_parent;
+    END IF;
+    RETURN v_gone;
+END;
+$$;
+
+-- The keyed limiter's limits were stored again (registered or replaced): its keys
+-- take them too. Idle keys are simply deleted (they come back with the new limits);
+-- keys in use get the new limits and their counts recounted from their rows.
+CREATE OR REPLACE FUNCTION runcell_sync_keys_v5(p_parent text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_name text;
+    v_synced integer := 0;
+BEGIN
+    PERFORM runcell_purge_idle_keys_v5(p_parent, 2147483647);
+    PERFORM set_config('synchronous_commit', 'on', true);  -- the purge's choice, not ours
+    FOR v_name IN
+        UPDATE runcell_limiter k SET config = p.config, config_hash = p.config_hash,
+            updated_at = clock_timestamp()
+        FROM runcell_limiter p
+        WHERE p.name = p_parent AND k.parent = p_parent AND k.config_hash <> p.config_hash
+        RETURNING k.name
+    LOOP
+        PERFORM runcell_set_limits_v3(v_name);
+        v_synced := v_synced + 1;
+    END LOOP;
+    RETURN v_synced;
+END;
+$$;
+
 -- Lock the limiter row, waiting at most p_lock_timeout_ms: a frozen or partitioned
 -- process that holds it delays others by at most the time they may wait anyway.
 CREATE OR REPLACE FUNCTION runcell_lock_v3(
@@ -563,8 +665,15 @@ BEGIN
     PERFORM set_config('lock_timeout', greatest(1, p_lock_timeout_ms)::text || 'ms', true);
     SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
     IF NOT FOUND THEN
-        RAISE EXCEPTION 'runcell: limiter % is not registered', p_limiter
-            USING ERRCODE = 'RC001';
+        -- A key of a keyed limiter appears on first use (IF does not reset FOUND: it
+        -- stays false unless the second SELECT finds the row).
+        IF runcell_create_key_v5(p_limiter) THEN
+            SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
+        END IF;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'runcell: limiter % is not registered', p_limiter
+                USING ERRCODE = 'RC001';
+        END IF;
     END IF;
     IF p_config_hash IS NOT NULL AND v_row.config_hash <> p_config_hash THEN
         RAISE EXCEPTION 'runcell: the limits of limiter % were replaced', p_limiter

@@ -217,3 +217,42 @@ ORDER BY l.name
 PARKED_CHANNEL = "runcell_parked"
 
 NOTIFY_SELF_CHECK: LiteralString = "SELECT pg_notify(%(channel)s, %(payload)s)"
+
+#: Delete idle keys of a keyed limiter (``runcell_purge_idle_keys_v5``).
+PURGE_IDLE_KEYS: LiteralString = """
+SELECT runcell_purge_idle_keys_v5(%(parent)s, %(limit)s)
+"""
+
+#: A keyed limiter's limits were stored again: its keys take them
+#: (``runcell_sync_keys_v5``).
+SYNC_KEYS: LiteralString = """
+SELECT runcell_sync_keys_v5(%(name)s)
+"""
+
+#: The busiest keys of a keyed limiter (most held, then most waiting), optionally only
+#: those whose key contains ``search`` (case-insensitive).
+KEY_STATS: LiteralString = """
+SELECT k.name, k.workloads, k.active, k.waiting
+FROM runcell_limiter AS k
+WHERE k.parent = %(parent)s
+  AND (%(search)s::text IS NULL
+       OR strpos(lower(substr(k.name, length(%(parent)s) + 2)), lower(%(search)s::text)) > 0)
+ORDER BY (SELECT coalesce(sum(a), 0) FROM unnest(k.active) AS a) DESC,
+         (SELECT coalesce(sum(w), 0) FROM unnest(k.waiting) AS w) DESC, k.name
+LIMIT %(limit)s
+"""
+
+#: Slots held and requests waiting per workload, summed over every key of a keyed
+#: limiter.
+KEYED_TOTALS: LiteralString = """
+SELECT k.workloads[i], sum(k.active[i]), sum(k.waiting[i])
+FROM runcell_limiter AS k, generate_subscripts(k.workloads, 1) AS i
+WHERE k.parent = %(parent)s
+GROUP BY k.workloads[i]
+"""
+
+#: Whether ``name`` is a keyed limiter's stored name (its keys' names start with it).
+IS_KEYED: LiteralString = """
+SELECT 1 FROM runcell_limiter
+WHERE name = %(name)s AND parent IS NULL AND coalesce((config->>'keyed')::boolean, false)
+"""

@@ -38,6 +38,9 @@ FROZEN = {
     "0005_limiter_schema_v3_deferral": (
         "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
     ),
+    "0006_limiter_schema_v3_keys": (
+        "c59f9630122fd406a3af0eaae73ecd7e00dc51bdea9491c817b0f80ed28e2b27"
+    ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"
 

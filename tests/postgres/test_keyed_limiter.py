@@ -1,0 +1,203 @@
+"""Keyed PostgreSQL limiters: a limit per key, key rows made on first use and purged
+once idle, fencing tokens that never repeat, and what operators read per key."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import psycopg
+import pytest
+
+from runcell_celery import ConcurrencyConfigError, ConcurrencyTimeoutError, slot
+from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+from runcell_celery.postgres import keyed as keyed_module
+from tests.support.pg import unique_name
+
+MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
+
+
+def key_rows(dsn: str, parent: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM runcell_limiter WHERE parent = %s", [parent]
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+#: Waits end after 100 ms, so a key at its limit shows as a timeout.
+SHORT_WAIT = {"default": {"max_wait_ms": 100}}
+
+
+def test_each_key_has_its_own_limit(make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=1, keyed=True, workloads=SHORT_WAIT)
+    with slot(tenant.key("acme")):
+        with slot(tenant.key("globex")):  # another key: a slot of its own
+            pass
+        waiting = slot(tenant.key("acme"))
+        with pytest.raises(ConcurrencyTimeoutError, match=f"{tenant.name}:acme"), waiting:
+            pass  # pragma: no cover - never entered
+
+
+def test_a_keyed_limiter_itself_holds_no_slot(make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=1, keyed=True)
+    keyed_itself = slot(tenant)
+    expected = "is keyed: a slot names one of its keys"
+    with pytest.raises(ConcurrencyConfigError, match=expected), keyed_itself:
+        pass  # pragma: no cover - never entered
+
+
+def test_only_a_keyed_limiter_has_keys(make_limiter: MakeLimiter) -> None:
+    with pytest.raises(ConcurrencyConfigError, match="is not keyed"):
+        make_limiter(max_concurrent=1).key("acme")
+
+
+def test_an_invalid_key_is_refused_before_the_database_is_asked(make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=1, keyed=True)
+    with pytest.raises(ConcurrencyConfigError, match="control characters"):
+        tenant.key("acme\n")
+    with pytest.raises(ConcurrencyConfigError, match="at most 128 characters"):
+        tenant.key("x" * 129)
+
+
+def test_the_limit_per_key_holds_across_threads(make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=1, keyed=True)
+    in_flight: Counter[str] = Counter()
+    most: Counter[str] = Counter()
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def call(key: str) -> None:
+        try:
+            with slot(tenant.key(key)):
+                with lock:
+                    in_flight[key] += 1
+                    most[key] = max(most[key], in_flight[key])
+                time.sleep(0.003)
+                with lock:
+                    in_flight[key] -= 1
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [
+        threading.Thread(target=call, args=(f"t{i % 5}",)) for i in range(40)
+    ]  # 5 tenants x 8 calls
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not failures
+    assert set(most) == {f"t{i}" for i in range(5)}
+    assert max(most.values()) == 1
+
+
+def test_keys_used_once_leave_no_rows_once_purged(pg_dsn: str, make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=2, keyed=True)
+    for i in range(300):
+        with slot(tenant.key(f"tenant-{i}")):
+            pass
+    assert key_rows(pg_dsn, tenant.name) == 300
+    assert tenant.purge_idle_keys() == 300
+    assert key_rows(pg_dsn, tenant.name) == 0
+
+
+def test_a_hundred_thousand_idle_keys_are_all_purged(
+    pg_dsn: str, make_limiter: MakeLimiter
+) -> None:
+    tenant = make_limiter(max_concurrent=2, keyed=True)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        # Made the way an operation makes a key, 100,000 times in one statement.
+        conn.execute(
+            "SELECT runcell_create_key_v5(%s || ':' || i) FROM generate_series(1, 100000) i",
+            [tenant.name],
+        )
+    assert key_rows(pg_dsn, tenant.name) == 100_000
+    purged = 0
+    while (batch := tenant.purge_idle_keys()) > 0:
+        purged += batch
+    assert purged == 100_000
+    assert key_rows(pg_dsn, tenant.name) == 0
+
+
+def test_the_process_purges_idle_keys_by_itself(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keyed_module, "PURGE_INTERVAL_S", 0.2)
+    tenant = create_postgres_concurrency_limiter(
+        pg_dsn, name=unique_name(), max_concurrent=1, keyed=True
+    )
+    for i in range(50):
+        with slot(tenant.key(f"k{i}")):
+            pass
+    deadline = time.monotonic() + 15
+    while key_rows(pg_dsn, tenant.name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert key_rows(pg_dsn, tenant.name) == 0
+
+
+def test_a_key_in_use_is_never_purged(pg_dsn: str, make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=1, keyed=True, workloads=SHORT_WAIT)
+    with slot(tenant.key("busy")):
+        assert tenant.purge_idle_keys() == 0
+        assert key_rows(pg_dsn, tenant.name) == 1
+        with pytest.raises(ConcurrencyTimeoutError), slot(tenant.key("busy")):
+            pass  # pragma: no cover - never entered: the key holds its one slot
+        assert tenant.purge_idle_keys() == 0
+    assert tenant.purge_idle_keys() == 1
+
+
+def test_a_key_made_again_after_a_purge_never_repeats_a_fencing_token(
+    make_limiter: MakeLimiter,
+) -> None:
+    tenant = make_limiter(max_concurrent=1, keyed=True)
+    seen: list[int] = []
+    for _ in range(4):
+        for _ in range(3):
+            with slot(tenant.key("acme")) as held:
+                assert held.fencing_token is not None
+                seen.append(held.fencing_token)
+        assert tenant.purge_idle_keys() == 1
+    assert seen == sorted(seen)
+    assert len(set(seen)) == len(seen)
+
+
+def test_key_stats_list_the_busiest_keys_and_search_them(make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=3, keyed=True)
+    with slot(tenant.key("acme")), slot(tenant.key("acme")), slot(tenant.key("globex")):
+        busiest = tenant.key_stats(limit=1)
+        assert list(busiest) == ["acme"]
+        assert busiest["acme"].active == 2
+        assert set(tenant.key_stats()) == {"acme", "globex"}
+        assert list(tenant.key_stats(search="GLOB")) == ["globex"]
+        totals = tenant.stats()
+        assert totals.active == 3
+
+
+def test_replaced_limits_reach_the_keys_in_use(pg_dsn: str) -> None:
+    name = unique_name()
+    tenant = create_postgres_concurrency_limiter(pg_dsn, name=name, max_concurrent=1, keyed=True)
+    with slot(tenant.key("busy")):
+        with slot(tenant.key("idle")):
+            pass
+        wider = create_postgres_concurrency_limiter(
+            pg_dsn, name=name, max_concurrent=2, keyed=True, on_conflict="replace"
+        )
+        assert key_rows(pg_dsn, name) == 1  # the idle key went; the busy one stays
+        with slot(wider.key("busy")):  # its second slot, under the new limit
+            pass
+
+
+def test_a_limiter_named_like_a_key_is_refused(pg_dsn: str, make_limiter: MakeLimiter) -> None:
+    tenant = make_limiter(max_concurrent=1, keyed=True)
+    with pytest.raises(ConcurrencyConfigError, match=r"is named like key 'acme'"):
+        create_postgres_concurrency_limiter(pg_dsn, name=f"{tenant.name}:acme", max_concurrent=1)
+
+
+def test_round_robin_fairness_is_refused_until_the_postgres_limiter_serves_it(
+    make_limiter: MakeLimiter,
+) -> None:
+    with pytest.raises(ConcurrencyConfigError, match="fairness 'round_robin' is not supported"):
+        make_limiter(max_concurrent=1, fairness="round_robin")
