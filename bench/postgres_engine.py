@@ -13,6 +13,9 @@ Sections (``--only`` picks some; all by default):
 * ``crowd`` — 5,000 waiting threads across 4 processes, and 5,000 ``async with slot()``
   waiters in one event loop: failures, hand-off p50, connections per process, and
   commits/s while they wait.
+* ``keyed`` — the uncontended cycle on one key of a keyed limiter, and on a new key
+  every cycle (its row made by the acquire), against an unkeyed limiter's; and the
+  key rows left once the keys are idle and purged.
 * ``tables`` — the uncontended cycle with 10,000 parked rows on the same limiter and
   1,000 other limiters holding 3,000 leases, against an empty database, with
   statistics fresh and with statistics taken before the tables grew.
@@ -613,11 +616,74 @@ def bench_tables(size: str) -> dict[str, Any]:
     return out
 
 
+# -- keyed: a key's cycle against an unkeyed limiter's ------------------------------------
+
+
+def keyed_cycles_us(key_of: Callable[[int], Any], n: int) -> float:
+    """Median ``with slot(...)`` cycle (µs) over ``n`` cycles; ``key_of(i)`` gives the
+    limiter of cycle ``i`` (the same one, one hot key, or a new key each cycle)."""
+    samples = []
+    for i in range(n):
+        started = time.perf_counter()
+        with slot(key_of(i)):
+            pass
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1e6
+
+
+def bench_keyed(size: str) -> dict[str, Any]:
+    """The uncontended cycle on an unkeyed limiter, on one key of a keyed limiter used
+    again and again, and on a new key every cycle (its row made by the acquire, purged
+    later by the process's loop), interleaved in rounds; then how many key rows are
+    left once the purge has run (all the keys are idle by then)."""
+    n = 2_000 if size == "full" else 200
+    out: dict[str, Any] = {}
+    with scratch_database("keyed") as dsn:
+        plain = create_postgres_concurrency_limiter(dsn, name="plain", max_concurrent=8)
+        tenant = create_postgres_concurrency_limiter(
+            dsn, name="tenant", max_concurrent=8, keyed=True
+        )
+        fresh = iter(range(10**9))
+        shapes: dict[str, Callable[[int], Any]] = {
+            "unkeyed": lambda _i: plain,
+            "one_key": lambda _i: tenant.key("acme"),
+            "new_key_each_cycle": lambda _i: tenant.key(f"tenant-{next(fresh)}"),
+        }
+        for key_of in shapes.values():
+            keyed_cycles_us(key_of, 50)  # connections open, plans cached
+        rounds: dict[str, list[float]] = {label: [] for label in shapes}
+        order = list(shapes.items())
+        for round_ in range(5):
+            for label, key_of in order[round_ % 3 :] + order[: round_ % 3]:
+                rounds[label].append(keyed_cycles_us(key_of, n))
+        medians = {label: statistics.median(values) for label, values in rounds.items()}
+        out["cycle_us"] = {label: round(value, 1) for label, value in medians.items()}
+        out["ratio_one_key_to_unkeyed"] = round(medians["one_key"] / medians["unkeyed"], 3)
+        out["ratio_new_key_to_unkeyed"] = round(
+            medians["new_key_each_cycle"] / medians["unkeyed"], 3
+        )
+        out["keys_used"] = next(fresh) + 2
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            before = conn.execute(
+                "SELECT count(*) FROM runcell_limiter WHERE parent = 'tenant'"
+            ).fetchone()
+            while tenant.purge_idle_keys() > 0:
+                pass
+            after = conn.execute(
+                "SELECT count(*) FROM runcell_limiter WHERE parent = 'tenant'"
+            ).fetchone()
+        out["key_rows_before_final_purge"] = before[0] if before else None
+        out["key_rows_left_once_idle"] = after[0] if after else None
+    progress(f"keyed: {out}")
+    return out
+
+
 SECTIONS: dict[str, Callable[[str], dict[str, Any]]] = {
     "cycles": bench_cycles,
     "waiters": bench_waiters,
     "crowd": bench_crowd,
     "tables": bench_tables,
+    "keyed": bench_keyed,
 }
 
 
