@@ -136,11 +136,16 @@ def by_name(registry: LimiterRegistry, name: str) -> ConcurrencyLimiter:
 
 
 def limiter_options(limiters: tuple[ConcurrencyLimiter, ...], key: str | None) -> dict[str, Any]:
-    """``run()``'s limiter arguments: one limiter as before; several as a sequence
-    (every slot takes one in each), and the run's key when it has one."""
-    options: dict[str, Any] = {"limiter": limiters[0] if len(limiters) == 1 else limiters}
-    if not limiters:
-        options["limiter"] = None
+    """``run()``'s limiter arguments.
+
+    None or one limiter: ``limiter=`` as before (a keyed one is already its key's
+    limiter, ``tenant:acme``, so the key adds nothing a slot in it could use). Several:
+    the sequence (every slot takes one in each) and the run's ``key=`` (its requests'
+    key in the others' lines, for ``fairness="round_robin"``).
+    """
+    if len(limiters) <= 1:
+        return {"limiter": limiters[0] if limiters else None}
+    options: dict[str, Any] = {"limiter": limiters}
     if key is not None:
         options["key"] = key
     return options
