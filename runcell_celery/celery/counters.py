@@ -17,6 +17,11 @@ name and limiter we count
   (:meth:`AdmissionCounters.add`); the rest are counted from events
   (:meth:`AdmissionCounters.on_event`).
 
+A task over several limiters is counted under their names joined (``openai+tenant``),
+and a keyed limiter under its own name, never one row per key (``tenant``, not
+``tenant:acme``): 100,000 tenants make one row, the same one the task's deliveries
+are counted under.
+
 Counts are kept in memory, per process, and added to the backend's
 :class:`~runcell_celery.ports.CounterStore` by a background loop
 (``runcell-counter-flusher``) about once a second, so the task path never waits on
@@ -33,6 +38,7 @@ from collections.abc import Callable
 
 from ..background import BackgroundLoop, ProcessLocal
 from ..events import ConcurrencyEvent
+from ..keys import split_key_name
 from ..ports import AdmissionCount, CounterStore
 
 __all__ = ["AdmissionCount", "AdmissionCounters"]
@@ -54,6 +60,12 @@ _CONCURRENCY_FAILURES = {"timed-out", "queue-full", "limiter-error", "config-err
 Key = tuple[str, str]
 #: Returns where counts go (anything that is not a CounterStore keeps them in memory).
 StoreFactory = Callable[[], object]
+
+
+def counted_as(event: ConcurrencyEvent) -> str:
+    """The limiter an event is counted under: a key's limiter under its keyed
+    limiter's name (``"tenant:acme"`` -> ``"tenant"``)."""
+    return split_key_name(event.limiter)[0]
 
 
 class _ProcessCounts:
@@ -93,11 +105,11 @@ class AdmissionCounters:
         if event.holder_name is None:
             return
         if event.type == "acquired":
-            self.add(event.holder_name, event.limiter, "provider_attempts")
+            self.add(event.holder_name, counted_as(event), "provider_attempts")
         elif event.type == "released" and event.outcome == "error":
-            self.add(event.holder_name, event.limiter, "provider_failures")
+            self.add(event.holder_name, counted_as(event), "provider_failures")
         elif event.type in _CONCURRENCY_FAILURES:
-            self.add(event.holder_name, event.limiter, "concurrency_failures")
+            self.add(event.holder_name, counted_as(event), "concurrency_failures")
 
     def local(self) -> list[AdmissionCount]:
         """This process's counts since it started (written or not)."""

@@ -16,9 +16,10 @@ import pytest
 from celery import Celery
 from celery.signals import before_task_publish
 
-from runcell_celery import ConcurrencyConfigError, ConcurrencyHeaderError
+from runcell_celery import ConcurrencyConfigError, ConcurrencyEvent, ConcurrencyHeaderError
 from runcell_celery.celery import RunCellTask
 from runcell_celery.celery import headers as run_headers
+from runcell_celery.celery.counters import AdmissionCounters
 
 LIMITERS: dict[str, Any] = {
     "openai": {"max_concurrent": 4},
@@ -322,3 +323,37 @@ def test_a_well_formed_key_header_is_carried() -> None:
         _Request({run_headers.KEY: "acme"}), task_name="keys.task", keyed=("tenant",)
     )
     assert carried.key == "acme"
+
+
+# -- counters -------------------------------------------------------------------------
+
+
+def _event(kind: str, limiter: str, **fields: Any) -> ConcurrencyEvent:
+    return ConcurrencyEvent(
+        type=kind,  # type: ignore[arg-type]
+        limiter=limiter,
+        workload="default",
+        run_id="r",
+        root_run_id="r",
+        parent_run_id=None,
+        request_id="q",
+        timestamp=0.0,
+        holder_name="keys.task",
+        **fields,
+    )
+
+
+def test_a_keys_events_are_counted_under_its_keyed_limiter_not_one_row_per_key() -> None:
+    counters = AdmissionCounters(lambda: None)
+    counters.on_event(_event("acquired", "tenant:acme"))
+    counters.on_event(_event("acquired", "tenant:globex:eu"))  # a key may contain ':'
+    counters.on_event(_event("released", "tenant:acme", outcome="error"))
+    counters.on_event(_event("timed-out", "tenant:acme"))
+    counters.on_event(_event("acquired", "openai"))
+    counts = {(c.task_name, c.limiter): c for c in counters.local()}
+    counters.close()
+    assert set(counts) == {("keys.task", "tenant"), ("keys.task", "openai")}
+    tenant = counts[("keys.task", "tenant")]
+    assert (tenant.provider_attempts, tenant.provider_failures) == (2, 1)
+    assert tenant.concurrency_failures == 1
+    assert counts[("keys.task", "openai")].provider_attempts == 1
