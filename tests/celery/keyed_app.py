@@ -11,7 +11,11 @@ tenant and in total (``INCR``/``DECR``), keeping the highest counts seen
 * ``keyed.defer(tenant_id, latency_ms)`` — parks when its tenant has no room
   (admission ``defer``, 20 ms admission wait).
 
-Both return the name of the limiter their slot was in and the key the run carried.
+Both return the name of the limiter their slot was in (and of their lease's).
+
+* ``keyed.parent(tenant_id)`` — sends ``keyed.child`` (no limiter of its own: it
+  inherits its parent's, the tenant's key limiter) from inside its run and returns
+  the child's id.
 """
 
 from __future__ import annotations
@@ -98,6 +102,14 @@ def create_app(settings: dict[str, Any]) -> Celery:
     )
     def defer(self: Task[Any, Any], tenant_id: str, latency_ms: float = 50) -> dict[str, Any]:
         return provider_call(tenant_id, latency_ms)
+
+    @app.task(name="keyed.parent", shared=False, base=RunCellTask, bind=True, concurrency=key)
+    def parent(self: Task[Any, Any], tenant_id: str) -> str:
+        return str(child.delay(tenant_id).id)
+
+    @app.task(name="keyed.child", shared=False, base=RunCellTask, bind=True)
+    def child(self: Task[Any, Any], tenant_id: str) -> dict[str, Any]:
+        return provider_call(tenant_id, 10)
 
     return app
 

@@ -200,3 +200,10 @@ def test_a_malformed_key_header_fails_the_task_naming_the_header_and_the_body_ne
     with pytest.raises(Exception, match=r"message header 'runcell_key'.*control characters"):
         bad.get(timeout=60)
     assert scenario.highest("acme") == 0, "the body ran"
+
+
+def test_a_child_sent_from_a_keyed_run_inherits_its_tenants_limiter(scenario: Scenario) -> None:
+    scenario.start_worker(concurrency=2)
+    (child_id,) = scenario.results([scenario.app.tasks["keyed.parent"].delay("acme")])
+    (reply,) = scenario.results([AsyncResult(child_id, app=scenario.app)])
+    assert reply["limiter"] == f"{scenario.limiter}:acme"
