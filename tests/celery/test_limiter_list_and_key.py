@@ -16,10 +16,18 @@ import pytest
 from celery import Celery
 from celery.signals import before_task_publish
 
-from runcell_celery import ConcurrencyConfigError, ConcurrencyEvent, ConcurrencyHeaderError
-from runcell_celery.celery import RunCellTask
+from runcell_celery import (
+    ConcurrencyConfigError,
+    ConcurrencyEvent,
+    ConcurrencyHeaderError,
+    create_concurrency_limiter,
+    current_run,
+    slot,
+)
+from runcell_celery.celery import RunCellTask, registry_for
 from runcell_celery.celery import headers as run_headers
 from runcell_celery.celery.counters import AdmissionCounters
+from runcell_celery.memory import InMemoryConcurrencyLimiter
 
 LIMITERS: dict[str, Any] = {
     "openai": {"max_concurrent": 4},
@@ -357,3 +365,58 @@ def test_a_keys_events_are_counted_under_its_keyed_limiter_not_one_row_per_key()
     assert (tenant.provider_attempts, tenant.provider_failures) == (2, 1)
     assert tenant.concurrency_failures == 1
     assert counts[("keys.task", "openai")].provider_attempts == 1
+
+
+# -- when the task runs ---------------------------------------------------------------
+
+
+class _Keys:
+    """A keyed limiter registered in code: each key an in-memory limiter of its own."""
+
+    name = "tenant"
+
+    def __init__(self) -> None:
+        self.made: dict[str, InMemoryConcurrencyLimiter] = {}
+
+    def key(self, key: str) -> InMemoryConcurrencyLimiter:
+        if key not in self.made:
+            self.made[key] = create_concurrency_limiter(2, name=f"tenant:{key}")
+        return self.made[key]
+
+    def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a slot names a key of a keyed limiter, never the limiter")
+
+    renew = release = acquire
+
+
+def test_a_run_started_by_a_direct_call_or_eagerly_uses_its_keys_limiter() -> None:
+    app = _app()
+    app.conf.runcell = {"BACKEND": "memory", "LIMITERS": {"openai": LIMITERS["openai"]}}
+    registry_for(app).register(_Keys(), name="tenant")
+
+    @app.task(
+        base=RunCellTask,
+        name="keys.run",
+        shared=False,
+        concurrency={"limiter": "tenant", "key": "{org}-{tenant_id}"},
+    )
+    def run_task(tenant_id: str, org: str = "o") -> str:
+        context = current_run()
+        assert context is not None
+        assert context.limiter is not None
+        with slot() as held:
+            assert held.lease is not None
+            return f"{context.limiter.name} {held.lease.limiter}"
+
+    app.finalize(auto=True)
+    assert run_task("acme") == "tenant:o-acme tenant:o-acme"  # no header: from the args
+    assert run_task.apply(("acme",), {"org": "eu"}).get() == "tenant:eu-acme tenant:eu-acme"
+    # A delivered message's header is the key it was sent with, whatever the arguments.
+    run_task.push_request(id="t1", headers={run_headers.KEY: "sent"})
+    try:
+        assert run_task("acme") == "tenant:sent tenant:sent"
+    finally:
+        run_task.pop_request()
+    # Sending forms the key from the arguments, over a header the caller passed.
+    sent = run_task.apply(("acme",), headers={run_headers.KEY: "other"})
+    assert sent.get() == "tenant:o-acme tenant:o-acme"
