@@ -20,6 +20,13 @@ lease-lost     lease_id, hold_ms, reason
 release-failed lease_id, error
 ============== ==============================
 
+An event of a request over several limiters (``slot(openai, gpt_4o,
+tenants.key("acme"))``) is one event per step for the whole request: ``limiter`` is the
+first limiter (for listeners that read one), ``limiters`` all of them in the order
+given, ``key`` the request's fairness key; ``lease_id`` and ``fencing_token`` are the
+first limiter's (a ``lease-lost`` names the lease that was lost). A one-limiter event
+has ``limiters`` ``None`` and ``key`` only when the request gave one.
+
 They never carry prompts, task arguments or credentials: ``error`` is the exception's
 class and message with anything that looks like a password removed.
 
@@ -82,6 +89,9 @@ class ConcurrencyEvent:
         process stood still between the grant and the body longer than the lease lives).
     :param error: the error's class and message (``limiter-error``, ``config-error``,
         ``renewal-failed``, ``release-failed``).
+    :param limiters: every limiter of a request over several, in the order given
+        (``limiter`` is the first); ``None`` for a request over one.
+    :param key: the request's fairness key (a tenant), if any.
     """
 
     type: EventType
@@ -101,6 +111,8 @@ class ConcurrencyEvent:
     reason: str | None = None
     error: str | None = None
     holder_name: str | None = None
+    limiters: tuple[str, ...] | None = None
+    key: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return the event's fields, leaving out those that do not apply."""

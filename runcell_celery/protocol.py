@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AcquireRequest",
     "ConcurrencyLimiter",
+    "KeyStats",
     "Lease",
     "LimiterStats",
     "OnWait",
@@ -37,6 +38,7 @@ __all__ = [
     "SupportsKeys",
     "SupportsReap",
     "SupportsRenewMany",
+    "SupportsSeveral",
     "SupportsStats",
     "SupportsValidateWorkload",
     "SupportsWithdraw",
@@ -78,6 +80,9 @@ class AcquireRequest:
     :param in_progress: the run already took a slot before (an agent's second call):
         allocation serves it before new runs of its workload (see
         :mod:`runcell_celery.allocation`).
+    :param key: the request's fairness key (a tenant): a limiter with ``fairness:
+        "round_robin"`` serves waiting requests of one workload round-robin by key.
+        ``None``: the shared keyless key.
     """
 
     request_id: str
@@ -86,6 +91,7 @@ class AcquireRequest:
     timeout_ms: float | None = None
     holder_name: str | None = None
     in_progress: bool = False
+    key: str | None = None
 
     def error(self, cls: type[E], message: str, *, limiter: str) -> E:
         """Build a ``ConcurrencyError`` subclass that names this request and its run."""
@@ -131,12 +137,26 @@ class WorkloadStats:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyStats:
+    """Slots held and requests waiting for one key of a keyed limiter."""
+
+    key: str
+    active: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class LimiterStats:
-    """Slots held and requests waiting, in total and per workload."""
+    """Slots held and requests waiting, in total and per workload.
+
+    :param keys: for a keyed limiter asked ``stats(per_key=True)``: the keys in use,
+        busiest first; empty otherwise.
+    """
 
     active: int
     queued: int
     workloads: Mapping[str, WorkloadStats] = field(default_factory=dict)
+    keys: Sequence[KeyStats] = ()
 
 
 @runtime_checkable
@@ -251,6 +271,42 @@ class SupportsKeys(Protocol):
     """
 
     def key(self, key: str) -> ConcurrencyLimiter: ...
+
+
+@runtime_checkable
+class SupportsSeveral(Protocol):
+    """Holds one request across several limiters of this backend, all together or none.
+
+    ``slot(openai, gpt_4o, tenants.key("acme"))`` calls it on the first limiter when
+    every limiter is of its class: one request, one slot in each limiter, granted
+    together (a request never holds part of its slots while it waits). Each limiter
+    keeps its own workloads, reservations, priorities and line; allocation is
+    :func:`runcell_celery.allocation.allocate_several`. Leases are renewed and released
+    one by one, with :meth:`ConcurrencyLimiter.renew` and
+    :meth:`ConcurrencyLimiter.release` of their own limiter.
+    """
+
+    def acquire_several(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Sequence[Lease]:
+        """Wait for one slot in every limiter of ``limiters`` and return their leases.
+
+        :param limiters: the limiters, distinct, this one among them.
+        :param requests: one request per limiter, in the same order: one request id,
+            run, budget and key, each with the workload it uses in that limiter.
+        :returns: one lease per limiter, in the same order.
+        :raises ConcurrencyConfigError: a limiter this backend cannot hold together
+            with the others (another process's, another database's).
+        :raises ConcurrencyTimeoutError, ConcurrencyQueueFullError,
+            ConcurrencyCancelledError, ConcurrencyLimiterError: as :meth:`acquire`;
+            no slot is held.
+        """
+        ...
 
 
 _ability_cache: dict[tuple[type, type], bool] = {}
