@@ -1,0 +1,174 @@
+"""A keyed in-memory limiter: a limit per key (a tenant, an API key, a user).
+
+``create_concurrency_limiter(2, name="tenant", keyed=True)`` returns a
+:class:`KeyedInMemoryConcurrencyLimiter`. It holds no slots itself;
+``tenant.key("acme")`` is the :class:`~runcell_celery.memory.InMemoryConcurrencyLimiter`
+of that key, named ``"tenant:acme"``, with the keyed limiter's settings
+(:func:`~runcell_celery.keys.config_for_key`).
+
+A key's limiter is created on first use and forgotten once idle, so 100,000 tenants
+used once leave nothing behind: it is kept (strongly) while it holds a slot or a
+request waits in it, and otherwise only as long as someone else references it (weakly
+here), so ``key("acme")`` returns the same object while the key is in use and one key
+never has two limiters at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+from typing import NoReturn
+
+from .base import ConfiguredLimiter
+from .cancellation import CancellationToken
+from .clock import SYSTEM_CLOCK, Clock
+from .config import LimiterConfig
+from .errors import ConcurrencyConfigError
+from .keys import config_for_key
+from .memory import InMemoryConcurrencyLimiter
+from .protocol import (
+    AcquireRequest,
+    KeyStats,
+    Lease,
+    LimiterStats,
+    OnWait,
+    Outcome,
+    WorkloadStats,
+)
+
+__all__ = ["KeyedInMemoryConcurrencyLimiter"]
+
+
+class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
+    """A limit per key, in one process; ``key(k)`` is the limiter of key ``k``.
+
+    Asking it for a slot directly raises
+    :class:`~runcell_celery.errors.ConcurrencyConfigError`: a slot names one of its keys.
+    """
+
+    def __init__(self, config: LimiterConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        if not config.keyed:
+            raise ConcurrencyConfigError(
+                f"limiter {config.name!r} is not keyed", limiter=config.name
+            )
+        super().__init__(config)
+        self._clock = clock
+        self._lock = threading.Lock()
+        #: Every key limiter someone references (busy ones are in ``_busy`` too).
+        self._live: weakref.WeakValueDictionary[str, InMemoryConcurrencyLimiter] = (
+            weakref.WeakValueDictionary()
+        )
+        #: Keys holding a slot or with a waiting request: kept whoever references them.
+        self._busy: dict[str, InMemoryConcurrencyLimiter] = {}
+
+    def __repr__(self) -> str:
+        config = self._config
+        return f"<{type(self).__name__} {config.name!r} max={config.max_concurrent} per key>"
+
+    def key(self, key: str) -> InMemoryConcurrencyLimiter:
+        """Return the limiter of ``key``, created on first use.
+
+        :raises ConcurrencyConfigError: the key is invalid
+            (:func:`~runcell_celery.keys.check_key`).
+        """
+        with self._lock:
+            limiter = self._live.get(key)
+            if limiter is None:
+                limiter = InMemoryConcurrencyLimiter(
+                    config_for_key(self._config, key), clock=self._clock
+                )
+                limiter._owner = self
+                limiter._key = key
+                limiter._watch_grants = True
+                self._live[key] = limiter
+            return limiter
+
+    # -- told by the key limiters (under their state lock) -----------------------------
+
+    def _key_busy(self, limiter: InMemoryConcurrencyLimiter) -> None:
+        assert limiter._key is not None
+        with self._lock:
+            self._busy[limiter._key] = limiter
+
+    def _key_idle(self, limiter: InMemoryConcurrencyLimiter) -> None:
+        assert limiter._key is not None
+        with self._lock:
+            if self._busy.get(limiter._key) is limiter:
+                del self._busy[limiter._key]
+
+    # -- stats --------------------------------------------------------------------------
+
+    def keys_in_use(self) -> int:
+        """How many keys hold a slot or have a waiting request."""
+        with self._lock:
+            return len(self._busy)
+
+    def key_stats(self, limit: int | None = 100) -> list[KeyStats]:
+        """The busiest keys (most slots held, then most waiting), at most ``limit``."""
+        with self._lock:
+            busy = list(self._busy.items())
+        rows = []
+        for key, limiter in busy:
+            stats = limiter.stats()
+            if stats.active or stats.queued:
+                rows.append(KeyStats(key=key, active=stats.active, queued=stats.queued))
+
+        def order(row: KeyStats) -> tuple[int, int, str]:
+            return (-row.active, -row.queued, row.key)
+
+        if limit is None:
+            return sorted(rows, key=order)
+        return heapq.nsmallest(limit, rows, key=order)
+
+    def stats(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
+        """Slots held and requests waiting over every key, in total and per workload;
+        with ``per_key=True`` also per key (:meth:`key_stats`, busiest first)."""
+        with self._lock:
+            busy = list(self._busy.values())
+        active = dict.fromkeys(self._config.workloads, 0)
+        queued = dict.fromkeys(self._config.workloads, 0)
+        for limiter in busy:
+            for name, workload in limiter.stats().workloads.items():
+                active[name] += workload.active
+                queued[name] += workload.queued
+        return LimiterStats(
+            active=sum(active.values()),
+            queued=sum(queued.values()),
+            workloads={
+                name: WorkloadStats(active=active[name], queued=queued[name])
+                for name in self._config.workloads
+            },
+            keys=self.key_stats(limit) if per_key else (),
+        )
+
+    # -- not a limiter of slots itself ----------------------------------------------------
+
+    def _refuse(self) -> NoReturn:
+        name = self._config.name
+        raise ConcurrencyConfigError(
+            f"limiter {name!r} is keyed: it has a limit per key and no slots of its own; "
+            f"use {name}.key(...) (e.g. slot({name}.key(tenant_id)))",
+            limiter=name,
+        )
+
+    def validate_workload(self, workload: str | None) -> str:
+        """Refuse: a request names one of its keys (raised before anything waits)."""
+        self._refuse()
+
+    def acquire(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease:
+        """Refuse: a request names one of its keys, ``limiter.key(...)``."""
+        self._refuse()
+
+    def renew(self, lease: Lease) -> Lease | None:
+        """It grants no leases: none is held here."""
+        return None
+
+    def release(self, lease: Lease, outcome: Outcome = "success") -> None:
+        """It grants no leases: nothing to release."""
