@@ -37,12 +37,16 @@ from .events import (
 )
 from .guard import guard
 from .memory import InMemoryConcurrencyLimiter, create_concurrency_limiter
+from .memory_keys import KeyedInMemoryConcurrencyLimiter
 from .protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
+    KeyStats,
     Lease,
     LimiterStats,
     RunLineage,
+    SupportsKeys,
+    SupportsSeveral,
     WorkloadStats,
 )
 from .slot import Slot, slot
@@ -63,12 +67,16 @@ __all__ = [
     "ConcurrencyTimeoutError",
     "Deadline",
     "InMemoryConcurrencyLimiter",
+    "KeyStats",
+    "KeyedInMemoryConcurrencyLimiter",
     "Lease",
     "LimiterConfig",
     "LimiterStats",
     "RunContext",
     "RunLineage",
     "Slot",
+    "SupportsKeys",
+    "SupportsSeveral",
     "WorkloadConfig",
     "WorkloadStats",
     "add_event_listener",

@@ -8,8 +8,9 @@ cancellation from it.
 
 A run started inside another is a child (README, "Celery": child tasks). It inherits:
 
-* the parent's limiter, unless it names a *different* limiter (then it uses that one
-  and its own workload);
+* the parent's limiter or limiters, unless it names *different* ones (then it uses
+  those and its own workload);
+* the parent's fairness key, unless it gives one;
 * the parent's workload, unless it selects one with ``workload=``. Its own
   ``default_workload`` (what a Celery task declares) does not replace the parent's,
   so nesting cannot move work to another workload by accident;
@@ -21,6 +22,7 @@ A run started inside another is a child (README, "Celery": child tasks). It inhe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -31,7 +33,9 @@ from .config import check_duration_ms
 from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
+from .keys import check_key
 from .protocol import ConcurrencyLimiter, RunLineage, SupportsValidateWorkload
+from .several import check_several, resolve_workloads
 
 if TYPE_CHECKING:
     from .admission import Admission
@@ -55,6 +59,12 @@ class RunContext:
     :param name: a label for the run (the Celery task name), shown as the holder.
     :param admission: the run's first-slot admission (shared with its child runs);
         its pre-admitted slot waits there for the first ``slot()``.
+    :param limiters: every limiter the run's slots take a slot in (``slot()`` with no
+        limiter holds one in each, together); empty when none. ``limiter`` is the
+        first (or ``None``), for code that reads one.
+    :param key: the run's fairness key (a tenant) for its slots' requests.
+    :param workload: the workload the run selects; with several limiters it applies in
+        each that has it, the limiter's default in the others.
     """
 
     run_id: str
@@ -66,6 +76,8 @@ class RunContext:
     cancel: CancellationToken | None = None
     name: str | None = None
     admission: Admission | None = None
+    limiters: tuple[ConcurrencyLimiter, ...] = ()
+    key: str | None = None
     progress: RunProgress = field(default_factory=RunProgress, compare=False)
     #: The run's ids as one value, built once: every slot request carries it.
     lineage: RunLineage = field(init=False, repr=False, compare=False)
@@ -73,6 +85,11 @@ class RunContext:
     def __post_init__(self) -> None:
         lineage = RunLineage(self.run_id, self.root_run_id, self.parent_run_id)
         object.__setattr__(self, "lineage", lineage)
+        # ``limiter`` and ``limiters`` say the same: the first, and all of them.
+        if not self.limiters and self.limiter is not None:
+            object.__setattr__(self, "limiters", (self.limiter,))
+        elif self.limiters and self.limiter is not self.limiters[0]:
+            object.__setattr__(self, "limiter", self.limiters[0])
 
     def remaining_ms(self) -> float | None:
         """Milliseconds left in the budget (may be negative), or ``None`` for no budget."""
@@ -98,6 +115,10 @@ def _validate(limiter: ConcurrencyLimiter, workload: str | None) -> str | None:
     return workload
 
 
+def _same(mine: tuple[ConcurrencyLimiter, ...], theirs: tuple[ConcurrencyLimiter, ...]) -> bool:
+    return len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class RunOptions:
     """What :class:`run` was asked for, before it meets its parent (see :class:`run`)."""
@@ -113,12 +134,17 @@ class RunOptions:
     parent_run_id: str | None = None
     name: str | None = None
     admission: Admission | None = None
+    #: Every limiter asked for (``limiter`` is the first).
+    limiters: tuple[ConcurrencyLimiter, ...] = ()
+    key: str | None = None
 
 
 class run:  # noqa: N801 - a context manager named like the thing it opens
     """Start a run (sync ``with`` or ``async with``); nested inside another, a child run.
 
-    :param limiter: limiter for the run's slots; a child without one uses its parent's.
+    :param limiter: limiter for the run's slots, or a sequence of limiters: each slot
+        then holds one slot in every one of them, granted together (README, "Several
+        limits and keys"); a child without one uses its parent's.
     :param workload: the workload this run *selects* (always wins).
     :param default_workload: the workload of the code starting the run (e.g. the
         task's declared one); used only when neither the run nor its parent selects one.
@@ -137,15 +163,18 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
     :param admission: how the run's first slot was admitted, and the slot admitted
         before the run's body until a slot adopts it (see
         :mod:`runcell_celery.admission`); a child run without one shares its parent's.
+    :param key: the fairness key of the run's slot requests (a tenant); a child without
+        one uses its parent's. Defaults, per request, to the key of a key's limiter the
+        request names.
     :raises ConcurrencyConfigError: the workload does not exist, or the limiter has
-        several workloads, no default and none was selected. Raised at once, before
-        anything waits.
+        several workloads, no default and none was selected; limiters that cannot be
+        held together. Raised at once, before anything waits.
     """
 
     def __init__(
         self,
         *,
-        limiter: ConcurrencyLimiter | None = None,
+        limiter: ConcurrencyLimiter | Sequence[ConcurrencyLimiter] | None = None,
         workload: str | None = None,
         default_workload: str | None = None,
         timeout_ms: float | None = None,
@@ -157,13 +186,20 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         parent_run_id: str | None = None,
         name: str | None = None,
         admission: Admission | None = None,
+        key: str | None = None,
     ) -> None:
+        if isinstance(limiter, Sequence):
+            limiters = tuple(limiter)
+        else:
+            limiters = () if limiter is None else (limiter,)
         if deadline_at is not None:
             deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
         if timeout_ms is not None:
             timeout_ms = check_duration_ms(timeout_ms, field="run(timeout_ms)", allow_zero=True)
         self.options = RunOptions(
-            limiter=limiter,
+            limiter=limiters[0] if limiters else None,
+            limiters=limiters,
+            key=key,
             workload=workload,
             default_workload=default_workload,
             timeout_ms=timeout_ms,
@@ -189,25 +225,33 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         else:
             root, parent_id = parent.root_run_id, parent.run_id
 
-        limiter = o.limiter
+        limiters = o.limiters
         workload = o.workload
         if (
             parent is not None
-            and parent.limiter is not None
-            and (limiter is None or limiter is parent.limiter)
+            and parent.limiters
+            and (not limiters or _same(limiters, parent.limiters))
         ):
-            limiter = parent.limiter
+            limiters = parent.limiters
             workload = workload or parent.workload or o.default_workload
         else:
             workload = workload or o.default_workload
+        key = o.key if o.key is not None else (parent.key if parent is not None else None)
         lineage = {"run_id": run_id, "root_run_id": root, "parent_run_id": parent_id}
-        if limiter is not None:
+        if limiters:
             try:
-                workload = _validate(limiter, workload)
+                if len(limiters) == 1:
+                    workload = _validate(limiters[0], workload)
+                else:
+                    # Selected, not resolved: it applies where a limiter has it.
+                    check_several(limiters)
+                    resolve_workloads(limiters, workload)
+                if o.key is not None:
+                    check_key(limiters[0].name, o.key)
             except ConcurrencyConfigError as exc:
                 # Name the run that failed to start, as every ConcurrencyError does.
                 raise ConcurrencyConfigError(
-                    exc.message, limiter=limiter.name, workload=exc.workload, **lineage
+                    exc.message, limiter=limiters[0].name, workload=exc.workload, **lineage
                 ) from None
         elif workload is not None:
             raise ConcurrencyConfigError(
@@ -226,7 +270,9 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             run_id=run_id,
             root_run_id=root,
             parent_run_id=parent_id,
-            limiter=limiter,
+            limiter=limiters[0] if limiters else None,
+            limiters=limiters,
+            key=key,
             workload=workload,
             deadline=deadline,
             cancel=cancel,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
 from .protocol import ConcurrencyLimiter
@@ -30,8 +30,9 @@ def guard(
     fn: None = None,
     /,
     *,
-    limiter: ConcurrencyLimiter | None = None,
+    limiter: ConcurrencyLimiter | Sequence[ConcurrencyLimiter] | None = None,
     workload: str | None = None,
+    key: str | None = None,
     max_hold_ms: int | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
@@ -40,8 +41,9 @@ def guard(
     fn: Callable[P, R] | None = None,
     /,
     *,
-    limiter: ConcurrencyLimiter | None = None,
+    limiter: ConcurrencyLimiter | Sequence[ConcurrencyLimiter] | None = None,
     workload: str | None = None,
+    key: str | None = None,
     max_hold_ms: int | None = None,
 ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a provider-call function so that every call holds one slot.
@@ -54,11 +56,19 @@ def guard(
 
         @guard
         async def stream(prompt: str) -> AsyncIterator[str]: ...   # run's limiter
+
+    ``limiter`` may be a sequence of limiters: every call then holds one slot in each,
+    granted together (as ``slot(a, b)``); ``key`` is the fairness key.
     """
+    limiters: tuple[ConcurrencyLimiter, ...]
+    if isinstance(limiter, Sequence):
+        limiters = tuple(limiter)
+    else:
+        limiters = () if limiter is None else (limiter,)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         def make() -> Slot:
-            return Slot(limiter, workload=workload, max_hold_ms=max_hold_ms)
+            return Slot(*limiters, workload=workload, key=key, max_hold_ms=max_hold_ms)
 
         wrapper: Callable[..., Any]
         if inspect.isasyncgenfunction(func):

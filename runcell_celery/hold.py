@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -33,9 +34,9 @@ from .errors import (
 from .events import describe_error, has_listeners
 from .keeper import LeaseKeeper, get_keeper
 from .protocol import ConcurrencyLimiter, Lease, Outcome
-from .request import SlotRequest
+from .request import SeveralRequest, SlotRequest
 
-__all__ = ["AbortReason", "Hold", "is_interrupt", "register_interrupt"]
+__all__ = ["AbortReason", "Hold", "SeveralHold", "is_interrupt", "register_interrupt"]
 
 logger = logging.getLogger("runcell_celery.slot")
 
@@ -84,6 +85,9 @@ class Hold:
     :param cleanups: called once when the hold ends (detach cancellation links).
     """
 
+    #: Release at once when the lease is lost (several leases: free the others).
+    _release_on_loss = False
+
     def __init__(
         self,
         slot_request: SlotRequest,
@@ -109,6 +113,8 @@ class Hold:
         self._interruptible = True
         self._keeper: LeaseKeeper | None = None
         self._keeper_key = 0
+        #: The lease whose loss aborted the hold, when not ``lease`` (several leases).
+        self._lost_lease: Lease | None = None
 
     def keep(self, deadline: Deadline | None) -> None:
         """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""
@@ -170,7 +176,9 @@ class Hold:
         self._cleanups.clear()
         if not already_released:
             self._release(reason or outcome_of(exc))
-        return None if reason is None else abort_error(self.slot_request, self.lease, reason)
+        if reason is None:
+            return None
+        return abort_error(self.slot_request, self._lost_lease or self.lease, reason)
 
     def settle_task(self) -> None:
         """Take back the cancellation an abort sent the task to stop its body, so it
@@ -225,7 +233,9 @@ class Hold:
             if self._ended:
                 return
             first = self._abort_reason is None
-            release_now = reason == "max-hold" and not self._released
+            release_now = (
+                reason == "max-hold" or (reason == "lease-lost" and self._release_on_loss)
+            ) and not self._released
             if not first and not release_now:
                 return
             callbacks: list[Callable[[], object]] = []
@@ -237,14 +247,15 @@ class Hold:
         if reason in ("lease-lost", "max-hold"):
             self.slot_request.event(
                 "lease-lost",
-                lease_id=self.lease.lease_id,
+                lease_id=(self._lost_lease or self.lease).lease_id,
                 hold_ms=(time.monotonic() - self.held_since) * 1000,
                 reason="max-hold" if reason == "max-hold" else "renewal",
                 error=describe_error(error) if error is not None else None,
             )
         if release_now:
-            # max_hold_ms protects the limiter's accounting even if the call never ends.
-            self._release("max-hold")
+            # max_hold_ms protects the limiter's accounting even if the call never ends
+            # (and a lost lease of several frees the others).
+            self._release("max-hold" if reason == "max-hold" else "lease-lost")
         if not first:
             return
         for callback in callbacks:
@@ -270,6 +281,8 @@ class Hold:
 def abort_error(slot_request: SlotRequest, lease: Lease, reason: AbortReason) -> ConcurrencyError:
     """The error that replaces the result of a body whose hold was aborted."""
     name = slot_request.limiter.name
+    if isinstance(slot_request, SeveralRequest):
+        name = lease.limiter  # the lease lost, of whichever limiter
     lease_id = lease.lease_id
     cls: type[ConcurrencyError]
     if reason == "lease-lost":
@@ -285,6 +298,123 @@ def abort_error(slot_request: SlotRequest, lease: Lease, reason: AbortReason) ->
         cls = ConcurrencyTimeoutError
         message = f"the run's time budget ended while holding slot {lease_id} of {name!r}"
     return slot_request.error(cls, message)
+
+
+class SeveralHold(Hold):
+    """One request's leases in several limiters, held, renewed and released together.
+
+    ``lease`` is the first limiter's; ``leases`` all of them, in the order given. Each
+    lease is kept by the keeper through a :class:`_Part` (renewals are batched per
+    limiter as for any lease); the hold's deadline (run budget, ``max_hold_ms``) is
+    watched once, on the first. Losing any lease aborts the hold and releases the
+    others at once; ending it releases every lease.
+    """
+
+    _release_on_loss = True
+
+    def __init__(
+        self,
+        slot_request: SeveralRequest,
+        leases: tuple[Lease, ...],
+        *,
+        max_hold: Deadline | None = None,
+        task: asyncio.Task[Any] | None = None,
+        cleanups: list[Callable[[], object]] | None = None,
+    ) -> None:
+        super().__init__(slot_request, leases[0], max_hold=max_hold, task=task, cleanups=cleanups)
+        self.several = slot_request
+        self.leases = list(leases)
+        self._parts: list[_Part] = []
+        self._part_keys: list[int] = []
+        self._parts_keeper: LeaseKeeper | None = None
+
+    def keep(self, deadline: Deadline | None) -> None:
+        """Hand every lease to the keeper; the first carries the hold's deadline."""
+        due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
+        keeper = self._parts_keeper = get_keeper()
+        self._parts = [_Part(self, index) for index in range(len(self.leases))]
+        self._part_keys = [
+            keeper.keep(part, lease.ttl_ms, due if part.index == 0 else None, lease.valid_until)
+            for part, lease in zip(self._parts, self.leases, strict=True)
+        ]
+
+    def end(self, exc: BaseException | None) -> ConcurrencyError | None:
+        keeper = self._parts_keeper
+        if keeper is not None:
+            for key in self._part_keys:
+                keeper.forget(key)
+        return super().end(exc)
+
+    def _release(self, outcome: Outcome) -> None:
+        request = self.several
+        hold_ms = (time.monotonic() - self.held_since) * 1000
+        failed = False
+        for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
+            try:
+                limiter.release(lease, outcome)
+            except Exception as exc:  # the others are still released; TTL frees this one
+                failed = True
+                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
+                request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
+        if not failed and has_listeners():
+            lease_id = self.lease.lease_id
+            request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
+
+    # -- what the keeper tells each part ------------------------------------------------
+
+    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
+        if self._ended or self._released:
+            return None
+        return self.several.limiters[index], self.leases[index]
+
+    def part_renewed(self, index: int, lease: Lease) -> None:
+        self.leases[index] = lease
+        if index == 0:
+            self.lease = lease
+
+    def part_renewal_failed(self, index: int, error: BaseException) -> None:
+        self.several.event(
+            "renewal-failed", lease_id=self.leases[index].lease_id, error=describe_error(error)
+        )
+
+    def part_lost(self, index: int, error: BaseException | None) -> None:
+        with self._state:
+            if self._lost_lease is None and self._abort_reason is None:
+                self._lost_lease = self.leases[index]
+        self.abort("lease-lost", error)
+
+
+class _Part:
+    """One lease of a :class:`SeveralHold`, as the keeper sees it (a LeaseHolder)."""
+
+    __slots__ = ("__weakref__", "_hold", "index")
+
+    def __init__(self, hold: SeveralHold, index: int) -> None:
+        self._hold = weakref.ref(hold)
+        self.index = index
+
+    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
+        hold = self._hold()
+        return None if hold is None else hold.part_lease(self.index)
+
+    def lease_renewed(self, lease: Lease) -> None:
+        hold = self._hold()
+        if hold is not None:
+            hold.part_renewed(self.index, lease)
+
+    def renewal_failed(self, error: BaseException) -> None:
+        hold = self._hold()
+        if hold is not None:
+            hold.part_renewal_failed(self.index, error)
+
+    def lease_lost(self, error: BaseException | None) -> None:
+        hold = self._hold()
+        if hold is not None:
+            hold.part_lost(self.index, error)
+
+    def deadline_passed(self) -> Deadline | None:
+        hold = self._hold()
+        return None if hold is None else hold.deadline_passed()
 
 
 def _call_safely(callback: Callable[[], object]) -> None:

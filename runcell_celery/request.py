@@ -9,6 +9,11 @@ cancelled run or a spent budget never asks; README, "Errors").
 It touches no state: a run's first slot, admitted before the run's body
 (:mod:`runcell_celery.admission`), is adopted by :class:`~runcell_celery.slot.Slot`
 after the request is resolved.
+
+A request over several limiters (``slot(openai, gpt_4o, tenants.key("acme"))``) is
+resolved by :func:`build_several` into a :class:`SeveralRequest`: one request id and
+run, one :class:`~runcell_celery.protocol.AcquireRequest` per limiter with the workload
+it uses there (:func:`~runcell_celery.several.resolve_workloads`), and the fairness key.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from .errors import (
 )
 from .events import ConcurrencyEvent, EventType, describe_error, emit, has_listeners
 from .ids import new_request_id
+from .keys import check_key
 from .protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -34,8 +40,9 @@ from .protocol import (
     SupportsValidateWorkload,
     supports,
 )
+from .several import check_several, default_key, resolve_workloads
 
-__all__ = ["SlotRequest", "build_request", "report_refusal"]
+__all__ = ["SeveralRequest", "SlotRequest", "build_request", "build_several", "report_refusal"]
 
 E = TypeVar("E", bound=ConcurrencyError)
 
@@ -90,9 +97,134 @@ class SlotRequest:
                 request_id=request.request_id,
                 timestamp=time.time(),
                 holder_name=request.holder_name,
+                key=request.key,
                 **extra,
             )
         )
+
+
+class SeveralRequest(SlotRequest):
+    """One request over several limiters, granted all together or not at all.
+
+    ``limiter`` and ``request`` are the first limiter's (what errors and one-limiter
+    listeners read); ``limiters`` and ``requests`` are all of them, in the order given.
+    """
+
+    __slots__ = ("key", "limiters", "requests")
+
+    def __init__(
+        self,
+        run: RunContext | None,
+        limiters: tuple[ConcurrencyLimiter, ...],
+        requests: tuple[AcquireRequest, ...],
+        key: str | None,
+    ) -> None:
+        super().__init__(run, limiters[0], requests[0])
+        self.limiters = limiters
+        self.requests = requests
+        self.key = key
+
+    def __repr__(self) -> str:
+        names = [limiter.name for limiter in self.limiters]
+        return f"SeveralRequest({names!r}, {self.request!r})"
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(limiter.name for limiter in self.limiters)
+
+    def event(self, type_: EventType, **extra: Any) -> None:
+        """Emit an event about the whole request: every limiter and the key."""
+        if not has_listeners():
+            return
+        request = self.request
+        lineage = request.lineage
+        emit(
+            ConcurrencyEvent(
+                type=type_,
+                limiter=self.limiter.name,
+                limiters=self.names(),
+                key=self.key,
+                workload=request.workload,
+                run_id=lineage.run_id,
+                root_run_id=lineage.root_run_id,
+                parent_run_id=lineage.parent_run_id,
+                request_id=request.request_id,
+                timestamp=time.time(),
+                holder_name=request.holder_name,
+                **extra,
+            )
+        )
+
+
+def build_several(
+    run: RunContext | None,
+    limiters: tuple[ConcurrencyLimiter, ...],
+    *,
+    workload: str | None = None,
+    key: str | None = None,
+    request_id: str | None = None,
+    cancel: CancellationToken | None = None,
+) -> SeveralRequest:
+    """Resolve ``slot(a, b, ...)`` made in ``run`` into one request over the limiters.
+
+    :param limiters: at least two limiters, in the order given.
+    :param workload: the workload the request selects (defaults to the run's when the
+        limiters are the run's); it applies in every limiter that has it, the
+        limiter's default in the others.
+    :param key: the fairness key (defaults to the run's, then to the key of a key's
+        limiter among ``limiters``, ``tenants.key("acme")`` -> ``"acme"``).
+    :raises ConcurrencyConfigError: a keyed limiter itself, the same limiter twice,
+        limiters that cannot be held together, or a workload none of them has.
+    :raises ConcurrencyCancelledError, ConcurrencyTimeoutError: as :func:`build_request`.
+    """
+    resolved_id = request_id or new_request_id()
+    lineage = run.lineage if run is not None else RunLineage(resolved_id, resolved_id)
+    if run is not None and workload is None and limiters == run.limiters:
+        workload = run.workload
+    if key is None and run is not None:
+        key = run.key
+    try:
+        check_several(limiters)
+        if key is None:
+            key = default_key(limiters)
+        else:
+            check_key(limiters[0].name, key)
+        workloads = resolve_workloads(limiters, workload)
+    except ConcurrencyConfigError as exc:
+        raise ConcurrencyConfigError(
+            exc.message,
+            limiter=limiters[0].name,
+            workload=workload,
+            run_id=lineage.run_id,
+            root_run_id=lineage.root_run_id,
+            parent_run_id=lineage.parent_run_id,
+            request_id=resolved_id,
+        ) from None
+    remaining = run.remaining_ms() if run is not None else None
+    requests = tuple(
+        AcquireRequest(
+            request_id=resolved_id,
+            workload=name,
+            lineage=lineage,
+            timeout_ms=remaining,
+            holder_name=run.name if run is not None else None,
+            in_progress=run is not None and run.progress.slots_taken > 0,
+            key=key,
+        )
+        for name in workloads
+    )
+    resolved = SeveralRequest(run, limiters, requests, key)
+    run_cancel = run.cancel if run is not None else None
+    if (cancel is not None and cancel.is_set()) or (run_cancel is not None and run_cancel.is_set()):
+        raise resolved.error(
+            ConcurrencyCancelledError, "the run was cancelled before it asked for a slot"
+        )
+    if remaining is not None and remaining <= 0:
+        names = ", ".join(repr(name) for name in resolved.names())
+        raise resolved.error(
+            ConcurrencyTimeoutError,
+            f"the run's time budget ended before it asked limiters {names} for slots",
+        )
+    return resolved
 
 
 def build_request(
@@ -102,6 +234,7 @@ def build_request(
     workload: str | None = None,
     request_id: str | None = None,
     cancel: CancellationToken | None = None,
+    key: str | None = None,
 ) -> SlotRequest:
     """Resolve a ``slot()`` call made in ``run`` into the request to send.
 
@@ -112,6 +245,7 @@ def build_request(
         slot uses the run's limiter, then to the limiter's default.
     :param request_id: a stable request id; defaults to a new one.
     :param cancel: the slot's own token (only read: a set one refuses the request).
+    :param key: the request's fairness key (defaults to the run's).
     :raises ConcurrencyConfigError: no limiter, or the workload is invalid.
     :raises ConcurrencyCancelledError: the run or the slot is already cancelled.
     :raises ConcurrencyTimeoutError: the run's budget is already spent.
@@ -120,7 +254,7 @@ def build_request(
     it with :func:`report_refusal`.
     """
     if run is None:
-        return _outside_any_run(limiter, workload, request_id, cancel)
+        return _outside_any_run(limiter, workload, request_id, cancel, key)
     if limiter is None:
         limiter = run.limiter
     resolved_id = request_id or new_request_id()
@@ -134,6 +268,9 @@ def build_request(
         )
     if workload is None and limiter is run.limiter:
         workload = run.workload
+        if workload is not None and len(run.limiters) > 1:
+            # The run's workload applies where this limiter has it, else its default.
+            workload = _workload_here(limiter, workload)
     remaining = run.remaining_ms()
     lineage = run.lineage
     request = AcquireRequest(
@@ -143,6 +280,7 @@ def build_request(
         timeout_ms=remaining,
         holder_name=run.name,
         in_progress=run.progress.slots_taken > 0,
+        key=key if key is not None else run.key,
     )
     resolved = SlotRequest(run, limiter, request)
     if (cancel is not None and cancel.is_set()) or (run.cancel is not None and run.cancel.is_set()):
@@ -162,6 +300,7 @@ def _outside_any_run(
     workload: str | None,
     request_id: str | None,
     cancel: CancellationToken | None,
+    key: str | None,
 ) -> SlotRequest:
     # A slot outside any run is a one-slot run of its own: its run id is the request
     # id. No RunContext is built for it (the hot path of a bare ``with slot(lim)``).
@@ -174,15 +313,25 @@ def _outside_any_run(
             root_run_id=resolved_id,
             request_id=resolved_id,
         )
-    request = AcquireRequest(
-        resolved_id, _validated(limiter, workload, resolved_id, lineage, None), lineage
-    )
+    workload = _validated(limiter, workload, resolved_id, lineage, None)
+    if key is None:  # the hot path: no keyword to pass
+        request = AcquireRequest(resolved_id, workload, lineage)
+    else:
+        request = AcquireRequest(resolved_id, workload, lineage, key=key)
     resolved = SlotRequest(None, limiter, request)
     if cancel is not None and cancel.is_set():
         raise resolved.error(
             ConcurrencyCancelledError, "the run was cancelled before it asked for a slot"
         )
     return resolved
+
+
+def _workload_here(limiter: ConcurrencyLimiter, workload: str) -> str | None:
+    """``workload`` if ``limiter`` has it, else ``None`` (its default)."""
+    try:
+        return resolve_workloads((limiter,), workload)[0]
+    except ConcurrencyConfigError:
+        return None
 
 
 def _validated(
@@ -204,9 +353,16 @@ def _validated(
     return workload or DEFAULT_WORKLOAD
 
 
-def report_refusal(error: ConcurrencyError, holder_name: str | None) -> None:
-    """Emit the event for a request :func:`build_request` refused (none without a
-    limiter: there is no limiter to report it under)."""
+def report_refusal(
+    error: ConcurrencyError,
+    holder_name: str | None,
+    *,
+    limiters: tuple[str, ...] | None = None,
+    key: str | None = None,
+) -> None:
+    """Emit the event for a request :func:`build_request` (or :func:`build_several`,
+    with its ``limiters`` and ``key``) refused (none without a limiter: there is no
+    limiter to report it under)."""
     if error.limiter is None or not has_listeners():
         return
     extra: dict[str, Any]
@@ -228,6 +384,8 @@ def report_refusal(error: ConcurrencyError, holder_name: str | None) -> None:
             request_id=error.request_id,
             timestamp=time.time(),
             holder_name=holder_name,
+            limiters=limiters,
+            key=key,
             **extra,
         )
     )

@@ -24,6 +24,12 @@
    ``release-failed`` and the run continues.
 
 Every step emits its event (see :mod:`runcell_celery.events`).
+
+``slot(a, b, c)`` (or ``slot()`` in a run of several limiters) is one request over
+several limiters (README, "Several limits and keys"): resolved by
+:func:`~runcell_celery.request.build_several`, acquired all together through the
+backend's :class:`~runcell_celery.protocol.SupportsSeveral`, held as one
+:class:`~runcell_celery.hold.SeveralHold`. One limiter takes the path above unchanged.
 """
 
 from __future__ import annotations
@@ -51,16 +57,17 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import EventType, describe_error, has_listeners
-from .hold import Hold, abort_error, is_interrupt, register_interrupt
+from .hold import Hold, SeveralHold, abort_error, is_interrupt, register_interrupt
 from .protocol import (
     ConcurrencyLimiter,
     Lease,
     OnWait,
     SupportsAsyncAcquire,
     SupportsConfig,
+    SupportsSeveral,
     supports,
 )
-from .request import SlotRequest, build_request, report_refusal
+from .request import SeveralRequest, SlotRequest, build_request, build_several, report_refusal
 
 __all__ = ["Slot", "is_interrupt", "preadmit", "register_interrupt", "slot"]
 
@@ -77,7 +84,9 @@ class Slot:
 
     Use :func:`slot` to make one. Inside the block it is the handle of the held slot:
     ``lease``, ``fencing_token`` (pass it to a provider proxy that fences stale
-    holders), ``aborted``, :meth:`on_abort` and :meth:`interruptible`.
+    holders), ``aborted``, :meth:`on_abort` and :meth:`interruptible`. Over several
+    limiters ``lease`` and ``fencing_token`` are the first limiter's; ``leases`` and
+    ``fencing_tokens`` have them all.
 
     Entering is one path for ``with`` and ``async with``: :meth:`_ask` (resolve the
     request), a wait that differs (blocking, or awaiting), then :meth:`_granted` or
@@ -86,14 +95,34 @@ class Slot:
 
     def __init__(
         self,
-        limiter: ConcurrencyLimiter | None = None,
-        *,
+        *limiters: ConcurrencyLimiter | None,
         workload: str | None = None,
+        key: str | None = None,
         max_hold_ms: int | None = None,
         cancel: CancellationToken | None = None,
         request_id: str | None = None,
     ) -> None:
-        self._limiter_arg = limiter
+        self._setup(limiters, workload, key, max_hold_ms, cancel, request_id)
+
+    def _setup(
+        self,
+        limiters: tuple[ConcurrencyLimiter | None, ...],
+        workload: str | None,
+        key: str | None,
+        max_hold_ms: int | None,
+        cancel: CancellationToken | None,
+        request_id: str | None,
+    ) -> None:
+        # One limiter (or none: the run's) is the path it always was; several are one
+        # request over them all.
+        if len(limiters) == 1:
+            self._limiter_arg = limiters[0]
+            self._several: tuple[ConcurrencyLimiter, ...] | None = None
+        else:
+            named = tuple(x for x in limiters if x is not None)
+            self._several = named if len(named) > 1 else None
+            self._limiter_arg = named[0] if len(named) == 1 else None
+        self._key_arg = key
         self._workload_arg = workload
         self._max_hold_ms = max_hold_ms
         self._cancel_arg = cancel
@@ -113,6 +142,27 @@ class Slot:
     def fencing_token(self) -> int | None:
         """The lease's fencing token while held (increases per lease and limiter)."""
         return self._hold.lease.fencing_token if self._hold is not None else None
+
+    @property
+    def leases(self) -> tuple[Lease, ...]:
+        """Every lease while held, one per limiter in the order given; ``()`` before."""
+        hold = self._hold
+        if hold is None:
+            return ()
+        if isinstance(hold, SeveralHold):
+            return tuple(hold.leases)
+        return (hold.lease,)
+
+    @property
+    def fencing_tokens(self) -> dict[str, int]:
+        """Each limiter's fencing token while held, by limiter name; ``{}`` before."""
+        hold = self._hold
+        if hold is None:
+            return {}
+        if isinstance(hold, SeveralHold):
+            names = hold.several.names()
+            return {n: x.fencing_token for n, x in zip(names, hold.leases, strict=True)}
+        return {hold.slot_request.limiter.name: hold.lease.fencing_token}
 
     @property
     def aborted(self) -> bool:
@@ -139,6 +189,13 @@ class Slot:
     def __enter__(self) -> Slot:
         asked, cancel, cleanups = self._ask()
         started = time.monotonic()
+        if isinstance(asked, SeveralRequest):
+            _give_back_admitted(asked)
+            try:
+                leases = _acquire_several(asked, cancel)
+            except BaseException as exc:
+                self._not_granted(asked, exc, started, cleanups)
+            return self._granted_several(asked, leases, started, cancel, cleanups, None)
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
             asked, lease, waited_ms = adopted
@@ -153,6 +210,13 @@ class Slot:
         asked, cancel, cleanups = self._ask()
         started = time.monotonic()
         task = asyncio.current_task()
+        if isinstance(asked, SeveralRequest):
+            _give_back_admitted(asked)
+            try:
+                leases = await _acquire_several_async(asked, cancel)
+            except BaseException as exc:
+                self._not_granted(asked, exc, started, cleanups)
+            return self._granted_several(asked, leases, started, cancel, cleanups, task)
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
             asked, lease, waited_ms = adopted
@@ -169,16 +233,37 @@ class Slot:
         if self._hold is not None:
             raise RuntimeError("a Slot is used once; call slot() again for the next request")
         run = current_run()
+        several = self._several
+        if (
+            several is None
+            and self._limiter_arg is None
+            and run is not None
+            and len(run.limiters) > 1
+        ):
+            several = run.limiters
         try:
-            asked = build_request(
-                run,
-                self._limiter_arg,
-                workload=self._workload_arg,
-                request_id=self._request_id,
-                cancel=self._cancel_arg,
-            )
+            if several is None:
+                asked = build_request(
+                    run,
+                    self._limiter_arg,
+                    workload=self._workload_arg,
+                    request_id=self._request_id,
+                    cancel=self._cancel_arg,
+                    key=self._key_arg,
+                )
+            else:
+                asked = build_several(
+                    run,
+                    several,
+                    workload=self._workload_arg,
+                    key=self._key_arg,
+                    request_id=self._request_id,
+                    cancel=self._cancel_arg,
+                )
         except ConcurrencyError as exc:
-            report_refusal(exc, run.name if run is not None else None)
+            names = None if several is None else tuple(x.name for x in several)
+            key = self._key_arg if self._key_arg is not None else None
+            report_refusal(exc, run.name if run is not None else None, limiters=names, key=key)
             raise
         cleanups: list[Callable[[], object]] = []
         own = self._cancel_arg
@@ -248,6 +333,55 @@ class Slot:
             self._early_callbacks = None
         return self
 
+    def _granted_several(
+        self,
+        asked: SeveralRequest,
+        leases: tuple[Lease, ...],
+        started: float,
+        cancel: CancellationToken | None,
+        cleanups: list[Callable[[], object]],
+        task: asyncio.Task[Any] | None,
+    ) -> Slot:
+        """As :meth:`_granted`, for one lease in each of several limiters."""
+        for lease in leases:
+            if lease.valid_until is not None and lease.valid_until.passed():
+                _several_expired_before_start(asked, leases, lease, started, cleanups)
+        max_hold_ms = self._max_hold_ms
+        if max_hold_ms is None:
+            configured = [
+                cast(SupportsConfig, x).config.max_hold_ms
+                for x in asked.limiters
+                if supports(x, SupportsConfig)
+            ]
+            given = [x for x in configured if x is not None]
+            max_hold_ms = min(given) if given else None
+        hold = SeveralHold(
+            asked,
+            leases,
+            max_hold=Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None,
+            task=task,
+            cleanups=cleanups,
+        )
+        self._hold = hold
+        run = asked.run
+        if run is not None:
+            run.progress.slots_taken += 1
+        if has_listeners():
+            asked.event(
+                "acquired",
+                lease_id=leases[0].lease_id,
+                fencing_token=leases[0].fencing_token,
+                wait_ms=(hold.held_since - started) * 1000,
+            )
+        hold.keep(run.deadline if run is not None else None)
+        if cancel is not None:
+            hold.add_cleanup(cancel.add_callback(hold.cancelled))
+        if self._early_callbacks is not None:
+            for callback in self._early_callbacks:
+                hold.on_abort(callback)
+            self._early_callbacks = None
+        return self
+
     # -- leaving --------------------------------------------------------------------
 
     def __exit__(
@@ -297,6 +431,34 @@ def _lease_expired_before_start(
         f"({waited_ms:.0f} ms after asking; the process was paused longer than the lease "
         "lives), so the body did not run",
         limiter=name,
+    )
+
+
+def _several_expired_before_start(
+    asked: SeveralRequest,
+    leases: tuple[Lease, ...],
+    expired: Lease,
+    started: float,
+    cleanups: list[Callable[[], object]],
+) -> NoReturn:
+    for cleanup in cleanups:
+        cleanup()
+    asked.event(
+        "lease-lost",
+        lease_id=expired.lease_id,
+        hold_ms=0.0,
+        reason="expired-before-start",
+        error=None,
+    )
+    for limiter, lease in zip(asked.limiters, leases, strict=True):
+        with contextlib.suppress(Exception):  # expired already: the limiter may know it
+            limiter.release(lease, "lease-lost")
+    waited_ms = (time.monotonic() - started) * 1000
+    raise asked.error(
+        ConcurrencyLeaseLostError,
+        f"slot {expired.lease_id} of limiter {expired.limiter!r} expired before its body "
+        f"could start ({waited_ms:.0f} ms after asking; the process was paused longer "
+        "than the lease lives), so the body did not run",
     )
 
 
@@ -390,6 +552,58 @@ def preadmit(admission: Admission) -> None:
     admission.hold(PreAdmitted(asked, lease, wait_ms=waited_ms), run.deadline, run.cancel)
 
 
+def _give_back_admitted(asked: SeveralRequest) -> None:
+    """A run's first request over several limiters cannot adopt the one slot admitted
+    before the body (it would hold part of its slots while it waits): give it back."""
+    run = asked.run
+    admission = run.admission if run is not None else None
+    if admission is not None and admission.admitted is not None:
+        # No request's workload is "": the admitted slot never matches, so it is released.
+        admission.first_slot(asked.limiter, "")
+
+
+def _acquire_several(asked: SeveralRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
+    first = cast(SupportsSeveral, asked.limiters[0])
+    leases = tuple(
+        first.acquire_several(
+            asked.limiters, asked.requests, cancel=cancel, on_wait=asked.wait_started
+        )
+    )
+    if len(leases) != len(asked.limiters):
+        for limiter, lease in zip(asked.limiters, leases, strict=False):
+            with contextlib.suppress(Exception):
+                limiter.release(lease, "error")
+        raise asked.error(
+            ConcurrencyLimiterError,
+            f"limiter {asked.limiter.name!r} returned {len(leases)} leases for "
+            f"{len(asked.limiters)} limiters",
+        )
+    return leases
+
+
+async def _acquire_several_async(
+    asked: SeveralRequest, cancel: CancellationToken | None
+) -> tuple[Lease, ...]:
+    """Wait in a thread; an asyncio cancellation cancels the wait through a token, and
+    slots granted meanwhile are released, not leaked."""
+    stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
+    waiting = asyncio.ensure_future(asyncio.to_thread(_acquire_several, asked, stop))
+    try:
+        return await asyncio.shield(waiting)
+    except asyncio.CancelledError:
+        stop.cancel("the asyncio task was cancelled")
+        try:
+            granted = await waiting
+        except ConcurrencyError:
+            pass
+        else:
+            for limiter, lease in zip(asked.limiters, granted, strict=True):
+                limiter.release(lease, "cancelled")
+        raise
+    finally:
+        stop.detach()
+
+
 def _acquire(asked: SlotRequest, cancel: CancellationToken | None, on_wait: OnWait) -> Lease:
     return asked.limiter.acquire(asked.request, cancel=cancel, on_wait=on_wait)
 
@@ -425,29 +639,37 @@ async def _acquire_async(
 
 
 def slot(
-    limiter: ConcurrencyLimiter | None = None,
-    *,
+    *limiters: ConcurrencyLimiter,
     workload: str | None = None,
+    key: str | None = None,
     max_hold_ms: int | None = None,
     cancel: CancellationToken | None = None,
     request_id: str | None = None,
 ) -> Slot:
     """Hold one slot around one provider request (``with`` or ``async with``).
 
-    :param limiter: the limiter; defaults to the current run's.
+    :param limiters: the limiter; defaults to the current run's. Several limiters
+        (``slot(openai, gpt_4o, tenants.key("acme"))``): one slot in each, granted
+        together or not at all, never some held while waiting for the others.
     :param workload: the workload; defaults to the run's, then the limiter's default.
+        Over several limiters it applies in each that has it, the default elsewhere.
+    :param key: the fairness key (a tenant) for limiters with ``fairness:
+        "round_robin"``; defaults to the run's, then to the key of a key's limiter
+        among ``limiters`` (``tenants.key("acme")`` -> ``"acme"``).
     :param max_hold_ms: end the hold as a lost lease after this long (defaults to the
         limiter's ``max_hold_ms``).
     :param cancel: a token that cancels this request (the run's still applies).
     :param request_id: a stable id for the request (defaults to a new one).
     :raises ConcurrencyError: see :mod:`runcell_celery.errors`; the provider must not
-        be called when entering fails.
+        be called when entering fails. ``ConcurrencyConfigError`` for a keyed limiter
+        itself (name ``limiter.key(...)``), the same limiter twice, or limiters that
+        cannot be held together (different backends).
 
     ::
 
         with slot(claude, workload="background") as s:
             reply = client.messages.create(..., extra_headers={"x-fence": str(s.fencing_token)})
     """
-    return Slot(
-        limiter, workload=workload, max_hold_ms=max_hold_ms, cancel=cancel, request_id=request_id
-    )
+    made = Slot.__new__(Slot)  # not Slot(*limiters, ...): no second unpacking per call
+    made._setup(limiters, workload, key, max_hold_ms, cancel, request_id)
+    return made
