@@ -15,7 +15,8 @@ Sections (``--only`` picks some; all by default):
   commits/s while they wait.
 * ``keyed`` — the uncontended cycle on one key of a keyed limiter, and on a new key
   every cycle (its row made by the acquire), against an unkeyed limiter's; and the
-  key rows left once the keys are idle and purged.
+  key rows left once the keys are idle: 100,000 keys used once each (2,000 with
+  ``--size small``), then nothing called but the process's own purge loop.
 * ``tables`` — the uncontended cycle with 10,000 parked rows on the same limiter and
   1,000 other limiters holding 3,000 leases, against an empty database, with
   statistics fresh and with statistics taken before the tables grew.
@@ -662,18 +663,32 @@ def bench_keyed(size: str) -> dict[str, Any]:
         out["ratio_new_key_to_unkeyed"] = round(
             medians["new_key_each_cycle"] / medians["unkeyed"], 3
         )
-        out["keys_used"] = next(fresh) + 2
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            before = conn.execute(
-                "SELECT count(*) FROM runcell_limiter WHERE parent = 'tenant'"
-            ).fetchone()
-            while tenant.purge_idle_keys() > 0:
+        # Then many keys used once each, and what they leave once idle: the process's
+        # own purge loop (every PURGE_INTERVAL_S) deletes them, nothing else is called.
+        once = 100_000 if size == "full" else 2_000
+        started = time.monotonic()
+        for i in range(once):
+            with slot(tenant.key(f"once-{i}")):
                 pass
-            after = conn.execute(
-                "SELECT count(*) FROM runcell_limiter WHERE parent = 'tenant'"
-            ).fetchone()
-        out["key_rows_before_final_purge"] = before[0] if before else None
-        out["key_rows_left_once_idle"] = after[0] if after else None
+            if i and i % 20_000 == 0:
+                progress(f"keyed: {i:,} of {once:,} keys used once")
+        out["keys_used_once"] = once
+        out["keys_used_once_s"] = round(time.monotonic() - started, 1)
+        out["keys_used_in_all"] = next(fresh) + once + 1
+        with psycopg.connect(dsn, autocommit=True) as conn:
+
+            def rows() -> int:
+                found = conn.execute(
+                    "SELECT count(*) FROM runcell_limiter WHERE parent = 'tenant'"
+                ).fetchone()
+                return int(found[0]) if found else -1
+
+            out["key_rows_right_after"] = rows()
+            idle_since = time.monotonic()
+            while rows() > 0 and time.monotonic() - idle_since < 120:
+                time.sleep(0.5)
+            out["key_rows_left_once_idle"] = rows()
+            out["seconds_until_none_left"] = round(time.monotonic() - idle_since, 1)
     progress(f"keyed: {out}")
     return out
 
