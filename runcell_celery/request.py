@@ -271,6 +271,8 @@ def build_request(
         if workload is not None and len(run.limiters) > 1:
             # The run's workload applies where this limiter has it, else its default.
             workload = _workload_here(limiter, workload)
+    elif workload is None and len(run.limiters) > 1 and limiter in run.limiters:
+        workload = None if run.workload is None else _workload_here(limiter, run.workload)
     remaining = run.remaining_ms()
     lineage = run.lineage
     request = AcquireRequest(

@@ -553,3 +553,16 @@ def _wait_until(check: Callable[[], object], what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
         time.sleep(0.002)
+
+
+def test_a_slot_on_one_of_the_runs_limiters_uses_the_runs_workload_where_it_exists() -> None:
+    openai = create_concurrency_limiter(2, name="one-openai")
+    gpt = create_concurrency_limiter(2, name="one-gpt", workloads={"batch": {}, "default": {}})
+    with run(limiter=[openai, gpt], workload="batch"):
+        with slot(gpt) as on_gpt:
+            assert on_gpt.lease is not None
+            assert on_gpt.lease.workload == "batch"
+        with slot(openai) as on_openai:
+            assert on_openai.lease is not None
+            assert on_openai.lease.workload == "default"
+    assert_idle(openai, gpt)
