@@ -20,6 +20,7 @@ from django.db.models import (
     F,
     FloatField,
     IntegerField,
+    JSONField,
     OuterRef,
     Q,
     Subquery,
@@ -76,6 +77,34 @@ class LimiterQuerySet(models.QuerySet[Any]):
         queryset._live_states = True
         return queryset
 
+    def without_keys(self) -> LimiterQuerySet:
+        """Limiters only: not the rows of a keyed limiter's keys (a fleet may have
+        100,000 of those)."""
+        return self.filter(parent__isnull=True)
+
+    def keys_of(self, keyed: str) -> LimiterQuerySet:
+        """The key rows of the keyed limiter ``keyed`` (index ``runcell_limiter_keys``)."""
+        return self.filter(parent=keyed)
+
+    def with_key_usage(self) -> LimiterQuerySet:
+        """Annotate ``held_total`` and ``waiting_total`` (each row's own, all workloads
+        together) and, on a keyed limiter's row, ``key_usage``: its keys stored, in use
+        and their counts per workload, summed (:data:`runcell_django.sql.KEY_USAGE`).
+        No query of its own: subqueries of the rows' query, bounded by an index."""
+        return cast(
+            LimiterQuerySet,
+            self.annotate(
+                held_total=RawSQL(sql.HELD_TOTAL, (), output_field=IntegerField()),
+                waiting_total=RawSQL(sql.WAITING_TOTAL, (), output_field=IntegerField()),
+                key_usage=RawSQL(sql.KEY_USAGE, (), output_field=JSONField()),
+            ),
+        )
+
+    def busiest_first(self) -> LimiterQuerySet:
+        """Most slots held first, then most requests waiting, then by name (as the
+        backend's ``key_stats`` orders keys); needs :meth:`with_key_usage`."""
+        return self.order_by("-held_total", "-waiting_total", "name")
+
     def _clone(self) -> LimiterQuerySet:
         clone = cast(LimiterQuerySet, super()._clone())  # type: ignore[misc]
         clone._live_states = self._live_states
@@ -94,8 +123,12 @@ class LimiterQuerySet(models.QuerySet[Any]):
                 row.live_state = states.get(row.name)
 
     def stored_limits(self) -> dict[str, LimiterConfig | None]:
-        """Each limiter's parsed stored limits by name (``None``: unreadable), one query."""
-        return {row.name: row.limits for row in self.order_by("name").only("name", "config")}
+        """Each limiter's parsed stored limits by name (``None``: unreadable), one query.
+
+        Keys of keyed limiters are left out: they have their keyed limiter's limits,
+        and there may be 100,000 of them."""
+        rows = self.without_keys().order_by("name").only("name", "config", "parent")
+        return {row.name: row.limits for row in rows}
 
 
 class LeaseQuerySet(models.QuerySet[Any]):

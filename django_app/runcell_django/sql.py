@@ -25,6 +25,38 @@ WHERE runcell_event.limiter = runcell_limiter.name AND runcell_event.type = 'acq
   AND runcell_event.occurred_at > statement_timestamp() - %s * interval '1 minute'
 """
 
+# -- keyed limiters (annotations on runcell_limiter rows) -------------------------------
+
+#: A keyed limiter's keys, in one scan of their rows (index ``runcell_limiter_keys``):
+#: ``{"keys": stored, "in_use": holding or waiting, "workloads": {name: [held, waiting]}}``
+#: summed over its keys; NULL for any other row (nothing is read for those).
+KEY_USAGE: LiteralString = """
+CASE WHEN runcell_limiter.parent IS NULL
+          AND coalesce((runcell_limiter.config ->> 'keyed')::boolean, false) THEN (
+    WITH k AS MATERIALIZED (
+        SELECT k.workloads, k.active, k.waiting FROM runcell_limiter AS k
+        WHERE k.parent = runcell_limiter.name
+    )
+    SELECT jsonb_build_object(
+        'keys', (SELECT count(*) FROM k),
+        'in_use', (SELECT count(*) FROM k WHERE 0 < ANY(k.active) OR 0 < ANY(k.waiting)),
+        'workloads', (
+            SELECT coalesce(jsonb_object_agg(t.workload, jsonb_build_array(t.held, t.waiting)),
+                            '{}'::jsonb)
+            FROM (SELECT u.workload, sum(u.held) AS held, sum(u.waiting) AS waiting
+                  FROM k, unnest(k.workloads, k.active, k.waiting) AS u(workload, held, waiting)
+                  GROUP BY u.workload) AS t)))
+END
+"""
+
+#: Slots a limiter row holds now, all workloads together (the busiest keys come first).
+HELD_TOTAL: LiteralString = "(SELECT coalesce(sum(a), 0) FROM unnest(runcell_limiter.active) AS a)"
+
+#: Requests waiting on a limiter row now, all workloads together.
+WAITING_TOTAL: LiteralString = (
+    "(SELECT coalesce(sum(w), 0) FROM unnest(runcell_limiter.waiting) AS w)"
+)
+
 # -- dashboard ------------------------------------------------------------------------
 
 #: Per limiter and time bucket (``bucket_s`` seconds): the most slots held and requests

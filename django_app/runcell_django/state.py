@@ -40,6 +40,14 @@ class LimiterState:
     oldest_wait_ms: float | None
     p95_wait_ms: float | None
     workloads: tuple[WorkloadState, ...]
+    #: A keyed limiter's row: ``limit`` and ``max_queued`` are each key's, and the
+    #: counts are summed over its keys (its own row holds nothing).
+    keyed: bool = False
+    #: A key's row: the keyed limiter whose limits it has.
+    parent: str | None = None
+    #: A keyed limiter's keys stored, and those holding slots or with requests waiting.
+    keys: int = 0
+    keys_in_use: int = 0
 
     @classmethod
     def of(cls, limiter: Limiter) -> LimiterState:
@@ -50,6 +58,12 @@ class LimiterState:
         live: BackendLimiterState | None = getattr(limiter, "live_state", None)
         active: Mapping[str, int] = live.active if live is not None else {}
         queued: Mapping[str, int] = live.queued if live is not None else {}
+        usage: Mapping[str, object] | None = getattr(limiter, "key_usage", None)
+        keyed = limiter.parent is None and bool(
+            limits.keyed if limits is not None else limiter.config.get("keyed")
+        )
+        if keyed and usage is not None:
+            active, queued = _key_totals(usage)
         names = [*sorted(configured), *sorted({*active, *queued} - set(configured))]
         workloads = tuple(
             WorkloadState(
@@ -71,27 +85,68 @@ class LimiterState:
             oldest_wait_ms=live.oldest_wait_ms if live is not None else None,
             p95_wait_ms=getattr(limiter, "p95_wait_ms", None),
             workloads=workloads,
+            keyed=keyed,
+            parent=limiter.parent,
+            keys=_count(usage, "keys"),
+            keys_in_use=_count(usage, "in_use"),
         )
 
-    def bars(self) -> tuple[Bar, ...]:
-        """Slots held against the limit: all workloads, then each workload's ceiling."""
+    def bars(self, width: int = 120) -> tuple[Bar, ...]:
+        """Slots held against the limit: all workloads, then each workload's ceiling
+        (bars ``width`` pixels long).
+
+        A keyed limiter's counts are its keys' summed, which no single limit bounds:
+        numbers without bars (each key's limit is said once)."""
+        if self.keyed:
+            per_key = _("%s per key") % self.limit if self.limit is not None else ""
+            return (
+                bar(_("all keys"), self.active, None, note=per_key, width=0),
+                *(bar(w.name, w.active, None, width=0) for w in self.workloads),
+            )
         return (
-            bar(_("all workloads"), self.active, self.limit),
+            bar(_("all workloads"), self.active, self.limit, width=width),
             *(
                 bar(
                     w.name,
                     w.active,
                     w.limit,
                     note=_("%d reserved") % w.reserved if w.reserved else "",
+                    width=width,
                 )
                 for w in self.workloads
             ),
         )
 
 
+def _count(usage: Mapping[str, object] | None, name: str) -> int:
+    value = usage.get(name) if usage is not None else None
+    return int(value) if isinstance(value, int | float) else 0
+
+
+def _key_totals(usage: Mapping[str, object]) -> tuple[dict[str, int], dict[str, int]]:
+    """Slots held and requests waiting per workload, summed over a keyed limiter's keys
+    (``key_usage["workloads"]``: ``{workload: [held, waiting]}``)."""
+    per_workload = usage.get("workloads")
+    active: dict[str, int] = {}
+    queued: dict[str, int] = {}
+    if isinstance(per_workload, Mapping):
+        for name, counts in per_workload.items():
+            held, waiting = counts if isinstance(counts, list) and len(counts) == 2 else (0, 0)
+            if held:
+                active[str(name)] = int(held)
+            if waiting:
+                queued[str(name)] = int(waiting)
+    return active, queued
+
+
 def live_states(limiters: Iterable[Limiter] | None = None) -> list[LimiterState]:
-    """The live state of every stored limiter (one query)."""
-    rows = Limiter.objects.with_live_stats() if limiters is None else limiters
+    """The live state of every stored limiter (one query), keys left out: a keyed
+    limiter's state sums its keys'."""
+    rows = (
+        Limiter.objects.without_keys().with_key_usage().with_live_stats()
+        if limiters is None
+        else limiters
+    )
     return [LimiterState.of(row) for row in rows]
 
 
