@@ -13,23 +13,28 @@ from __future__ import annotations
 
 import datetime
 from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.filters import DateFieldListFilter
+from django.contrib.admin.utils import quote
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
+from django.db.models.expressions import Combinable
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
-from django.urls import URLPattern, path
+from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
+from runcell_celery.keys import split_key_name
+
 from . import conf
-from .filters import LimiterFilter, QueueStateFilter, WorkloadFilter
+from .filters import KeyFilter, LimiterFilter, QueueStateFilter, WorkloadFilter
 from .force_release import force_release as release_leases
 from .managers import LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import (
@@ -71,6 +76,12 @@ def _task(name: str | None, run_id: str | None) -> str:
     )
 
 
+def _queued(state: LimiterState) -> str:
+    """Requests waiting, with each workload's: ``4 (background 3, interactive 1)``."""
+    parts = ", ".join(f"{w.name} {w.queued}" for w in state.workloads if w.queued)
+    return format_html("{}{}", state.queued, f" ({parts})" if parts else "")
+
+
 class ReadOnlyAdmin(_ModelAdmin):
     """Live state and history: viewable, never added, changed or deleted here."""
 
@@ -88,6 +99,15 @@ class ReadOnlyAdmin(_ModelAdmin):
 
 @admin.register(Limiter)
 class LimiterAdmin(ReadOnlyAdmin):
+    """Limiters with their live counts; a keyed limiter's keys on demand.
+
+    A keyed limiter's keys are limiter rows of their own (``tenant:acme``, 100,000 of
+    them in a big fleet): hidden unless the keys filter or a search asks for them. A
+    keyed limiter's row counts its keys in use and sums their slots; its page lists
+    the busiest keys. Queries per list page do not grow with the rows shown: the keys'
+    counts are subqueries of the rows' query, and live counts one statement.
+    """
+
     list_display = (
         "name",
         "limits",
@@ -97,6 +117,12 @@ class LimiterAdmin(ReadOnlyAdmin):
         "p95_wait",
         "settings_status",
     )
+    list_filter = (KeyFilter,)
+    search_fields = ("name",)
+    search_help_text = _("A limiter's or a key's name, or part of it: acme finds tenant:acme.")
+    # Not the total over every row (keys included), and no per-choice counts.
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
     fields = (
         "name",
         "limits",
@@ -110,10 +136,33 @@ class LimiterAdmin(ReadOnlyAdmin):
         "created_at",
         "updated_at",
     )
-    readonly_fields = fields
+    readonly_fields = (*fields, "keyed_limiter", "keys_summary", "busiest_keys")
+
+    #: Rows of the busiest keys table on a keyed limiter's page.
+    BUSIEST_KEYS = 20
+    #: Bars of the lists, in pixels: short enough for every column at 1280 px.
+    BAR_WIDTH = 60
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return cast("LimiterQuerySet", super().get_queryset(request)).with_live_stats()
+        # As ModelAdmin's, annotated before the ordering that may use the annotations.
+        queryset = cast("LimiterQuerySet", self.model._default_manager.get_queryset())
+        queryset = queryset.with_key_usage().with_live_stats()
+        ordering = self.get_ordering(request)
+        return queryset.order_by(*ordering) if ordering else queryset
+
+    def get_ordering(self, request: HttpRequest) -> tuple[str | Combinable, ...]:
+        if request.GET.get(KeyFilter.parameter_name):  # a list of keys: busiest first
+            return ("-held_total", "-waiting_total", "name")
+        return tuple(super().get_ordering(request))
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        fields = list(self.fields)
+        if obj is not None and obj.parent is not None:
+            fields.insert(1, "keyed_limiter")
+        elif obj is not None and self._state(obj).keyed:
+            after = fields.index("workload_table") + 1
+            fields[after:after] = ["keys_summary", "busiest_keys"]
+        return tuple(fields)
 
     def _state(self, obj: Limiter) -> LimiterState:
         state: LimiterState | None = getattr(obj, "_runcell_state", None)
@@ -121,22 +170,63 @@ class LimiterAdmin(ReadOnlyAdmin):
             state = obj._runcell_state = LimiterState.of(obj)  # type: ignore[attr-defined]
         return state
 
+    def _url(self, view: str, *args: str) -> str:
+        opts = self.opts
+        return reverse(
+            f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_{view}",
+            args=[quote(arg) for arg in args],
+        )
+
+    def _keys_url(self, keyed: str) -> str:
+        """The changelist of ``keyed``'s keys, busiest first (searchable)."""
+        return f"{self._url('changelist')}?{urlencode({KeyFilter.parameter_name: keyed})}"
+
     @admin.display(description=_("limits"))
     def limits(self, obj: Limiter) -> str:
+        """The limits; a keyed limiter's are each key's, with its keys in use and a link
+        to the busiest; a key's are its keyed limiter's, linked."""
         state = self._state(obj)
         queue = _("no limit") if state.max_queued is None else state.max_queued
-        return format_html("{} {} · {} {}", state.limit, _("slots"), _("max queued"), queue)
+        # Wrapped, if at all, between the parts (a narrow window keeps each whole).
+        text = format_html(
+            '<span class="runcell-part">{} {}</span> · <span class="runcell-part">{} {}</span>',
+            state.limit,
+            _("slots"),
+            _("max queued"),
+            queue,
+        )
+        if state.parent is not None:
+            return format_html(
+                '{}<div class="runcell-keys">{} <a href="{}">{}</a></div>',
+                text,
+                _("key of"),
+                self._url("change", state.parent),
+                state.parent,
+            )
+        if not state.keyed:
+            return text
+        in_use = ngettext("%(n)d key in use", "%(n)d keys in use", state.keys_in_use) % {
+            "n": state.keys_in_use
+        }
+        return format_html(
+            '<span class="runcell-part">{}</span> {}<div class="runcell-keys">'
+            '<span class="runcell-part">{} · {}</span> · <a href="{}">{}</a></div>',
+            _("per key:"),
+            text,
+            _("keyed"),
+            in_use,
+            self._keys_url(obj.name),
+            _("busiest keys"),
+        )
 
-    @admin.display(description=_("held / limit"))
+    @admin.display(description=_("held / limit"), ordering="held_total")
     def occupancy(self, obj: Limiter) -> str:
-        bars = self._state(obj).bars()
+        bars = self._state(obj).bars(width=self.BAR_WIDTH)
         return render_to_string("runcell_django/bars.html", {"bars": bars})
 
-    @admin.display(description=_("queued"))
+    @admin.display(description=_("queued"), ordering="waiting_total")
     def queued(self, obj: Limiter) -> str:
-        state = self._state(obj)
-        parts = ", ".join(f"{w.name} {w.queued}" for w in state.workloads if w.queued)
-        return format_html("{}{}", state.queued, f" ({parts})" if parts else "")
+        return _queued(self._state(obj))
 
     @admin.display(description=_("oldest wait"))
     def oldest_wait(self, obj: Limiter) -> str:
@@ -148,10 +238,12 @@ class LimiterAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("settings"))
     def settings_status(self, obj: Limiter) -> str:
+        # A key's row has its keyed limiter's limits: RUNCELL names the keyed limiter.
+        name = obj.parent or obj.name
         registry = conf.registry()
-        if obj.name not in registry.names():
+        if name not in registry.names():
             return str(_("not in RUNCELL"))
-        mine = registry.config(obj.name)
+        mine = registry.config(name)
         stored = obj.limits
         if mine is None or stored is None:
             return "-"
@@ -174,6 +266,62 @@ class LimiterAdmin(ReadOnlyAdmin):
             for name, options in sorted(configured.items())
         ]
         return render_to_string("runcell_django/workloads.html", {"rows": rows})
+
+    @admin.display(description=_("keyed limiter"))
+    def keyed_limiter(self, obj: Limiter) -> str:
+        if obj.parent is None:
+            return "-"
+        return format_html(
+            '<a href="{}">{}</a><div class="runcell-note" style="color:#666">{}</div>',
+            self._url("change", obj.parent),
+            obj.parent,
+            _(
+                "This is a key of a keyed limiter: its limits are the keyed limiter's "
+                "(each key has them for itself). Its row goes once the key is idle."
+            ),
+        )
+
+    @admin.display(description=_("keys"))
+    def keys_summary(self, obj: Limiter) -> str:
+        state = self._state(obj)
+        in_use = ngettext(
+            "%(n)d key in use (slots held or requests waiting)",
+            "%(n)d keys in use (slots held or requests waiting)",
+            state.keys_in_use,
+        ) % {"n": state.keys_in_use}
+        stored = ngettext("%(n)d stored", "%(n)d stored", state.keys) % {"n": state.keys}
+        return format_html(
+            '{}, {} · <a href="{}">{}</a>',
+            in_use,
+            stored,
+            self._keys_url(obj.name),
+            _("all its keys, busiest first (searchable)"),
+        )
+
+    @admin.display(description=_("busiest keys"))
+    def busiest_keys(self, obj: Limiter) -> str:
+        """The top keys by slots held, then requests waiting (two queries, LIMIT)."""
+        top = (
+            Limiter.objects.keys_of(obj.name)
+            .with_key_usage()
+            .with_live_stats()
+            .busiest_first()[: self.BUSIEST_KEYS]
+        )
+        rows = []
+        for key in top:
+            state = self._state(key)
+            rows.append(
+                {
+                    "key": split_key_name(key.name)[1] or key.name,
+                    "name": key.name,
+                    "url": self._url("change", key.name),
+                    "bars": state.bars(width=self.BAR_WIDTH),
+                    "queued": _queued(state),
+                    "oldest_wait": format_ms(state.oldest_wait_ms),
+                }
+            )
+        context = {"rows": rows, "limit": self.BUSIEST_KEYS, "all_url": self._keys_url(obj.name)}
+        return render_to_string("runcell_django/busiest_keys.html", context)
 
 
 @admin.register(Lease)

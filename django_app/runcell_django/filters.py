@@ -1,20 +1,24 @@
 """List filters of the admin pages: limiter and workload from the stored limits (one
-query per page, cached on the request), and a queued request's state."""
+query per page, cached on the request), a queued request's state, and which keys of
+keyed limiters the limiters page lists."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.admin.views.main import SEARCH_VAR
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
 from runcell_celery import LimiterConfig
+from runcell_celery.config import KEY_SEPARATOR
 
 from .models import Limiter
 
-__all__ = ["LimiterFilter", "QueueStateFilter", "WorkloadFilter"]
+__all__ = ["KeyFilter", "LimiterFilter", "QueueStateFilter", "WorkloadFilter"]
 
 
 def _stored_limits(request: HttpRequest) -> dict[str, LimiterConfig | None]:
@@ -27,6 +31,8 @@ def _stored_limits(request: HttpRequest) -> dict[str, LimiterConfig | None]:
 
 
 class LimiterFilter(admin.SimpleListFilter):
+    """By limiter; a keyed limiter stands for all its keys (which are not listed)."""
+
     title = _("limiter")
     parameter_name = "limiter"
 
@@ -35,7 +41,15 @@ class LimiterFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
-        return queryset.filter(limiter=value) if value else queryset
+        if not value:
+            return queryset
+        limits = _stored_limits(request).get(value)
+        if limits is None or not limits.keyed:
+            return queryset.filter(limiter=value)
+        # A keyed limiter holds nothing itself: its keys' rows ("tenant:acme") are meant.
+        field = queryset.model._meta.get_field("limiter")
+        name = "limiter__name" if field.is_relation else "limiter"
+        return queryset.filter(**{f"{name}__startswith": f"{value}{KEY_SEPARATOR}"})
 
 
 class WorkloadFilter(admin.SimpleListFilter):
@@ -75,3 +89,41 @@ class QueueStateFilter(admin.SimpleListFilter):
         if value == "granted":
             return queryset.filter(granted_lease_id__isnull=False)
         return queryset
+
+
+class KeyFilter(admin.SimpleListFilter):
+    """Which keys of keyed limiters the limiters page lists: none by default (a fleet
+    may have 100,000, and they would bury the limiters), those of one keyed limiter,
+    or all. A search lists the key rows it finds even when keys are hidden."""
+
+    title = _("keys")
+    parameter_name = "keys_of"
+    #: One line above the list (the limiters page has no filter sidebar).
+    template = "runcell_django/key_filter.html"
+    #: The value listing the keys of every keyed limiter.
+    ALL = "__all__"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        keyed = [
+            (name, _("of %(limiter)s") % {"limiter": name})
+            for name, limits in _stored_limits(request).items()
+            if limits is not None and limits.keyed
+        ]
+        return [(self.ALL, _("all keys")), *keyed]
+
+    def choices(self, changelist: Any) -> Iterator[Any]:
+        choices = super().choices(changelist)
+        unfiltered = next(choices)  # Django's "All": here, no keys
+        unfiltered["display"] = _("hidden (limiters only)")
+        yield unfiltered
+        yield from choices
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == self.ALL:
+            return queryset.filter(parent__isnull=False)
+        if value:
+            return queryset.filter(parent=value)
+        if request.GET.get(SEARCH_VAR, "").strip():
+            return queryset  # a search finds keys too
+        return queryset.filter(parent__isnull=True)
