@@ -26,7 +26,7 @@ __all__ = [
     "by_name",
     "is_keyed",
     "key_of",
-    "limiter_options",
+    "limiter_argument",
     "require",
     "validate_workload",
 ]
@@ -135,17 +135,12 @@ def by_name(registry: LimiterRegistry, name: str) -> ConcurrencyLimiter:
     return key_of(registry.get(base), base, key, task_name="-")
 
 
-def limiter_options(limiters: tuple[ConcurrencyLimiter, ...], key: str | None) -> dict[str, Any]:
-    """``run()``'s limiter arguments.
-
-    None or one limiter: ``limiter=`` as before (a keyed one is already its key's
-    limiter, ``tenant:acme``, so the key adds nothing a slot in it could use). Several:
-    the sequence (every slot takes one in each) and the run's ``key=`` (its requests'
-    key in the others' lines, for ``fairness="round_robin"``).
-    """
-    if len(limiters) <= 1:
-        return {"limiter": limiters[0] if limiters else None}
-    options: dict[str, Any] = {"limiter": limiters}
-    if key is not None:
-        options["key"] = key
-    return options
+def limiter_argument(
+    limiters: tuple[ConcurrencyLimiter, ...],
+) -> ConcurrencyLimiter | tuple[ConcurrencyLimiter, ...] | None:
+    """``run(limiter=...)`` for a task's limiters: none, one as before (a keyed one is
+    already its key's limiter, ``tenant:acme``), or several as a sequence (every slot
+    takes one in each, together; the run then gets the key as its fairness ``key=``)."""
+    if not limiters:
+        return None
+    return limiters[0] if len(limiters) == 1 else limiters

@@ -78,7 +78,7 @@ from .limiters import (
     by_name,
     is_keyed,
     key_of,
-    limiter_options,
+    limiter_argument,
     require,
     validate_workload,
 )
@@ -336,7 +336,8 @@ class RunCellTask(Task[Any, Any]):
             )
         context = stack.enter_context(
             run(
-                **limiter_options(limiters, key),
+                limiter=limiter_argument(limiters),
+                key=key if len(limiters) > 1 else None,
                 workload=carried.select.workload,
                 default_workload=spec.workload,
                 deadline=budget.deadline,

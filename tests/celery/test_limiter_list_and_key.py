@@ -9,11 +9,14 @@ task, before anything is published. No worker is needed: messages are caught at
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
 from celery.signals import before_task_publish
 
 from runcell_celery import (
@@ -420,3 +423,89 @@ def test_a_run_started_by_a_direct_call_or_eagerly_uses_its_keys_limiter() -> No
     # Sending forms the key from the arguments, over a header the caller passed.
     sent = run_task.apply(("acme",), headers={run_headers.KEY: "other"})
     assert sent.get() == "tenant:o-acme tenant:o-acme"
+
+
+# -- several limiters in one process (in-memory: the first backend holding several) -----
+
+
+def _several_app(openai: int, tenant: int) -> tuple[Celery, Any, Any]:
+    """An app with ``openai`` and a keyed ``tenant`` limiter, both in memory."""
+    app = Celery("several", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.runcell = {"BACKEND": "memory"}
+    openai_limiter = create_concurrency_limiter(openai, name="openai")
+    tenants = create_concurrency_limiter(tenant, name="tenant", keyed=True)
+    registry = registry_for(app)
+    registry.register(openai_limiter)
+    registry.register(tenants)
+    return app, openai_limiter, tenants
+
+
+def test_a_run_over_a_list_holds_a_slot_in_each_limiter_and_the_keys_limiter() -> None:
+    app, openai, tenants = _several_app(openai=3, tenant=1)
+
+    @app.task(
+        base=RunCellTask,
+        name="several.direct",
+        shared=False,
+        concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"},
+    )
+    def direct(tenant_id: str) -> dict[str, Any]:
+        context = current_run()
+        assert context is not None
+        with slot():
+            held = (openai.stats().active, tenants.key(tenant_id).stats().active)
+        return {
+            "limiters": [limiter.name for limiter in context.limiters],
+            "key": context.key,
+            "held": held,
+            "after": (openai.stats().active, tenants.key(tenant_id).stats().active),
+        }
+
+    app.finalize(auto=True)
+    for reply in (direct("acme"), direct.apply(("acme",)).get()):
+        assert reply == {
+            "limiters": ["openai", "tenant:acme"],
+            "key": "acme",
+            "held": (1, 1),
+            "after": (0, 0),
+        }
+
+
+def test_tasks_over_a_list_keep_every_limit_on_a_threaded_worker() -> None:
+    """Four tenants of one slot each under openai's three: a witness counts the bodies
+    in flight per tenant and in total; the tenants' limits and openai's both hold, and
+    both are reached (else the test proves nothing)."""
+    app, _openai, _tenants = _several_app(openai=3, tenant=1)
+    lock = threading.Lock()
+    now: dict[str, int] = {}
+    peak: dict[str, int] = {}
+
+    def count(name: str, step: int) -> None:
+        with lock:
+            now[name] = now.get(name, 0) + step
+            peak[name] = max(peak.get(name, 0), now[name])
+
+    @app.task(
+        base=RunCellTask,
+        name="several.worker",
+        shared=False,
+        concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"},
+    )
+    def work(tenant_id: str) -> None:
+        with slot():
+            count(tenant_id, 1)
+            count("*", 1)
+            time.sleep(0.1)
+            count(tenant_id, -1)
+            count("*", -1)
+
+    app.finalize(auto=True)
+    tenant_ids = ["acme", "globex", "initech", "umbrella"]
+    with start_worker(
+        app, pool="threads", concurrency=10, perform_ping_check=False, loglevel="WARNING"
+    ):
+        results = [work.delay(tenant) for _ in range(4) for tenant in tenant_ids]
+        for result in results:
+            result.get(timeout=60)
+    assert {tenant: peak[tenant] for tenant in tenant_ids} == dict.fromkeys(tenant_ids, 1)
+    assert peak["*"] == 3, f"{peak['*']} bodies at once under openai's limit of 3"
