@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..background import BackgroundLoop, ProcessLocal
 from ..events import ConcurrencyEvent
 from ..keys import split_key_name
 from ..ports import AdmissionCount, CounterStore
 
-__all__ = ["AdmissionCount", "AdmissionCounters"]
+__all__ = ["AdmissionCount", "AdmissionCounters", "counted_as", "counter_label"]
 
 logger = logging.getLogger("runcell_celery.celery.counters")
 
@@ -62,10 +62,16 @@ Key = tuple[str, str]
 StoreFactory = Callable[[], object]
 
 
+def counter_label(names: Sequence[str]) -> str:
+    """The limiter a run over ``names`` is counted under: the names joined with
+    ``"+"``, a key's limiter by its keyed limiter's name (``["openai", "tenant:acme"]``
+    -> ``"openai+tenant"``); ``"-"`` for none."""
+    return "+".join(split_key_name(name)[0] for name in names) or "-"
+
+
 def counted_as(event: ConcurrencyEvent) -> str:
-    """The limiter an event is counted under: a key's limiter under its keyed
-    limiter's name (``"tenant:acme"`` -> ``"tenant"``)."""
-    return split_key_name(event.limiter)[0]
+    """The limiter an event is counted under (:func:`counter_label` of its limiters)."""
+    return counter_label(event.limiters or (event.limiter,))
 
 
 class _ProcessCounts:

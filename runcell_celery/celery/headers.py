@@ -5,7 +5,8 @@ another host) share, so everything a child inherits travels in headers, never in
 global variable:
 
 * ``runcell_parent`` — set on every message sent from inside a run: the parent's
-  limiter name, workload, deadline (Unix time on the sender's clock) and name. The
+  limiter name, workload, deadline (Unix time on the sender's clock) and name, and for
+  a run over several limiters all their names (``limiters``) and its key (``key``). The
   child inherits them as the spec's nested runs do.
 * ``runcell_select`` — what one call selected (``apply_async(concurrency=...)``).
 * ``runcell_deadline`` — a deadline (Unix time on the sender's clock) that a
@@ -81,6 +82,10 @@ class ParentHeader(TypedDict, total=False):
     workload: str | None
     deadline: float | None
     name: str | None
+    #: Every limiter of a parent over several (``limiter`` is the first).
+    limiters: list[str] | None
+    #: The parent's key (its fairness key over several limiters).
+    key: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +200,25 @@ def _parent(value: object, invalid: Callable[[str], ConcurrencyHeaderError]) -> 
             f"its 'deadline' = {_shown.repr(deadline)} must be a finite Unix time in "
             "seconds or null"
         )
-    return ParentHeader(
+    limiters = value.get("limiters")
+    if limiters is not None and (
+        not isinstance(limiters, list)
+        or not limiters
+        or not all(isinstance(item, str) and item for item in limiters)
+    ):
+        raise invalid(
+            f"its 'limiters' = {_shown.repr(limiters)} must be a non-empty list of limiter "
+            "names or null"
+        )
+    parent = ParentHeader(
         limiter=name("limiter"),
         workload=name("workload"),
         deadline=None if deadline is None else float(deadline),
         name=name("name"),
     )
+    if limiters is not None:
+        parent["limiters"] = list(limiters)
+    key = name("key")
+    if key is not None:
+        parent["key"] = key
+    return parent

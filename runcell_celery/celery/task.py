@@ -72,6 +72,7 @@ from ..protocol import (
 from ..registry import LimiterRegistry
 from ..slot import preadmit, register_interrupt, slot
 from . import headers
+from .counters import counter_label
 from .deferral import DuplicateDelivery, admission_for
 from .limiters import (
     body_signature,
@@ -312,10 +313,12 @@ class RunCellTask(Task[Any, Any]):
             # its limiter, workload and remaining budget as a nested run does. Its
             # deadline is a Unix time from the parent's host: a bound that only
             # shortens this run's own budget (``run`` keeps the earliest).
-            parent_limiter = parent.get("limiter")
+            names = _parent_limiters(parent)
+            inherited_limiters = tuple(by_name(registry, name) for name in names)
             stack.enter_context(
                 run(
-                    limiter=by_name(registry, parent_limiter) if parent_limiter else None,
+                    limiter=limiter_argument(inherited_limiters),
+                    key=parent.get("key") if len(inherited_limiters) > 1 else None,
                     workload=parent.get("workload"),
                     deadline=_header_bound(parent.get("deadline")),
                     run_id=request.parent_id or request.root_id,
@@ -515,16 +518,25 @@ class _HideSetAsideIgnored(logging.Filter):
 _HIDE_SET_ASIDE = _HideSetAsideIgnored()
 
 
+def _parent_limiters(parent: headers.ParentHeader | None) -> list[str]:
+    """The limiter names a parent header gives (all of a parent over several)."""
+    if parent is None:
+        return []
+    limiter = parent.get("limiter")
+    return parent.get("limiters") or ([limiter] if limiter else [])
+
+
 def _limiter_name(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> str:
     """The limiter a delivery is counted under, known before its run starts (the one
     the run will use: its own, else its parent's); several are joined, as
-    ``"openai+tenant"`` (a keyed limiter by its name, not its key's)."""
+    ``"openai+tenant"``, and a keyed limiter is named, not its key's
+    (:func:`.counters.counter_label`)."""
     if spec.label is not None:
         return spec.label
     local = current_run()
-    if local is not None and local.limiter is not None:
-        return local.limiter.name
-    return (parent or {}).get("limiter") or "-"
+    if local is not None and local.limiters:
+        return counter_label([limiter.name for limiter in local.limiters])
+    return counter_label(_parent_limiters(parent))
 
 
 def _log_deferral(

@@ -39,12 +39,18 @@ def _propagate_run(message_headers: dict[str, Any] | None) -> None:
         return
     if headers.PARENT in message_headers or headers.PUBLICATION in message_headers:
         return  # a re-published message keeps the lineage it was first sent with
-    message_headers[headers.PARENT] = {
+    parent: dict[str, Any] = {
         "limiter": context.limiter.name if context.limiter is not None else None,
         "workload": context.workload,
         "deadline": context.deadline_timestamp(),
         "name": context.name,
     }
+    if len(context.limiters) > 1:
+        # Workers that do not read these inherit the first limiter, as before.
+        parent["limiters"] = [limiter.name for limiter in context.limiters]
+        if context.key is not None:
+            parent["key"] = context.key
+    message_headers[headers.PARENT] = parent
 
 
 def _flush_counters(**_: Any) -> None:

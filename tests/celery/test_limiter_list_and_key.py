@@ -509,3 +509,43 @@ def test_tasks_over_a_list_keep_every_limit_on_a_threaded_worker() -> None:
             result.get(timeout=60)
     assert {tenant: peak[tenant] for tenant in tenant_ids} == dict.fromkeys(tenant_ids, 1)
     assert peak["*"] == 3, f"{peak['*']} bodies at once under openai's limit of 3"
+
+
+def test_a_child_sent_from_a_run_over_a_list_inherits_every_limiter_and_the_key() -> None:
+    app, _openai, _tenants = _several_app(openai=3, tenant=1)
+    concurrency = {"limiter": ["openai", "tenant"], "key": "{tenant_id}"}
+
+    @app.task(base=RunCellTask, name="several.parent", shared=False, concurrency=concurrency)
+    def parent(tenant_id: str) -> str:
+        return str(child.delay().id)
+
+    @app.task(base=RunCellTask, name="several.child", shared=False)
+    def child() -> dict[str, Any]:
+        context = current_run()
+        assert context is not None
+        with slot():
+            pass
+        return {"limiters": [limiter.name for limiter in context.limiters], "key": context.key}
+
+    app.finalize(auto=True)
+    with start_worker(
+        app, pool="threads", concurrency=2, perform_ping_check=False, loglevel="WARNING"
+    ):
+        child_id = parent.delay("acme").get(timeout=30)
+        reply = app.AsyncResult(child_id).get(timeout=30)
+    assert reply == {"limiters": ["openai", "tenant:acme"], "key": "acme"}
+
+
+@pytest.mark.parametrize(
+    ("limiters", "rule"),
+    [
+        ([], r"its 'limiters' = \[\] must be a non-empty list"),
+        ("openai", r"its 'limiters' = 'openai' must be a non-empty list"),
+        (["openai", 3], r"must be a non-empty list of limiter names"),
+    ],
+)
+def test_a_malformed_parent_limiter_list_is_a_header_error(limiters: object, rule: str) -> None:
+    parent = {"limiter": "openai", "limiters": limiters}
+    with pytest.raises(ConcurrencyHeaderError, match=r"message header 'runcell_parent'") as caught:
+        run_headers.parse(_Request({run_headers.PARENT: parent}), task_name="keys.task")
+    assert caught.match(rule)
