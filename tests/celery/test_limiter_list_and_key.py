@@ -354,16 +354,23 @@ def _event(kind: str, limiter: str, **fields: Any) -> ConcurrencyEvent:
     )
 
 
-def test_a_keys_events_are_counted_under_its_keyed_limiter_not_one_row_per_key() -> None:
+def test_events_are_counted_under_their_limiters_joined_and_a_key_under_its_keyed_limiter() -> None:
     counters = AdmissionCounters(lambda: None)
     counters.on_event(_event("acquired", "tenant:acme"))
     counters.on_event(_event("acquired", "tenant:globex:eu"))  # a key may contain ':'
     counters.on_event(_event("released", "tenant:acme", outcome="error"))
     counters.on_event(_event("timed-out", "tenant:acme"))
     counters.on_event(_event("acquired", "openai"))
+    several = ("openai", "tenant:acme")
+    counters.on_event(_event("acquired", "openai", limiters=several, key="acme"))
     counts = {(c.task_name, c.limiter): c for c in counters.local()}
     counters.close()
-    assert set(counts) == {("keys.task", "tenant"), ("keys.task", "openai")}
+    assert set(counts) == {
+        ("keys.task", "tenant"),
+        ("keys.task", "openai"),
+        ("keys.task", "openai+tenant"),
+    }
+    assert counts[("keys.task", "openai+tenant")].provider_attempts == 1
     tenant = counts[("keys.task", "tenant")]
     assert (tenant.provider_attempts, tenant.provider_failures) == (2, 1)
     assert tenant.concurrency_failures == 1
