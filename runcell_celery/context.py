@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .cancellation import CancellationToken
 from .config import check_duration_ms
@@ -34,7 +34,7 @@ from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
 from .keys import check_key
-from .protocol import ConcurrencyLimiter, RunLineage, SupportsValidateWorkload
+from .protocol import ConcurrencyLimiter, RunLineage, SupportsValidateWorkload, supports
 from .several import check_several, resolve_workloads
 
 if TYPE_CHECKING:
@@ -188,10 +188,13 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         admission: Admission | None = None,
         key: str | None = None,
     ) -> None:
-        if isinstance(limiter, Sequence):
-            limiters = tuple(limiter)
+        limiters: tuple[ConcurrencyLimiter, ...]
+        if limiter is None:
+            limiters = ()
+        elif isinstance(limiter, (tuple, list)) or not supports(limiter, ConcurrencyLimiter):
+            limiters = tuple(cast(Sequence[ConcurrencyLimiter], limiter))
         else:
-            limiters = () if limiter is None else (limiter,)
+            limiters = (cast(ConcurrencyLimiter, limiter),)
         if deadline_at is not None:
             deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
         if timeout_ms is not None:

@@ -45,7 +45,7 @@ from typing import Any, NoReturn, cast
 
 from .admission import Admission, PreAdmitted, SlotDeferred
 from .cancellation import CancellationToken
-from .context import current_run
+from .context import RunContext, current_run
 from .deadline import Deadline
 from .errors import (
     ConcurrencyCancelledError,
@@ -115,9 +115,11 @@ class Slot:
     ) -> None:
         # One limiter (or none: the run's) is the path it always was; several are one
         # request over them all.
+        self._several: tuple[ConcurrencyLimiter, ...] | None = None
         if len(limiters) == 1:
             self._limiter_arg = limiters[0]
-            self._several: tuple[ConcurrencyLimiter, ...] | None = None
+        elif not limiters:
+            self._limiter_arg = None
         else:
             named = tuple(x for x in limiters if x is not None)
             self._several = named if len(named) > 1 else None
@@ -233,38 +235,24 @@ class Slot:
         if self._hold is not None:
             raise RuntimeError("a Slot is used once; call slot() again for the next request")
         run = current_run()
-        several = self._several
-        if (
-            several is None
-            and self._limiter_arg is None
-            and run is not None
-            and len(run.limiters) > 1
+        limiter = self._limiter_arg
+        if self._several is not None or (
+            limiter is None and run is not None and len(run.limiters) > 1
         ):
-            several = run.limiters
-        try:
-            if several is None:
+            asked: SlotRequest = self._ask_several(run)
+        else:
+            try:
                 asked = build_request(
                     run,
-                    self._limiter_arg,
+                    limiter,
                     workload=self._workload_arg,
                     request_id=self._request_id,
                     cancel=self._cancel_arg,
                     key=self._key_arg,
                 )
-            else:
-                asked = build_several(
-                    run,
-                    several,
-                    workload=self._workload_arg,
-                    key=self._key_arg,
-                    request_id=self._request_id,
-                    cancel=self._cancel_arg,
-                )
-        except ConcurrencyError as exc:
-            names = None if several is None else tuple(x.name for x in several)
-            key = self._key_arg if self._key_arg is not None else None
-            report_refusal(exc, run.name if run is not None else None, limiters=names, key=key)
-            raise
+            except ConcurrencyError as exc:
+                report_refusal(exc, run.name if run is not None else None)
+                raise
         cleanups: list[Callable[[], object]] = []
         own = self._cancel_arg
         inherited = asked.run.cancel if asked.run is not None else None
@@ -273,6 +261,26 @@ class Slot:
         linked = CancellationToken(own, inherited)
         cleanups.append(linked.detach)
         return asked, linked, cleanups
+
+    def _ask_several(self, run: RunContext | None) -> SeveralRequest:
+        several = self._several
+        if several is None:
+            assert run is not None
+            several = run.limiters
+        try:
+            return build_several(
+                run,
+                several,
+                workload=self._workload_arg,
+                key=self._key_arg,
+                request_id=self._request_id,
+                cancel=self._cancel_arg,
+            )
+        except ConcurrencyError as exc:
+            names = tuple(x.name for x in several)
+            holder = run.name if run is not None else None
+            report_refusal(exc, holder, limiters=names, key=self._key_arg)
+            raise
 
     @staticmethod
     def _not_granted(
