@@ -98,23 +98,35 @@ GROUP BY limiter
 # -- recorder -------------------------------------------------------------------------
 
 #: One occupancy sample per configured workload, once per interval for the whole fleet:
-#: the first recorder to reach an interval writes it; the others find it and skip.
+#: the first recorder to reach an interval writes it; the others find it and skip. A
+#: keyed limiter is sampled as the sum over its keys (read from their kept counts);
+#: its keys are not sampled one by one, since a fleet may have 100,000 of them.
 SAMPLE_OCCUPANCY: LiteralString = """
 WITH sample AS (
     SELECT to_timestamp(floor(extract(epoch FROM statement_timestamp()) * 1000
                               / %(interval_ms)s) * %(interval_ms)s / 1000.0) AS at
 ), workloads AS (
-    SELECT l.name AS limiter, w.workload
-    FROM runcell_limiter AS l, jsonb_object_keys(l.config -> 'workloads') AS w(workload)
+    SELECT l.name AS limiter, w.workload, w.i,
+           coalesce((l.config ->> 'keyed')::boolean, false) AS keyed
+    FROM runcell_limiter AS l,
+         unnest(l.workloads) WITH ORDINALITY AS w(workload, i)
+    WHERE l.parent IS NULL
 )
 INSERT INTO runcell_occupancy (limiter, workload, sampled_at, active, queued)
 SELECT w.limiter, w.workload, sample.at,
-       (SELECT count(*) FROM runcell_lease AS a
-        WHERE a.limiter = w.limiter AND a.workload = w.workload
-          AND a.expires_at > statement_timestamp()),
-       (SELECT count(*) FROM runcell_queue AS q
-        WHERE q.limiter = w.limiter AND q.workload = w.workload
-          AND q.granted_lease_id IS NULL AND q.expires_at > statement_timestamp())
+       CASE WHEN w.keyed
+            THEN (SELECT coalesce(sum(k.active[w.i]), 0) FROM runcell_limiter AS k
+                  WHERE k.parent = w.limiter)
+            ELSE (SELECT count(*) FROM runcell_lease AS a
+                  WHERE a.limiter = w.limiter AND a.workload = w.workload
+                    AND a.expires_at > statement_timestamp()) END,
+       CASE WHEN w.keyed
+            THEN (SELECT coalesce(sum(k.waiting[w.i]), 0) FROM runcell_limiter AS k
+                  WHERE k.parent = w.limiter)
+            ELSE (SELECT count(*) FROM runcell_queue AS q
+                  WHERE q.limiter = w.limiter AND q.workload = w.workload
+                    AND q.granted_lease_id IS NULL
+                    AND q.expires_at > statement_timestamp()) END
 FROM sample, workloads AS w
 WHERE NOT EXISTS (SELECT 1 FROM runcell_occupancy AS o WHERE o.sampled_at = sample.at)
 ON CONFLICT (limiter, workload, sampled_at) DO NOTHING

@@ -192,6 +192,10 @@ ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS hold_ms_avg double precisio
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS parent text;
 CREATE INDEX IF NOT EXISTS runcell_limiter_keys ON runcell_limiter (parent)
     WHERE parent IS NOT NULL;
+-- The limiters that are not keys, for operators' lists (a fleet may have 100,000
+-- keys). Neither column ever changes, so the hot row's updates stay HOT.
+CREATE INDEX IF NOT EXISTS runcell_limiter_not_keys ON runcell_limiter (name)
+    WHERE parent IS NULL;
 -- The limiter row is written by every operation: room on its page keeps those updates
 -- HOT (pruned in place), so it stays fast without VACUUM.
 ALTER TABLE runcell_limiter SET (fillfactor = 20);

@@ -39,7 +39,7 @@ FROZEN = {
         "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
     ),
     "0006_limiter_schema_v3_keys": (
-        "c59f9630122fd406a3af0eaae73ecd7e00dc51bdea9491c817b0f80ed28e2b27"
+        "dbc1ff42c064ce27a69b332e09e78c9332076ce8ddc8eea69b354d531f859efd"
     ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"

@@ -228,6 +228,17 @@ def test_occupancy_is_sampled_once_per_interval_for_the_whole_fleet(
     assert samples["batch"].sampled_at == samples["interactive"].sampled_at
 
 
+@pytest.mark.django_db
+def test_a_keyed_limiter_is_sampled_as_the_sum_over_its_keys_never_key_by_key(
+    pg_limiter: Callable[..., PostgresConcurrencyLimiter],
+) -> None:
+    tenant = pg_limiter(name="tenant", max_concurrent=2, keyed=True)
+    with slot(tenant.key("acme")), slot(tenant.key("acme")), slot(tenant.key("globex")):
+        EventRecorder(sample_interval_ms=600_000).sample_occupancy()
+    samples = list(OccupancySample.objects.filter(limiter__startswith="tenant"))
+    assert [(s.limiter, s.workload, s.active) for s in samples] == [("tenant", "default", 3)]
+
+
 def test_the_settings_start_one_recorder_per_process(settings: Any) -> None:
     settings.RUNCELL = {**settings.RUNCELL, "EVENTS": {"ENABLED": True, "SAMPLE_INTERVAL_MS": 0}}
     recorder = start_recorder()

@@ -1,16 +1,17 @@
 """The limiter's DDL as runcell_celery shipped it with keyed limiters (v3, revised).
 
-``postgres_concurrency_schema_sql()`` at checksum ``9c4ffba3cfe6f71c``, frozen as text
+``postgres_concurrency_schema_sql()`` at checksum ``4f137613236225ed``, frozen as text
 like the migrations before it. A key of a keyed limiter is a limiter row of its own,
 ``"<keyed limiter>:<key>"``, with the keyed limiter as its ``parent``: created by the
 first operation that names it (``runcell_create_key_v5``), deleted once idle
 (``runcell_purge_idle_keys_v5``), given new limits with its keyed limiter's
-(``runcell_sync_keys_v5``). The model state gains ``Limiter.parent``.
+(``runcell_sync_keys_v5``); operators' lists read the limiters that are not keys
+through a partial index. The model state gains ``Limiter.parent``.
 """
 
 from django.db import migrations, models
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 9c4ffba3cfe6f71c.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 4f137613236225ed.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -206,6 +207,10 @@ ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS hold_ms_avg double precisio
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS parent text;
 CREATE INDEX IF NOT EXISTS runcell_limiter_keys ON runcell_limiter (parent)
     WHERE parent IS NOT NULL;
+-- The limiters that are not keys, for operators' lists (a fleet may have 100,000
+-- keys). Neither column ever changes, so the hot row's updates stay HOT.
+CREATE INDEX IF NOT EXISTS runcell_limiter_not_keys ON runcell_limiter (name)
+    WHERE parent IS NULL;
 -- The limiter row is written by every operation: room on its page keeps those updates
 -- HOT (pruned in place), so it stays fast without VACUUM.
 ALTER TABLE runcell_limiter SET (fillfactor = 20);
@@ -1356,8 +1361,8 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '9c4ffba3cfe6f71c';
-INSERT INTO runcell_schema (checksum, version) VALUES ('9c4ffba3cfe6f71c', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '4f137613236225ed';
+INSERT INTO runcell_schema (checksum, version) VALUES ('4f137613236225ed', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0005's DDL: keys go (their rows, leases and waiting requests: 0005 has no
@@ -1371,6 +1376,7 @@ DROP FUNCTION IF EXISTS runcell_create_key_v5(text);
 DROP FUNCTION IF EXISTS runcell_purge_idle_keys_v5(text,integer);
 DROP FUNCTION IF EXISTS runcell_sync_keys_v5(text);
 DROP INDEX IF EXISTS runcell_limiter_keys;
+DROP INDEX IF EXISTS runcell_limiter_not_keys;
 ALTER TABLE runcell_limiter DROP COLUMN IF EXISTS parent;
 """
 
