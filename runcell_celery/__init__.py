@@ -47,6 +47,7 @@ from .protocol import (
     RunLineage,
     SupportsKeys,
     SupportsSeveral,
+    SupportsSeveralAsync,
     WorkloadStats,
 )
 from .slot import Slot, slot
@@ -77,6 +78,7 @@ __all__ = [
     "Slot",
     "SupportsKeys",
     "SupportsSeveral",
+    "SupportsSeveralAsync",
     "WorkloadConfig",
     "WorkloadStats",
     "add_event_listener",

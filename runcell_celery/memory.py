@@ -245,6 +245,19 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
 
         return acquire_several(limiters, requests, cancel=cancel, on_wait=on_wait)
 
+    async def acquire_several_async(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...]:
+        """As :meth:`acquire_several`, without blocking the event loop or a thread."""
+        from .memory_several import acquire_several_async
+
+        return await acquire_several_async(limiters, requests, cancel=cancel, on_wait=on_wait)
+
     def _enqueue(
         self, request: AcquireRequest, cancel: CancellationToken | None
     ) -> Lease | _Waiter:

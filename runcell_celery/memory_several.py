@@ -21,6 +21,8 @@ lock holder reads it first thing, so a state is never guarded by two locks at on
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -34,7 +36,7 @@ from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
 if TYPE_CHECKING:
     from .memory import InMemoryConcurrencyLimiter, _Waiter
 
-__all__ = ["COORDINATOR", "Coordinator", "acquire_several"]
+__all__ = ["COORDINATOR", "Coordinator", "acquire_several", "acquire_several_async"]
 
 T = TypeVar("T")
 
@@ -210,11 +212,81 @@ def acquire_several(
     cancel: CancellationToken | None = None,
     on_wait: OnWait | None = None,
 ) -> tuple[Lease, ...]:
-    """Wait for one slot in every in-memory limiter of ``limiters``, granted together.
+    """Wait (blocking this thread) for one slot in every in-memory limiter of
+    ``limiters``, granted together.
 
     See :class:`~runcell_celery.protocol.SupportsSeveral`; nothing is held while waiting,
     and a slot set granted at the moment of a cancel or timeout is given back.
     """
+    waiter = _enqueue(limiters, requests, cancel)
+    if isinstance(waiter, tuple):
+        return waiter
+    clock = waiter.limiters[0]._clock
+    event = threading.Event()
+    waiter.wake = event.set
+    unlink = cancel.add_callback(event.set) if cancel is not None else _nothing
+    try:
+        _announce(waiter, on_wait)
+        while True:
+            leases = _settle(waiter, cancel, clock.monotonic())
+            if leases is not None:
+                return leases
+            event.wait(_sleep_seconds(waiter, clock.monotonic()))
+            event.clear()
+    except BaseException:
+        _abandon(waiter, clock.monotonic())
+        raise
+    finally:
+        unlink()
+
+
+async def acquire_several_async(
+    limiters: Sequence[ConcurrencyLimiter],
+    requests: Sequence[AcquireRequest],
+    *,
+    cancel: CancellationToken | None = None,
+    on_wait: OnWait | None = None,
+) -> tuple[Lease, ...]:
+    """As :func:`acquire_several`, waiting without blocking the event loop (and without
+    a thread); asyncio-cancellation safe."""
+    waiter = _enqueue(limiters, requests, cancel)
+    if isinstance(waiter, tuple):
+        return waiter
+    clock = waiter.limiters[0]._clock
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed; waiter abandoned
+            loop.call_soon_threadsafe(event.set)
+
+    waiter.wake = wake
+    unlink = cancel.add_callback(wake) if cancel is not None else _nothing
+    try:
+        _announce(waiter, on_wait)
+        while True:
+            leases = _settle(waiter, cancel, clock.monotonic())
+            if leases is not None:
+                return leases
+            # Not ``wait_for``: on Python 3.11 it swallows a cancellation that arrives
+            # as the event is set, and the cancelled task would get the slots.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_sleep_seconds(waiter, clock.monotonic())):
+                    await event.wait()
+            event.clear()
+    except BaseException:
+        _abandon(waiter, clock.monotonic())
+        raise
+    finally:
+        unlink()
+
+
+def _enqueue(
+    limiters: Sequence[ConcurrencyLimiter],
+    requests: Sequence[AcquireRequest],
+    cancel: CancellationToken | None,
+) -> tuple[Lease, ...] | _Waiter:
+    """Check the request, then grant it at once or queue it (or refuse it)."""
     from .memory import InMemoryConcurrencyLimiter, _Waiter
 
     members: list[InMemoryConcurrencyLimiter] = []
@@ -237,32 +309,22 @@ def acquire_several(
     first = requests[0]
     if cancel is not None and cancel.is_set():
         raise members[0]._cancelled(first)
-    clock = members[0]._clock
     selected = _selected(members, workloads)
     waiter = _Waiter(first, selected, tuple(members), tuple(requests), workloads)
     with COORDINATOR.lock:
-        queued = COORDINATOR.enqueue_locked(waiter, clock.monotonic())
+        queued = COORDINATOR.enqueue_locked(waiter, members[0]._clock.monotonic())
     if isinstance(queued, Lease):
         assert waiter.leases is not None
         return waiter.leases
-    event = threading.Event()
-    waiter.wake = event.set
-    unlink = cancel.add_callback(event.set) if cancel is not None else _nothing
-    try:
-        if on_wait is not None:
-            deadline = waiter.deadline
-            on_wait(None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic()))
-        while True:
-            leases = _settle(waiter, cancel, clock.monotonic())
-            if leases is not None:
-                return leases
-            event.wait(_sleep_seconds(waiter, clock.monotonic()))
-            event.clear()
-    except BaseException:
-        _abandon(waiter, clock.monotonic())
-        raise
-    finally:
-        unlink()
+    return waiter
+
+
+def _announce(waiter: _Waiter, on_wait: OnWait | None) -> None:
+    if on_wait is None:
+        return
+    clock = waiter.limiters[0]._clock
+    deadline = waiter.deadline
+    on_wait(None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic()))
 
 
 def _selected(

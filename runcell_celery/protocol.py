@@ -39,6 +39,7 @@ __all__ = [
     "SupportsReap",
     "SupportsRenewMany",
     "SupportsSeveral",
+    "SupportsSeveralAsync",
     "SupportsStats",
     "SupportsValidateWorkload",
     "SupportsWithdraw",
@@ -307,6 +308,22 @@ class SupportsSeveral(Protocol):
             no slot is held.
         """
         ...
+
+
+@runtime_checkable
+class SupportsSeveralAsync(Protocol):
+    """Waits for slots in several limiters without occupying a thread (an ``async with
+    slot(a, b)`` uses it; otherwise the blocking :class:`SupportsSeveral` runs in a
+    worker thread)."""
+
+    async def acquire_several_async(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Sequence[Lease]: ...
 
 
 _ability_cache: dict[tuple[type, type], bool] = {}

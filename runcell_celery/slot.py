@@ -65,6 +65,7 @@ from .protocol import (
     SupportsAsyncAcquire,
     SupportsConfig,
     SupportsSeveral,
+    SupportsSeveralAsync,
     supports,
 )
 from .request import SeveralRequest, SlotRequest, build_request, build_several, report_refusal
@@ -577,6 +578,11 @@ def _acquire_several(asked: SeveralRequest, cancel: CancellationToken | None) ->
             asked.limiters, asked.requests, cancel=cancel, on_wait=asked.wait_started
         )
     )
+    return _check_leases(asked, leases)
+
+
+def _check_leases(asked: SeveralRequest, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
+    """One lease per limiter, or none kept (a backend's bug fails closed)."""
     if len(leases) != len(asked.limiters):
         for limiter, lease in zip(asked.limiters, leases, strict=False):
             with contextlib.suppress(Exception):
@@ -592,8 +598,18 @@ def _acquire_several(asked: SeveralRequest, cancel: CancellationToken | None) ->
 async def _acquire_several_async(
     asked: SeveralRequest, cancel: CancellationToken | None
 ) -> tuple[Lease, ...]:
-    """Wait in a thread; an asyncio cancellation cancels the wait through a token, and
-    slots granted meanwhile are released, not leaked."""
+    """Use the backend's ``acquire_several_async``, or wait in a thread: then an asyncio
+    cancellation cancels the wait through a token, and slots granted meanwhile are
+    released, not leaked."""
+    first = asked.limiters[0]
+    if supports(first, SupportsSeveralAsync):
+        native = cast(SupportsSeveralAsync, first)
+        leases = tuple(
+            await native.acquire_several_async(
+                asked.limiters, asked.requests, cancel=cancel, on_wait=asked.wait_started
+            )
+        )
+        return _check_leases(asked, leases)
     stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
     waiting = asyncio.ensure_future(asyncio.to_thread(_acquire_several, asked, stop))
     try:

@@ -566,3 +566,35 @@ def test_a_slot_on_one_of_the_runs_limiters_uses_the_runs_workload_where_it_exis
             assert on_openai.lease is not None
             assert on_openai.lease.workload == "default"
     assert_idle(openai, gpt)
+
+
+def test_async_requests_over_several_limiters_wait_without_a_thread_each() -> None:
+    openai = create_concurrency_limiter(1, name="aw-openai")
+    gpt = create_concurrency_limiter(2, name="aw-gpt")
+    inside = [0]
+    peak = [0]
+
+    async def call() -> None:
+        async with slot(openai, gpt):
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+            await asyncio.sleep(0.001)
+            inside[0] -= 1
+
+    async def main() -> int:
+        with held_directly(openai):
+            tasks = [asyncio.ensure_future(call()) for _ in range(50)]
+            for _ in range(1000):
+                await asyncio.sleep(0.002)
+                if openai.stats().queued == 50:
+                    break
+            assert openai.stats().queued == 50
+            threads_while_waiting = threading.active_count()
+        await asyncio.gather(*tasks)
+        return threads_while_waiting
+
+    threads_before = threading.active_count()
+    threads_while_waiting = asyncio.run(main())
+    assert threads_while_waiting <= threads_before + 2
+    assert peak[0] == 1
+    assert_idle(openai, gpt)
