@@ -18,6 +18,7 @@ from .config import LimiterConfig
 from .errors import ConcurrencyConfigError
 from .hints import did_you_mean
 from .memory import InMemoryConcurrencyLimiter
+from .memory_keys import KeyedInMemoryConcurrencyLimiter
 from .ports import BackendFactory
 
 __all__ = ["BACKENDS", "NEEDS_DATABASE", "MemoryBackend", "load_backend"]
@@ -55,7 +56,12 @@ class MemoryBackend:
                 f'{path}["{key}"] is invalid: the in-memory backend takes no options'
             )
 
-    def create_limiter(self, config: LimiterConfig) -> InMemoryConcurrencyLimiter:
+    def create_limiter(
+        self, config: LimiterConfig
+    ) -> InMemoryConcurrencyLimiter | KeyedInMemoryConcurrencyLimiter:
+        """A limiter of these limits; a keyed one (``keyed: True``) gives a limit per key."""
+        if config.keyed:
+            return KeyedInMemoryConcurrencyLimiter(config)
         return InMemoryConcurrencyLimiter(config)
 
     def close(self) -> None:

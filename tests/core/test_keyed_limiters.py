@@ -222,3 +222,16 @@ def test_round_robin_keeps_every_limit_under_threads() -> None:
     assert peak["rrl-provider"] <= 3
     assert all(v <= 1 for k, v in peak.items() if k.startswith("rrl-tenant:"))
     assert tenants.keys_in_use() == 0
+
+
+def test_the_in_memory_backend_builds_a_keyed_limiter_from_keyed_limits() -> None:
+    from runcell_celery.backends import MemoryBackend
+    from runcell_celery.config import limiter_config
+
+    backend = MemoryBackend()
+    keyed = backend.create_limiter(limiter_config(2, name="kb-tenant", keyed=True))
+    plain = backend.create_limiter(limiter_config(2, name="kb-openai"))
+    assert isinstance(keyed, KeyedInMemoryConcurrencyLimiter)
+    assert isinstance(plain, InMemoryConcurrencyLimiter)
+    with slot(plain, keyed.key("acme")) as held:
+        assert [x.limiter for x in held.leases] == ["kb-openai", "kb-tenant:acme"]

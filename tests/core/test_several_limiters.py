@@ -318,7 +318,8 @@ def test_cancelling_a_request_waiting_for_several_limiters_leaves_nothing_held(
     with held_directly(gpt):
         waiting = threading.Thread(target=wait)
         waiting.start()
-        events.wait_for("wait-started", limiter="cancel-openai")
+        started = events.wait_for("wait-started", limiter="cancel-openai")
+        assert started.limiters == ("cancel-openai", "cancel-gpt")
         token.cancel("the user went away")
         waiting.join(SOON_S)
         assert [type(x) for x in failures] == [ConcurrencyCancelledError]
