@@ -80,6 +80,18 @@ class KeySet:
         params = {"parent": self._parent.name, "limit": limit}
         return int(self._parent.call_database(statements.PURGE_IDLE_KEYS, params) or 0)
 
+    def reap_expired(self) -> int:
+        """Run an allocation pass on every key that has an expired lease (a dead
+        holder's slot, a parked grant nobody claimed); return how many keys."""
+        rows = self._parent.fetch(
+            statements.KEYS_WITH_EXPIRED_LEASES, {"parent": self._parent.name}
+        )
+        for (name,) in rows:
+            key = split_key_name(name)[1]
+            if key is not None:
+                self.get(key).reap()
+        return len(rows)
+
     def stats(self, *, limit: int = 20, search: str | None = None) -> dict[str, LimiterStats]:
         """Counts of the busiest keys (most slots held, then most waiting), at most
         ``limit``; ``search``: only keys containing it (case-insensitive)."""

@@ -699,7 +699,12 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     def reap(self) -> None:
         """Run one allocation pass: reap expired leases and abandoned queue rows, and
-        grant what frees (the waiting room and the sweeper call it)."""
+        grant what frees (the waiting room and the sweeper call it). For a keyed
+        limiter: a pass on each of its keys that has an expired lease (the sweeper
+        knows only the keyed limiter's name; a key's parked tasks wait on the key)."""
+        if self._config.keyed:
+            self._key_set().reap_expired()
+            return
         parked = self._call(
             None, statements.REAP, {"limiter": self.name}, lock_ms=lock_timeout_ms(None)
         )

@@ -256,3 +256,11 @@ IS_KEYED: LiteralString = """
 SELECT 1 FROM runcell_limiter
 WHERE name = %(name)s AND parent IS NULL AND coalesce((config->>'keyed')::boolean, false)
 """
+
+#: The keys of a keyed limiter holding an expired lease. Leases are few (one per slot
+#: held fleet-wide), so they are read whole rather than through 100,000 key rows.
+KEYS_WITH_EXPIRED_LEASES: LiteralString = """
+SELECT DISTINCT l.limiter FROM runcell_lease AS l
+WHERE l.expires_at <= clock_timestamp()
+  AND left(l.limiter, length(%(parent)s) + 1) = %(parent)s || ':'
+"""

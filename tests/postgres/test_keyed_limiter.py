@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 
 import psycopg
 import pytest
 
-from runcell_celery import ConcurrencyConfigError, ConcurrencyTimeoutError, slot
+from runcell_celery import (
+    AcquireRequest,
+    ConcurrencyConfigError,
+    ConcurrencyTimeoutError,
+    RunLineage,
+    slot,
+)
 from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
 from runcell_celery.postgres import keyed as keyed_module
 from tests.support.pg import unique_name
@@ -201,3 +208,18 @@ def test_round_robin_fairness_is_refused_until_the_postgres_limiter_serves_it(
 ) -> None:
     with pytest.raises(ConcurrencyConfigError, match="fairness 'round_robin' is not supported"):
         make_limiter(max_concurrent=1, fairness="round_robin")
+
+
+def test_an_allocation_pass_on_the_keyed_limiter_reaps_its_keys_dead_holders(
+    make_limiter: MakeLimiter,
+) -> None:
+    # The sweeper knows the keyed limiter's name only: its pass must reach the keys.
+    tenant = make_limiter(max_concurrent=1, keyed=True, lease_ttl_ms=200)
+    acme = tenant.key("acme")
+    rid = uuid.uuid4().hex
+    lease = acme.acquire(AcquireRequest(rid, None, RunLineage(rid, rid)))  # never renewed
+    assert lease.fencing_token > 0
+    assert acme.stats().active == 1
+    time.sleep(0.4)  # the lease expires; its holder is "dead"
+    tenant.reap()
+    assert acme.stats().active == 0
