@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..background import BackgroundLoop
 from ..keys import check_key, config_for_key, split_key_name
-from ..protocol import LimiterStats, WorkloadStats
+from ..protocol import KeyStats, LimiterStats, WorkloadStats
 from . import statements
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ class KeySet:
         self._parent = parent
         self._cache: OrderedDict[str, PostgresConcurrencyLimiter] = OrderedDict()
         self._lock = threading.Lock()
+        #: Whether the purge loop has waited its first interval.
+        self.purging = False
         self._purger: BackgroundLoop[KeySet] = BackgroundLoop(
             f"runcell-keys-{parent.name}", self, _purge_step, retry_s=PURGE_INTERVAL_S
         )
@@ -92,20 +94,26 @@ class KeySet:
                 self.get(key).reap()
         return len(rows)
 
-    def stats(self, *, limit: int = 20, search: str | None = None) -> dict[str, LimiterStats]:
-        """Counts of the busiest keys (most slots held, then most waiting), at most
-        ``limit``; ``search``: only keys containing it (case-insensitive)."""
+    def stats(self, *, limit: int | None = 100, search: str | None = None) -> list[KeyStats]:
+        """The keys in use, busiest first (most slots held, then most waiting), at most
+        ``limit`` (``None``: all); ``search``: only keys containing it (any case)."""
         params = {"parent": self._parent.name, "limit": limit, "search": search}
         rows = self._parent.fetch(statements.KEY_STATS, params)
-        out: dict[str, LimiterStats] = {}
-        for name, workloads, active, waiting in rows:
+        out: list[KeyStats] = []
+        for name, held, waiting in rows:
             key = split_key_name(name)[1]
             if key is not None:
-                out[key] = _stats(list(workloads or ()), active, waiting)
+                out.append(KeyStats(key=key, active=int(held), queued=int(waiting)))
         return out
 
-    def totals(self) -> LimiterStats:
-        """Slots held and requests waiting over every key, per workload."""
+    def in_use(self) -> int:
+        """How many keys hold a slot or have a request waiting."""
+        rows = self._parent.fetch(statements.KEYS_IN_USE, {"parent": self._parent.name})
+        return int(rows[0][0]) if rows else 0
+
+    def totals(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
+        """Slots held and requests waiting over every key, per workload; with
+        ``per_key`` also the keys in use (:meth:`stats`)."""
         rows = self._parent.fetch(statements.KEYED_TOTALS, {"parent": self._parent.name})
         workloads = list(self._parent.config.workloads)
         active = dict.fromkeys(workloads, 0)
@@ -117,6 +125,7 @@ class KeySet:
             active=sum(active.values()),
             queued=sum(queued.values()),
             workloads={w: WorkloadStats(active=active[w], queued=queued[w]) for w in active},
+            keys=self.stats(limit=limit) if per_key else (),
         )
 
     def stop(self) -> None:
@@ -124,18 +133,7 @@ class KeySet:
 
 
 def _purge_step(keys: KeySet) -> float:
+    if not keys.purging:
+        keys.purging = True  # the loop starts with the first key used: nothing is idle yet
+        return PURGE_INTERVAL_S
     return 0.0 if keys.purge() >= PURGE_BATCH else PURGE_INTERVAL_S
-
-
-def _stats(
-    workloads: list[str], active: list[int] | None, waiting: list[int] | None
-) -> LimiterStats:
-    held = {w: int(active[i]) if active and i < len(active) else 0 for i, w in enumerate(workloads)}
-    queued = {
-        w: int(waiting[i]) if waiting and i < len(waiting) else 0 for i, w in enumerate(workloads)
-    }
-    return LimiterStats(
-        active=sum(held.values()),
-        queued=sum(queued.values()),
-        workloads={w: WorkloadStats(active=held[w], queued=queued[w]) for w in workloads},
-    )

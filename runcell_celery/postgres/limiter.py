@@ -41,7 +41,15 @@ from ..config import LimiterConfig, check_duration_ms
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
 from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
-from ..protocol import AcquireRequest, Lease, LimiterStats, OnWait, Outcome, WorkloadStats
+from ..protocol import (
+    AcquireRequest,
+    KeyStats,
+    Lease,
+    LimiterStats,
+    OnWait,
+    Outcome,
+    WorkloadStats,
+)
 from . import statements
 from .calls import (
     LOCK_WAIT_CAP_MS,
@@ -208,10 +216,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         process that uses keys); return how many went."""
         return self._key_set().purge(limit)
 
-    def key_stats(self, *, limit: int = 20, search: str | None = None) -> dict[str, LimiterStats]:
-        """The busiest keys' counts (most held, then most waiting), at most ``limit``;
-        ``search``: only keys containing it (case-insensitive)."""
+    def key_stats(self, limit: int | None = 100, *, search: str | None = None) -> list[KeyStats]:
+        """The keys in use, busiest first (most slots held, then most waiting), at most
+        ``limit`` (``None``: all); ``search``: only keys containing it (any case)."""
         return self._key_set().stats(limit=limit, search=search)
+
+    def keys_in_use(self) -> int:
+        """How many keys hold a slot or have a request waiting."""
+        return self._key_set().in_use()
 
     def _key_set(self) -> KeySet:
         if not self._config.keyed:
@@ -710,11 +722,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         )
         self._republish(parked)
 
-    def stats(self) -> LimiterStats:
+    def stats(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
         """Slots held and requests waiting, in total and per workload, as allocation
-        counts them (a crashed holder's slot counts until its lease is reaped)."""
+        counts them (a crashed holder's slot counts until its lease is reaped). For a
+        keyed limiter: over every key, and with ``per_key=True`` the keys in use too
+        (:meth:`key_stats`, at most ``limit``)."""
         if self._config.keyed:
-            return self._key_set().totals()
+            return self._key_set().totals(per_key=per_key, limit=limit)
         with _failing_closed(self, None), self._db.connection() as conn:
             row = conn.execute(statements.STATS, {"limiter": self.name}).fetchone()
         names: list[str] = list(self._config.workloads)

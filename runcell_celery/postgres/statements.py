@@ -229,17 +229,25 @@ SYNC_KEYS: LiteralString = """
 SELECT runcell_sync_keys_v5(%(name)s)
 """
 
-#: The busiest keys of a keyed limiter (most held, then most waiting), optionally only
+#: The busiest keys of a keyed limiter in use (most held, then most waiting; idle key
+#: rows not purged yet are left out), at most ``limit`` (NULL: all), optionally only
 #: those whose key contains ``search`` (case-insensitive).
 KEY_STATS: LiteralString = """
-SELECT k.name, k.workloads, k.active, k.waiting
-FROM runcell_limiter AS k
-WHERE k.parent = %(parent)s
+SELECT k.name, h.held, q.queued
+FROM runcell_limiter AS k,
+     LATERAL (SELECT coalesce(sum(a), 0) FROM unnest(k.active) AS a) AS h(held),
+     LATERAL (SELECT coalesce(sum(w), 0) FROM unnest(k.waiting) AS w) AS q(queued)
+WHERE k.parent = %(parent)s AND (h.held > 0 OR q.queued > 0)
   AND (%(search)s::text IS NULL
        OR strpos(lower(substr(k.name, length(%(parent)s) + 2)), lower(%(search)s::text)) > 0)
-ORDER BY (SELECT coalesce(sum(a), 0) FROM unnest(k.active) AS a) DESC,
-         (SELECT coalesce(sum(w), 0) FROM unnest(k.waiting) AS w) DESC, k.name
+ORDER BY h.held DESC, q.queued DESC, k.name
 LIMIT %(limit)s
+"""
+
+#: How many keys of a keyed limiter hold a slot or have a request waiting.
+KEYS_IN_USE: LiteralString = """
+SELECT count(*) FROM runcell_limiter AS k
+WHERE k.parent = %(parent)s AND (0 < ANY(k.active) OR 0 < ANY(k.waiting))
 """
 
 #: Slots held and requests waiting per workload, summed over every key of a keyed

@@ -16,6 +16,7 @@ from runcell_celery import (
     AcquireRequest,
     ConcurrencyConfigError,
     ConcurrencyTimeoutError,
+    KeyStats,
     RunLineage,
     slot,
 )
@@ -24,6 +25,13 @@ from runcell_celery.postgres import keyed as keyed_module
 from tests.support.pg import unique_name
 
 MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
+
+
+@pytest.fixture(autouse=True)
+def no_purge_loop_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Key rows are counted here: the process's purge loop must not delete them between
+    two counts (the test of the loop itself shortens the interval again)."""
+    monkeypatch.setattr(keyed_module, "PURGE_INTERVAL_S", 3600.0)
 
 
 def key_rows(dsn: str, parent: str) -> int:
@@ -171,16 +179,20 @@ def test_a_key_made_again_after_a_purge_never_repeats_a_fencing_token(
     assert len(set(seen)) == len(seen)
 
 
-def test_key_stats_list_the_busiest_keys_and_search_them(make_limiter: MakeLimiter) -> None:
+def test_key_stats_list_the_busiest_keys_in_use_and_search_them(make_limiter: MakeLimiter) -> None:
     tenant = make_limiter(max_concurrent=3, keyed=True)
+    with slot(tenant.key("idle")):
+        pass  # its row stays until purged, but it is not in use
     with slot(tenant.key("acme")), slot(tenant.key("acme")), slot(tenant.key("globex")):
-        busiest = tenant.key_stats(limit=1)
-        assert list(busiest) == ["acme"]
-        assert busiest["acme"].active == 2
-        assert set(tenant.key_stats()) == {"acme", "globex"}
-        assert list(tenant.key_stats(search="GLOB")) == ["globex"]
-        totals = tenant.stats()
-        assert totals.active == 3
+        assert tenant.key_stats(limit=1) == [KeyStats("acme", active=2, queued=0)]
+        assert [k.key for k in tenant.key_stats()] == ["acme", "globex"]
+        assert [k.key for k in tenant.key_stats(search="GLOB")] == ["globex"]
+        assert tenant.keys_in_use() == 2
+        totals = tenant.stats(per_key=True)
+        assert (totals.active, totals.queued) == (3, 0)
+        assert [k.key for k in totals.keys] == ["acme", "globex"]
+        assert tenant.stats().keys == ()
+    assert tenant.keys_in_use() == 0
 
 
 def test_replaced_limits_reach_the_keys_in_use(pg_dsn: str) -> None:
