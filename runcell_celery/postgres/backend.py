@@ -176,15 +176,6 @@ class PostgresBackend:
             is off.
         :raises ConcurrencyLimiterError: the database failed.
         """
-        if config.fairness != "fifo":
-            # Not silently first come, first served: a fairness that does not hold is
-            # a limit that does not hold.
-            raise ConcurrencyConfigError(
-                f"limiter {config.name!r}: fairness {config.fairness!r} is not supported by "
-                "the PostgreSQL limiter yet (it serves waiting requests in arrival order); "
-                "leave fairness out, or use the in-memory limiter",
-                limiter=config.name,
-            )
         limiter = PostgresConcurrencyLimiter(self._database(), config, self.options)
         limiter.register(ensure=self.options.ensure_schema, on_conflict=self.options.on_conflict)
         return limiter

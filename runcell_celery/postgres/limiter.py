@@ -450,6 +450,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     "parent_run_id": lineage.parent_run_id,
                     "holder_name": request.holder_name,
                     "in_progress": request.in_progress,
+                    "key": request.key,
                 }
             ),
             "process": json.dumps(self.room.process()),

@@ -196,6 +196,17 @@ CREATE INDEX IF NOT EXISTS runcell_limiter_keys ON runcell_limiter (parent)
 -- keys). Neither column ever changes, so the hot row's updates stay HOT.
 CREATE INDEX IF NOT EXISTS runcell_limiter_not_keys ON runcell_limiter (name)
     WHERE parent IS NULL;
+-- Fairness between keys (limits option fairness "round_robin"): a waiting request's
+-- key (a tenant; NULL: the keyless requests, which count as one key together), and per
+-- limiter the fencing token of each key's latest grant, so that ties between keys go
+-- to the one served longest ago (runcell_celery.allocation.allocate_several).
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS fair_key text;
+CREATE TABLE IF NOT EXISTS runcell_fair_history (
+    limiter text NOT NULL,
+    fair_key text NOT NULL,  -- '' for the keyless requests (a key is never empty)
+    last_granted bigint NOT NULL,
+    PRIMARY KEY (limiter, fair_key)
+);
 -- The limiter row is written by every operation: room on its page keeps those updates
 -- HOT (pruned in place), so it stays fast without VACUUM.
 ALTER TABLE runcell_limiter SET (fillfactor = 20);
@@ -297,6 +308,38 @@ $$;
 -- p_skip_request, which the caller answers itself.
 -- Grants come back in grant order as parallel arrays: request ids, lease ids, fencing
 -- tokens, and whether each went to a parked request.
+-- A workload's line in a round-robin limiter, in the order allocation serves it (the
+-- order of runcell_celery.allocation.allocate_several): runs in progress first; then
+-- each key's first waiting request before any key's second (rank), ties to the key
+-- whose latest grant is oldest (never granted: first), then arrival. Every waiting row
+-- of the workload is ranked, so a round-robin limiter's allocation costs O(n log n)
+-- in its line (a first-come, first-served limiter's reads only the head).
+CREATE OR REPLACE FUNCTION runcell_fair_line_v5(
+    p_limiter text, p_workload text, p_now timestamptz
+) RETURNS TABLE (request_id text, "position" bigint) LANGUAGE sql STABLE AS $$
+    SELECT w.request_id, w.position
+    FROM (SELECT q.request_id, q.position, q.in_progress,
+                 row_number() OVER (PARTITION BY q.in_progress, q.fair_key
+                                    ORDER BY q.position) AS rank,
+                 coalesce(h.last_granted, -1) AS last_granted
+          FROM runcell_queue q
+          LEFT JOIN runcell_fair_history h
+            ON h.limiter = q.limiter AND h.fair_key = coalesce(q.fair_key, '')
+          WHERE q.limiter = p_limiter AND q.workload = p_workload
+            AND q.granted_lease_id IS NULL
+            AND (q.deadline IS NULL OR q.deadline > p_now)) AS w
+    ORDER BY w.in_progress DESC, w.rank, w.last_granted, w.position
+$$;
+
+-- Remember a round-robin limiter's grant to a key (its fencing token: increasing).
+CREATE OR REPLACE FUNCTION runcell_fair_granted_v5(
+    p_limiter text, p_key text, p_token bigint
+) RETURNS void LANGUAGE sql AS $$
+    INSERT INTO runcell_fair_history (limiter, fair_key, last_granted)
+    VALUES (p_limiter, coalesce(p_key, ''), p_token)
+    ON CONFLICT (limiter, fair_key) DO UPDATE SET last_granted = EXCLUDED.last_granted
+$$;
+
 CREATE OR REPLACE FUNCTION runcell_allocate_v4(
     INOUT p_row runcell_limiter,
     p_now timestamptz,
@@ -325,6 +368,8 @@ DECLARE
     v_channels text[] := '{}';
     v_lease_id uuid;
     v_dropped integer := 0;
+    v_fair boolean := (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin';
+    v_key text;
 BEGIN
     requests := '{}';
     leases := '{}';
@@ -345,13 +390,25 @@ BEGIN
                 IF NOT v_probed[v_i] THEN
                     -- The first head: one probe of the index (the usual case, one
                     -- release granting one waiter, opens no cursor).
-                    SELECT q.request_id, q.position INTO v_request, v_position
-                    FROM runcell_queue q
-                    WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
-                      AND q.granted_lease_id IS NULL
-                      AND (q.deadline IS NULL OR q.deadline > p_now)
-                    ORDER BY q.in_progress DESC, q.position
-                    LIMIT 1;
+                    IF v_fair THEN
+                        -- A round-robin line is ranked once for the whole pass (as
+                        -- allocate_several ranks it once per call): read through a
+                        -- cursor from its first row.
+                        v_cursor := 'runcell_heads_' || v_i;
+                        OPEN v_cursor FOR
+                            SELECT f.request_id, f.position
+                            FROM runcell_fair_line_v5(p_row.name, p_row.workloads[v_i], p_now) f;
+                        v_opened[v_i] := true;
+                        FETCH v_cursor INTO v_request, v_position;
+                    ELSE
+                        SELECT q.request_id, q.position INTO v_request, v_position
+                        FROM runcell_queue q
+                        WHERE q.limiter = p_row.name AND q.workload = p_row.workloads[v_i]
+                          AND q.granted_lease_id IS NULL
+                          AND (q.deadline IS NULL OR q.deadline > p_now)
+                        ORDER BY q.in_progress DESC, q.position
+                        LIMIT 1;
+                    END IF;
                     v_probed[v_i] := true;
                 ELSE
                     -- Later heads: a cursor, opened once, which does not see the rows
@@ -383,8 +440,8 @@ BEGIN
 
         v_request := v_head_request[v_best];
         v_loaded[v_best] := false;
-        SELECT q.parked, q.process_id, q.expires_at, p.channel
-        INTO v_parked, v_process, v_expires, v_channel
+        SELECT q.parked, q.process_id, q.expires_at, p.channel, q.fair_key
+        INTO v_parked, v_process, v_expires, v_channel, v_key
         FROM runcell_queue q
         LEFT JOIN runcell_process p ON p.process_id = q.process_id AND p.expires_at > p_now
         WHERE q.request_id = v_request;
@@ -431,6 +488,9 @@ BEGIN
         END IF;
         p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
         p_row.active[v_best] := p_row.active[v_best] + 1;
+        IF v_fair THEN
+            PERFORM runcell_fair_granted_v5(p_row.name, v_key, p_row.last_fencing_token);
+        END IF;
         requests := requests || v_request;
         leases := leases || v_lease_id;
         tokens := tokens || p_row.last_fencing_token;
@@ -766,6 +826,10 @@ BEGIN
         UPDATE runcell_limiter
         SET last_fencing_token = last_fencing_token + 1, active[v_i] = active[v_i] + 1
         WHERE name = p_limiter;
+        IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
+            PERFORM runcell_fair_granted_v5(p_limiter, p_request->>'key',
+                                            v_row.last_fencing_token + 1);
+        END IF;
         RETURN runcell_answer_v3('granted', v_now, v_lease_id, v_row.last_fencing_token + 1);
     END IF;
 
@@ -798,12 +862,13 @@ BEGIN
     v_ahead := v_row.waiting[v_i];
     INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
         parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
-        expires_at, in_progress, process_id)
+        expires_at, in_progress, process_id, fair_key)
     VALUES (v_request_id, p_limiter, v_workload, p_request->>'run_id',
         p_request->>'root_run_id', p_request->>'parent_run_id', p_request->>'holder_name',
         p_process->>'host', (p_process->>'pid')::integer, v_now,
         v_now + p_wait_ms * interval '1 millisecond', 'infinity',
-        coalesce((p_request->>'in_progress')::boolean, false), p_process->>'process_id');
+        coalesce((p_request->>'in_progress')::boolean, false), p_process->>'process_id',
+        p_request->>'key');
     v_row.waiting[v_i] := v_row.waiting[v_i] + 1;
 
     -- When the first lease of this limiter expires unless renewed. Already passed: its

@@ -39,7 +39,7 @@ FROZEN = {
         "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
     ),
     "0006_limiter_schema_v3_keys": (
-        "dbc1ff42c064ce27a69b332e09e78c9332076ce8ddc8eea69b354d531f859efd"
+        "122ff87e1fa5c6cb91bea73fb7b776546079db5d6581af4275e9412734a9dfea"
     ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"

@@ -9,7 +9,7 @@ grant the same requests in the same order.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runcell_celery import LimiterConfig, allocate
+from runcell_celery.allocation import allocate_several
 from runcell_celery.postgres import postgres_concurrency_schema_sql
 from tests.support.pg import create_database, drop_database
 
@@ -70,7 +71,7 @@ def _granted_in_sql(
     conn: psycopg.Connection[tuple[object, ...]],
     config: LimiterConfig,
     active: dict[str, int],
-    waiting: list[Waiter],
+    waiting: Sequence[Waiter | KeyedWaiter],
 ) -> list[int]:
     """The positions (into ``waiting``) the database grants, in grant order."""
     with conn.transaction(force_rollback=True):
@@ -85,9 +86,15 @@ def _granted_in_sql(
         for position, waiter in enumerate(waiting):
             conn.execute(
                 "INSERT INTO runcell_queue (request_id, limiter, workload, position, "
-                "enqueued_at, expires_at, in_progress, process_id) "
-                "VALUES (%s, 'l', %s, %s, now(), 'infinity', %s, 'p')",
-                [f"r{position}", waiter.workload, position, waiter.in_progress],
+                "enqueued_at, expires_at, in_progress, process_id, fair_key) "
+                "VALUES (%s, 'l', %s, %s, now(), 'infinity', %s, 'p', %s)",
+                [
+                    f"r{position}",
+                    waiter.workload,
+                    position,
+                    waiter.in_progress,
+                    getattr(waiter, "key", None),
+                ],
             )
         held = 0
         for workload, n in active.items():
@@ -150,3 +157,49 @@ def test_a_waiter_whose_process_stopped_renewing_is_passed_over(
     assert row is not None
     assert row[0] == ["from-here"]
     assert left == [], "the dead process's row was dropped on the way"
+
+
+# -- round robin between keys ------------------------------------------------------------
+
+KEYS = [None, "acme", "globex", "initech"]
+
+
+@dataclass(frozen=True)
+class KeyedWaiter:
+    workload: str
+    in_progress: bool
+    key: str | None
+    limiters: tuple[str, ...] = ("l",)
+
+
+@st.composite
+def fair_states(
+    draw: st.DrawFn,
+) -> tuple[LimiterConfig, dict[str, int], list[KeyedWaiter], dict[str | None, int]]:
+    """A round-robin limiter's state: limits, slots held, keyed waiters in arrival
+    order, and each key's latest grant (some keys never granted)."""
+    config, active, plain = draw(states())
+    config = LimiterConfig.from_mapping({**config.to_dict(), "fairness": "round_robin"})
+    waiting = [KeyedWaiter(w.workload, w.in_progress, draw(st.sampled_from(KEYS))) for w in plain]
+    history = {key: draw(st.integers(1, 50)) for key in KEYS if draw(st.booleans())}
+    return config, active, waiting, history
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(state=fair_states())
+def test_a_round_robin_limiter_grants_what_allocate_several_grants_in_the_same_order(
+    database: psycopg.Connection[tuple[object, ...]],
+    state: tuple[LimiterConfig, dict[str, int], list[KeyedWaiter], dict[str | None, int]],
+) -> None:
+    config, active, waiting, history = state
+    last_granted: dict[Hashable | None, int] = dict(history.items())
+    expected = allocate_several(
+        {"l": config}, {"l": active}, waiting, last_granted={"l": last_granted}
+    )
+    with database.transaction(force_rollback=True):
+        for key, token in history.items():
+            database.execute(
+                "INSERT INTO runcell_fair_history VALUES ('l', %s, %s)", [key or "", token]
+            )
+        granted = _granted_in_sql(database, config, active, waiting)
+    assert granted == expected

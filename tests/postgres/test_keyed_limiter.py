@@ -215,11 +215,55 @@ def test_a_limiter_named_like_a_key_is_refused(pg_dsn: str, make_limiter: MakeLi
         create_postgres_concurrency_limiter(pg_dsn, name=f"{tenant.name}:acme", max_concurrent=1)
 
 
-def test_round_robin_fairness_is_refused_until_the_postgres_limiter_serves_it(
+def test_round_robin_serves_a_tenants_one_call_within_two_grants_of_anothers_fifty(
     make_limiter: MakeLimiter,
 ) -> None:
-    with pytest.raises(ConcurrencyConfigError, match="fairness 'round_robin' is not supported"):
-        make_limiter(max_concurrent=1, fairness="round_robin")
+    provider = make_limiter(max_concurrent=1, fairness="round_robin")
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def call(key: str) -> None:
+        with slot(provider, key=key):
+            with lock:
+                order.append(key)
+            time.sleep(0.002)
+
+    threads: list[threading.Thread] = []
+    with slot(provider, key="A"):
+        for i, key in enumerate(["A"] * 50 + ["B"]):
+            thread = threading.Thread(target=call, args=(key,))
+            thread.start()
+            threads.append(thread)
+            deadline = time.monotonic() + 15
+            while provider.stats().queued < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)  # queued in this order: A's 50, then B's one
+        assert provider.stats().queued == 51
+    for thread in threads:
+        thread.join(60)
+    assert len(order) == 51
+    assert "B" in order[:2], order[:5]
+
+
+def test_first_come_first_served_is_the_default_between_keys(make_limiter: MakeLimiter) -> None:
+    provider = make_limiter(max_concurrent=1)
+    order: list[str] = []
+
+    def call(key: str) -> None:
+        with slot(provider, key=key):
+            order.append(key)
+
+    threads: list[threading.Thread] = []
+    with slot(provider):
+        for i, key in enumerate(["A"] * 5 + ["B"]):
+            thread = threading.Thread(target=call, args=(key,))
+            thread.start()
+            threads.append(thread)
+            deadline = time.monotonic() + 15
+            while provider.stats().queued < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+    for thread in threads:
+        thread.join(30)
+    assert order == ["A"] * 5 + ["B"]
 
 
 def test_an_allocation_pass_on_the_keyed_limiter_reaps_its_keys_dead_holders(
