@@ -1,15 +1,66 @@
-"""The conformance suite, run against the in-memory limiter."""
+"""The conformance suites, run against the in-memory limiter: the core cases, keys,
+and several limiters in one request."""
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 
-from runcell_celery import create_concurrency_limiter
-from runcell_celery.conformance import ConformanceCase, concurrency_conformance_cases
+from runcell_celery import ConcurrencyLimiter, create_concurrency_limiter
+from runcell_celery.conformance import (
+    ConformanceCase,
+    concurrency_conformance_cases,
+    keyed_conformance_cases,
+    several_limiters_conformance_cases,
+)
 
-CASES = concurrency_conformance_cases(lambda **options: create_concurrency_limiter(**options))
+_numbers = itertools.count(1)
+
+
+def create(**options: Any) -> ConcurrencyLimiter:
+    # A name of its own: limiters held together in one slot must differ by name.
+    limiter: ConcurrencyLimiter = create_concurrency_limiter(
+        name=f"conformance-{next(_numbers)}", **options
+    )
+    return limiter
+
+
+#: Cases the in-memory limiter fails today, each with why. Strict: once the library is
+#: fixed the case passes, and the test fails until its entry goes.
+KNOWN_FAILURES = {
+    "fencing_tokens_of_a_key_increase_across_uses": (
+        "memory_keys forgets an idle key's limiter and makes a new one on the next use, "
+        "whose fencing tokens start again at 1 (InMemoryConcurrencyLimiter._tokens)"
+    ),
+}
+
+
+def _params(cases: list[ConformanceCase]) -> list[Any]:
+    params = []
+    for case in cases:
+        reason = KNOWN_FAILURES.get(case.name)
+        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)]
+        params.append(pytest.param(case, id=case.name, marks=marks if reason else []))
+    return params
+
+
+CASES = concurrency_conformance_cases(create)
+KEYED_CASES = keyed_conformance_cases(create)
+SEVERAL_CASES = several_limiters_conformance_cases(create)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_in_memory_limiter_conforms(case: ConformanceCase) -> None:
+    case.run()
+
+
+@pytest.mark.parametrize("case", _params(KEYED_CASES))
+def test_in_memory_keyed_limiter_conforms(case: ConformanceCase) -> None:
+    case.run()
+
+
+@pytest.mark.parametrize("case", SEVERAL_CASES, ids=lambda case: case.name)
+def test_in_memory_limiters_held_together_conform(case: ConformanceCase) -> None:
     case.run()

@@ -1,11 +1,12 @@
 """The PostgreSQL limiter through PgBouncer in transaction mode.
 
-Every conformance case runs through a transaction pooler (``tests/support/pgbouncer``:
-4 server connections shared by all clients), polling (``listen=False``). With
-``listen=True`` the listener must find out that ``LISTEN`` through the pooler receives
-nothing and leave waiters to polling; those tests use a PgBouncer of their own, since
-a ``LISTEN`` stays on a pooled server connection for good. The last tests show the
-traffic really went through the pooler, several clients sharing each server connection.
+Every conformance case, the keyed ones too, runs through a transaction pooler
+(``tests/support/pgbouncer``: 4 server connections shared by all clients), polling
+(``listen=False``). With ``listen=True`` the listener must find out that ``LISTEN``
+through the pooler receives nothing and leave waiters to polling; those tests use a
+PgBouncer of their own, since a ``LISTEN`` stays on a pooled server connection for
+good. The last tests show the traffic really went through the pooler, several clients
+sharing each server connection.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import psycopg
 import pytest
 
 from runcell_celery import AcquireRequest, LimiterConfig, RunLineage
-from runcell_celery.conformance import concurrency_conformance_cases
+from runcell_celery.conformance import concurrency_conformance_cases, keyed_conformance_cases
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
@@ -29,6 +30,7 @@ from tests.support.pg import unique_name
 from tests.support.pgbouncer import POOL_SIZE, PgBouncer, run_pgbouncer
 
 CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
+KEYED_CASE_NAMES = [case.name for case in keyed_conformance_cases(lambda **options: None)]
 
 #: A case in which requests wait and are granted by another request's release.
 WAITING_CASE = "waiters_are_served_in_arrival_order"
@@ -75,6 +77,16 @@ def test_postgres_limiter_conforms_through_a_transaction_pooler(
     cases = {
         case.name: case
         for case in concurrency_conformance_cases(_factory(pgbouncer_dsn, listen=False))
+    }
+    cases[name].run()
+
+
+@pytest.mark.parametrize("name", KEYED_CASE_NAMES)
+def test_keyed_postgres_limiter_conforms_through_a_transaction_pooler(
+    pgbouncer_dsn: str, name: str
+) -> None:
+    cases = {
+        case.name: case for case in keyed_conformance_cases(_factory(pgbouncer_dsn, listen=False))
     }
     cases[name].run()
 

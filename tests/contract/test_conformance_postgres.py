@@ -1,23 +1,42 @@
-"""The conformance suite against the PostgreSQL limiter: woken by NOTIFY, and polling."""
+"""The conformance suites against the PostgreSQL limiter, woken by NOTIFY and polling:
+the core cases and keys. (Several limiters in one request come once the PostgreSQL
+engine holds them together.)"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from runcell_celery.conformance import concurrency_conformance_cases
-from runcell_celery.postgres import create_postgres_concurrency_limiter
+from runcell_celery.conformance import concurrency_conformance_cases, keyed_conformance_cases
+from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
 from tests.support.pg import unique_name
 
 CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
+KEYED_CASE_NAMES = [case.name for case in keyed_conformance_cases(lambda **options: None)]
+
+
+def _factory(dsn: str, *, listen: bool) -> Callable[..., PostgresConcurrencyLimiter]:
+    def create(**options: Any) -> PostgresConcurrencyLimiter:
+        return create_postgres_concurrency_limiter(
+            dsn, name=unique_name("conformance"), listen=listen, **options
+        )
+
+    return create
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
 @pytest.mark.parametrize("listen", [True, False], ids=["notify", "poll"])
 def test_postgres_limiter_conforms(pg_dsn: str, listen: bool, name: str) -> None:
-    def create(**options: object) -> object:
-        return create_postgres_concurrency_limiter(
-            pg_dsn, name=unique_name("conformance"), listen=listen, **options
-        )
+    cases = {
+        case.name: case for case in concurrency_conformance_cases(_factory(pg_dsn, listen=listen))
+    }
+    cases[name].run()
 
-    cases = {case.name: case for case in concurrency_conformance_cases(create)}
+
+@pytest.mark.parametrize("name", KEYED_CASE_NAMES)
+@pytest.mark.parametrize("listen", [True, False], ids=["notify", "poll"])
+def test_postgres_keyed_limiter_conforms(pg_dsn: str, listen: bool, name: str) -> None:
+    cases = {case.name: case for case in keyed_conformance_cases(_factory(pg_dsn, listen=listen))}
     cases[name].run()

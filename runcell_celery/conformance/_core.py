@@ -1,119 +1,35 @@
-"""The conformance suite: what every limiter must do, as runnable named cases.
+"""The cases every limiter must pass
+(:func:`~runcell_celery.conformance.concurrency_conformance_cases`)."""
 
-Run it against a custom limiter (or a built-in one on new infrastructure) from any
-test runner::
-
-    import pytest
-    from runcell_celery.conformance import concurrency_conformance_cases
-
-    CASES = concurrency_conformance_cases(lambda **options: MyLimiter(**options))
-
-    @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-    def test_conformance(case):
-        case.run()
-
-``create_limiter`` is called once per case with the limits as keyword arguments
-(those of :class:`~runcell_celery.config.LimiterConfig`, workloads as dicts) and must
-return a fresh limiter that shares no slots with earlier ones (for a shared backend,
-give each a new name). Cases use real threads and short real waits; they assert
-outcomes and order, never how fast something happened.
-"""
+# Test code shipped in the package: it asserts on the exceptions it catches.
+# ruff: noqa: PT017
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
-from .cancellation import CancellationToken
-from .errors import (
+from ..cancellation import CancellationToken
+from ..errors import (
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
     ConcurrencyQueueFullError,
     ConcurrencyTimeoutError,
 )
-from .ids import new_request_id
-from .protocol import (
-    AcquireRequest,
-    ConcurrencyLimiter,
-    Lease,
-    LimiterStats,
-    RunLineage,
-    SupportsStats,
+from ._support import (
+    SOON_S,
+    ConformanceCase,
+    CreateLimiter,
+    Queued,
+    assert_idle,
+    new_request,
+    stats_of,
 )
 
-__all__ = ["ConformanceCase", "concurrency_conformance_cases"]
 
-CreateLimiter = Callable[..., ConcurrencyLimiter]
-
-#: Upper bound for anything that should happen "soon" (a wake-up, an expiry poll).
-SOON_S = 10.0
-
-
-@dataclass(frozen=True)
-class ConformanceCase:
-    """One behaviour a limiter must have; ``run()`` raises ``AssertionError`` if not."""
-
-    name: str
-    run: Callable[[], None]
-
-
-def _request(workload: str = "default", timeout_ms: float | None = None) -> AcquireRequest:
-    request_id = new_request_id()
-    return AcquireRequest(
-        request_id=request_id,
-        workload=workload,
-        lineage=RunLineage(run_id=request_id, root_run_id=request_id),
-        timeout_ms=timeout_ms,
-    )
-
-
-def _stats(limiter: ConcurrencyLimiter) -> LimiterStats | None:
-    return limiter.stats() if isinstance(limiter, SupportsStats) else None
-
-
-def _assert_idle(limiter: ConcurrencyLimiter) -> None:
-    stats = _stats(limiter)
-    if stats is not None:
-        assert (stats.active, stats.queued) == (0, 0), f"expected an idle limiter, got {stats}"
-
-
-def _eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + SOON_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.01)
-
-
-class _Queued:
-    """Start an ``acquire`` in a thread and know once it holds its place in the queue."""
-
-    def __init__(
-        self,
-        pool: ThreadPoolExecutor,
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
-        cancel: CancellationToken | None = None,
-    ) -> None:
-        self.request = request
-        self.queued = threading.Event()
-        self.future: Future[Lease] = pool.submit(
-            limiter.acquire, request, cancel=cancel, on_wait=lambda _deadline: self.queued.set()
-        )
-        if not self.queued.wait(SOON_S):
-            if self.future.done():
-                granted = self.future.result()
-                raise AssertionError(f"expected {request.workload} to wait, got {granted}")
-            raise AssertionError("acquire neither waited nor returned")
-
-    def lease(self) -> Lease:
-        return self.future.result(SOON_S)
-
-
-def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
+def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def case(func: Callable[[], None]) -> Callable[[], None]:
         cases.append(ConformanceCase(func.__name__, func))
         return func
@@ -123,9 +39,9 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     @case
     def grants_up_to_max_concurrent_then_times_out() -> None:
         limiter = create(max_concurrent=3)
-        leases = [limiter.acquire(_request()) for _ in range(3)]
+        leases = [limiter.acquire(new_request()) for _ in range(3)]
         try:
-            limiter.acquire(_request(timeout_ms=50))
+            limiter.acquire(new_request(timeout_ms=50))
         except ConcurrencyTimeoutError as exc:
             assert exc.limiter == limiter.name
             assert exc.workload == "default"
@@ -133,7 +49,7 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             raise AssertionError("a fourth slot was granted with max_concurrent=3")
         for lease in leases:
             limiter.release(lease)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def allocates_atomically_under_threads() -> None:
@@ -146,7 +62,7 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         def work() -> None:
             nonlocal in_flight, most
             for _ in range(15):
-                lease = limiter.acquire(_request())
+                lease = limiter.acquire(new_request())
                 with lock:
                     in_flight += 1
                     most = max(most, in_flight)
@@ -165,29 +81,29 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 future.result(60)
         assert most <= 3, f"{most} holders at once with max_concurrent=3"
         assert most == 3, f"never reached the limit (most={most}); the test proves nothing"
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def leases_expire_without_renewal() -> None:
         limiter = create(max_concurrent=1, lease_ttl_ms=300)
-        stale = limiter.acquire(_request())
-        fresh = limiter.acquire(_request(timeout_ms=SOON_S * 1000))
+        stale = limiter.acquire(new_request())
+        fresh = limiter.acquire(new_request(timeout_ms=SOON_S * 1000))
         assert fresh.lease_id != stale.lease_id
         assert limiter.renew(stale) is None, "renewing an expired lease must answer None"
         limiter.release(stale)  # releasing an expired lease does nothing ...
         try:
-            limiter.acquire(_request(timeout_ms=50))  # ... so the fresh lease still counts
+            limiter.acquire(new_request(timeout_ms=50))  # ... so the fresh lease still counts
         except ConcurrencyTimeoutError:
             pass
         else:
             raise AssertionError("releasing an expired lease freed someone else's slot")
         limiter.release(fresh)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def renewal_keeps_a_lease_alive() -> None:
         limiter = create(max_concurrent=1, lease_ttl_ms=400)
-        lease = limiter.acquire(_request())
+        lease = limiter.acquire(new_request())
         for _ in range(6):
             time.sleep(0.1)
             renewed = limiter.renew(lease)
@@ -195,31 +111,31 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             assert renewed.lease_id == lease.lease_id
         assert limiter.renew(lease) is not None, "renewing twice must work too"
         try:
-            limiter.acquire(_request(timeout_ms=50))
+            limiter.acquire(new_request(timeout_ms=50))
         except ConcurrencyTimeoutError:
             pass
         else:
             raise AssertionError("a renewed lease expired")
         limiter.release(lease)
         assert limiter.renew(lease) is None, "renewing a released lease must answer None"
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def release_is_idempotent() -> None:
         limiter = create(max_concurrent=1)
-        first = limiter.acquire(_request())
+        first = limiter.acquire(new_request())
         limiter.release(first)
         limiter.release(first)
-        second = limiter.acquire(_request(timeout_ms=1000))
+        second = limiter.acquire(new_request(timeout_ms=1000))
         limiter.release(first)
         try:
-            limiter.acquire(_request(timeout_ms=50))
+            limiter.acquire(new_request(timeout_ms=50))
         except ConcurrencyTimeoutError:
             pass
         else:
             raise AssertionError("a repeated release freed a slot twice")
         limiter.release(second)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def lease_ids_are_never_reused_and_tokens_increase() -> None:
@@ -227,21 +143,21 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         seen: set[str] = set()
         last_token = -1
         for _ in range(40):
-            lease = limiter.acquire(_request())
+            lease = limiter.acquire(new_request())
             assert lease.lease_id not in seen, f"lease id {lease.lease_id} was used twice"
             assert lease.fencing_token > last_token, "fencing tokens must increase"
             seen.add(lease.lease_id)
             last_token = lease.fencing_token
             limiter.release(lease)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def cancel_stops_a_waiting_acquire() -> None:
         limiter = create(max_concurrent=1)
-        held = limiter.acquire(_request())
+        held = limiter.acquire(new_request())
         cancel = CancellationToken()
         with ThreadPoolExecutor(1) as pool:
-            waiter = _Queued(pool, limiter, _request(), cancel)
+            waiter = Queued(pool, limiter, new_request(), cancel)
             cancel.cancel()
             try:
                 waiter.lease()
@@ -249,19 +165,19 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 pass
             else:
                 raise AssertionError("a cancelled acquire returned a lease")
-        stats = _stats(limiter)
+        stats = stats_of(limiter)
         assert stats is None or stats.queued == 0, f"the cancelled request still waits: {stats}"
         limiter.release(held)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def cancel_at_the_moment_of_grant_leaks_no_slot() -> None:
         limiter = create(max_concurrent=1)
         with ThreadPoolExecutor(2) as pool:
             for _ in range(20):
-                held = limiter.acquire(_request())
+                held = limiter.acquire(new_request())
                 cancel = CancellationToken()
-                waiter = _Queued(pool, limiter, _request(), cancel)
+                waiter = Queued(pool, limiter, new_request(), cancel)
                 release = pool.submit(limiter.release, held)
                 cancel.cancel()
                 release.result(SOON_S)
@@ -272,24 +188,24 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 else:
                     limiter.release(lease)  # granted before the cancel was seen: fine
                 # Whatever won the race, the slot must be free again.
-                again = limiter.acquire(_request(timeout_ms=SOON_S * 1000))
+                again = limiter.acquire(new_request(timeout_ms=SOON_S * 1000))
                 limiter.release(again)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def waiters_are_served_in_arrival_order() -> None:
         limiter = create(max_concurrent=1)
-        held = limiter.acquire(_request())
+        held = limiter.acquire(new_request())
         with ThreadPoolExecutor(5) as pool:
-            waiters = [_Queued(pool, limiter, _request()) for _ in range(5)]
+            waiters = [Queued(pool, limiter, new_request()) for _ in range(5)]
             order: list[int] = []
             limiter.release(held)
             for _ in waiters:
-                granted = _first_done(waiters, order)
+                granted = first_done(waiters, order)
                 order.append(granted)
                 limiter.release(waiters[granted].lease())
         assert order == [0, 1, 2, 3, 4], f"served out of arrival order: {order}"
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def reservations_are_never_lent() -> None:
@@ -297,94 +213,94 @@ def _cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             max_concurrent=4,
             workloads={"interactive": {"reserved": 1, "priority": 10}, "background": {}},
         )
-        background = [limiter.acquire(_request("background")) for _ in range(3)]
+        background = [limiter.acquire(new_request("background")) for _ in range(3)]
         try:
-            limiter.acquire(_request("background", timeout_ms=50))
+            limiter.acquire(new_request("background", timeout_ms=50))
         except ConcurrencyTimeoutError:
             pass
         else:
             raise AssertionError("background took the slot reserved for interactive")
-        interactive = limiter.acquire(_request("interactive", timeout_ms=50))
+        interactive = limiter.acquire(new_request("interactive", timeout_ms=50))
         for lease in [*background, interactive]:
             limiter.release(lease)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def priority_serves_the_higher_workload_first() -> None:
         limiter = create(
             max_concurrent=1, workloads={"high": {"priority": 10}, "low": {"priority": 0}}
         )
-        held = limiter.acquire(_request("low"))
+        held = limiter.acquire(new_request("low"))
         with ThreadPoolExecutor(2) as pool:
-            low = _Queued(pool, limiter, _request("low"))
-            high = _Queued(pool, limiter, _request("high"))
+            low = Queued(pool, limiter, new_request("low"))
+            high = Queued(pool, limiter, new_request("high"))
             limiter.release(held)
             first = high.lease()
             assert not low.future.done(), "the low-priority waiter was served first"
             limiter.release(first)
             limiter.release(low.lease())
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def a_workload_at_its_ceiling_never_blocks_another() -> None:
         limiter = create(
             max_concurrent=3, workloads={"background": {"max_concurrent": 1}, "interactive": {}}
         )
-        held = limiter.acquire(_request("background"))
+        held = limiter.acquire(new_request("background"))
         with ThreadPoolExecutor(1) as pool:
-            blocked = _Queued(pool, limiter, _request("background"))
-            interactive = limiter.acquire(_request("interactive", timeout_ms=50))
+            blocked = Queued(pool, limiter, new_request("background"))
+            interactive = limiter.acquire(new_request("interactive", timeout_ms=50))
             limiter.release(interactive)
             limiter.release(held)
             limiter.release(blocked.lease())
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def a_full_queue_rejects_new_requests() -> None:
         limiter = create(max_concurrent=1, max_queued=1)
-        held = limiter.acquire(_request())
+        held = limiter.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
-            waiting = _Queued(pool, limiter, _request())
+            waiting = Queued(pool, limiter, new_request())
             try:
-                limiter.acquire(_request(timeout_ms=1000))
+                limiter.acquire(new_request(timeout_ms=1000))
             except ConcurrencyQueueFullError as exc:
                 assert exc.limiter == limiter.name
             else:
                 raise AssertionError("max_queued=1 let a second request wait")
             limiter.release(held)
             limiter.release(waiting.lease())
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def a_timed_out_request_leaves_the_queue() -> None:
         limiter = create(max_concurrent=1, workloads={"default": {"max_wait_ms": 100}})
-        held = limiter.acquire(_request())
+        held = limiter.acquire(new_request())
         try:
-            limiter.acquire(_request(timeout_ms=60_000))
+            limiter.acquire(new_request(timeout_ms=60_000))
         except ConcurrencyTimeoutError:
             pass
         else:
             raise AssertionError("the workload's max_wait_ms did not bound the wait")
-        stats = _stats(limiter)
+        stats = stats_of(limiter)
         assert stats is None or stats.queued == 0, f"the timed-out request still waits: {stats}"
         limiter.release(held)
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     @case
     def an_unknown_workload_is_a_config_error() -> None:
         limiter = create(max_concurrent=1, workloads={"interactive": {}, "background": {}})
         try:
-            limiter.acquire(_request("batch"))
+            limiter.acquire(new_request("batch"))
         except ConcurrencyConfigError as exc:
             assert "batch" in str(exc)
         else:
             raise AssertionError("a request for an unknown workload was granted")
-        _assert_idle(limiter)
+        assert_idle(limiter)
 
     return iter(cases)
 
 
-def _first_done(waiters: list[_Queued], taken: list[int]) -> int:
+def first_done(waiters: list[Queued], taken: list[int]) -> int:
     deadline = time.monotonic() + SOON_S
     while time.monotonic() < deadline:
         done = [i for i, w in enumerate(waiters) if i not in taken and w.future.done()]
@@ -393,12 +309,3 @@ def _first_done(waiters: list[_Queued], taken: list[int]) -> int:
             return done[0]
         time.sleep(0.005)
     raise AssertionError("no waiter was granted the released slot")
-
-
-def concurrency_conformance_cases(create_limiter: Callable[..., Any]) -> list[ConformanceCase]:
-    """Return the named cases every :class:`ConcurrencyLimiter` must pass.
-
-    :param create_limiter: called as ``create_limiter(max_concurrent=..., ...)`` once
-        per case; returns a fresh limiter.
-    """
-    return list(_cases(create_limiter))

@@ -1,0 +1,387 @@
+"""The cases of a backend that holds several limiters in one slot
+(:func:`~runcell_celery.conformance.several_limiters_conformance_cases`)."""
+
+# Test code shipped in the package: it asserts on the exceptions it catches.
+# ruff: noqa: PT017
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ..cancellation import CancellationToken
+from ..errors import (
+    ConcurrencyCancelledError,
+    ConcurrencyConfigError,
+    ConcurrencyQueueFullError,
+    ConcurrencyTimeoutError,
+)
+from ..ids import new_request_id
+from ..protocol import (
+    AcquireRequest,
+    ConcurrencyLimiter,
+    KeyStats,
+    Lease,
+    OnWait,
+    Outcome,
+    RunLineage,
+    SupportsSeveral,
+)
+from ..slot import slot
+from ._keys import ReportsKeys, assert_no_key_in_use, keyed_limiter
+from ._support import (
+    SOON_S,
+    WAIT_MS,
+    ConformanceCase,
+    CreateLimiter,
+    assert_idle,
+    assert_times_out,
+    new_request,
+    start_waiting,
+    stats_of,
+)
+
+
+def several_requests(
+    limiters: Sequence[ConcurrencyLimiter],
+    workloads: Sequence[str] | None = None,
+    timeout_ms: float | None = None,
+) -> list[AcquireRequest]:
+    """One request over ``limiters``: one id, run and budget, a workload per limiter."""
+    request_id = new_request_id()
+    lineage = RunLineage(run_id=request_id, root_run_id=request_id)
+    return [
+        AcquireRequest(
+            request_id=request_id, workload=workload, lineage=lineage, timeout_ms=timeout_ms
+        )
+        for workload in workloads or ["default"] * len(limiters)
+    ]
+
+
+def acquire_several(
+    limiters: Sequence[ConcurrencyLimiter],
+    requests: Sequence[AcquireRequest] | None = None,
+    *,
+    timeout_ms: float | None = None,
+    cancel: CancellationToken | None = None,
+    on_wait: OnWait | None = None,
+) -> Sequence[Lease]:
+    first = limiters[0]
+    assert isinstance(first, SupportsSeveral), (
+        f"{first!r} cannot hold one request over several limiters (no acquire_several)"
+    )
+    asked = requests or several_requests(limiters, timeout_ms=timeout_ms)
+    leases = first.acquire_several(limiters, asked, cancel=cancel, on_wait=on_wait)
+    names = [lease.limiter for lease in leases]
+    assert names == [x.name for x in limiters], f"leases of {names}, in the wrong order?"
+    return leases
+
+
+def release_all(limiters: Sequence[ConcurrencyLimiter], leases: Sequence[Lease]) -> None:
+    for limiter, lease in zip(limiters, leases, strict=True):
+        limiter.release(lease)
+
+
+def active_of(limiter: ConcurrencyLimiter) -> int | None:
+    stats = stats_of(limiter)
+    return None if stats is None else stats.active
+
+
+class Witness:
+    """Counts the holders in flight per limiter name, as a provider would."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+
+    def enter(self, limiters: Sequence[ConcurrencyLimiter]) -> None:
+        with self._lock:
+            for limiter in limiters:
+                now = self._now[limiter.name] = self._now.get(limiter.name, 0) + 1
+                self.peak[limiter.name] = max(self.peak.get(limiter.name, 0), now)
+
+    def leave(self, limiters: Sequence[ConcurrencyLimiter]) -> None:
+        with self._lock:
+            for limiter in limiters:
+                self._now[limiter.name] -= 1
+
+
+def run_threads(target: Callable[[int], None], count: int) -> None:
+    """Run ``target(i)`` in ``count`` threads; raise the first error, or if one hangs."""
+    pool = ThreadPoolExecutor(count, thread_name_prefix="runcell-conformance")
+    try:
+        futures = [pool.submit(target, i) for i in range(count)]
+        deadline = time.monotonic() + 60
+        for future in futures:
+            try:
+                future.result(max(0.0, deadline - time.monotonic()))
+            except TimeoutError as exc:
+                raise AssertionError("threads never finished (a deadlock?)") from exc
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a stuck thread must not hang us
+
+
+class Foreign:
+    """A limiter of no backend: no backend can hold it together with its own."""
+
+    name = "conformance-foreign"
+
+    def acquire(
+        self,
+        request: AcquireRequest,
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease:
+        return Lease("foreign-lease", self.name, request.workload, request.request_id, 1, 60_000)
+
+    def renew(self, lease: Lease) -> Lease | None:
+        return lease
+
+    def release(self, lease: Lease, outcome: Outcome = "success") -> None:
+        return None
+
+
+def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
+    def case(func: Callable[[], None]) -> Callable[[], None]:
+        cases.append(ConformanceCase(func.__name__, func))
+        return func
+
+    cases: list[ConformanceCase] = []
+
+    @case
+    def a_request_over_several_limiters_holds_none_while_it_waits() -> None:
+        a, b = create(max_concurrent=1), create(max_concurrent=1)
+        held = b.acquire(new_request())
+        with ThreadPoolExecutor(1) as pool:
+            waiting = start_waiting(
+                pool,
+                lambda on_wait: acquire_several([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
+                "a and b",
+            )
+            time.sleep(0.05)  # time to take a's slot early, if it would
+            assert active_of(a) in (0, None), f"a's slot was taken while b was full: {stats_of(a)}"
+            assert active_of(b) in (1, None), f"b: {stats_of(b)}"
+            assert not waiting.done(), "granted while b was full"
+            b.release(held)
+            release_all([a, b], waiting.result(SOON_S))
+        assert_idle(a, b)
+
+    @case
+    def several_limiters_are_granted_together_once_the_last_frees() -> None:
+        a, b, c = (create(max_concurrent=1) for _ in range(3))
+        held_b, held_c = b.acquire(new_request()), c.acquire(new_request())
+        with ThreadPoolExecutor(1) as pool:
+            waiting = start_waiting(
+                pool,
+                lambda on_wait: acquire_several([a, b, c], timeout_ms=WAIT_MS, on_wait=on_wait),
+                "a, b, c",
+            )
+            b.release(held_b)
+            time.sleep(0.05)
+            assert not waiting.done(), "granted while c was still full"
+            assert active_of(b) in (0, None), f"b's slot was taken while c was full: {stats_of(b)}"
+            c.release(held_c)
+            leases = waiting.result(SOON_S)
+            for limiter in (a, b, c):
+                assert active_of(limiter) in (1, None), f"{limiter.name}: {stats_of(limiter)}"
+                assert_times_out(limiter, "the request over all three holds its slot")
+            release_all([a, b, c], leases)
+        assert_idle(a, b, c)
+        again = acquire_several([c, a, b], timeout_ms=SOON_S * 1000)
+        release_all([c, a, b], again)
+        assert_idle(a, b, c)
+
+    @case
+    def requests_in_opposite_orders_never_deadlock() -> None:
+        first, second = create(max_concurrent=1), create(max_concurrent=1)
+        witness = Witness()
+        done = [0]
+        lock = threading.Lock()
+
+        def work(i: int) -> None:
+            pair = [first, second] if i % 2 == 0 else [second, first]
+            for _ in range(25):  # 8 threads x 25 = 200 calls
+                with slot(*pair):
+                    witness.enter(pair)
+                    time.sleep(0.0005)
+                    witness.leave(pair)
+                    with lock:
+                        done[0] += 1
+
+        run_threads(work, 8)
+        assert done[0] == 200, f"{done[0]} of 200 calls ran"
+        assert witness.peak == {first.name: 1, second.name: 1}, f"in flight: {witness.peak}"
+        assert_idle(first, second)
+
+    @case
+    def single_and_several_requests_keep_every_limit_under_threads() -> None:
+        a, b = create(max_concurrent=2), create(max_concurrent=3)
+        witness = Witness()
+        shapes: list[list[ConcurrencyLimiter]] = [[a, b], [b, a], [a], [b]]
+
+        def work(i: int) -> None:
+            for n in range(30):
+                chosen = shapes[(i + n) % len(shapes)]
+                with slot(*chosen):
+                    witness.enter(chosen)
+                    time.sleep(0.001)
+                    witness.leave(chosen)
+
+        run_threads(work, 10)
+        assert witness.peak[a.name] <= 2, f"{witness.peak[a.name]} holders of a at once"
+        assert witness.peak[b.name] <= 3, f"{witness.peak[b.name]} holders of b at once"
+        assert witness.peak[a.name] == 2, "a never reached its limit: the case proves nothing"
+        assert_idle(a, b)
+
+    @case
+    def a_keys_limiter_is_held_together_with_an_ordinary_one() -> None:
+        provider = create(max_concurrent=2)
+        tenants = keyed_limiter(create, max_concurrent=1)
+        acme = tenants.key("acme")
+        with slot(provider, acme) as held:
+            assert [lease.limiter for lease in held.leases] == [provider.name, acme.name]
+            assert set(held.fencing_tokens) == {provider.name, acme.name}
+            assert active_of(provider) in (1, None), f"{stats_of(provider)}"
+            if isinstance(tenants, ReportsKeys):
+                assert list(tenants.key_stats()) == [KeyStats("acme", 1, 0)]
+            try:  # the key's limit applies to a request over both
+                leases = acquire_several([provider, acme], timeout_ms=50)
+            except ConcurrencyTimeoutError:
+                pass
+            else:
+                release_all([provider, acme], leases)
+                raise AssertionError("a second slot of a key with max_concurrent=1")
+            other = acquire_several([provider, tenants.key("globex")], timeout_ms=1000)
+            release_all([provider, tenants.key("globex")], other)
+        try:
+            with slot(provider, tenants):
+                raise AssertionError("slot() entered on a keyed limiter itself")
+        except ConcurrencyConfigError as exc:
+            assert tenants.name in str(exc), f"the error does not name the limiter: {exc}"
+        assert_idle(provider, acme)
+        assert_no_key_in_use(tenants)
+
+    @case
+    def cancelling_a_request_for_several_limiters_leaves_nothing_held() -> None:
+        a, b = create(max_concurrent=1), create(max_concurrent=1)
+        held = b.acquire(new_request())
+        cancel = CancellationToken()
+        with ThreadPoolExecutor(1) as pool:
+            waiting = start_waiting(
+                pool,
+                lambda on_wait: acquire_several(
+                    [a, b], timeout_ms=WAIT_MS, cancel=cancel, on_wait=on_wait
+                ),
+                "a and b",
+            )
+            cancel.cancel()
+            try:
+                release_all([a, b], waiting.result(SOON_S))
+            except ConcurrencyCancelledError:
+                pass
+            else:
+                raise AssertionError("a cancelled request over several limiters got its slots")
+        assert_idle(a)
+        stats = stats_of(b)
+        assert stats is None or (stats.active, stats.queued) == (1, 0), f"b: {stats}"
+        b.release(held)
+        release_all([a, b], acquire_several([a, b], timeout_ms=1000))
+        assert_idle(a, b)
+
+    @case
+    def a_request_for_several_limiters_times_out_holding_nothing() -> None:
+        a, b = create(max_concurrent=1), create(max_concurrent=1)
+        held = b.acquire(new_request())
+        try:
+            leases = acquire_several([a, b], timeout_ms=100)
+        except ConcurrencyTimeoutError as exc:
+            assert exc.limiter in (a.name, b.name), f"the timeout names {exc.limiter!r}"
+        else:
+            release_all([a, b], leases)
+            raise AssertionError("granted a and b while b was full")
+        assert_idle(a)
+        a.release(a.acquire(new_request(timeout_ms=50)))  # a's one slot is free
+        b.release(held)
+        assert_idle(a, b)
+
+    @case
+    def cancel_at_the_moment_of_a_grant_over_several_limiters_leaks_no_slot() -> None:
+        a, b = create(max_concurrent=1), create(max_concurrent=1)
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(20):
+                held = b.acquire(new_request())
+                cancel = CancellationToken()
+
+                def acquire(on_wait: OnWait, token: CancellationToken = cancel) -> Sequence[Lease]:
+                    return acquire_several(
+                        [a, b], timeout_ms=WAIT_MS, cancel=token, on_wait=on_wait
+                    )
+
+                waiting = start_waiting(pool, acquire, "a and b")
+                release = pool.submit(b.release, held)
+                cancel.cancel()
+                release.result(SOON_S)
+                try:
+                    leases = waiting.result(SOON_S)
+                except ConcurrencyCancelledError:
+                    pass
+                else:
+                    release_all([a, b], leases)  # granted before the cancel was seen
+                again = acquire_several([a, b], timeout_ms=SOON_S * 1000)
+                release_all([a, b], again)
+        assert_idle(a, b)
+
+    @case
+    def each_limiter_keeps_its_own_workload_ceiling() -> None:
+        a = create(max_concurrent=2, workloads={"batch": {"max_concurrent": 1}, "default": {}})
+        b = create(max_concurrent=2)
+        held = a.acquire(new_request("batch"))
+        with ThreadPoolExecutor(1) as pool:
+            waiting = start_waiting(
+                pool,
+                lambda on_wait: acquire_several(
+                    [a, b], several_requests([a, b], ["batch", "default"], WAIT_MS), on_wait=on_wait
+                ),
+                "batch in a, default in b",
+            )
+            assert active_of(b) in (0, None), "b's slot was taken while a's batch was full"
+            a.release(held)
+            leases = waiting.result(SOON_S)
+            assert [lease.workload for lease in leases] == ["batch", "default"]
+            release_all([a, b], leases)
+        assert_idle(a, b)
+
+    @case
+    def a_full_queue_in_any_limiter_refuses_the_request() -> None:
+        a, b = create(max_concurrent=1), create(max_concurrent=1, max_queued=0)
+        held = b.acquire(new_request())
+        try:
+            leases = acquire_several([a, b], timeout_ms=1000)
+        except ConcurrencyQueueFullError as exc:
+            assert exc.limiter == b.name, f"the error names {exc.limiter!r}, not b"
+        else:
+            release_all([a, b], leases)
+            raise AssertionError("b's max_queued=0 let a request wait")
+        assert_idle(a)
+        b.release(held)
+        assert_idle(a, b)
+
+    @case
+    def a_limiter_it_cannot_hold_with_its_own_is_refused() -> None:
+        a = create(max_concurrent=1)
+        foreign = Foreign()
+        try:
+            leases = acquire_several([a, foreign], timeout_ms=1000)
+        except ConcurrencyConfigError as exc:
+            assert foreign.name in str(exc), f"the error does not name the limiter: {exc}"
+        else:
+            release_all([a, foreign], leases)
+            raise AssertionError("held a limiter of no backend together with its own")
+        assert_idle(a)
+        a.release(a.acquire(new_request(timeout_ms=50)))
+
+    return iter(cases)

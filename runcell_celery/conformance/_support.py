@@ -1,0 +1,115 @@
+"""What the conformance cases share: the case type, requests, waiting in a thread, and
+checks that read a limiter's stats when it has them."""
+
+# Test code shipped in the package: it asserts on the exceptions it catches.
+# ruff: noqa: PT017
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ..cancellation import CancellationToken
+from ..errors import ConcurrencyTimeoutError
+from ..ids import new_request_id
+from ..protocol import (
+    AcquireRequest,
+    ConcurrencyLimiter,
+    Lease,
+    LimiterStats,
+    OnWait,
+    RunLineage,
+    SupportsStats,
+)
+
+CreateLimiter = Callable[..., ConcurrencyLimiter]
+T = TypeVar("T")
+
+#: Upper bound for anything that should happen "soon" (a wake-up, an expiry poll).
+SOON_S = 10.0
+#: The budget of a request that must wait, so a case that fails ends instead of hanging.
+WAIT_MS = SOON_S * 1000
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One behaviour a limiter must have; ``run()`` raises ``AssertionError`` if not."""
+
+    name: str
+    run: Callable[[], None]
+
+
+def new_request(workload: str = "default", timeout_ms: float | None = None) -> AcquireRequest:
+    request_id = new_request_id()
+    return AcquireRequest(
+        request_id=request_id,
+        workload=workload,
+        lineage=RunLineage(run_id=request_id, root_run_id=request_id),
+        timeout_ms=timeout_ms,
+    )
+
+
+def stats_of(limiter: ConcurrencyLimiter) -> LimiterStats | None:
+    return limiter.stats() if isinstance(limiter, SupportsStats) else None
+
+
+def assert_idle(*limiters: ConcurrencyLimiter) -> None:
+    for limiter in limiters:
+        stats = stats_of(limiter)
+        if stats is not None:
+            assert (stats.active, stats.queued) == (0, 0), (
+                f"expected {limiter.name!r} idle, got {stats}"
+            )
+
+
+def eventually(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + SOON_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+def start_waiting(pool: ThreadPoolExecutor, acquire: Callable[[OnWait], T], what: str) -> Future[T]:
+    """Run ``acquire(on_wait)`` in ``pool``; return once it waits (``on_wait`` called)."""
+    queued = threading.Event()
+    future = pool.submit(acquire, lambda _deadline: queued.set())
+    if not queued.wait(SOON_S):
+        if future.done():
+            raise AssertionError(f"expected {what} to wait, got {future.result()}")
+        raise AssertionError(f"{what} neither waited nor returned")
+    return future
+
+
+class Queued:
+    """Start an ``acquire`` in a thread and know once it holds its place in the queue."""
+
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        limiter: ConcurrencyLimiter,
+        request: AcquireRequest,
+        cancel: CancellationToken | None = None,
+    ) -> None:
+        self.request = request
+        self.future: Future[Lease] = start_waiting(
+            pool,
+            lambda on_wait: limiter.acquire(request, cancel=cancel, on_wait=on_wait),
+            f"{request.workload} in {limiter.name!r}",
+        )
+
+    def lease(self) -> Lease:
+        return self.future.result(SOON_S)
+
+
+def assert_times_out(limiter: ConcurrencyLimiter, why: str) -> None:
+    try:
+        lease = limiter.acquire(new_request(timeout_ms=50))
+    except ConcurrencyTimeoutError as exc:
+        assert exc.limiter == limiter.name, f"the timeout names {exc.limiter!r}"
+    else:
+        limiter.release(lease)
+        raise AssertionError(f"{limiter.name!r} granted a slot although {why}")
