@@ -21,11 +21,13 @@ import unicodedata
 
 from .config import KEY_SEPARATOR, MAX_NAME_LENGTH, LimiterConfig
 from .errors import ConcurrencyConfigError
+from .protocol import SupportsKeys, supports
 
 __all__ = [
     "MAX_KEY_LENGTH",
     "check_key",
     "config_for_key",
+    "is_keyed",
     "key_limiter_name",
     "split_key_name",
 ]
@@ -95,3 +97,13 @@ def config_for_key(config: LimiterConfig, key: str) -> LimiterConfig:
         )
     check_key(config.name, key)
     return dataclasses.replace(config, name=key_limiter_name(config.name, key), keyed=False)
+
+
+def is_keyed(limiter: object) -> bool:
+    """Whether ``limiter`` is a keyed limiter itself (a template whose slots are taken on
+    its keys). Its limits say so when it has them (a PostgreSQL limiter has ``key()``
+    whether or not it is keyed); otherwise, having keys (:class:`SupportsKeys`) does."""
+    config = getattr(limiter, "config", None)
+    if isinstance(config, LimiterConfig):
+        return config.keyed
+    return supports(limiter, SupportsKeys)

@@ -16,6 +16,7 @@ never has two limiters at once.
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import weakref
 from typing import NoReturn
@@ -61,6 +62,10 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         )
         #: Keys holding a slot or with a waiting request: kept whoever references them.
         self._busy: dict[str, InMemoryConcurrencyLimiter] = {}
+        #: One fencing counter for every key: a key forgotten while idle and made again
+        #: continues above every token it gave (a proxy that remembers the highest one
+        #: would refuse it otherwise).
+        self._tokens = itertools.count(1)
 
     def __repr__(self) -> str:
         config = self._config
@@ -80,6 +85,7 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
                 )
                 limiter._owner = self
                 limiter._key = key
+                limiter._tokens = self._tokens
                 limiter._watch_grants = True
                 self._live[key] = limiter
             return limiter

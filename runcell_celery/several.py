@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from typing import cast
 
 from .errors import ConcurrencyConfigError
-from .keys import split_key_name
+from .keys import is_keyed, split_key_name
 from .protocol import (
     ConcurrencyLimiter,
     SupportsConfig,
-    SupportsKeys,
     SupportsSeveral,
     SupportsValidateWorkload,
     supports,
@@ -44,7 +43,7 @@ def check_several(limiters: Sequence[ConcurrencyLimiter]) -> None:
         several together.
     """
     for limiter in limiters:
-        if supports(limiter, SupportsKeys):
+        if is_keyed(limiter):
             name = limiter.name
             raise ConcurrencyConfigError(
                 f"limiter {name!r} is keyed: it has a limit per key and no slots of its own; "

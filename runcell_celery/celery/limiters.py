@@ -17,6 +17,7 @@ from celery import Task
 
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
+from ..keys import is_keyed as keyed_limiter
 from ..keys import split_key_name
 from ..protocol import ConcurrencyLimiter, SupportsKeys, supports
 from ..registry import LimiterRegistry
@@ -72,7 +73,7 @@ def is_keyed(registry: LimiterRegistry, name: str) -> bool:
     config = registry.config(name)
     if config is not None:
         return config.keyed
-    return supports(registry.get(name), SupportsKeys)
+    return keyed_limiter(registry.get(name))
 
 
 def validate_workload(

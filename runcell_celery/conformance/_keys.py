@@ -2,7 +2,6 @@
 (:func:`~runcell_celery.conformance.keyed_conformance_cases`)."""
 
 # Test code shipped in the package: it asserts on the exceptions it catches.
-# ruff: noqa: PT017
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 checks that read a limiter's stats when it has them."""
 
 # Test code shipped in the package: it asserts on the exceptions it catches.
-# ruff: noqa: PT017
 
 from __future__ import annotations
 

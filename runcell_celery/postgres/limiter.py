@@ -43,6 +43,7 @@ from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimite
 from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
 from ..protocol import (
     AcquireRequest,
+    ConcurrencyLimiter,
     KeyStats,
     Lease,
     LimiterStats,
@@ -65,6 +66,7 @@ from .connection import Database
 from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
 from .registration import config_hash, store_limits
+from .several import acquire_several, run_group_pass
 from .waiting import Grant, Waiter, WaitRoom, get_room
 
 __all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
@@ -235,6 +237,66 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         if self._keys is None:
             self._keys = KeySet(self)
         return self._keys
+
+    # -- several limiters in one slot (:mod:`.several`) ----------------------------------
+
+    def acquire_several(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...]:
+        """One slot in every limiter of ``limiters`` (all of this database), granted
+        together; see :class:`~runcell_celery.protocol.SupportsSeveral`."""
+        return acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait)
+
+    def call_request(
+        self,
+        request: AcquireRequest,
+        query: LiteralString,
+        params: Mapping[str, Any],
+        *,
+        lock_ms: int,
+        stamp: Stamp | None = None,
+    ) -> Any:
+        """One bounded call on behalf of ``request`` (failing closed, naming it; a row
+        that stayed locked raises :class:`~.calls.RowBusyError`)."""
+        return self._call(request, query, params, lock_ms=lock_ms, busy_ok=True, stamp=stamp)
+
+    def _run_due_groups(self, answer: Mapping[str, Any]) -> None:
+        """Run the group pass of each request over several limiters the operation found
+        first in line everywhere (``"grp"``): it may be granted now. Its own process
+        runs one now and then anyway, so a failure here only delays it."""
+        for group_id in answer.get("grp") or ():
+            try:
+                run_group_pass(self, str(group_id))
+            except ConcurrencyError as exc:
+                logger.info("runcell: the group pass of %s failed: %s", group_id, exc)
+
+    def republish(self, lease_ids: Any) -> None:
+        """Re-publish the parked tasks an operation granted (see :meth:`release`)."""
+        self._republish(lease_ids)
+
+    def make_lease(
+        self, request_id: str, workload: str, lease: Sequence[Any], sent: float | None
+    ) -> Lease:
+        """A lease the database answered with (``[lease_id, token]``)."""
+        return self._lease(request_id, workload, lease, sent)
+
+    def granted_lease(self, request_id: str, workload: str, grant: Grant, sent: float) -> Lease:
+        """A lease a notification (or a release) granted."""
+        start = self.room.clock.local(grant.granted_at)
+        return Lease(
+            lease_id=grant.lease_id,
+            limiter=self.name,
+            workload=workload,
+            request_id=request_id,
+            fencing_token=grant.fencing_token,
+            ttl_ms=self._config.lease_ttl_ms,
+            valid_until=self._valid_until(start if start is not None else sent),
+        )
 
     def call_database(self, query: LiteralString, params: Mapping[str, Any]) -> Any:
         """Run one bounded function call on this limiter's pool (failing closed)."""
@@ -495,6 +557,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 raise
         self.room.clock.sample(sent.at, float(answer["now"]))
         self._republish(answer.get("parked"))
+        self._run_due_groups(answer)
         status = answer["s"]
         if status == "granted":
             return self._lease(request.request_id, waiting.workload, answer["lease"], sent.at)
@@ -690,6 +753,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 # others learn it from their notification.
                 self.room.dispatch_grants(answer["t"], answer["g"])
             self._republish(answer.get("parked"))
+            self._run_due_groups(answer)
             return
 
     def withdraw(self, request_id: str) -> None:

@@ -272,3 +272,23 @@ SELECT DISTINCT l.limiter FROM runcell_lease AS l
 WHERE l.expires_at <= clock_timestamp()
   AND left(l.limiter, length(%(parent)s) + 1) = %(parent)s || ':'
 """
+
+#: One request over several limiters of this database (``runcell_acquire_several_v5``):
+#: ``limiters`` in lock (name) order, with their limits' checksums and the workload
+#: the request uses in each.
+ACQUIRE_SEVERAL: LiteralString = """
+SELECT runcell_acquire_several_v5(%(limiters)s::text[], %(hashes)s::text[],
+    %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
+    %(lock_timeout_ms)s, %(retry)s)
+"""
+
+#: The group pass of a request over several limiters (``runcell_allocate_group_v5``).
+ALLOCATE_GROUP: LiteralString = """
+SELECT runcell_allocate_group_v5(%(group_id)s, %(lock_timeout_ms)s)
+"""
+
+#: Withdraw a request over several limiters (``runcell_withdraw_group_v5``).
+WITHDRAW_GROUP: LiteralString = """
+SELECT runcell_withdraw_group_v5(%(group_id)s, %(limiters)s::text[], %(give_back)s,
+    %(lock_timeout_ms)s)
+"""

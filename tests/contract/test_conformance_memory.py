@@ -27,25 +27,6 @@ def create(**options: Any) -> ConcurrencyLimiter:
     return limiter
 
 
-#: Cases the in-memory limiter fails today, each with why. Strict: once the library is
-#: fixed the case passes, and the test fails until its entry goes.
-KNOWN_FAILURES = {
-    "fencing_tokens_of_a_key_increase_across_uses": (
-        "memory_keys forgets an idle key's limiter and makes a new one on the next use, "
-        "whose fencing tokens start again at 1 (InMemoryConcurrencyLimiter._tokens)"
-    ),
-}
-
-
-def _params(cases: list[ConformanceCase]) -> list[Any]:
-    params = []
-    for case in cases:
-        reason = KNOWN_FAILURES.get(case.name)
-        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)]
-        params.append(pytest.param(case, id=case.name, marks=marks if reason else []))
-    return params
-
-
 CASES = concurrency_conformance_cases(create)
 KEYED_CASES = keyed_conformance_cases(create)
 SEVERAL_CASES = several_limiters_conformance_cases(create)
@@ -56,7 +37,7 @@ def test_in_memory_limiter_conforms(case: ConformanceCase) -> None:
     case.run()
 
 
-@pytest.mark.parametrize("case", _params(KEYED_CASES))
+@pytest.mark.parametrize("case", KEYED_CASES, ids=lambda case: case.name)
 def test_in_memory_keyed_limiter_conforms(case: ConformanceCase) -> None:
     case.run()
 

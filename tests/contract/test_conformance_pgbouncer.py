@@ -19,7 +19,11 @@ import psycopg
 import pytest
 
 from runcell_celery import AcquireRequest, LimiterConfig, RunLineage
-from runcell_celery.conformance import concurrency_conformance_cases, keyed_conformance_cases
+from runcell_celery.conformance import (
+    concurrency_conformance_cases,
+    keyed_conformance_cases,
+    several_limiters_conformance_cases,
+)
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
@@ -31,6 +35,9 @@ from tests.support.pgbouncer import POOL_SIZE, PgBouncer, run_pgbouncer
 
 CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
 KEYED_CASE_NAMES = [case.name for case in keyed_conformance_cases(lambda **options: None)]
+SEVERAL_CASE_NAMES = [
+    case.name for case in several_limiters_conformance_cases(lambda **options: None)
+]
 
 #: A case in which requests wait and are granted by another request's release.
 WAITING_CASE = "waiters_are_served_in_arrival_order"
@@ -88,6 +95,15 @@ def test_keyed_postgres_limiter_conforms_through_a_transaction_pooler(
     cases = {
         case.name: case for case in keyed_conformance_cases(_factory(pgbouncer_dsn, listen=False))
     }
+    cases[name].run()
+
+
+@pytest.mark.parametrize("name", SEVERAL_CASE_NAMES)
+def test_postgres_limiters_held_together_conform_through_a_transaction_pooler(
+    pgbouncer_dsn: str, name: str
+) -> None:
+    factory = _factory(pgbouncer_dsn, listen=False)
+    cases = {case.name: case for case in several_limiters_conformance_cases(factory)}
     cases[name].run()
 
 

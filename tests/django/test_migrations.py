@@ -39,7 +39,7 @@ FROZEN = {
         "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
     ),
     "0006_limiter_schema_v3_keys": (
-        "122ff87e1fa5c6cb91bea73fb7b776546079db5d6581af4275e9412734a9dfea"
+        "3e494ac55f3f954c39d399fe8312e4b4225ecdef3465cf11e2e9c8665ba361af"
     ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"

@@ -1,6 +1,6 @@
 """The limiter's DDL as runcell_celery shipped it with keyed limiters (v3, revised).
 
-``postgres_concurrency_schema_sql()`` at checksum ``6acc6a274b806b5a``, frozen as text
+``postgres_concurrency_schema_sql()`` at checksum ``487ce2d179cfd990``, frozen as text
 like the migrations before it. A key of a keyed limiter is a limiter row of its own,
 ``"<keyed limiter>:<key>"``, with the keyed limiter as its ``parent``: created by the
 first operation that names it (``runcell_create_key_v5``), deleted once idle
@@ -8,13 +8,15 @@ first operation that names it (``runcell_create_key_v5``), deleted once idle
 (``runcell_sync_keys_v5``); operators' lists read the limiters that are not keys
 through a partial index. A round-robin limiter (limits option ``fairness``) serves
 waiting requests round-robin by key: each request's key (``runcell_queue.fair_key``)
-and each key's latest grant (``runcell_fair_history``) order its line. The model
-state gains ``Limiter.parent``.
+and each key's latest grant (``runcell_fair_history``) order its line. A request
+over several limiters waits as one queue row per limiter (``group_id``,
+``group_limiters``) and is granted all together by ``runcell_allocate_group_v5``. The
+model state gains ``Limiter.parent``.
 """
 
 from django.db import migrations, models
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 6acc6a274b806b5a.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 487ce2d179cfd990.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -219,6 +221,15 @@ CREATE INDEX IF NOT EXISTS runcell_limiter_not_keys ON runcell_limiter (name)
 -- limiter the fencing token of each key's latest grant, so that ties between keys go
 -- to the one served longest ago (runcell_celery.allocation.allocate_several).
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS fair_key text;
+-- A request over several limiters (``slot(openai, gpt_4o, tenant.key("acme"))``) waits
+-- as one queue row per limiter, its member "<request id>|<limiter>", all with the
+-- request's id (group_id) and its limiters in lock order (group_limiters). It is
+-- granted only all together, by runcell_allocate_group_v5, which locks those limiters in
+-- that order: allocation in one of them never grants a member itself.
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_id text;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_limiters text[];
+CREATE INDEX IF NOT EXISTS runcell_queue_groups ON runcell_queue (group_id)
+    WHERE group_id IS NOT NULL;
 CREATE TABLE IF NOT EXISTS runcell_fair_history (
     limiter text NOT NULL,
     fair_key text NOT NULL,  -- '' for the keyless requests (a key is never empty)
@@ -358,6 +369,56 @@ CREATE OR REPLACE FUNCTION runcell_fair_granted_v5(
     ON CONFLICT (limiter, fair_key) DO UPDATE SET last_granted = EXCLUDED.last_granted
 $$;
 
+-- The member of request p_group waiting in limiter p_limiter, if it is first in its
+-- workload's line there (runs in progress first, then arrival or round robin). Read
+-- without the limiter's lock: used to decide what to try, never what to grant.
+CREATE OR REPLACE FUNCTION runcell_group_member_first_v5(
+    p_group text, p_limiter text, p_now timestamptz
+) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_member text := p_group || '|' || p_limiter;
+    v_workload text;
+    v_first text;
+BEGIN
+    SELECT q.workload INTO v_workload FROM runcell_queue q
+    WHERE q.request_id = v_member AND q.granted_lease_id IS NULL;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF (SELECT (l.config->>'fairness') IS NOT DISTINCT FROM 'round_robin'
+        FROM runcell_limiter l WHERE l.name = p_limiter) THEN
+        SELECT f.request_id INTO v_first
+        FROM runcell_fair_line_v5(p_limiter, v_workload, p_now) f LIMIT 1;
+    ELSE
+        SELECT q.request_id INTO v_first FROM runcell_queue q
+        WHERE q.limiter = p_limiter AND q.workload = v_workload
+          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
+        ORDER BY q.in_progress DESC, q.position LIMIT 1;
+    END IF;
+    RETURN v_first IS NOT DISTINCT FROM v_member;
+END;
+$$;
+
+-- Whether a request over several limiters is first in line in each of its limiters
+-- other than p_here (where the caller found it first): then it is anchored, and the
+-- slot it has room for here is set aside for it (no starvation: it takes the next slot
+-- that frees wherever it still waits).
+CREATE OR REPLACE FUNCTION runcell_group_anchored_v5(
+    p_group text, p_limiters text[], p_here text, p_now timestamptz
+) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_limiter text;
+BEGIN
+    FOREACH v_limiter IN ARRAY coalesce(p_limiters, '{}') LOOP
+        CONTINUE WHEN v_limiter = p_here;
+        IF NOT runcell_group_member_first_v5(p_group, v_limiter, p_now) THEN
+            RETURN false;
+        END IF;
+    END LOOP;
+    RETURN true;
+END;
+$$;
+
 CREATE OR REPLACE FUNCTION runcell_allocate_v4(
     INOUT p_row runcell_limiter,
     p_now timestamptz,
@@ -388,6 +449,12 @@ DECLARE
     v_dropped integer := 0;
     v_fair boolean := (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin';
     v_key text;
+    -- Slots held as allocation sees them in this pass: held, plus one set aside for
+    -- each request over several limiters that is first in line everywhere (anchored).
+    v_eff integer[] := p_row.active;
+    v_group text;
+    v_group_limiters text[];
+    v_seen_groups text[] := '{}';
 BEGIN
     requests := '{}';
     leases := '{}';
@@ -402,7 +469,7 @@ BEGIN
         v_best := NULL;
         FOR v_i IN 1 .. v_n LOOP
             CONTINUE WHEN p_row.waiting[v_i] <= 0;
-            CONTINUE WHEN NOT runcell_has_room_v3(p_row.active, p_row.ceilings, p_row.reserved,
+            CONTINUE WHEN NOT runcell_has_room_v3(v_eff, p_row.ceilings, p_row.reserved,
                                                   p_row.max_concurrent, v_i);
             IF NOT v_loaded[v_i] THEN
                 IF NOT v_probed[v_i] THEN
@@ -458,8 +525,9 @@ BEGIN
 
         v_request := v_head_request[v_best];
         v_loaded[v_best] := false;
-        SELECT q.parked, q.process_id, q.expires_at, p.channel, q.fair_key
-        INTO v_parked, v_process, v_expires, v_channel, v_key
+        SELECT q.parked, q.process_id, q.expires_at, p.channel, q.fair_key, q.group_id,
+               q.group_limiters
+        INTO v_parked, v_process, v_expires, v_channel, v_key, v_group, v_group_limiters
         FROM runcell_queue q
         LEFT JOIN runcell_process p ON p.process_id = q.process_id AND p.expires_at > p_now
         WHERE q.request_id = v_request;
@@ -470,6 +538,23 @@ BEGIN
             p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
             v_dropped := v_dropped + 1;
             EXIT WHEN v_dropped >= 100;
+            CONTINUE;
+        END IF;
+        IF v_group IS NOT NULL THEN
+            -- A member of a request over several limiters: granted only together, by
+            -- runcell_allocate_group_v5 (which locks all its limiters in order). It does
+            -- not hold up those behind it here, unless it is first in line in every one
+            -- of its limiters: then its slot is set aside for it, and the caller is told
+            -- to run its group pass (runcell.due_groups).
+            IF NOT (v_group = ANY(v_seen_groups)) THEN
+                v_seen_groups := v_seen_groups || v_group;
+                IF runcell_group_anchored_v5(v_group, v_group_limiters, p_row.name, p_now) THEN
+                    v_eff[v_best] := v_eff[v_best] + 1;
+                    PERFORM set_config('runcell.due_groups',
+                        coalesce(current_setting('runcell.due_groups', true), '')
+                            || v_group || E'\n', true);
+                END IF;
+            END IF;
             CONTINUE;
         END IF;
 
@@ -506,6 +591,7 @@ BEGIN
         END IF;
         p_row.waiting[v_best] := p_row.waiting[v_best] - 1;
         p_row.active[v_best] := p_row.active[v_best] + 1;
+        v_eff[v_best] := v_eff[v_best] + 1;
         IF v_fair THEN
             PERFORM runcell_fair_granted_v5(p_row.name, v_key, p_row.last_fencing_token);
         END IF;
@@ -894,9 +980,15 @@ BEGIN
     -- Still to come: the waiting process looks then.
     SELECT l.expires_at INTO v_first_expiry FROM runcell_lease l
     WHERE l.limiter = p_limiter ORDER BY l.expires_at LIMIT 1;
-    IF v_first_expiry <= v_now THEN
-        v_result := runcell_reap_expired_v3(v_row, v_now, 100);
-        v_row := v_result.p_row;
+    -- Room with others of its workload ahead: they are requests over several limiters
+    -- waiting elsewhere (which hold up nobody), so allocation runs here, now.
+    IF v_first_expiry <= v_now
+       OR runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
+                              v_row.max_concurrent, v_i) THEN
+        IF v_first_expiry <= v_now THEN
+            v_result := runcell_reap_expired_v3(v_row, v_now, 100);
+            v_row := v_result.p_row;
+        END IF;
         v_result := runcell_allocate_v4(v_row, v_now, v_request_id);
         v_row := v_result.p_row;
         v_requests := v_result.requests;
@@ -912,22 +1004,24 @@ BEGIN
         last_fencing_token = v_row.last_fencing_token
     WHERE name = p_limiter;
     IF v_mine IS NOT NULL THEN
-        RETURN runcell_answer_v3('granted', v_now, v_leases[v_mine], v_tokens[v_mine])
-            || jsonb_build_object('parked', runcell_parked_leases_v4(v_leases, v_parked));
+        RETURN runcell_due_groups_v5(
+            runcell_answer_v3('granted', v_now, v_leases[v_mine], v_tokens[v_mine])
+            || jsonb_build_object('parked', runcell_parked_leases_v4(v_leases, v_parked)));
     END IF;
     IF cardinality(v_requests) = 0 THEN
         PERFORM set_config('synchronous_commit', 'off', true);
-        RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+        RETURN runcell_due_groups_v5(jsonb_build_object('s', 'queued',
+            'now', extract(epoch FROM v_now),
             'left_ms', p_wait_ms, 'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
             'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
-            'slots', least(v_row.ceilings[v_i], v_row.max_concurrent));
+            'slots', least(v_row.ceilings[v_i], v_row.max_concurrent)));
     END IF;
-    RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+    RETURN runcell_due_groups_v5(jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
         'left_ms', p_wait_ms,
         'parked', runcell_parked_leases_v4(v_leases, v_parked),
         'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
         'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
-        'slots', least(v_row.ceilings[v_i], v_row.max_concurrent));
+        'slots', least(v_row.ceilings[v_i], v_row.max_concurrent)));
 END;
 $$;
 
@@ -981,15 +1075,342 @@ BEGIN
     WHERE name = p_limiter;
     IF v_granted = 0 THEN
         PERFORM set_config('synchronous_commit', 'off', true);
-        RETURN '{}'::jsonb;
+        RETURN runcell_due_groups_v5('{}'::jsonb);
     END IF;
-    RETURN jsonb_build_object(
+    RETURN runcell_due_groups_v5(jsonb_build_object(
         't', extract(epoch FROM v_now),
         'g', (SELECT jsonb_agg(jsonb_build_array(r, l::text, t) ORDER BY o)
               FROM unnest(v_result.requests, v_result.leases, v_result.tokens, v_result.parked)
                    WITH ORDINALITY AS g(r, l, t, pk, o)
               WHERE NOT pk),
-        'parked', runcell_parked_leases_v4(v_result.leases, v_result.parked));
+        'parked', runcell_parked_leases_v4(v_result.leases, v_result.parked)));
+END;
+$$;
+
+-- p_answer with "grp": the requests over several limiters this transaction's
+-- allocation found first in line everywhere (runcell.due_groups), for the caller to run
+-- their group pass (runcell_allocate_group_v5) next.
+CREATE OR REPLACE FUNCTION runcell_due_groups_v5(p_answer jsonb) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_due text := nullif(current_setting('runcell.due_groups', true), '');
+BEGIN
+    IF v_due IS NULL THEN
+        RETURN p_answer;
+    END IF;
+    PERFORM set_config('runcell.due_groups', '', true);
+    RETURN p_answer || jsonb_build_object('grp', (
+        SELECT jsonb_agg(DISTINCT g) FROM unnest(string_to_array(v_due, E'\n')) AS g
+        WHERE g <> ''));
+END;
+$$;
+
+-- Acquire one slot in each of several limiters, together or not at all: one round trip.
+-- p_limiters in lock order (sorted, distinct), each with its stored limits' checksum and
+-- the workload the request uses there. Granted at once when, in every limiter, nobody
+-- of its workload waits and the workload has room (one synchronous commit); otherwise
+-- one queue row per limiter (member "<request id>|<limiter>", asynchronous commit),
+-- granted later all together by runcell_allocate_group_v5. Nothing is held while it
+-- waits. Returns {"s": "granted", "leases": [[lease_id, token], ...] in p_limiters'
+-- order} | {"s": "queued", "left_ms"} | {"s": "no-wait"} | {"s": "queue-full", "limiter"}
+-- | {"s": "unknown-workload", "limiter"}, each with "now".
+CREATE OR REPLACE FUNCTION runcell_acquire_several_v5(
+    p_limiters text[],
+    p_hashes text[],
+    p_workloads text[],
+    p_request jsonb,
+    p_wait_ms double precision,
+    p_process jsonb,
+    p_lock_timeout_ms integer,
+    p_retry boolean
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_n integer := cardinality(p_limiters);
+    v_rows runcell_limiter[] := '{}';
+    v_row runcell_limiter;
+    v_w integer[] := '{}';
+    v_now timestamptz;
+    v_group text := p_request->>'request_id';
+    v_member text;
+    v_i integer;
+    v_j integer;
+    v_all boolean := true;
+    v_leases jsonb := '[]'::jsonb;
+    v_lease_id uuid;
+    v_token bigint;
+    v_queued integer;
+    v_found integer;
+BEGIN
+    FOR v_i IN 1 .. v_n LOOP
+        IF v_i > 1 AND p_limiters[v_i] <= p_limiters[v_i - 1] THEN
+            RAISE EXCEPTION 'runcell: limiters must be distinct and in lock order: %', p_limiters;
+        END IF;
+        v_rows := v_rows || runcell_lock_v3(p_limiters[v_i], p_hashes[v_i], p_lock_timeout_ms);
+    END LOOP;
+    v_now := clock_timestamp();
+    FOR v_i IN 1 .. v_n LOOP
+        v_j := array_position(v_rows[v_i].workloads, p_workloads[v_i]);
+        IF v_j IS NULL THEN
+            RETURN jsonb_build_object('s', 'unknown-workload', 'limiter', p_limiters[v_i],
+                                      'now', extract(epoch FROM v_now));
+        END IF;
+        v_w := v_w || v_j;
+    END LOOP;
+    IF p_retry THEN
+        SELECT count(*) INTO v_found FROM runcell_lease
+        WHERE request_id = ANY(ARRAY(SELECT v_group || '|' || l FROM unnest(p_limiters) l));
+        IF v_found = v_n THEN
+            RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+                'leases', (SELECT jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token)
+                                            ORDER BY o)
+                           FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
+                           JOIN runcell_lease x ON x.request_id = v_group || '|' || u.l));
+        END IF;
+        IF EXISTS (SELECT 1 FROM runcell_queue WHERE group_id = v_group) THEN
+            RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+                                      'left_ms', p_wait_ms);
+        END IF;
+    END IF;
+    FOR v_i IN 1 .. v_n LOOP
+        v_row := v_rows[v_i];
+        IF v_row.waiting[v_w[v_i]] > 0
+           OR NOT runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
+                                      v_row.max_concurrent, v_w[v_i]) THEN
+            v_all := false;
+        END IF;
+    END LOOP;
+    IF v_all THEN
+        FOR v_i IN 1 .. v_n LOOP
+            v_row := v_rows[v_i];
+            v_token := v_row.last_fencing_token + 1;
+            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                acquired_at, renewed_at, expires_at)
+            VALUES (p_limiters[v_i], p_workloads[v_i], v_group || '|' || p_limiters[v_i],
+                v_token, p_request->>'run_id', p_request->>'root_run_id',
+                p_request->>'parent_run_id', p_request->>'holder_name', p_process->>'host',
+                (p_process->>'pid')::integer, v_row.lease_ttl_ms, v_now, v_now,
+                v_now + v_row.lease_ttl_ms * interval '1 millisecond')
+            RETURNING lease_id INTO v_lease_id;
+            UPDATE runcell_limiter
+            SET last_fencing_token = v_token, active[v_w[v_i]] = active[v_w[v_i]] + 1
+            WHERE name = p_limiters[v_i];
+            IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
+                PERFORM runcell_fair_granted_v5(p_limiters[v_i], p_request->>'key', v_token);
+            END IF;
+            v_leases := v_leases || jsonb_build_array(jsonb_build_array(v_lease_id, v_token));
+        END LOOP;
+        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+                                  'leases', v_leases);
+    END IF;
+    IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
+        RETURN jsonb_build_object('s', 'no-wait', 'now', extract(epoch FROM v_now));
+    END IF;
+    FOR v_i IN 1 .. v_n LOOP
+        v_row := v_rows[v_i];
+        IF v_row.max_queued IS NOT NULL THEN
+            SELECT coalesce(sum(x), 0) INTO v_queued FROM unnest(v_row.waiting) AS x;
+            IF v_queued >= v_row.max_queued THEN
+                RETURN jsonb_build_object('s', 'queue-full', 'limiter', p_limiters[v_i],
+                                          'now', extract(epoch FROM v_now));
+            END IF;
+        END IF;
+    END LOOP;
+    INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
+    VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
+            (p_process->>'pid')::integer,
+            v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
+    ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+    FOR v_i IN 1 .. v_n LOOP
+        INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
+            parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
+            expires_at, in_progress, process_id, fair_key, group_id, group_limiters)
+        VALUES (v_group || '|' || p_limiters[v_i], p_limiters[v_i], p_workloads[v_i],
+            p_request->>'run_id', p_request->>'root_run_id', p_request->>'parent_run_id',
+            p_request->>'holder_name', p_process->>'host', (p_process->>'pid')::integer,
+            v_now, v_now + p_wait_ms * interval '1 millisecond', 'infinity',
+            coalesce((p_request->>'in_progress')::boolean, false),
+            p_process->>'process_id', p_request->>'key', v_group, p_limiters);
+        UPDATE runcell_limiter SET waiting[v_w[v_i]] = waiting[v_w[v_i]] + 1
+        WHERE name = p_limiters[v_i];
+    END LOOP;
+    PERFORM set_config('synchronous_commit', 'off', true);
+    RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+                              'left_ms', p_wait_ms);
+END;
+$$;
+
+-- The group pass of a request over several limiters: lock its limiters in order, and
+-- grant it a slot in each if, in every one, its member is first in its workload's line,
+-- no workload of higher priority waits with room, and its workload has room. Runs when
+-- an allocation found it first in line everywhere (the releaser is told, "grp"), and
+-- from the waiting process now and then. Returns {} or {"t": grant time, "g":
+-- [[member, lease_id, token], ...]}; the waiting process is notified.
+CREATE OR REPLACE FUNCTION runcell_allocate_group_v5(p_group text, p_lock_timeout_ms integer)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_limiters text[];
+    v_n integer;
+    v_rows runcell_limiter[] := '{}';
+    v_row runcell_limiter;
+    v_w integer[] := '{}';
+    v_now timestamptz;
+    v_member text;
+    v_m record;
+    v_i integer;
+    v_j integer;
+    v_members text[] := '{}';
+    v_leases uuid[] := '{}';
+    v_tokens bigint[] := '{}';
+    v_channels text[] := '{}';
+    v_channel text;
+    v_keys text[] := '{}';
+    v_lease_id uuid;
+    v_reaped record;
+BEGIN
+    SELECT group_limiters INTO v_limiters FROM runcell_queue WHERE group_id = p_group LIMIT 1;
+    IF NOT FOUND THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+        RETURN '{}'::jsonb;
+    END IF;
+    v_n := cardinality(v_limiters);
+    FOR v_i IN 1 .. v_n LOOP
+        v_rows := v_rows || runcell_lock_v3(v_limiters[v_i], NULL, p_lock_timeout_ms);
+    END LOOP;
+    v_now := clock_timestamp();
+    FOR v_i IN 1 .. v_n LOOP
+        -- A dead holder's slot comes back here too: the waiting process's own pass
+        -- then needs nobody else to reap it.
+        v_reaped := runcell_reap_expired_v3(v_rows[v_i], v_now, 100);
+        IF v_reaped.reaped > 0 THEN
+            v_rows[v_i] := v_reaped.p_row;
+            PERFORM runcell_store_counts_v4(v_rows[v_i]);
+        END IF;
+    END LOOP;
+    FOR v_i IN 1 .. v_n LOOP
+        v_row := v_rows[v_i];
+        v_member := p_group || '|' || v_limiters[v_i];
+        SELECT q.workload, q.granted_lease_id, q.deadline, p.channel, q.fair_key INTO v_m
+        FROM runcell_queue q
+        LEFT JOIN runcell_process p ON p.process_id = q.process_id AND p.expires_at > v_now
+        WHERE q.request_id = v_member;
+        IF NOT FOUND OR v_m.granted_lease_id IS NOT NULL
+           OR (v_m.deadline IS NOT NULL AND v_m.deadline <= v_now) THEN
+            PERFORM set_config('synchronous_commit', 'off', true);
+            RETURN '{}'::jsonb;
+        END IF;
+        v_j := array_position(v_row.workloads, v_m.workload);
+        IF v_j IS NULL
+           OR NOT runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
+                                      v_row.max_concurrent, v_j)
+           OR NOT runcell_group_member_first_v5(p_group, v_limiters[v_i], v_now)
+           OR EXISTS (SELECT 1 FROM generate_subscripts(v_row.workloads, 1) AS k
+                      WHERE k <> v_j AND v_row.waiting[k] > 0
+                        AND v_row.priorities[k] > v_row.priorities[v_j]
+                        AND runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
+                                                v_row.max_concurrent, k)) THEN
+            PERFORM set_config('synchronous_commit', 'off', true);
+            RETURN '{}'::jsonb;
+        END IF;
+        v_w := v_w || v_j;
+        v_keys := v_keys || v_m.fair_key;
+        v_channel := coalesce(v_channel, v_m.channel);
+    END LOOP;
+    FOR v_i IN 1 .. v_n LOOP
+        v_row := v_rows[v_i];
+        v_member := p_group || '|' || v_limiters[v_i];
+        WITH granted AS (DELETE FROM runcell_queue WHERE request_id = v_member RETURNING *)
+        INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+            root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+            acquired_at, renewed_at, expires_at, parked)
+        SELECT v_row.name, g.workload, g.request_id, v_row.last_fencing_token + 1, g.run_id,
+            g.root_run_id, g.parent_run_id, g.holder_name, g.holder_host, g.holder_pid,
+            v_row.lease_ttl_ms, v_now, v_now,
+            v_now + v_row.lease_ttl_ms * interval '1 millisecond', false
+        FROM granted g
+        RETURNING lease_id INTO v_lease_id;
+        UPDATE runcell_limiter
+        SET last_fencing_token = last_fencing_token + 1,
+            active[v_w[v_i]] = active[v_w[v_i]] + 1,
+            waiting[v_w[v_i]] = greatest(0, waiting[v_w[v_i]] - 1)
+        WHERE name = v_row.name;
+        IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
+            PERFORM runcell_fair_granted_v5(v_row.name, v_keys[v_i], v_row.last_fencing_token + 1);
+        END IF;
+        v_members := v_members || v_member;
+        v_leases := v_leases || v_lease_id;
+        v_tokens := v_tokens || (v_row.last_fencing_token + 1);
+        v_channels := v_channels || v_channel;
+    END LOOP;
+    PERFORM runcell_notify_grants_v4(v_limiters[1], v_now, v_members, v_leases, v_tokens,
+        array_fill(false, ARRAY[v_n]), v_channels);
+    RETURN jsonb_build_object('t', extract(epoch FROM v_now),
+        'g', (SELECT jsonb_agg(jsonb_build_array(m, l::text, t) ORDER BY o)
+              FROM unnest(v_members, v_leases, v_tokens) WITH ORDINALITY AS g(m, l, t, o)));
+END;
+$$;
+
+-- Withdraw a request over several limiters (its wait ended or it was cancelled): under
+-- the locks of all its limiters, in order. A grant made just before wins unless
+-- p_give_back (then, and for a partial state, every lease of it is given back).
+-- Allocation runs in each limiter afterwards, since the request may have had a slot set
+-- aside. Returns {"s": "granted", "leases": [...] in lock order} | {"s": "withdrawn",
+-- "parked": [...]}.
+CREATE OR REPLACE FUNCTION runcell_withdraw_group_v5(
+    p_group text, p_limiters text[], p_give_back boolean, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_n integer := cardinality(p_limiters);
+    v_row runcell_limiter;
+    v_now timestamptz;
+    v_i integer;
+    v_j integer;
+    v_gone record;
+    v_result record;
+    v_found integer;
+    v_parked jsonb := '[]'::jsonb;
+BEGIN
+    FOR v_i IN 1 .. v_n LOOP
+        PERFORM runcell_lock_v3(p_limiters[v_i], NULL, p_lock_timeout_ms);
+    END LOOP;
+    v_now := clock_timestamp();
+    SELECT count(*) INTO v_found FROM runcell_lease
+    WHERE request_id = ANY(ARRAY(SELECT p_group || '|' || l FROM unnest(p_limiters) l));
+    IF v_found = v_n AND NOT p_give_back THEN
+        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+            'leases', (SELECT jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token)
+                                        ORDER BY o)
+                       FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
+                       JOIN runcell_lease x ON x.request_id = p_group || '|' || u.l));
+    END IF;
+    FOR v_i IN 1 .. v_n LOOP
+        SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiters[v_i];
+        FOR v_gone IN
+            DELETE FROM runcell_queue WHERE request_id = p_group || '|' || p_limiters[v_i]
+            RETURNING workload, granted_lease_id
+        LOOP
+            v_j := array_position(v_row.workloads, v_gone.workload);
+            IF v_j IS NOT NULL AND v_gone.granted_lease_id IS NULL THEN
+                v_row.waiting[v_j] := greatest(0, v_row.waiting[v_j] - 1);
+            END IF;
+        END LOOP;
+        FOR v_gone IN
+            DELETE FROM runcell_lease WHERE request_id = p_group || '|' || p_limiters[v_i]
+            RETURNING workload
+        LOOP
+            v_j := array_position(v_row.workloads, v_gone.workload);
+            IF v_j IS NOT NULL THEN
+                v_row.active[v_j] := greatest(0, v_row.active[v_j] - 1);
+            END IF;
+        END LOOP;
+        v_result := runcell_allocate_v4(v_row, v_now, NULL);
+        v_row := v_result.p_row;
+        v_parked := v_parked || runcell_parked_leases_v4(v_result.leases, v_result.parked);
+        PERFORM runcell_store_counts_v4(v_row);
+    END LOOP;
+    PERFORM set_config('runcell.due_groups', '', true);
+    RETURN jsonb_build_object('s', 'withdrawn', 'now', extract(epoch FROM v_now),
+                              'parked', v_parked);
 END;
 $$;
 
@@ -1429,27 +1850,39 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '6acc6a274b806b5a';
-INSERT INTO runcell_schema (checksum, version) VALUES ('6acc6a274b806b5a', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '487ce2d179cfd990';
+INSERT INTO runcell_schema (checksum, version) VALUES ('487ce2d179cfd990', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0005's DDL: keys go (their rows, leases and waiting requests: 0005 has no
-#: keys), then this revision's functions and what it added; 0005's text recreates its
-#: own functions.
+#: keys), and requests over several limiters (0005 would grant their rows one by one),
+#: the counts are taken again from the rows, then this revision's functions and what it
+#: added go; 0005's text recreates its own functions.
 DROP_NEW_OBJECTS = """
 DELETE FROM runcell_lease WHERE limiter IN (SELECT name FROM runcell_limiter WHERE parent IS NOT NULL);
 DELETE FROM runcell_queue WHERE limiter IN (SELECT name FROM runcell_limiter WHERE parent IS NOT NULL);
 DELETE FROM runcell_limiter WHERE parent IS NOT NULL;
+DELETE FROM runcell_queue WHERE group_id IS NOT NULL;
+SELECT runcell_set_limits_v3(name) FROM runcell_limiter;
+DROP FUNCTION IF EXISTS runcell_acquire_several_v5(text[],text[],text[],jsonb,double precision,jsonb,integer,boolean);
+DROP FUNCTION IF EXISTS runcell_allocate_group_v5(text,integer);
 DROP FUNCTION IF EXISTS runcell_create_key_v5(text);
+DROP FUNCTION IF EXISTS runcell_due_groups_v5(jsonb);
 DROP FUNCTION IF EXISTS runcell_fair_granted_v5(text,text,bigint);
 DROP FUNCTION IF EXISTS runcell_fair_line_v5(text,text,timestamp with time zone);
+DROP FUNCTION IF EXISTS runcell_group_anchored_v5(text,text[],text,timestamp with time zone);
+DROP FUNCTION IF EXISTS runcell_group_member_first_v5(text,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_purge_idle_keys_v5(text,integer);
 DROP FUNCTION IF EXISTS runcell_sync_keys_v5(text);
+DROP FUNCTION IF EXISTS runcell_withdraw_group_v5(text,text[],boolean,integer);
 DROP INDEX IF EXISTS runcell_limiter_keys;
 DROP INDEX IF EXISTS runcell_limiter_not_keys;
+DROP INDEX IF EXISTS runcell_queue_groups;
 DROP TABLE IF EXISTS runcell_fair_history;
 ALTER TABLE runcell_limiter DROP COLUMN IF EXISTS parent;
 ALTER TABLE runcell_queue DROP COLUMN IF EXISTS fair_key;
+ALTER TABLE runcell_queue DROP COLUMN IF EXISTS group_id;
+ALTER TABLE runcell_queue DROP COLUMN IF EXISTS group_limiters;
 """
 
 

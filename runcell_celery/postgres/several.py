@@ -1,0 +1,284 @@
+"""Several PostgreSQL limiters in one slot: one request, granted all together.
+
+``slot(openai, gpt_4o, tenants.key("acme"))`` on limiters of one database asks once
+(``runcell_acquire_several_v5``: their rows locked in name order, one slot in each or
+none). A request that must wait leaves one queue row per limiter (its *members*,
+``"<request id>|<limiter>"``) and holds nothing. Allocation in any of those limiters
+never grants a member by itself: a member that is first in line there, and first in
+every other limiter of the request, has its slot set aside (no starvation), and the
+transaction that found it tells its caller to run the request's *group pass*
+(``runcell_allocate_group_v5``), which locks every limiter of the request in name order
+and grants them all together. A member that waits behind others elsewhere holds up
+nobody (no head-of-line blocking). Because every statement that locks several limiter
+rows locks them in name order, two requests naming the same limiters in opposite
+orders cannot deadlock.
+
+The waiting process runs the group pass itself now and then as well
+(:data:`GROUP_PASS_S`), so a pass a releaser could not run (it crashed after its commit)
+is only late, never lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..cancellation import CancellationToken
+from ..deadline import Deadline
+from ..errors import ConcurrencyConfigError
+from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
+from . import statements
+from .calls import RowBusyError, Stamp, lock_timeout_ms
+from .waiting import Waiter
+
+if TYPE_CHECKING:
+    from .limiter import PostgresConcurrencyLimiter
+
+__all__ = ["GROUP_PASS_S", "acquire_several", "member_id", "run_group_pass"]
+
+#: How often a process waiting on several limiters runs its request's group pass
+#: itself (seconds), besides the passes releasers run when they find it first in line.
+GROUP_PASS_S = 1.0
+
+
+def member_id(group_id: str, limiter: str) -> str:
+    """The queue row and lease request id of a request's slot in one limiter."""
+    return f"{group_id}|{limiter}"
+
+
+def acquire_several(
+    first: PostgresConcurrencyLimiter,
+    limiters: Sequence[ConcurrencyLimiter],
+    requests: Sequence[AcquireRequest],
+    *,
+    cancel: CancellationToken | None = None,
+    on_wait: OnWait | None = None,
+) -> tuple[Lease, ...]:
+    """Wait for one slot in every limiter, granted together; see
+    :class:`~runcell_celery.protocol.SupportsSeveral`."""
+    from .limiter import PostgresConcurrencyLimiter
+
+    names = [getattr(limiter, "name", repr(limiter)) for limiter in limiters]
+    own = [x for x in limiters if isinstance(x, PostgresConcurrencyLimiter)]
+    if len(own) != len(limiters) or any(x.pool is not first.pool for x in own):
+        raise ConcurrencyConfigError(
+            "limiters " + ", ".join(repr(n) for n in names) + " cannot be held together: "
+            "several PostgreSQL limiters in one slot must share one database (and pool)",
+            limiter=first.name,
+        )
+    if len(set(names)) != len(names):
+        raise ConcurrencyConfigError(
+            f"limiters {names!r} name one limiter twice", limiter=first.name
+        )
+    order = sorted(range(len(own)), key=lambda i: own[i].name)
+    group = _Group(first, [own[i] for i in order], [requests[i] for i in order], cancel)
+    leases = group.acquire(on_wait)
+    by_name = {lease.limiter: lease for lease in leases}
+    return tuple(by_name[name] for name in names)
+
+
+def run_group_pass(limiter: PostgresConcurrencyLimiter, group_id: str) -> None:
+    """Run one request's group pass and wake this process's members it granted."""
+    answer = limiter.call_database(statements.ALLOCATE_GROUP, {"group_id": group_id})
+    if answer and answer.get("g"):
+        limiter.room.dispatch_grants(answer["t"], answer["g"])
+
+
+class _Group:
+    """One request over several limiters while it is asked for and waits."""
+
+    def __init__(
+        self,
+        first: PostgresConcurrencyLimiter,
+        limiters: list[PostgresConcurrencyLimiter],
+        requests: list[AcquireRequest],
+        cancel: CancellationToken | None,
+    ) -> None:
+        self.first = first
+        self.limiters = limiters
+        self.requests = requests
+        self.cancel = cancel
+        lead = requests[0]
+        self.lead = lead
+        self.group_id = lead.request_id
+        self.members = [member_id(self.group_id, x.name) for x in limiters]
+        waits = [
+            x._wait_ms(r, x.validate_workload(r.workload))
+            for x, r in zip(limiters, requests, strict=True)
+        ]
+        given = [w for w in waits if w is not None]
+        self.wait_ms = min(given) if given else None
+        self.deadline = Deadline.after_ms(self.wait_ms) if self.wait_ms is not None else None
+        self.sent = time.monotonic()
+        self.waiters: list[Waiter] = []
+
+    # -- the whole wait -------------------------------------------------------------------
+
+    def acquire(self, on_wait: OnWait | None) -> tuple[Lease, ...]:
+        room = self.first.room
+        self.waiters = [
+            room.add(member, limiter.name, None, reap=limiter.reap)
+            for member, limiter in zip(self.members, self.limiters, strict=True)
+        ]
+        unlinks = [self.cancel.add_callback(w.wake) for w in self.waiters] if self.cancel else []
+        settled = False
+        try:
+            if self.cancel is not None and self.cancel.is_set():
+                settled = True
+                raise self.first._cancelled(self.lead)
+            leases = self._ask(retry=False)
+            if leases is not None:
+                settled = True
+                return leases
+            if on_wait is not None:
+                on_wait(self.deadline.to_unix() if self.deadline is not None else None)
+            last_pass = time.monotonic()
+            while True:
+                if all(w.grant is not None for w in self.waiters):
+                    settled = True
+                    return self._granted()
+                if self.cancel is not None and self.cancel.is_set():
+                    self._withdraw(give_back=True)
+                    settled = True
+                    raise self.first._cancelled(self.lead)
+                if self.deadline is not None and self.deadline.passed():
+                    leases = self._withdraw(give_back=False)
+                    settled = True
+                    if leases is not None:
+                        return leases  # granted just before the deadline: the grant wins
+                    raise self.first._timed_out(self.lead, self.wait_ms)
+                if any(w.missing for w in self.waiters):
+                    # Our rows were dropped (this process stalled past
+                    # queue_entry_ttl_ms): ask again, as a retry.
+                    for waiter in self.waiters:
+                        waiter.missing = False
+                        waiter.queued = False
+                    leases = self._ask(retry=True)
+                    if leases is not None:
+                        settled = True
+                        return leases
+                if time.monotonic() - last_pass >= GROUP_PASS_S:
+                    run_group_pass(self.first, self.group_id)
+                    last_pass = time.monotonic()
+                    continue
+                pause = GROUP_PASS_S - (time.monotonic() - last_pass)
+                if self.deadline is not None:
+                    pause = min(pause, max(0.0, self.deadline.remaining_s()))
+                next(w for w in self.waiters if w.grant is None).wait(max(0.0, pause))
+        finally:
+            for unlink in unlinks:
+                unlink()
+            for waiter in self.waiters:
+                room.remove(waiter)
+            if not settled:
+                # Interrupted or failed: leave every line; slots granted meanwhile are
+                # given back, never leaked.
+                self._withdraw_quietly()
+
+    # -- round trips ----------------------------------------------------------------------
+
+    def _ask(self, *, retry: bool) -> tuple[Lease, ...] | None:
+        """Send the acquire; the leases when granted at once, ``None`` when it waits."""
+        lead = self.lead
+        lineage = lead.lineage
+        params: dict[str, Any] = {
+            "limiters": [x.name for x in self.limiters],
+            "hashes": [x.stored_hash for x in self.limiters],
+            "workloads": [r.workload for r in self.requests],
+            "request": json.dumps(
+                {
+                    "request_id": self.group_id,
+                    "run_id": lineage.run_id,
+                    "root_run_id": lineage.root_run_id,
+                    "parent_run_id": lineage.parent_run_id,
+                    "holder_name": lead.holder_name,
+                    "in_progress": lead.in_progress,
+                    "key": lead.key,
+                }
+            ),
+            "process": json.dumps(self.first.room.process()),
+            "retry": retry,
+        }
+        while True:
+            remaining = None if self.deadline is None else max(0.0, self.deadline.remaining_ms())
+            params["wait_ms"] = remaining
+            sent = Stamp()
+            try:
+                answer = self.first.call_request(
+                    lead,
+                    statements.ACQUIRE_SEVERAL,
+                    params,
+                    lock_ms=lock_timeout_ms(remaining),
+                    stamp=sent,
+                )
+                break
+            except RowBusyError:
+                params["retry"] = True
+                if self.deadline is not None and self.deadline.passed():
+                    self._withdraw_quietly()
+                    raise self.first._timed_out(lead, self.wait_ms) from None
+        self.first.room.clock.sample(sent.at, float(answer["now"]))
+        status = answer["s"]
+        if status == "granted":
+            return self._leases(answer["leases"], sent.at)
+        if status == "queued":
+            for waiter in self.waiters:
+                waiter.queued = True
+            return None
+        named = self._limiter(answer.get("limiter"))
+        if status == "queue-full":
+            raise named._queue_full(self._request(named))
+        if status == "no-wait":
+            raise self.first._timed_out(lead, self.wait_ms)
+        raise ConcurrencyConfigError(
+            f"limiter {named.name!r} has no workload {self._request(named).workload!r}",
+            limiter=named.name,
+        )
+
+    def _withdraw(self, *, give_back: bool) -> tuple[Lease, ...] | None:
+        params = {
+            "group_id": self.group_id,
+            "limiters": [x.name for x in self.limiters],
+            "give_back": give_back,
+        }
+        answer = self.first.call_request(
+            self.lead, statements.WITHDRAW_GROUP, params, lock_ms=lock_timeout_ms(None)
+        )
+        if answer["s"] == "granted":
+            return self._leases(answer["leases"], None)
+        self.first.republish(answer.get("parked"))
+        return None
+
+    def _withdraw_quietly(self) -> None:
+        # A failure leaves rows the database drops with this process later.
+        with contextlib.suppress(Exception):
+            self._withdraw(give_back=True)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def _leases(self, pairs: Sequence[Any], sent: float | None) -> tuple[Lease, ...]:
+        return tuple(
+            limiter.make_lease(member, request.workload, pair, sent)
+            for limiter, request, member, pair in zip(
+                self.limiters, self.requests, self.members, pairs, strict=True
+            )
+        )
+
+    def _granted(self) -> tuple[Lease, ...]:
+        out = []
+        for limiter, request, waiter in zip(
+            self.limiters, self.requests, self.waiters, strict=True
+        ):
+            grant = waiter.grant
+            assert grant is not None
+            out.append(limiter.granted_lease(waiter.request_id, request.workload, grant, self.sent))
+        return tuple(out)
+
+    def _limiter(self, name: object) -> PostgresConcurrencyLimiter:
+        return next((x for x in self.limiters if x.name == name), self.first)
+
+    def _request(self, limiter: PostgresConcurrencyLimiter) -> AcquireRequest:
+        return self.requests[self.limiters.index(limiter)]

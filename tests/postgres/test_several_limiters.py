@@ -1,0 +1,193 @@
+"""Several PostgreSQL limiters in one slot: granted together, never part held while
+waiting, never deadlocked, never holding up the requests behind them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+import pytest
+
+from runcell_celery import (
+    CancellationToken,
+    ConcurrencyCancelledError,
+    ConcurrencyConfigError,
+    ConcurrencyTimeoutError,
+    run,
+    slot,
+)
+from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+from tests.support.pg import unique_name
+
+MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
+
+
+def deadlocks(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+def test_two_limiters_named_in_opposite_orders_a_thousand_times_never_deadlock(
+    pg_dsn: str, make_limiter: MakeLimiter
+) -> None:
+    a = make_limiter(max_concurrent=1)
+    b = make_limiter(max_concurrent=1)
+    before = deadlocks(pg_dsn)
+    failures: list[BaseException] = []
+    in_flight = [0]
+    most = [0]
+    lock = threading.Lock()
+
+    def calls(i: int) -> None:
+        try:
+            for _ in range(125):  # 8 threads x 125 = 1,000 calls
+                with slot(a, b) if i % 2 else slot(b, a):
+                    with lock:
+                        in_flight[0] += 1
+                        most[0] = max(most[0], in_flight[0])
+                    with lock:
+                        in_flight[0] -= 1
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(240)
+    assert not any(thread.is_alive() for thread in threads), "a call never finished"
+    assert failures == []
+    assert most[0] == 1
+    assert deadlocks(pg_dsn) == before, "PostgreSQL broke a deadlock"
+    assert (a.stats().active, b.stats().active, a.stats().queued, b.stats().queued) == (
+        0,
+        0,
+        0,
+        0,
+    )
+
+
+def test_a_request_waiting_behind_others_elsewhere_does_not_hold_up_those_behind_it(
+    make_limiter: MakeLimiter,
+) -> None:
+    shared = make_limiter(max_concurrent=2)
+    busy = make_limiter(max_concurrent=1)
+    granted: list[str] = []
+
+    def take(name: str, *limiters: PostgresConcurrencyLimiter) -> None:
+        with slot(*limiters):
+            granted.append(name)
+
+    with slot(busy):
+        ahead = threading.Thread(target=take, args=("ahead", busy))
+        ahead.start()
+        wait_for(lambda: busy.stats().queued == 1, "a request queued on busy")
+        both = threading.Thread(target=take, args=("both", shared, busy))
+        both.start()
+        wait_for(lambda: busy.stats().queued == 2, "the request over both queued")
+        # Room in `shared`, and the request ahead of these waits behind another in
+        # `busy` (not first in line there): both singles get their slots at once.
+        with slot(shared), run(timeout_ms=5_000), slot(shared):
+            assert shared.stats().active == 2
+            granted.append("singles")
+    for thread in (ahead, both):
+        thread.join(15)
+    assert granted[0] == "singles"
+    assert sorted(granted[1:]) == ["ahead", "both"]
+
+
+def test_a_request_first_in_line_everywhere_keeps_its_room_where_it_has_it(
+    make_limiter: MakeLimiter,
+) -> None:
+    shared = make_limiter(max_concurrent=2)
+    busy = make_limiter(max_concurrent=1)
+    stop = CancellationToken()
+    outcome: list[str] = []
+
+    def wait_for_both() -> None:
+        try:
+            with run(cancel=stop), slot(shared, busy):
+                outcome.append("granted")  # pragma: no cover - busy is never freed
+        except ConcurrencyCancelledError:
+            outcome.append("cancelled")
+
+    with slot(busy):
+        both = threading.Thread(target=wait_for_both)
+        both.start()
+        wait_for(lambda: busy.stats().queued == 1, "the request over both queued")
+        first, second = slot(shared), slot(shared)
+        # With one slot of `shared` held, the other is set aside for the request over
+        # both: a second single waits (and times out) although `shared` is at 1 of 2.
+        with first, pytest.raises(ConcurrencyTimeoutError), run(timeout_ms=300), second:
+            pass  # pragma: no cover - never entered
+        stop.cancel()
+        both.join(15)
+    assert outcome == ["cancelled"]
+    assert (shared.stats().queued, busy.stats().queued) == (0, 0)
+
+
+def test_a_request_first_in_line_everywhere_is_not_starved_by_later_ones(
+    make_limiter: MakeLimiter,
+) -> None:
+    shared = make_limiter(max_concurrent=1)
+    busy = make_limiter(max_concurrent=1)
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def take(name: str, *limiters: PostgresConcurrencyLimiter) -> None:
+        with slot(*limiters):
+            with lock:
+                order.append(name)
+            time.sleep(0.02)
+
+    held_shared = slot(shared)
+    held_shared.__enter__()
+    with slot(busy):
+        both = threading.Thread(target=take, args=("both", shared, busy))
+        both.start()
+        wait_for(lambda: shared.stats().queued == 1, "the request over both queued")
+        later = [threading.Thread(target=take, args=(f"s{i}", shared)) for i in range(3)]
+        for thread in later:
+            thread.start()
+        wait_for(lambda: shared.stats().queued == 4, "the later ones queued")
+        held_shared.__exit__(None, None, None)  # `shared` frees while `busy` is still held
+        time.sleep(0.3)
+        # First in line in both: its slot in `shared` is kept for it, not taken by later.
+        assert order == []
+    for thread in [both, *later]:
+        thread.join(15)
+    assert order[0] == "both"
+    assert sorted(order[1:]) == ["s0", "s1", "s2"]
+
+
+def test_a_request_over_several_times_out_holding_nothing(make_limiter: MakeLimiter) -> None:
+    a = make_limiter(max_concurrent=1)
+    b = make_limiter(max_concurrent=1, workloads={"default": {"max_wait_ms": 200}})
+    with slot(b):
+        started = time.monotonic()
+        with pytest.raises(ConcurrencyTimeoutError), slot(a, b):
+            pass  # pragma: no cover - never entered
+        assert time.monotonic() - started < 5
+        assert (a.stats().active, a.stats().queued, b.stats().queued) == (0, 0, 0)
+    with slot(a, b):
+        pass
+
+
+def test_limiters_of_two_databases_cannot_be_held_together(pg_dsn: str, fresh_dsn: str) -> None:
+    here = create_postgres_concurrency_limiter(pg_dsn, name=unique_name(), max_concurrent=1)
+    there = create_postgres_concurrency_limiter(fresh_dsn, name=unique_name(), max_concurrent=1)
+    with pytest.raises(ConcurrencyConfigError, match="cannot be held together"), slot(here, there):
+        pass  # pragma: no cover - never entered
