@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..cancellation import CancellationToken
 from ..deadline import Deadline
-from ..errors import ConcurrencyConfigError
+from ..errors import ConcurrencyConfigError, ConcurrencyError
 from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
 from . import statements
 from .calls import RowBusyError, Stamp, lock_timeout_ms
@@ -227,6 +227,10 @@ class _Group:
         if status == "queued":
             for waiter in self.waiters:
                 waiter.queued = True
+            # Others of its lines wait ahead of it, but they may all be requests over
+            # several limiters waiting elsewhere: its group pass tells at once.
+            with contextlib.suppress(ConcurrencyError):
+                run_group_pass(self.first, self.group_id)
             return None
         named = self._limiter(answer.get("limiter"))
         if status == "queue-full":

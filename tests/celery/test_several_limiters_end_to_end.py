@@ -11,8 +11,7 @@ request over both limiters (its events name both, the key's limiter as
 limiters is refused when the task is registered on the PostgreSQL backend too.
 
 A tenant's second task waiting while its first runs must not hold up another tenant's
-task that has room: a strict ``xfail`` until the PostgreSQL backend grants it as
-``allocate_several`` (and the in-memory limiter) do.
+task that has room (as ``allocate_several`` and the in-memory limiter decide).
 """
 
 from __future__ import annotations
@@ -254,14 +253,6 @@ def test_one_tenant_alone_runs_one_at_a_time_though_the_provider_has_room(
     assert waited, "no task waited for the tenant: the test proves nothing"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="library bug: on PostgreSQL a request over several limiters that waits first "
-    "in line everywhere (a tenant's second task) holds up the requests behind it in the "
-    "limiter where it has room (another tenant's task waits although the provider and "
-    "its tenant have room); allocate_several and the in-memory limiter grant it at once",
-)
 def test_a_tenant_with_room_is_not_held_up_by_another_tenants_waiting_task(
     scenario: Scenario,
 ) -> None:

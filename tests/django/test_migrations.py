@@ -39,7 +39,10 @@ FROZEN = {
         "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
     ),
     "0006_limiter_schema_v3_keys": (
-        "3e494ac55f3f954c39d399fe8312e4b4225ecdef3465cf11e2e9c8665ba361af"
+        "31c6f9b77ca8fc1905a378763117970edcbf31e7ad92daa98d0464b3d08b8468"
+    ),
+    "0007_event_limiters_and_key": (
+        "1a2971fd478fb59b806ed9f3d7df9a37721c22cbb5e68c50fc5056e4dee41fb3"
     ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"

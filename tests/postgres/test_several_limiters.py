@@ -191,3 +191,37 @@ def test_limiters_of_two_databases_cannot_be_held_together(pg_dsn: str, fresh_ds
     there = create_postgres_concurrency_limiter(fresh_dsn, name=unique_name(), max_concurrent=1)
     with pytest.raises(ConcurrencyConfigError, match="cannot be held together"), slot(here, there):
         pass  # pragma: no cover - never entered
+
+
+def test_a_tenants_second_call_waiting_first_in_line_does_not_hold_up_another_tenant(
+    make_limiter: MakeLimiter,
+) -> None:
+    # Provider at 3, a limit of 1 per tenant. acme's second call waits for acme (first
+    # in line in both limiters: its provider slot is set aside); globex has room in the
+    # provider and in its own key, and gets its slots at once.
+    provider = make_limiter(max_concurrent=3)
+    tenants = make_limiter(max_concurrent=1, keyed=True)
+    acme, globex = tenants.key("acme"), tenants.key("globex")
+    release = threading.Event()
+
+    def first() -> None:
+        with slot(provider, acme):
+            release.wait(15)
+
+    def second() -> None:
+        with slot(provider, acme):
+            pass
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    wait_for(lambda: provider.stats().active == 1, "acme's first call holds its slots")
+    threads.append(threading.Thread(target=second))
+    threads[1].start()
+    wait_for(lambda: acme.stats().queued == 1, "acme's second call waits")
+    try:
+        with run(timeout_ms=500), slot(provider, globex):
+            assert provider.stats().active == 2
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(15)

@@ -1,6 +1,6 @@
 """The limiter's DDL as runcell_celery shipped it with keyed limiters (v3, revised).
 
-``postgres_concurrency_schema_sql()`` at checksum ``487ce2d179cfd990``, frozen as text
+``postgres_concurrency_schema_sql()`` at checksum ``5284a3f5b93eb440``, frozen as text
 like the migrations before it. A key of a keyed limiter is a limiter row of its own,
 ``"<keyed limiter>:<key>"``, with the keyed limiter as its ``parent``: created by the
 first operation that names it (``runcell_create_key_v5``), deleted once idle
@@ -16,7 +16,7 @@ model state gains ``Limiter.parent``.
 
 from django.db import migrations, models
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 487ce2d179cfd990.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 5284a3f5b93eb440.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -548,8 +548,14 @@ BEGIN
             -- to run its group pass (runcell.due_groups).
             IF NOT (v_group = ANY(v_seen_groups)) THEN
                 v_seen_groups := v_seen_groups || v_group;
-                IF runcell_group_anchored_v5(v_group, v_group_limiters, p_row.name, p_now) THEN
+                IF cardinality(v_seen_groups) = 1
+                   AND runcell_group_anchored_v5(v_group, v_group_limiters, p_row.name, p_now)
+                THEN
                     v_eff[v_best] := v_eff[v_best] + 1;
+                END IF;
+                -- Its group pass may grant it now (at most a few per pass: the others'
+                -- own processes run theirs every second).
+                IF cardinality(v_seen_groups) <= 4 THEN
                     PERFORM set_config('runcell.due_groups',
                         coalesce(current_setting('runcell.due_groups', true), '')
                             || v_group || E'\n', true);
@@ -1240,9 +1246,55 @@ BEGIN
 END;
 $$;
 
+-- Whether member p_member (workload index p_j) of a request over several limiters may
+-- take a slot of limiter p_row now, as far as this limiter goes: nobody but other
+-- requests over several limiters is ahead of it in its workload's line (a single
+-- request ahead, which would be served first, is first come, first served), and its
+-- workload has room once the slot of the line's head is set aside, when that head is
+-- another such request first in line in every one of its limiters (anchored).
+CREATE OR REPLACE FUNCTION runcell_group_may_take_v5(
+    p_row runcell_limiter, p_j integer, p_member text, p_now timestamptz
+) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_workload text := p_row.workloads[p_j];
+    v_position bigint;
+    v_head record;
+    v_active integer[] := p_row.active;
+BEGIN
+    SELECT q.position INTO v_position FROM runcell_queue q WHERE q.request_id = p_member;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF EXISTS (SELECT 1 FROM runcell_queue q
+               WHERE q.limiter = p_row.name AND q.workload = v_workload
+                 AND q.granted_lease_id IS NULL AND q.group_id IS NULL
+                 AND (q.deadline IS NULL OR q.deadline > p_now)
+                 AND q.position < v_position) THEN
+        RETURN false;
+    END IF;
+    IF (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
+        SELECT q.request_id, q.group_id, q.group_limiters INTO v_head
+        FROM runcell_fair_line_v5(p_row.name, v_workload, p_now) f
+        JOIN runcell_queue q ON q.request_id = f.request_id LIMIT 1;
+    ELSE
+        SELECT q.request_id, q.group_id, q.group_limiters INTO v_head FROM runcell_queue q
+        WHERE q.limiter = p_row.name AND q.workload = v_workload
+          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
+        ORDER BY q.in_progress DESC, q.position LIMIT 1;
+    END IF;
+    IF v_head.request_id IS DISTINCT FROM p_member AND v_head.group_id IS NOT NULL
+       AND runcell_group_anchored_v5(v_head.group_id, v_head.group_limiters, p_row.name, p_now)
+    THEN
+        v_active[p_j] := v_active[p_j] + 1;
+    END IF;
+    RETURN runcell_has_room_v3(v_active, p_row.ceilings, p_row.reserved, p_row.max_concurrent,
+                               p_j);
+END;
+$$;
+
 -- The group pass of a request over several limiters: lock its limiters in order, and
--- grant it a slot in each if, in every one, its member is first in its workload's line,
--- no workload of higher priority waits with room, and its workload has room. Runs when
+-- grant it a slot in each if, in every one, it may take one (runcell_group_may_take_v5)
+-- and no workload of higher priority waits with room. Runs when
 -- an allocation found it first in line everywhere (the releaser is told, "grp"), and
 -- from the waiting process now and then. Returns {} or {"t": grant time, "g":
 -- [[member, lease_id, token], ...]}; the waiting process is notified.
@@ -1301,9 +1353,7 @@ BEGIN
         END IF;
         v_j := array_position(v_row.workloads, v_m.workload);
         IF v_j IS NULL
-           OR NOT runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
-                                      v_row.max_concurrent, v_j)
-           OR NOT runcell_group_member_first_v5(p_group, v_limiters[v_i], v_now)
+           OR NOT runcell_group_may_take_v5(v_row, v_j, v_member, v_now)
            OR EXISTS (SELECT 1 FROM generate_subscripts(v_row.workloads, 1) AS k
                       WHERE k <> v_j AND v_row.waiting[k] > 0
                         AND v_row.priorities[k] > v_row.priorities[v_j]
@@ -1850,8 +1900,8 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '487ce2d179cfd990';
-INSERT INTO runcell_schema (checksum, version) VALUES ('487ce2d179cfd990', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '5284a3f5b93eb440';
+INSERT INTO runcell_schema (checksum, version) VALUES ('5284a3f5b93eb440', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0005's DDL: keys go (their rows, leases and waiting requests: 0005 has no
@@ -1871,6 +1921,7 @@ DROP FUNCTION IF EXISTS runcell_due_groups_v5(jsonb);
 DROP FUNCTION IF EXISTS runcell_fair_granted_v5(text,text,bigint);
 DROP FUNCTION IF EXISTS runcell_fair_line_v5(text,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_group_anchored_v5(text,text[],text,timestamp with time zone);
+DROP FUNCTION IF EXISTS runcell_group_may_take_v5(runcell_limiter,integer,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_group_member_first_v5(text,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_purge_idle_keys_v5(text,integer);
 DROP FUNCTION IF EXISTS runcell_sync_keys_v5(text);
