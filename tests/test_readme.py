@@ -178,7 +178,18 @@ def test_readme_demo_command_runs_and_the_limit_holds() -> None:
     assert "-> the limit held" in output
 
 
-@pytest.mark.parametrize("script", sorted(BENCH_ARGS))
+#: The benches that start workers and databases take a minute between them: they run
+#: with the stress suite (which CI runs too), the quick one by default.
+SLOW_BENCHES = {"bench/celery_overhead.py", "bench/postgres_engine.py"}
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(script, marks=[pytest.mark.stress] if script in SLOW_BENCHES else [])
+        for script in sorted(BENCH_ARGS)
+    ],
+)
 def test_readme_benchmark_runs(script: str) -> None:
     assert any(c.endswith(script) for c in sh_commands())
     done = subprocess.run(
