@@ -322,25 +322,7 @@ class Slot:
             task=task,
             cleanups=cleanups,
         )
-        self._hold = hold
-        run = asked.run
-        if run is not None:
-            run.progress.slots_taken += 1
-        if has_listeners():
-            asked.event(
-                "acquired",
-                lease_id=lease.lease_id,
-                fencing_token=lease.fencing_token,
-                wait_ms=(hold.held_since - started) * 1000 if waited_ms is None else waited_ms,
-            )
-        hold.keep(run.deadline if run is not None else None)
-        if cancel is not None:
-            hold.add_cleanup(cancel.add_callback(hold.cancelled))
-        if self._early_callbacks is not None:
-            for callback in self._early_callbacks:
-                hold.on_abort(callback)
-            self._early_callbacks = None
-        return self
+        return self._start_hold(hold, asked, lease, started, cancel, waited_ms)
 
     def _granted_several(
         self,
@@ -371,6 +353,20 @@ class Slot:
             task=task,
             cleanups=cleanups,
         )
+        return self._start_hold(hold, asked, leases[0], started, cancel, None)
+
+    def _start_hold(
+        self,
+        hold: Hold,
+        asked: SlotRequest,
+        lease: Lease,
+        started: float,
+        cancel: CancellationToken | None,
+        waited_ms: float | None,
+    ) -> Slot:
+        """The hold begins: count the run's slot, say ``acquired`` (naming ``lease``, the
+        first of several), keep the lease(s) renewed, and listen for cancellation and
+        for aborts asked for before the grant."""
         self._hold = hold
         run = asked.run
         if run is not None:
@@ -378,9 +374,9 @@ class Slot:
         if has_listeners():
             asked.event(
                 "acquired",
-                lease_id=leases[0].lease_id,
-                fencing_token=leases[0].fencing_token,
-                wait_ms=(hold.held_since - started) * 1000,
+                lease_id=lease.lease_id,
+                fencing_token=lease.fencing_token,
+                wait_ms=(hold.held_since - started) * 1000 if waited_ms is None else waited_ms,
             )
         hold.keep(run.deadline if run is not None else None)
         if cancel is not None:
