@@ -1091,6 +1091,17 @@ BEGIN
 END;
 $$;
 
+-- The leases a request over several limiters holds, [[lease_id, token], ...] in
+-- p_limiters' order, or NULL unless it holds one in every limiter.
+CREATE OR REPLACE FUNCTION runcell_group_leases_v5(p_group text, p_limiters text[])
+RETURNS jsonb LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN count(x.lease_id) = cardinality(p_limiters)
+                THEN jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token) ORDER BY u.o)
+           END
+    FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
+    LEFT JOIN runcell_lease x ON x.request_id = p_group || '|' || u.l
+$$;
+
 -- Acquire one slot in each of several limiters, together or not at all: one round trip.
 -- p_limiters in lock order (sorted, distinct), each with its stored limits' checksum and
 -- the workload the request uses there. Granted at once when, in every limiter, nobody
@@ -1125,7 +1136,7 @@ DECLARE
     v_lease_id uuid;
     v_token bigint;
     v_queued integer;
-    v_found integer;
+    v_held jsonb;
 BEGIN
     FOR v_i IN 1 .. v_n LOOP
         IF v_i > 1 AND p_limiters[v_i] <= p_limiters[v_i - 1] THEN
@@ -1143,14 +1154,10 @@ BEGIN
         v_w := v_w || v_j;
     END LOOP;
     IF p_retry THEN
-        SELECT count(*) INTO v_found FROM runcell_lease
-        WHERE request_id = ANY(ARRAY(SELECT v_group || '|' || l FROM unnest(p_limiters) l));
-        IF v_found = v_n THEN
+        v_held := runcell_group_leases_v5(v_group, p_limiters);
+        IF v_held IS NOT NULL THEN
             RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-                'leases', (SELECT jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token)
-                                            ORDER BY o)
-                           FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
-                           JOIN runcell_lease x ON x.request_id = v_group || '|' || u.l));
+                                      'leases', v_held);
         END IF;
         IF EXISTS (SELECT 1 FROM runcell_queue WHERE group_id = v_group) THEN
             RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
@@ -1397,21 +1404,17 @@ DECLARE
     v_j integer;
     v_gone record;
     v_result record;
-    v_found integer;
+    v_held jsonb;
     v_parked jsonb := '[]'::jsonb;
 BEGIN
     FOR v_i IN 1 .. v_n LOOP
         PERFORM runcell_lock_v3(p_limiters[v_i], NULL, p_lock_timeout_ms);
     END LOOP;
     v_now := clock_timestamp();
-    SELECT count(*) INTO v_found FROM runcell_lease
-    WHERE request_id = ANY(ARRAY(SELECT p_group || '|' || l FROM unnest(p_limiters) l));
-    IF v_found = v_n AND NOT p_give_back THEN
+    v_held := runcell_group_leases_v5(p_group, p_limiters);
+    IF v_held IS NOT NULL AND NOT p_give_back THEN
         RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'leases', (SELECT jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token)
-                                        ORDER BY o)
-                       FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
-                       JOIN runcell_lease x ON x.request_id = p_group || '|' || u.l));
+                                  'leases', v_held);
     END IF;
     FOR v_i IN 1 .. v_n LOOP
         SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiters[v_i];

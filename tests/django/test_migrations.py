@@ -39,7 +39,7 @@ FROZEN = {
         "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
     ),
     "0006_limiter_schema_v3_keys": (
-        "31c6f9b77ca8fc1905a378763117970edcbf31e7ad92daa98d0464b3d08b8468"
+        "8fc199f01ea61ea37c8ac5900dd9dfff90ae1b16230943a638da960772c33b8b"
     ),
     "0007_event_limiters_and_key": (
         "1a2971fd478fb59b806ed9f3d7df9a37721c22cbb5e68c50fc5056e4dee41fb3"

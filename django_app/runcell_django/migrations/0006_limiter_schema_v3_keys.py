@@ -1,6 +1,6 @@
 """The limiter's DDL as runcell_celery shipped it with keyed limiters (v3, revised).
 
-``postgres_concurrency_schema_sql()`` at checksum ``5284a3f5b93eb440``, frozen as text
+``postgres_concurrency_schema_sql()`` at checksum ``4e911d5dbc340546``, frozen as text
 like the migrations before it. A key of a keyed limiter is a limiter row of its own,
 ``"<keyed limiter>:<key>"``, with the keyed limiter as its ``parent``: created by the
 first operation that names it (``runcell_create_key_v5``), deleted once idle
@@ -16,7 +16,7 @@ model state gains ``Limiter.parent``.
 
 from django.db import migrations, models
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 5284a3f5b93eb440.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 4e911d5dbc340546.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -1111,6 +1111,17 @@ BEGIN
 END;
 $$;
 
+-- The leases a request over several limiters holds, [[lease_id, token], ...] in
+-- p_limiters' order, or NULL unless it holds one in every limiter.
+CREATE OR REPLACE FUNCTION runcell_group_leases_v5(p_group text, p_limiters text[])
+RETURNS jsonb LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN count(x.lease_id) = cardinality(p_limiters)
+                THEN jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token) ORDER BY u.o)
+           END
+    FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
+    LEFT JOIN runcell_lease x ON x.request_id = p_group || '|' || u.l
+$$;
+
 -- Acquire one slot in each of several limiters, together or not at all: one round trip.
 -- p_limiters in lock order (sorted, distinct), each with its stored limits' checksum and
 -- the workload the request uses there. Granted at once when, in every limiter, nobody
@@ -1145,7 +1156,7 @@ DECLARE
     v_lease_id uuid;
     v_token bigint;
     v_queued integer;
-    v_found integer;
+    v_held jsonb;
 BEGIN
     FOR v_i IN 1 .. v_n LOOP
         IF v_i > 1 AND p_limiters[v_i] <= p_limiters[v_i - 1] THEN
@@ -1163,14 +1174,10 @@ BEGIN
         v_w := v_w || v_j;
     END LOOP;
     IF p_retry THEN
-        SELECT count(*) INTO v_found FROM runcell_lease
-        WHERE request_id = ANY(ARRAY(SELECT v_group || '|' || l FROM unnest(p_limiters) l));
-        IF v_found = v_n THEN
+        v_held := runcell_group_leases_v5(v_group, p_limiters);
+        IF v_held IS NOT NULL THEN
             RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-                'leases', (SELECT jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token)
-                                            ORDER BY o)
-                           FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
-                           JOIN runcell_lease x ON x.request_id = v_group || '|' || u.l));
+                                      'leases', v_held);
         END IF;
         IF EXISTS (SELECT 1 FROM runcell_queue WHERE group_id = v_group) THEN
             RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
@@ -1417,21 +1424,17 @@ DECLARE
     v_j integer;
     v_gone record;
     v_result record;
-    v_found integer;
+    v_held jsonb;
     v_parked jsonb := '[]'::jsonb;
 BEGIN
     FOR v_i IN 1 .. v_n LOOP
         PERFORM runcell_lock_v3(p_limiters[v_i], NULL, p_lock_timeout_ms);
     END LOOP;
     v_now := clock_timestamp();
-    SELECT count(*) INTO v_found FROM runcell_lease
-    WHERE request_id = ANY(ARRAY(SELECT p_group || '|' || l FROM unnest(p_limiters) l));
-    IF v_found = v_n AND NOT p_give_back THEN
+    v_held := runcell_group_leases_v5(p_group, p_limiters);
+    IF v_held IS NOT NULL AND NOT p_give_back THEN
         RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-            'leases', (SELECT jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token)
-                                        ORDER BY o)
-                       FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o)
-                       JOIN runcell_lease x ON x.request_id = p_group || '|' || u.l));
+                                  'leases', v_held);
     END IF;
     FOR v_i IN 1 .. v_n LOOP
         SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiters[v_i];
@@ -1900,8 +1903,8 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '5284a3f5b93eb440';
-INSERT INTO runcell_schema (checksum, version) VALUES ('5284a3f5b93eb440', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '4e911d5dbc340546';
+INSERT INTO runcell_schema (checksum, version) VALUES ('4e911d5dbc340546', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0005's DDL: keys go (their rows, leases and waiting requests: 0005 has no
@@ -1921,6 +1924,7 @@ DROP FUNCTION IF EXISTS runcell_due_groups_v5(jsonb);
 DROP FUNCTION IF EXISTS runcell_fair_granted_v5(text,text,bigint);
 DROP FUNCTION IF EXISTS runcell_fair_line_v5(text,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_group_anchored_v5(text,text[],text,timestamp with time zone);
+DROP FUNCTION IF EXISTS runcell_group_leases_v5(text,text[]);
 DROP FUNCTION IF EXISTS runcell_group_may_take_v5(runcell_limiter,integer,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_group_member_first_v5(text,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_purge_idle_keys_v5(text,integer);
