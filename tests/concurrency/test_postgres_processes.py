@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
 import traceback
-from collections.abc import Iterator
 from multiprocessing.context import SpawnProcess
-from typing import Any
 
 import psycopg
 import pytest
@@ -20,31 +17,13 @@ from runcell_celery.registry import LimiterRegistry
 from runcell_celery.testing import FakeProvider
 from tests.support import processes
 from tests.support.pg import pg_dsn, unique_name
+from tests.support.processes import SPAWN, start_child, started
 from tests.support.scale import stress_scale
 
-__all__ = ["pg_dsn", "stress_scale"]  # fixtures
+__all__ = ["pg_dsn", "started", "stress_scale"]  # fixtures
 
-SPAWN = multiprocessing.get_context("spawn")
 LEASE_TTL_MS = 1500
 POLL_MS = 50
-
-
-@pytest.fixture
-def started() -> Iterator[list[SpawnProcess]]:
-    """Processes a test starts; all are killed and reaped by PID at teardown."""
-    children: list[SpawnProcess] = []
-    yield children
-    for child in children:
-        if child.is_alive() and child.pid is not None:
-            os.kill(child.pid, signal.SIGKILL)
-        child.join(10)
-
-
-def _start(children: list[SpawnProcess], target: Any, *args: Any) -> SpawnProcess:
-    child = SPAWN.Process(target=target, args=args, daemon=True)
-    child.start()
-    children.append(child)
-    return child
 
 
 def _rows_left(dsn: str, name: str) -> tuple[int, int]:
@@ -67,14 +46,14 @@ def test_eight_processes_never_exceed_the_limit_even_when_a_holder_is_killed(
     create_postgres_concurrency_limiter(pg_dsn, **limits)  # stores the limits first
     with FakeProvider(latency_ms=5) as provider:
         receive, send = SPAWN.Pipe(duplex=False)
-        victim = _start(started, processes.hold_until_killed, pg_dsn, limits, send)
+        victim = start_child(started, processes.hold_until_killed, pg_dsn, limits, send)
         assert receive.poll(30), "the holder never got its slot"
         _victim_pid, victim_lease = receive.recv()
 
         pipes = []
         for seed in range(8):
             receive_results, send_results = SPAWN.Pipe(duplex=False)
-            _start(
+            start_child(
                 started,
                 processes.use_slots,
                 pg_dsn,
@@ -130,7 +109,7 @@ def test_a_killed_holders_slot_returns_within_the_lease_ttl_and_one_poll(
     }
     limiter = create_postgres_concurrency_limiter(pg_dsn, **limits)
     receive, send = SPAWN.Pipe(duplex=False)
-    victim = _start(started, processes.hold_until_killed, pg_dsn, limits, send)
+    victim = start_child(started, processes.hold_until_killed, pg_dsn, limits, send)
     assert receive.poll(30), "the holder never got its slot"
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)

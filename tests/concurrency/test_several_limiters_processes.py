@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
 import uuid
 from collections.abc import Iterator
 from multiprocessing.context import SpawnProcess
-from typing import Any
 
 import pytest
 import redis
@@ -19,23 +17,12 @@ from runcell_celery.postgres import create_postgres_concurrency_limiter
 from runcell_celery.testing import FakeProvider
 from tests.support import several_processes
 from tests.support.pg import pg_dsn, unique_name
+from tests.support.processes import SPAWN, start_child, started
 
-__all__ = ["pg_dsn"]  # fixtures
+__all__ = ["pg_dsn", "started"]  # fixtures
 
-SPAWN = multiprocessing.get_context("spawn")
 REDIS_URL = os.environ.get("RUNCELL_TEST_REDIS", "redis://127.0.0.1:6379/13")
 TENANTS = [f"t{i}" for i in range(5)]
-
-
-@pytest.fixture
-def started() -> Iterator[list[SpawnProcess]]:
-    """Processes a test starts; all are killed and reaped by PID at teardown."""
-    children: list[SpawnProcess] = []
-    yield children
-    for child in children:
-        if child.is_alive() and child.pid is not None:
-            os.kill(child.pid, signal.SIGKILL)
-        child.join(10)
 
 
 @pytest.fixture
@@ -45,13 +32,6 @@ def witness() -> Iterator[tuple[redis.Redis, str]]:
     yield client, prefix
     for key in client.scan_iter(f"{prefix}:*"):
         client.delete(key)
-
-
-def _start(children: list[SpawnProcess], target: Any, *args: Any) -> SpawnProcess:
-    child = SPAWN.Process(target=target, args=args, daemon=True)
-    child.start()
-    children.append(child)
-    return child
 
 
 def test_four_processes_keep_the_provider_limit_and_each_tenants_with_a_holder_killed(
@@ -78,7 +58,7 @@ def test_four_processes_keep_the_provider_limit_and_each_tenants_with_a_holder_k
     shares = [calls[p::4] for p in range(4)]
     with FakeProvider(latency_ms=5) as provider:
         receive, send = SPAWN.Pipe(duplex=False)
-        victim = _start(
+        victim = start_child(
             started,
             several_processes.hold_both_until_killed,
             pg_dsn,
@@ -90,7 +70,7 @@ def test_four_processes_keep_the_provider_limit_and_each_tenants_with_a_holder_k
         pipes = []
         for seed, share in enumerate(shares):
             receive_results, send_results = SPAWN.Pipe(duplex=False)
-            _start(
+            start_child(
                 started,
                 several_processes.call_as_tenants,
                 pg_dsn,

@@ -1,18 +1,27 @@
-"""Code that runs in OS processes started by the multi-process tests.
+"""Code that runs in OS processes started by the multi-process tests, and how they
+start them.
 
 Each function is a ``multiprocessing`` target (spawn start method: a fresh
 interpreter, nothing inherited) that builds its own limiter with the same name and
-limits, as separate workers on separate hosts would.
+limits, as separate workers on separate hosts would. A test starts its processes with
+:func:`start_child` into the ``started`` fixture's list, which kills and reaps each by
+PID at teardown.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnProcess
 from typing import Any
+
+import pytest
 
 from runcell_celery import (
     CancellationToken,
@@ -23,6 +32,27 @@ from runcell_celery import (
 )
 from runcell_celery.postgres import create_postgres_concurrency_limiter
 from runcell_celery.testing import FakeProviderClient
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def started() -> Iterator[list[SpawnProcess]]:
+    """Processes a test starts; all are killed and reaped by PID at teardown."""
+    children: list[SpawnProcess] = []
+    yield children
+    for child in children:
+        if child.is_alive() and child.pid is not None:
+            os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+
+
+def start_child(children: list[SpawnProcess], target: Any, *args: Any) -> SpawnProcess:
+    """Start ``target(*args)`` in a new spawned process, added to ``children``."""
+    child = SPAWN.Process(target=target, args=args, daemon=True)
+    child.start()
+    children.append(child)
+    return child
 
 
 def hold_until_killed(dsn: str, limits: dict[str, Any], report: Connection) -> None:
