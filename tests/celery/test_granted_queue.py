@@ -16,11 +16,7 @@ granted queue; the test reads how many no-ops ran before the parked task's body
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,10 +30,10 @@ import redis
 from runcell_celery import AcquireRequest, LimiterConfig, RunLineage
 from runcell_celery.celery.message import granted_queue_name
 from runcell_celery.postgres import PostgresBackend
+from tests.support.celery_fixtures import WorkerProcesses
 
 from .granted_queue_app import ENV, LIMITS, REDIS_URL, create_app
 
-ROOT = Path(__file__).resolve().parents[2]
 RABBITMQ_URL = os.environ.get("RUNCELL_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672//")
 BACKLOG = 500
 
@@ -74,35 +70,13 @@ def _wait(what: str, check: Any, timeout: float = 30) -> Any:
 
 
 @contextlib.contextmanager
-def _worker(settings: dict[str, Any], log: Path) -> Iterator[str]:
+def _worker(settings: dict[str, Any], log_dir: Path) -> Iterator[str]:
     """One ``celery worker`` subprocess (solo pool) on the test's queue; stopped by PID."""
-    hostname = f"granted-{uuid.uuid4().hex[:6]}@test"
-    env = {**os.environ, ENV: json.dumps(settings), "PYTHONPATH": str(ROOT)}
-    with open(log, "wb") as out:
-        command = [
-            sys.executable, "-m", "celery", "-A", "tests.celery.granted_queue_app:app",
-            "worker", "--pool=solo", "-Q", settings["queue"], f"--hostname={hostname}",
-            "--loglevel=WARNING", "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            yield hostname
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    workers = WorkerProcesses(settings, log_dir, app="tests.celery.granted_queue_app:app", env=ENV)
+    try:
+        yield workers.nodename(workers.start(pool="solo"))
+    finally:
+        workers.stop_all()
 
 
 def _parked_rows(dsn: str, limiter: str) -> list[tuple[bool, bool]]:
@@ -138,7 +112,7 @@ def test_a_granted_parked_task_overtakes_a_backlog_of_its_queue(
         AcquireRequest(request_id=holder, workload="default", lineage=RunLineage(holder, holder))
     )
     try:
-        with _worker(settings, tmp_path / "worker.log") as hostname:
+        with _worker(settings, tmp_path) as hostname:
             _wait("the worker", lambda: app.control.ping(destination=[hostname], timeout=0.5))
             result = app.tasks["granted.parked"].apply_async()
             _wait("the task to park", lambda: _parked_rows(pg_dsn, settings["limiter"]))

@@ -28,10 +28,12 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.utils.nodenames import host_format
 
 from runcell_celery import remove_event_listener
 from runcell_celery.celery.state import state_for
 from runcell_celery.testing import FakeProvider
+from tests.conftest import wait_until
 
 from .celery_app import ENV, EVENT_RECORDERS, REDIS_URL, create_app
 
@@ -107,18 +109,38 @@ def inprocess_worker(app: Celery, *, concurrency: int = 4) -> Iterator[Any]:
 
 
 class WorkerProcesses:
-    """``celery worker`` subprocesses; each in its own session, killed by PID."""
+    """``celery worker`` subprocesses; each in its own session, killed by PID.
 
-    def __init__(self, settings: dict[str, Any], log_dir: Path) -> None:
+    ``app``: the worker's ``-A`` app (``module:attribute``), built from ``settings`` as
+    JSON in the environment variable ``env``.
+    """
+
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        log_dir: Path,
+        *,
+        app: str = "tests.support.celery_app:app",
+        env: str = ENV,
+    ) -> None:
         self.settings = settings
         self.log_dir = log_dir
+        self.app = app
+        self.env = env
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.nodenames: dict[int, str] = {}
 
     def start(
-        self, *, concurrency: int = 4, name: str | None = None, pool: str = "prefork"
+        self,
+        *,
+        concurrency: int = 4,
+        name: str | None = None,
+        pool: str = "prefork",
+        answering: Celery | None = None,
     ) -> subprocess.Popen[bytes]:
+        """Start a worker; with ``answering``, return once it answers that app's ping."""
         name = name or f"w{len(self.procs) + 1}-{uuid.uuid4().hex[:6]}"
-        env = {**os.environ, ENV: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, self.env: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [
@@ -126,7 +148,7 @@ class WorkerProcesses:
                 "-m",
                 "celery",
                 "-A",
-                "tests.support.celery_app:app",
+                self.app,
                 "worker",
                 f"--pool={pool}",
                 f"--concurrency={concurrency}",
@@ -146,7 +168,19 @@ class WorkerProcesses:
         )
         proc.log = log  # type: ignore[attr-defined]
         self.procs.append(proc)
+        self.nodenames[proc.pid] = host_format(f"{name}@%h")
+        if answering is not None:
+            wait_until(
+                lambda: answering.control.ping(destination=[self.nodename(proc)], timeout=0.5),
+                "the worker answers",
+                60,
+                interval=0.1,
+            )
         return proc
+
+    def nodename(self, proc: subprocess.Popen[bytes]) -> str:
+        """The worker's node name (``<name>@<host>``), as control commands address it."""
+        return self.nodenames[proc.pid]
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL the worker and its pool processes (its whole process group)."""
@@ -158,6 +192,7 @@ class WorkerProcesses:
         for proc in self.procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGCONT)  # a test may have paused a child
                     os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
         for proc in self.procs:
