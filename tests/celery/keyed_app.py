@@ -20,67 +20,33 @@ Both return the name of the limiter their slot was in (and of their lease's).
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
-import redis
 from celery import Celery, Task
 
 from runcell_celery import current_run, slot
 from runcell_celery.celery import RunCellTask
+from tests.support.witness_apps import (
+    app_from_env,
+    configured_app,
+    counted_in_flight,
+    per_process_redis,
+)
 
 ENV = "RUNCELL_TEST_KEYED"
-REDIS_URL = os.environ.get("RUNCELL_TEST_REDIS", "redis://127.0.0.1:6379/0")
-
-#: INCR a counter and keep its highest value: KEYS = (counter, highest).
-_ENTER = """
-local n = redis.call('INCR', KEYS[1])
-local m = tonumber(redis.call('GET', KEYS[2]) or '0')
-if n > m then redis.call('SET', KEYS[2], n) end
-return n
-"""
 
 
 def create_app(settings: dict[str, Any]) -> Celery:
     """``settings``: ``queue``, ``database``, ``limiter``, ``limits``, ``records_key``."""
-    app = Celery("runcell_keyed", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
-    app.conf.update(
-        task_default_queue=settings["queue"],
-        control_exchange=f"ctl-{settings['queue']}",
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        result_expires=600,
-        runcell={
-            "DATABASE": settings["database"],
-            "LIMITERS": {settings["limiter"]: settings["limits"]},
-            "POSTGRES": {"poll_interval_ms": 50, "on_conflict": "replace"},
-        },
-    )
+    app = configured_app("runcell_keyed", settings, {settings["limiter"]: settings["limits"]})
     records = settings["records_key"]
-    sinks: dict[int, redis.Redis] = {}
-
-    def sink() -> redis.Redis:
-        client = sinks.get(os.getpid())
-        if client is None:
-            client = sinks[os.getpid()] = redis.Redis.from_url(REDIS_URL)
-        return client
+    sink = per_process_redis()
 
     def provider_call(tenant_id: str, latency_ms: float) -> dict[str, Any]:
         with slot() as held:
-            client = sink()
-            client.eval(_ENTER, 2, f"{records}:in:{tenant_id}", f"{records}:max:{tenant_id}")
-            client.eval(_ENTER, 2, f"{records}:in", f"{records}:max")
-            try:
+            with counted_in_flight(sink(), records, tenant_id):
                 time.sleep(latency_ms / 1000)
-            finally:
-                client.decr(f"{records}:in:{tenant_id}")
-                client.decr(f"{records}:in")
             assert held.lease is not None
             context = current_run()
             assert context is not None
@@ -114,9 +80,4 @@ def create_app(settings: dict[str, Any]) -> Celery:
     return app
 
 
-def _from_env() -> Celery | None:
-    raw = os.environ.get(ENV)
-    return create_app(json.loads(raw)) if raw else None
-
-
-app = _from_env()
+app = app_from_env(ENV, create_app)

@@ -22,15 +22,14 @@ import json
 import os
 from typing import Any
 
-import redis
 from celery import Celery, Task
 
 from runcell_celery import ConcurrencyEvent, add_event_listener, current_run, slot
 from runcell_celery.celery import RunCellTask
 from runcell_celery.testing import FakeProviderClient
+from tests.support.witness_apps import app_from_env, configured_app, per_process_redis
 
 ENV = "RUNCELL_TEST_PREADMISSION"
-REDIS_URL = os.environ.get("RUNCELL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 
 def _pre_admitted() -> tuple[str, int]:
@@ -46,33 +45,13 @@ def _pre_admitted() -> tuple[str, int]:
 def create_app(settings: dict[str, Any]) -> Celery:
     """``settings``: ``queue``, ``database``, ``limiter``, ``limits``, ``records_key``,
     ``provider_url``."""
-    app = Celery("runcell_preadmission", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
-    app.conf.update(
-        task_default_queue=settings["queue"],
-        control_exchange=f"ctl-{settings['queue']}",
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        result_expires=600,
-        runcell={
-            "DATABASE": settings["database"],
-            "LIMITERS": {settings["limiter"]: settings["limits"]},
-            "POSTGRES": {"poll_interval_ms": 50, "on_conflict": "replace"},
-        },
+    app = configured_app(
+        "runcell_preadmission", settings, {settings["limiter"]: settings["limits"]}
     )
     records = settings["records_key"]
     limiter = settings["limiter"]
     provider = FakeProviderClient(settings["provider_url"], timeout=60)
-    sinks: dict[int, redis.Redis] = {}
-
-    def sink() -> redis.Redis:
-        client = sinks.get(os.getpid())
-        if client is None:
-            client = sinks[os.getpid()] = redis.Redis.from_url(REDIS_URL)
-        return client
+    sink = per_process_redis()
 
     def record(what: str, value: object) -> None:
         sink().rpush(f"{records}:{what}", json.dumps(value))
@@ -131,9 +110,4 @@ def create_app(settings: dict[str, Any]) -> Celery:
     return app
 
 
-def _from_env() -> Celery | None:
-    raw = os.environ.get(ENV)
-    return create_app(json.loads(raw)) if raw else None
-
-
-app = _from_env()
+app = app_from_env(ENV, create_app)

@@ -17,27 +17,22 @@ worker's processes is pushed to the Redis list ``<records_key>:events``.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
-import redis
 from celery import Celery, Task
 
 from runcell_celery import ConcurrencyEvent, add_event_listener, current_run, slot
 from runcell_celery.celery import RunCellTask
+from tests.support.witness_apps import (
+    app_from_env,
+    configured_app,
+    counted_in_flight,
+    per_process_redis,
+)
 
 ENV = "RUNCELL_TEST_SEVERAL"
-REDIS_URL = os.environ.get("RUNCELL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 TASK = "several.call"
-
-#: INCR a counter and keep its highest value: KEYS = (counter, highest).
-_ENTER = """
-local n = redis.call('INCR', KEYS[1])
-local m = tonumber(redis.call('GET', KEYS[2]) or '0')
-if n > m then redis.call('SET', KEYS[2], n) end
-return n
-"""
 
 
 def concurrency(settings: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -49,35 +44,13 @@ def create_app(settings: dict[str, Any], *, record_events: bool = False) -> Cele
     """``settings``: ``queue``, ``database``, ``provider`` and ``tenant`` (limiter names),
     ``provider_limits``, ``tenant_limits``, ``records_key``. ``record_events``: push this
     process's concurrency events to ``<records_key>:events`` (the worker does)."""
-    app = Celery("runcell_several", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
-    app.conf.update(
-        task_default_queue=settings["queue"],
-        control_exchange=f"ctl-{settings['queue']}",
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        result_expires=600,
-        runcell={
-            "DATABASE": settings["database"],
-            "LIMITERS": {
-                settings["provider"]: settings["provider_limits"],
-                settings["tenant"]: settings["tenant_limits"],
-            },
-            "POSTGRES": {"poll_interval_ms": 50, "on_conflict": "replace"},
-        },
-    )
+    limiters = {
+        settings["provider"]: settings["provider_limits"],
+        settings["tenant"]: settings["tenant_limits"],
+    }
+    app = configured_app("runcell_several", settings, limiters)
     records = settings["records_key"]
-    sinks: dict[int, redis.Redis] = {}
-
-    def sink() -> redis.Redis:
-        # One client per process: a prefork child never uses its parent's socket.
-        client = sinks.get(os.getpid())
-        if client is None:
-            client = sinks[os.getpid()] = redis.Redis.from_url(REDIS_URL)
-        return client
+    sink = per_process_redis()
 
     if record_events:
 
@@ -95,14 +68,8 @@ def create_app(settings: dict[str, Any], *, record_events: bool = False) -> Cele
     )
     def call(self: Task[Any, Any], tenant_id: str, latency_ms: float = 50) -> dict[str, Any]:
         with slot() as held:
-            client = sink()
-            client.eval(_ENTER, 2, f"{records}:in:{tenant_id}", f"{records}:max:{tenant_id}")
-            client.eval(_ENTER, 2, f"{records}:in", f"{records}:max")
-            try:
+            with counted_in_flight(sink(), records, tenant_id):
                 time.sleep(latency_ms / 1000)
-            finally:
-                client.decr(f"{records}:in:{tenant_id}")
-                client.decr(f"{records}:in")
             context = current_run()
             assert context is not None
             return {
@@ -114,9 +81,4 @@ def create_app(settings: dict[str, Any], *, record_events: bool = False) -> Cele
     return app
 
 
-def _from_env() -> Celery | None:
-    raw = os.environ.get(ENV)
-    return create_app(json.loads(raw), record_events=True) if raw else None
-
-
-app = _from_env()
+app = app_from_env(ENV, create_app, record_events=True)

@@ -11,142 +11,41 @@ header fails the task naming the header, and its body does not run.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import redis
-from celery import Celery
 from celery.result import AsyncResult
 
-from runcell_celery.celery import admission_counts
 from tests.conftest import wait_until
+from tests.support.celery_fixtures import WorkerScenario
 
-from .keyed_app import ENV, REDIS_URL, create_app
+from . import keyed_app
 
-ROOT = Path(__file__).resolve().parents[2]
 TENANTS = ("acme", "globex", "initech")
 LIMIT = 2
 
 
-class Scenario:
+class Scenario(WorkerScenario):
     """One test's app, worker processes (stopped by PID) and Redis records."""
 
     def __init__(self, pg_dsn: str, log_dir: Path) -> None:
-        tag = uuid.uuid4().hex[:10]
-        self.settings: dict[str, Any] = {
-            "queue": f"runcell-keyed-{tag}",
-            "database": pg_dsn,
-            "limiter": f"tenant-{tag}",
-            "limits": {"max_concurrent": LIMIT, "keyed": True, "lease_ttl_ms": 5_000},
-            "records_key": f"runcell-keyed-records-{tag}",
-        }
-        self.log_dir = log_dir
-        self.redis = redis.Redis.from_url(REDIS_URL)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._app: Celery | None = None
-
-    @property
-    def app(self) -> Celery:
-        if self._app is None:
-            self._app = create_app(self.settings)
-        return self._app
+        super().__init__("keyed", pg_dsn, log_dir, keyed_app)
+        self.settings["limiter"] = f"tenant-{self.tag}"
+        self.settings["limits"] = {"max_concurrent": LIMIT, "keyed": True, "lease_ttl_ms": 5_000}
 
     @property
     def limiter(self) -> str:
         return str(self.settings["limiter"])
 
-    def start_worker(self, concurrency: int) -> None:
-        hostname = f"keyed-{uuid.uuid4().hex[:6]}@test"
-        env = {**os.environ, ENV: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
-        log = open(self.log_dir / f"{hostname}.log", "wb")  # noqa: SIM115 - closed in stop()
-        command = [
-            sys.executable, "-m", "celery", "-A", "tests.celery.keyed_app:app",
-            "worker", "--pool=prefork", f"--concurrency={concurrency}",
-            "-Q", self.settings["queue"], f"--hostname={hostname}", "--loglevel=WARNING",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        proc.log = log  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        wait_until(
-            lambda: self.app.control.ping(destination=[hostname], timeout=0.5),
-            "the worker answers",
-            60,
-            interval=0.1,
-        )
-
-    def highest(self, tenant: str | None = None) -> int:
-        """The most tasks seen in flight at once (for ``tenant``, or in total)."""
-        suffix = f":{tenant}" if tenant is not None else ""
-        raw = self.redis.get(f"{self.settings['records_key']}:max{suffix}")
-        return int(raw) if raw is not None else 0
-
-    def results(self, results: list[AsyncResult], timeout: float = 120) -> list[Any]:
-        try:
-            return [result.get(timeout=timeout) for result in results]
-        except Exception:
-            print(self.logs())
-            raise
-
     def counts(self, task_name: str) -> dict[str, int]:
-        for count in admission_counts(self.app):
-            if count.task_name == task_name and count.limiter == self.limiter:
-                return {
-                    "deliveries": count.deliveries,
-                    "deferrals": count.deferrals,
-                    "provider_attempts": count.provider_attempts,
-                    "concurrency_failures": count.concurrency_failures,
-                }
-        return {}
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
-            for path in sorted(self.log_dir.glob("*.log"))
-        )
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # stray pool children, if any
-            proc.log.close()  # type: ignore[attr-defined]
-        keys = list(self.redis.scan_iter(f"{self.settings['records_key']}:*"))
-        queue = self.settings["queue"]
-        self.redis.delete(queue, f"{queue}.runcell", *keys)
+        return self.admission_counts(task_name).get(self.limiter, {})
 
 
 @pytest.fixture
 def scenario(pg_dsn: str, tmp_path: Path) -> Iterator[Scenario]:
-    made = Scenario(pg_dsn, tmp_path)
-    try:
+    with Scenario(pg_dsn, tmp_path) as made:
         yield made
-    finally:
-        made.stop()
 
 
 @pytest.mark.parametrize("task_name", ["keyed.call", "keyed.defer"])
@@ -156,7 +55,7 @@ def test_each_tenant_stays_within_its_own_limit_while_tenants_run_side_by_side(
     scenario.start_worker(concurrency=8)
     task = scenario.app.tasks[task_name]
     sent = [(tenant, task.delay(tenant, 150)) for _ in range(5) for tenant in TENANTS]
-    replies = scenario.results([result for _, result in sent])
+    replies = scenario.replies([result for _, result in sent])
     for (tenant, _), reply in zip(sent, replies, strict=True):
         assert reply["limiter"] == f"{scenario.limiter}:{tenant}"
         assert reply["lease_limiter"] == f"{scenario.limiter}:{tenant}"
@@ -187,7 +86,7 @@ def test_a_message_sent_by_name_without_the_key_header_gets_its_key_from_its_arg
     scenario.start_worker(concurrency=2)
     by_name = scenario.app.send_task("keyed.call", args=("umbrella", 10))
     by_keyword = scenario.app.send_task("keyed.call", kwargs={"tenant_id": "hooli"})
-    first, second = scenario.results([by_name, by_keyword])
+    first, second = scenario.replies([by_name, by_keyword])
     assert first["limiter"] == f"{scenario.limiter}:umbrella"
     assert second["limiter"] == f"{scenario.limiter}:hooli"
 
@@ -204,6 +103,6 @@ def test_a_malformed_key_header_fails_the_task_naming_the_header_and_the_body_ne
 
 def test_a_child_sent_from_a_keyed_run_inherits_its_tenants_limiter(scenario: Scenario) -> None:
     scenario.start_worker(concurrency=2)
-    (child_id,) = scenario.results([scenario.app.tasks["keyed.parent"].delay("acme")])
-    (reply,) = scenario.results([AsyncResult(child_id, app=scenario.app)])
+    (child_id,) = scenario.replies([scenario.app.tasks["keyed.parent"].delay("acme")])
+    (reply,) = scenario.replies([AsyncResult(child_id, app=scenario.app)])
     assert reply["limiter"] == f"{scenario.limiter}:acme"

@@ -8,92 +8,43 @@ provider as the witness of the limit. App: :mod:`tests.celery.preadmission_app`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-import redis
-from celery import Celery
 from celery.result import AsyncResult
 
-from runcell_celery.celery import admission_counts, registry_for
+from runcell_celery.celery import registry_for
 from runcell_celery.postgres import PostgresBackend
 from runcell_celery.testing import FakeProvider
 from tests.conftest import wait_until
+from tests.support.celery_fixtures import WorkerScenario
 
-from .preadmission_app import ENV, REDIS_URL, create_app
-
-ROOT = Path(__file__).resolve().parents[2]
+from . import preadmission_app
 
 
-class Scenario:
+class Scenario(WorkerScenario):
     """One test's app, worker processes (stopped by PID) and Redis records."""
 
     def __init__(self, pg_dsn: str, provider: FakeProvider, log_dir: Path) -> None:
-        tag = uuid.uuid4().hex[:10]
-        self.settings: dict[str, Any] = {
-            "queue": f"runcell-pre-{tag}",
-            "database": pg_dsn,
-            "limiter": f"pre-{tag}",
-            "limits": {"max_concurrent": 1, "lease_ttl_ms": 5_000},
-            "records_key": f"runcell-pre-records-{tag}",
-            "provider_url": provider.url,
-        }
+        super().__init__("pre", pg_dsn, log_dir, preadmission_app)
+        self.settings["limiter"] = f"pre-{self.tag}"
+        self.settings["limits"] = {"max_concurrent": 1, "lease_ttl_ms": 5_000}
+        self.settings["provider_url"] = provider.url
         self.dsn = pg_dsn
-        self.log_dir = log_dir
-        self.redis = redis.Redis.from_url(REDIS_URL)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._app: Celery | None = None
 
     def configure(self, **limits: Any) -> None:
         self.settings["limits"] = {**self.settings["limits"], **limits}
 
     @property
-    def app(self) -> Celery:
-        if self._app is None:
-            self._app = create_app(self.settings)
-        return self._app
-
-    @property
     def limiter(self) -> str:
         return str(self.settings["limiter"])
-
-    def start_worker(self, concurrency: int) -> None:
-        hostname = f"pre-{uuid.uuid4().hex[:6]}@test"
-        env = {**os.environ, ENV: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
-        log = open(self.log_dir / f"{hostname}.log", "wb")  # noqa: SIM115 - closed in stop()
-        command = [
-            sys.executable, "-m", "celery", "-A", "tests.celery.preadmission_app:app",
-            "worker", "--pool=prefork", f"--concurrency={concurrency}",
-            "-Q", self.settings["queue"], f"--hostname={hostname}", "--loglevel=WARNING",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        proc.log = log  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        wait_until(
-            lambda: self.app.control.ping(destination=[hostname], timeout=0.5),
-            "the worker answers",
-            60,
-            interval=0.1,
-        )
 
     def records(self, what: str) -> list[Any]:
         key = f"{self.settings['records_key']}:{what}"
@@ -106,15 +57,7 @@ class Scenario:
         return registry_for(self.app).get(self.limiter).stats().active
 
     def counts(self, task_name: str) -> dict[str, int]:
-        for count in admission_counts(self.app):
-            if count.task_name == task_name and count.limiter == self.limiter:
-                return {
-                    "deliveries": count.deliveries,
-                    "deferrals": count.deferrals,
-                    "provider_attempts": count.provider_attempts,
-                    "concurrency_failures": count.concurrency_failures,
-                }
-        return {}
+        return self.admission_counts(task_name).get(self.limiter, {})
 
     def parked(self) -> int:
         with psycopg.connect(self.dsn) as conn:
@@ -123,45 +66,11 @@ class Scenario:
             ).fetchone()
         return int(row[0]) if row else 0
 
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
-            for path in sorted(self.log_dir.glob("*.log"))
-        )
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGCONT)  # a test may have paused a child
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-            proc.log.close()  # type: ignore[attr-defined]
-        keys = list(self.redis.scan_iter(f"{self.settings['records_key']}:*"))
-        queue = self.settings["queue"]
-        self.redis.delete(queue, f"{queue}.runcell", *keys)
-
 
 @pytest.fixture
 def scenario(pg_dsn: str, provider: FakeProvider, tmp_path: Path) -> Iterator[Scenario]:
-    made = Scenario(pg_dsn, provider, tmp_path)
-    try:
+    with Scenario(pg_dsn, provider, tmp_path) as made:
         yield made
-    finally:
-        made.stop()
-
-
-def _results(scenario: Scenario, results: list[AsyncResult], timeout: float = 120) -> list[Any]:
-    try:
-        return [result.get(timeout=timeout) for result in results]
-    except Exception:
-        print(scenario.logs())
-        raise
 
 
 def _deferred_batch(scenario: Scenario, tasks: int) -> tuple[list[str], list[dict[str, Any]]]:
@@ -169,7 +78,7 @@ def _deferred_batch(scenario: Scenario, tasks: int) -> tuple[list[str], list[dic
     return their ids and replies."""
     scenario.start_worker(concurrency=4)
     results = [scenario.app.tasks["pre.side_effect"].delay(150) for _ in range(tasks)]
-    replies: list[dict[str, Any]] = _results(scenario, results)
+    replies: list[dict[str, Any]] = scenario.replies(results)
     wait_until(
         lambda: scenario.counts("pre.side_effect").get("provider_attempts", 0) >= tasks,
         "the workers' counts are written",
@@ -209,7 +118,7 @@ def test_the_adopted_slot_is_the_pre_admitted_lease_and_the_limit_holds(
     scenario.configure(max_concurrent=2)
     scenario.start_worker(concurrency=4)
     results = [scenario.app.tasks["pre.side_effect"].delay(100) for _ in range(12)]
-    replies = _results(scenario, results)
+    replies = scenario.replies(results)
     for reply in replies:
         assert reply["adopted"] == reply["pre_admitted"], reply
     tokens = [reply["adopted"][1] for reply in replies]
@@ -234,7 +143,7 @@ def test_a_body_that_never_calls_slot_holds_its_slot_until_it_ends(scenario: Sce
     assert len(scenario.records("started")) == 1, "a body ran without a slot"
 
     scenario.open_gate(times=2)
-    assert _results(scenario, [first, second]) == ["done", "done"]
+    assert scenario.replies([first, second]) == ["done", "done"]
     assert scenario.active() == 0
     assert len(scenario.records("started")) == 2
     events = scenario.records("events")

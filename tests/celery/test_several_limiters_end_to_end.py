@@ -16,28 +16,22 @@ task that has room (as ``allocate_several`` and the in-memory limiter decide).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 from celery.result import AsyncResult
 
 from runcell_celery import ConcurrencyConfigError
-from runcell_celery.celery import RunCellTask, admission_counts
-from tests.celery.several_app import ENV, REDIS_URL, TASK, concurrency, create_app
+from runcell_celery.celery import RunCellTask
+from tests.celery import several_app
+from tests.celery.several_app import TASK, concurrency
 from tests.conftest import wait_until
+from tests.support.celery_fixtures import WorkerScenario
 
-ROOT = Path(__file__).resolve().parents[2]
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli")
 PROVIDER_LIMIT = 3
 TENANT_LIMIT = 1
@@ -47,34 +41,17 @@ HOLD_MS = 50
 Sent = tuple[str, AsyncResult[Any]]
 
 
-class Scenario:
+class Scenario(WorkerScenario):
     """One test's app, worker processes (stopped by PID) and Redis records."""
 
     def __init__(self, pg_dsn: str, log_dir: Path) -> None:
-        tag = uuid.uuid4().hex[:10]
-        self.settings: dict[str, Any] = {
-            "queue": f"runcell-several-{tag}",
-            "database": pg_dsn,
-            "provider": f"provider-{tag}",
-            "tenant": f"tenant-{tag}",
-            "provider_limits": {"max_concurrent": PROVIDER_LIMIT, "lease_ttl_ms": 5_000},
-            "tenant_limits": {
-                "max_concurrent": TENANT_LIMIT,
-                "keyed": True,
-                "lease_ttl_ms": 5_000,
-            },
-            "records_key": f"runcell-several-records-{tag}",
-        }
-        self.log_dir = log_dir
-        self.redis = redis.Redis.from_url(REDIS_URL)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._app: Celery | None = None
-
-    @property
-    def app(self) -> Celery:
-        if self._app is None:
-            self._app = create_app(self.settings)
-        return self._app
+        super().__init__("several", pg_dsn, log_dir, several_app)
+        self.settings.update(
+            provider=f"provider-{self.tag}",
+            tenant=f"tenant-{self.tag}",
+            provider_limits={"max_concurrent": PROVIDER_LIMIT, "lease_ttl_ms": 5_000},
+            tenant_limits={"max_concurrent": TENANT_LIMIT, "keyed": True, "lease_ttl_ms": 5_000},
+        )
 
     @property
     def provider(self) -> str:
@@ -83,39 +60,6 @@ class Scenario:
     @property
     def tenant(self) -> str:
         return str(self.settings["tenant"])
-
-    def start_worker(self, concurrency: int) -> None:
-        hostname = f"several-{uuid.uuid4().hex[:6]}@test"
-        env = {**os.environ, ENV: json.dumps(self.settings), "PYTHONPATH": str(ROOT)}
-        log = open(self.log_dir / f"{hostname}.log", "wb")  # noqa: SIM115 - closed in stop()
-        command = [
-            sys.executable, "-m", "celery", "-A", "tests.celery.several_app:app",
-            "worker", "--pool=prefork", f"--concurrency={concurrency}",
-            "-Q", self.settings["queue"], f"--hostname={hostname}", "--loglevel=WARNING",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        proc.log = log  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        wait_until(
-            lambda: self.app.control.ping(destination=[hostname], timeout=0.5),
-            "the worker answers",
-            60,
-            interval=0.1,
-        )
-
-    def highest(self, tenant: str | None = None) -> int:
-        """The most tasks seen in flight at once (for ``tenant``, or in total)."""
-        suffix = f":{tenant}" if tenant is not None else ""
-        raw = self.redis.get(f"{self.settings['records_key']}:max{suffix}")
-        return int(raw) if raw is not None else 0
 
     def send(self, tenants: list[str], hold_ms: float = HOLD_MS) -> list[Sent]:
         task = self.app.tasks[TASK]
@@ -126,11 +70,7 @@ class Scenario:
         return int(raw) if raw is not None else 0
 
     def results(self, sent: list[Sent], timeout: float = 120) -> list[Any]:
-        try:
-            replies = [result.get(timeout=timeout) for _, result in sent]
-        except Exception:
-            print(self.logs())
-            raise
+        replies = self.replies([result for _, result in sent], timeout)
         assert [result.state for _, result in sent] == ["SUCCESS"] * len(sent)
         return replies
 
@@ -140,50 +80,14 @@ class Scenario:
 
     def counts(self) -> dict[str, dict[str, int]]:
         """This test's admission counts by limiter label (the task's name is shared)."""
-        return {
-            count.limiter: {
-                "deliveries": count.deliveries,
-                "deferrals": count.deferrals,
-                "provider_attempts": count.provider_attempts,
-                "provider_failures": count.provider_failures,
-                "concurrency_failures": count.concurrency_failures,
-            }
-            for count in admission_counts(self.app)
-            if count.task_name == TASK and self.provider in count.limiter
-        }
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
-            for path in sorted(self.log_dir.glob("*.log"))
-        )
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # stray pool children, if any
-            proc.log.close()  # type: ignore[attr-defined]
-        keys = list(self.redis.scan_iter(f"{self.settings['records_key']}:*"))
-        queue = self.settings["queue"]
-        self.redis.delete(queue, f"{queue}.runcell", *keys)
+        counts = self.admission_counts(TASK)
+        return {label: counted for label, counted in counts.items() if self.provider in label}
 
 
 @pytest.fixture
 def scenario(pg_dsn: str, tmp_path: Path) -> Iterator[Scenario]:
-    made = Scenario(pg_dsn, tmp_path)
-    try:
+    with Scenario(pg_dsn, tmp_path) as made:
         yield made
-    finally:
-        made.stop()
 
 
 def test_tenants_fill_the_providers_limit_but_never_run_two_of_one_tenant_at_once(

@@ -6,6 +6,8 @@
 * ``make_app`` — builds an app from those settings (with overrides).
 * ``inprocess_worker`` — ``celery.contrib.testing.worker.start_worker`` (threads pool).
 * ``worker_processes`` — ``celery worker`` subprocesses (prefork or solo), stopped by PID.
+* :class:`WorkerScenario` — for tests on an app module of their own
+  (``tests/celery/*_app.py``): the app, its worker subprocesses and Redis records.
 * ``worker_events`` — the concurrency events the workers pushed to Redis.
 """
 
@@ -22,15 +24,18 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Self
 
 import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.result import AsyncResult
 from celery.utils.nodenames import host_format
 
 from runcell_celery import remove_event_listener
+from runcell_celery.celery import admission_counts
 from runcell_celery.celery.state import state_for
 from runcell_celery.testing import FakeProvider
 from tests.conftest import wait_until
@@ -211,6 +216,88 @@ class WorkerProcesses:
             f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
             for path in sorted(self.log_dir.glob("*.log"))
         )
+
+
+class WorkerScenario:
+    """One test's app, its worker subprocesses (stopped by PID) and its Redis records.
+
+    ``app_module`` (e.g. :mod:`tests.celery.keyed_app`) has ``create_app(settings)``,
+    which builds the test's app lazily, and ``app``, the workers' app, built from the
+    settings as JSON in the environment variable ``ENV``. ``settings`` start with
+    ``queue`` (``runcell-<name>-<tag>``), ``database`` and ``records_key``
+    (``runcell-<name>-records-<tag>``), ``tag`` unique to the test; a subclass adds its
+    own before the app is built. :meth:`stop` deletes the queue, its granted queue and
+    every ``<records_key>:*`` key. Use it as a context manager.
+    """
+
+    def __init__(self, name: str, pg_dsn: str, log_dir: Path, app_module: ModuleType) -> None:
+        self.tag = tag = uuid.uuid4().hex[:10]
+        settings: dict[str, Any] = {
+            "queue": f"runcell-{name}-{tag}",
+            "database": pg_dsn,
+            "records_key": f"runcell-{name}-records-{tag}",
+        }
+        self.settings = settings
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        self.workers = WorkerProcesses(
+            settings, log_dir, app=f"{app_module.__name__}:app", env=app_module.ENV
+        )
+        self._create_app: Callable[[dict[str, Any]], Celery] = app_module.create_app
+        self._app: Celery | None = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def app(self) -> Celery:
+        if self._app is None:
+            self._app = self._create_app(self.settings)
+        return self._app
+
+    def start_worker(self, concurrency: int) -> None:
+        """Start a prefork worker; return once it answers."""
+        self.workers.start(concurrency=concurrency, answering=self.app)
+
+    def highest(self, key: str | None = None) -> int:
+        """The most tasks seen in flight at once (for ``key``, or in total), as
+        :func:`tests.support.witness_apps.counted_in_flight` records them."""
+        suffix = f":{key}" if key is not None else ""
+        raw = self.redis.get(f"{self.settings['records_key']}:max{suffix}")
+        return int(raw) if raw is not None else 0
+
+    def replies(self, results: list[AsyncResult[Any]], timeout: float = 120) -> list[Any]:
+        """Every result's value; the workers' logs are printed if one fails."""
+        try:
+            return [result.get(timeout=timeout) for result in results]
+        except Exception:
+            print(self.logs())
+            raise
+
+    def admission_counts(self, task_name: str) -> dict[str, dict[str, int]]:
+        """``task_name``'s admission counts, by limiter label."""
+        return {
+            count.limiter: {
+                "deliveries": count.deliveries,
+                "deferrals": count.deferrals,
+                "provider_attempts": count.provider_attempts,
+                "provider_failures": count.provider_failures,
+                "concurrency_failures": count.concurrency_failures,
+            }
+            for count in admission_counts(self.app)
+            if count.task_name == task_name
+        }
+
+    def logs(self) -> str:
+        return self.workers.logs()
+
+    def stop(self) -> None:
+        self.workers.stop_all()
+        keys = list(self.redis.scan_iter(f"{self.settings['records_key']}:*"))
+        queue = self.settings["queue"]
+        self.redis.delete(queue, f"{queue}.runcell", *keys)
 
 
 @pytest.fixture
