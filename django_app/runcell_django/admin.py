@@ -27,16 +27,16 @@ from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from runcell_celery.keys import split_key_name
 
 from . import conf
-from .filters import KeyFilter, LimiterFilter, QueueStateFilter, WorkloadFilter
+from .filters import EventKeyFilter, KeyFilter, LimiterFilter, QueueStateFilter, WorkloadFilter
 from .force_release import force_release as release_leases
-from .managers import LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
+from .managers import GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import (
     AdmissionCount,
     ConcurrencyEvent,
@@ -329,6 +329,7 @@ class LeaseAdmin(ReadOnlyAdmin):
     list_display = (
         "lease",
         "limiter_workload",
+        "held_with",
         "task",
         "holder",
         "lineage",
@@ -351,6 +352,7 @@ class LeaseAdmin(ReadOnlyAdmin):
         "root_run_id",
         "parent_run_id",
         "request_id",
+        "held_with",
         "holder",
         "fencing_token",
         "acquired_at",
@@ -365,7 +367,8 @@ class LeaseAdmin(ReadOnlyAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
-        return cast("LeaseQuerySet", super().get_queryset(request)).with_age()
+        queryset = cast("LeaseQuerySet", super().get_queryset(request))
+        return queryset.with_age().with_group_leases()
 
     @admin.display(description=_("lease"), ordering="lease_id")
     def lease(self, obj: Lease) -> str:
@@ -378,6 +381,29 @@ class LeaseAdmin(ReadOnlyAdmin):
     @admin.display(description=_("limiter / workload"), ordering="workload")
     def limiter_workload(self, obj: Lease) -> str:
         return f"{obj.limiter_id} / {obj.workload}"
+
+    @admin.display(description=_("held with"))
+    def held_with(self, obj: Lease) -> str:
+        """A lease of a request over several limiters: the others held with it."""
+        others: list[GroupLease] = getattr(obj, "group_leases", [])
+        if not others:
+            return "-"
+        opts = self.opts
+        links = format_html_join(
+            ", ",
+            '<a href="{}">{}</a>',
+            (
+                (
+                    reverse(
+                        f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_change",
+                        args=[quote(other.lease_id)],
+                    ),
+                    other.limiter,
+                )
+                for other in others
+            ),
+        )
+        return format_html("{} {}", _("with"), links)
 
     @admin.display(description=_("task and task id"), ordering="holder_name")
     def task(self, obj: Lease) -> str:
@@ -455,6 +481,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
     list_display = (
         "place",
         "limiter_workload",
+        "request_group",
         "state",
         "priority",
         "waited",
@@ -472,6 +499,9 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "request_id",
         "limiter_name",
         "workload",
+        "fair_key",
+        "group_id",
+        "request_group",
         "state",
         "place",
         "in_progress",
@@ -493,7 +523,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         queryset = cast("QueueEntryQuerySet", super().get_queryset(request))
-        return queryset.select_related("limiter").with_place()
+        return queryset.select_related("limiter").with_place().with_group_waits()
 
     @admin.display(description=_("limiter"), ordering="limiter")
     def limiter_name(self, obj: QueueEntry) -> str:
@@ -502,6 +532,21 @@ class QueueEntryAdmin(ReadOnlyAdmin):
     @admin.display(description=_("limiter / workload"), ordering="workload")
     def limiter_workload(self, obj: QueueEntry) -> str:
         return f"{obj.limiter_id} / {obj.workload}"
+
+    @admin.display(description=_("with limiters"))
+    def request_group(self, obj: QueueEntry) -> str:
+        """A member of a request over several limiters: its other limiters, and which
+        of all its limiters it waits on (granted all together, once it waits on none)."""
+        if obj.group_id is None:
+            return "-"
+        others = [name for name in obj.group_limiters or [] if name != obj.limiter_id]
+        text = "{} {}".format(_("with"), ", ".join(others))
+        waits_on: list[str] | None = getattr(obj, "waits_on", None)
+        if waits_on is None:  # granted
+            return text
+        if not waits_on:
+            return "{} — {}".format(text, _("granted next (first in line with room in each)"))
+        return "{} — {} {}".format(text, _("waits on"), ", ".join(waits_on))
 
     @admin.display(description=_("state"))
     def state(self, obj: QueueEntry) -> str:
@@ -573,7 +618,8 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
     list_display = (
         "occurred_at",
         "type",
-        "limiter",
+        "request_limiters",
+        "key_link",
         "workload",
         "holder_name",
         "run_id",
@@ -586,16 +632,17 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
         "type",
         LimiterFilter,
         WorkloadFilter,
+        EventKeyFilter,
         ("occurred_at", DateFieldListFilter),
     )
-    search_fields = _ID_SEARCH
-    search_help_text = _ID_SEARCH_HELP
+    search_fields = (*_ID_SEARCH, "key__exact")
+    search_help_text = _("An exact run id (Celery task id), root run id, request id or key.")
     # The paginator counts the filtered rows; the unfiltered total is not counted again,
     # and no per-choice counts are offered over a table this large.
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     fieldsets = (
-        (None, {"fields": ("type", "occurred_at", "limiter", "workload")}),
+        (None, {"fields": ("type", "occurred_at", "limiter", "limiters", "key", "workload")}),
         (
             _("run"),
             {"fields": ("holder_name", "run_id", "root_run_id", "parent_run_id", "request_id")},
@@ -617,6 +664,19 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
         ),
         (_("recorded by"), {"fields": ("host", "pid", "actor", "dropped")}),
     )
+
+    @admin.display(description=_("limiters"), ordering="limiter")
+    def request_limiters(self, obj: ConcurrencyEvent) -> str:
+        """Every limiter of the request: ``openai + gpt-4o + tenant:acme``."""
+        return " + ".join(obj.limiters) if obj.limiters else obj.limiter
+
+    @admin.display(description=_("key"), ordering="key")
+    def key_link(self, obj: ConcurrencyEvent) -> str:
+        """The request's key, linked to the events of that key."""
+        if obj.key is None:
+            return "-"
+        query = urlencode({EventKeyFilter.parameter_name: obj.key})
+        return format_html('<a href="?{}">{}</a>', query, obj.key)
 
     @admin.display(description=_("wait"), ordering="wait_ms")
     def wait(self, obj: ConcurrencyEvent) -> str:

@@ -1,6 +1,6 @@
 """List filters of the admin pages: limiter and workload from the stored limits (one
-query per page, cached on the request), a queued request's state, and which keys of
-keyed limiters the limiters page lists."""
+query per page, cached on the request), a queued request's state, which keys of
+keyed limiters the limiters page lists, and the events of one key."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from runcell_celery.config import KEY_SEPARATOR
 
 from .models import Limiter
 
-__all__ = ["KeyFilter", "LimiterFilter", "QueueStateFilter", "WorkloadFilter"]
+__all__ = ["EventKeyFilter", "KeyFilter", "LimiterFilter", "QueueStateFilter", "WorkloadFilter"]
 
 
 def _stored_limits(request: HttpRequest) -> dict[str, LimiterConfig | None]:
@@ -127,3 +127,22 @@ class KeyFilter(admin.SimpleListFilter):
         if request.GET.get(SEARCH_VAR, "").strip():
             return queryset  # a search finds keys too
         return queryset.filter(parent__isnull=True)
+
+
+class EventKeyFilter(admin.SimpleListFilter):
+    """Events of one key (a tenant): chosen from an event's key (a link) or by URL.
+
+    Keys are not listed to choose from (a fleet may have 100,000, and finding them
+    would read the whole table); the filter shows once one is chosen. The index
+    ``runcell_event_for_key`` serves it."""
+
+    title = _("key")
+    parameter_name = "key"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        value = self.value()
+        return [(value, value)] if value else []
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(key=value) if value else queryset

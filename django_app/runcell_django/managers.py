@@ -9,8 +9,10 @@ limiter's expiry does, never from the web server's clock.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any, cast
 
+from django.contrib.postgres.fields import ArrayField
 from django.db import connections, models, router
 from django.db.models import (
     BooleanField,
@@ -37,10 +39,12 @@ from .event_types import EVENTS_DROPPED
 __all__ = [
     "AdmissionCountManager",
     "EventManager",
+    "GroupLease",
     "LeaseManager",
     "LimiterManager",
     "OccupancyManager",
     "QueueEntryManager",
+    "group_of",
 ]
 
 #: The window of the Limiters page's wait-time percentile.
@@ -131,7 +135,57 @@ class LimiterQuerySet(models.QuerySet[Any]):
         return {row.name: row.limits for row in rows}
 
 
+@dataclass(frozen=True, slots=True)
+class GroupLease:
+    """A lease held with others for one request over several limiters."""
+
+    lease_id: str
+    limiter: str
+    workload: str
+
+
+def group_of(request_id: str) -> str | None:
+    """The request over several limiters a lease or queue row's request id belongs to
+    (``"<request id>|<limiter>"``), or ``None``."""
+    group, separator, _limiter = request_id.rpartition("|")
+    return group if separator else None
+
+
 class LeaseQuerySet(models.QuerySet[Any]):
+    _group_leases = False
+
+    def with_group_leases(self) -> LeaseQuerySet:
+        """Attach to each lease of a request over several limiters the leases held with
+        it (``group_leases``: the others, by limiter name; ``[]`` for any other lease),
+        read in one query for all the rows fetched, and none when no row is of one."""
+        queryset = self.all()
+        queryset._group_leases = True
+        return queryset
+
+    def _clone(self) -> LeaseQuerySet:
+        clone = cast(LeaseQuerySet, super()._clone())  # type: ignore[misc]
+        clone._group_leases = self._group_leases
+        return clone
+
+    def _fetch_all(self) -> None:
+        fetched = self._result_cache is None
+        super()._fetch_all()
+        if not (fetched and self._group_leases and self._result_cache):
+            return
+        rows = [row for row in self._result_cache if isinstance(row, self.model)]
+        groups = {group for row in rows if (group := group_of(row.request_id)) is not None}
+        held: dict[str, list[GroupLease]] = {}
+        if groups:
+            with connections[self.db].cursor() as cursor:
+                cursor.execute(sql.GROUP_LEASES, {"groups": sorted(groups)})
+                for group, lease_id, limiter, workload in cursor.fetchall():
+                    held.setdefault(group, []).append(GroupLease(str(lease_id), limiter, workload))
+        for row in rows:
+            group = group_of(row.request_id)
+            mine = str(row.lease_id)
+            others = held.get(group, []) if group is not None else []
+            row.group_leases = [lease for lease in others if lease.lease_id != mine]
+
     def with_age(self) -> LeaseQuerySet:
         """Annotate ``age`` (since acquired) and ``expires_in``, in database time."""
         return cast(
@@ -144,6 +198,17 @@ class LeaseQuerySet(models.QuerySet[Any]):
 
 
 class QueueEntryQuerySet(models.QuerySet[Any]):
+    def with_group_waits(self) -> QueueEntryQuerySet:
+        """Annotate ``waits_on``: on a waiting row of a request over several limiters,
+        the limiters of the request it waits on (:data:`runcell_django.sql.GROUP_WAITS_ON`);
+        ``None`` on any other row. Part of the rows' query: no query of its own."""
+        return cast(
+            QueueEntryQuerySet,
+            self.annotate(
+                waits_on=RawSQL(sql.GROUP_WAITS_ON, (), output_field=ArrayField(models.TextField()))
+            ),
+        )
+
     def with_place(self) -> QueueEntryQuerySet:
         """Annotate ``ahead`` (requests of the same workload served first: runs in
         progress, then by arrival, as allocation serves them), ``waited`` (so far),

@@ -261,6 +261,25 @@ class QueueEntry(_Holder):
         _("failure recorded by"), null=True, help_text=_("The sweeper recording its failure.")
     )
     failing_at = models.DateTimeField(_("failure recording since"), null=True)
+    fair_key = models.TextField(
+        _("key"),
+        null=True,
+        help_text=_("The request's fairness key (a tenant): a round-robin limiter's line."),
+    )
+    group_id = models.TextField(
+        _("request over several limiters"),
+        null=True,
+        help_text=_(
+            "A request over several limiters waits as one row per limiter "
+            "('<request id>|<limiter>'), granted all together: the request's id."
+        ),
+    )
+    group_limiters = ArrayField(
+        models.TextField(),
+        verbose_name=_("limiters of the request"),
+        null=True,
+        help_text=_("Every limiter of a request over several, by name."),
+    )
 
     objects = QueueEntryManager()
 
@@ -326,7 +345,25 @@ class ConcurrencyEvent(models.Model):
     id = models.BigAutoField(primary_key=True)
     type = models.CharField(_("type"), max_length=32, choices=EVENT_TYPE_CHOICES)
     occurred_at = models.DateTimeField(_("occurred at"))
-    limiter = models.CharField(_("limiter"), max_length=200)
+    limiter = models.CharField(
+        _("limiter"),
+        max_length=200,
+        help_text=_("The first limiter of a request over several."),
+    )
+    limiters = ArrayField(
+        models.CharField(max_length=200),
+        verbose_name=_("limiters"),
+        null=True,
+        blank=True,
+        help_text=_("Every limiter of a request over several, in the order given."),
+    )
+    key = models.CharField(
+        _("key"),
+        max_length=255,
+        null=True,
+        blank=True,
+        help_text=_("The request's fairness key (a tenant), if it has one."),
+    )
     workload = models.CharField(_("workload"), max_length=200, null=True, blank=True)
     run_id = models.CharField(
         _("run id"),
@@ -388,6 +425,8 @@ class ConcurrencyEvent(models.Model):
             models.Index(fields=["run_id"], name="runcell_event_for_run"),
             models.Index(fields=["root_run_id"], name="runcell_event_for_root"),
             models.Index(fields=["request_id"], name="runcell_event_for_request"),
+            # Filter and search by key (a tenant), newest first.
+            models.Index(fields=["key", "occurred_at"], name="runcell_event_for_key"),
         ]
 
     def __str__(self) -> str:

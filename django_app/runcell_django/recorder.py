@@ -220,6 +220,10 @@ class EventRecorder:
             type=event.type,
             occurred_at=_when(event.timestamp),
             limiter=_cut(event.limiter, 200) or "",
+            limiters=None
+            if event.limiters is None
+            else [_cut(name, 200) or "" for name in event.limiters],
+            key=_cut(event.key, 255),
             workload=_cut(event.workload, 200),
             run_id=_cut(event.run_id, 255),
             root_run_id=_cut(event.root_run_id, 255),

@@ -57,6 +57,46 @@ WAITING_TOTAL: LiteralString = (
     "(SELECT coalesce(sum(w), 0) FROM unnest(runcell_limiter.waiting) AS w)"
 )
 
+# -- requests over several limiters ----------------------------------------------------
+
+#: On a queue row of a request over several limiters (``group_id``), still waiting: the
+#: limiters of the request it waits on, by name. In each of them, its member row is not
+#: first in its workload's line, or its workload has no room (at its ceiling, or the
+#: slots go to a workload of higher priority that waits), read with the functions
+#: allocation decides with (``runcell_group_member_first_v5``, ``runcell_has_room_v3``).
+#: Empty: the group pass grants it next. NULL on any other row (nothing is read for
+#: those). An annotation: probes by primary key, no query of its own.
+GROUP_WAITS_ON: LiteralString = """
+CASE WHEN runcell_queue.group_id IS NOT NULL AND runcell_queue.granted_lease_id IS NULL THEN
+ARRAY(
+    SELECT g.limiter
+    FROM unnest(runcell_queue.group_limiters) AS g(limiter)
+    LEFT JOIN runcell_queue AS m ON m.request_id = runcell_queue.group_id || '|' || g.limiter
+    LEFT JOIN runcell_limiter AS l ON l.name = g.limiter
+    LEFT JOIN LATERAL (SELECT array_position(l.workloads, m.workload) AS i) AS w ON true
+    WHERE NOT coalesce(
+        runcell_group_member_first_v5(runcell_queue.group_id, g.limiter, statement_timestamp())
+        AND runcell_has_room_v3(l.active, l.ceilings, l.reserved, l.max_concurrent, w.i)
+        AND NOT EXISTS (
+            SELECT 1 FROM generate_subscripts(l.workloads, 1) AS k
+            WHERE k <> w.i AND l.waiting[k] > 0 AND l.priorities[k] > l.priorities[w.i]
+              AND runcell_has_room_v3(l.active, l.ceilings, l.reserved, l.max_concurrent, k)),
+        false)
+    ORDER BY g.limiter)
+END
+"""
+
+#: The leases of the requests over several limiters ``%(groups)s`` (request ids): their
+#: leases' request ids are ``"<request id>|<limiter>"``. One read of the leases for a
+#: page of them (one row per slot held: as many as the fleet's limits allow).
+GROUP_LEASES: LiteralString = r"""
+SELECT substring(request_id FROM '^(.*)\|') AS group_id, lease_id, limiter, workload
+FROM runcell_lease
+WHERE strpos(request_id, '|') > 0
+  AND substring(request_id FROM '^(.*)\|') = ANY(%(groups)s)
+ORDER BY group_id, limiter
+"""
+
 # -- dashboard ------------------------------------------------------------------------
 
 #: Per limiter and time bucket (``bucket_s`` seconds): the most slots held and requests

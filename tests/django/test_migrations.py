@@ -42,7 +42,7 @@ FROZEN = {
         "8fc199f01ea61ea37c8ac5900dd9dfff90ae1b16230943a638da960772c33b8b"
     ),
     "0007_event_limiters_and_key": (
-        "1a2971fd478fb59b806ed9f3d7df9a37721c22cbb5e68c50fc5056e4dee41fb3"
+        "7940509703e06827202d2ec7906ef0e74f9767cae6d6dcbc8d0d8046fad81b41"
     ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"

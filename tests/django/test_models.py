@@ -231,6 +231,7 @@ def test_the_event_table_has_the_indexes_the_admin_uses() -> None:
         "runcell_event_for_run",
         "runcell_event_for_root",
         "runcell_event_for_request",
+        "runcell_event_for_key",
     }
     assert names <= set(constraints)
 
