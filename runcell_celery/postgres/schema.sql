@@ -1159,10 +1159,25 @@ BEGIN
             RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
                                       'leases', v_held);
         END IF;
-        IF EXISTS (SELECT 1 FROM runcell_queue WHERE group_id = v_group) THEN
+        SELECT count(*) INTO v_queued FROM runcell_queue
+        WHERE group_id = v_group AND granted_lease_id IS NULL;
+        IF v_queued = v_n THEN
             RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
                                       'left_ms', p_wait_ms);
         END IF;
+        -- Part of it is gone (a member dropped while its process stood still): what is
+        -- left could never be granted. Take it out and ask afresh.
+        FOR v_i IN 1 .. v_n LOOP
+            DELETE FROM runcell_queue
+            WHERE request_id = v_group || '|' || p_limiters[v_i] AND granted_lease_id IS NULL;
+            IF FOUND THEN
+                v_row := v_rows[v_i];
+                v_row.waiting[v_w[v_i]] := greatest(0, v_row.waiting[v_w[v_i]] - 1);
+                v_rows[v_i] := v_row;
+                UPDATE runcell_limiter SET waiting[v_w[v_i]] = greatest(0, waiting[v_w[v_i]] - 1)
+                WHERE name = p_limiters[v_i];
+            END IF;
+        END LOOP;
     END IF;
     FOR v_i IN 1 .. v_n LOOP
         v_row := v_rows[v_i];

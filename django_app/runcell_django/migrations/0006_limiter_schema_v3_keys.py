@@ -1,6 +1,6 @@
 """The limiter's DDL as runcell_celery shipped it with keyed limiters (v3, revised).
 
-``postgres_concurrency_schema_sql()`` at checksum ``4e911d5dbc340546``, frozen as text
+``postgres_concurrency_schema_sql()`` at checksum ``004e6bd1a509f29e``, frozen as text
 like the migrations before it. A key of a keyed limiter is a limiter row of its own,
 ``"<keyed limiter>:<key>"``, with the keyed limiter as its ``parent``: created by the
 first operation that names it (``runcell_create_key_v5``), deleted once idle
@@ -16,7 +16,7 @@ model state gains ``Limiter.parent``.
 
 from django.db import migrations, models
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 4e911d5dbc340546.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 004e6bd1a509f29e.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -1179,10 +1179,25 @@ BEGIN
             RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
                                       'leases', v_held);
         END IF;
-        IF EXISTS (SELECT 1 FROM runcell_queue WHERE group_id = v_group) THEN
+        SELECT count(*) INTO v_queued FROM runcell_queue
+        WHERE group_id = v_group AND granted_lease_id IS NULL;
+        IF v_queued = v_n THEN
             RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
                                       'left_ms', p_wait_ms);
         END IF;
+        -- Part of it is gone (a member dropped while its process stood still): what is
+        -- left could never be granted. Take it out and ask afresh.
+        FOR v_i IN 1 .. v_n LOOP
+            DELETE FROM runcell_queue
+            WHERE request_id = v_group || '|' || p_limiters[v_i] AND granted_lease_id IS NULL;
+            IF FOUND THEN
+                v_row := v_rows[v_i];
+                v_row.waiting[v_w[v_i]] := greatest(0, v_row.waiting[v_w[v_i]] - 1);
+                v_rows[v_i] := v_row;
+                UPDATE runcell_limiter SET waiting[v_w[v_i]] = greatest(0, waiting[v_w[v_i]] - 1)
+                WHERE name = p_limiters[v_i];
+            END IF;
+        END LOOP;
     END IF;
     FOR v_i IN 1 .. v_n LOOP
         v_row := v_rows[v_i];
@@ -1903,8 +1918,8 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '4e911d5dbc340546';
-INSERT INTO runcell_schema (checksum, version) VALUES ('4e911d5dbc340546', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '004e6bd1a509f29e';
+INSERT INTO runcell_schema (checksum, version) VALUES ('004e6bd1a509f29e', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0005's DDL: keys go (their rows, leases and waiting requests: 0005 has no
