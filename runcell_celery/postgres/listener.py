@@ -73,6 +73,10 @@ class GrantListener:
         self.available: bool | None = None
         #: Set while the listening connection is up: no notification can be missed.
         self.connected = threading.Event()
+        #: When the listener last finished a wait with every notification that had
+        #: arrived handed on (monotonic): the safety poll waits for a later one before
+        #: it takes a request it found gone for dropped.
+        self.caught_up_at = 0.0
         self._loop = BackgroundLoop("runcell-listener", self, GrantListener._step)
 
     def start(self) -> None:
@@ -189,6 +193,8 @@ class GrantListener:
         # connection.KEEPALIVES), not by statements: a quiet listener costs nothing.
         for notify in conn.notifies(timeout=NOTIFIES_TIMEOUT_S):
             self.dispatch(notify.channel, notify.payload)
+        # Every notification that reached the connection before now has been handed on.
+        self.caught_up_at = time.monotonic()
 
     def _disconnect(self) -> None:
         self.connected.clear()

@@ -47,8 +47,8 @@ __all__ = ["DatabaseClock", "Grant", "WaitRoom", "Waiter", "get_room"]
 
 logger = logging.getLogger("runcell_celery.postgres.waiting")
 
-#: How soon a request found missing is looked at again before it is taken as dropped
-#: (the listener may not have read its grant yet).
+#: How soon a request found missing is looked at again; it is taken as dropped only
+#: once the listener has caught up since (it may not have read its grant yet).
 SECOND_LOOK_S = 0.25
 
 _HOST = socket.gethostname()
@@ -190,7 +190,8 @@ class WaitRoom:
         self._limiters: Counter[str] = Counter()
         self._reapers: dict[str, weakref.WeakMethod[Callable[[], None]]] = {}
         #: Requests the last poll found missing, to confirm at the next look.
-        self._suspects: set[str] = set()
+        #: Requests the poll found gone, and when it first did.
+        self._suspects: dict[str, float] = {}
         self._heartbeat_due = 0.0
         #: When to look for expired leases next (the earliest lease of a limiter we
         #: wait on would expire then, unless renewed).
@@ -359,15 +360,21 @@ class WaitRoom:
             # After a pause (a stopped or starved process) the poll may run before the
             # listener has read the grants that arrived meanwhile: a request granted
             # then is missing from the tables too (its lease may have expired since).
-            # Only what is still missing, ungranted, at a second look a moment later
-            # is taken as dropped.
-            confirmed = missing & self._suspects
-            self._suspects = missing - confirmed
+            # Only what is still missing, ungranted, at a later look, once the listener
+            # has caught up since the first one, is taken as dropped.
+            now = time.monotonic()
+            listener = self.listener
+            caught_up = listener.caught_up_at if listener is not None else now
+            suspects = {r: self._suspects.get(r, now) for r in missing}
+            confirmed = {
+                r for r, since in suspects.items() if r in self._suspects and caught_up > since
+            }
+            self._suspects = {r: since for r, since in suspects.items() if r not in confirmed}
             if self._suspects:
-                self._check_due = min(self._check_due, time.monotonic() + SECOND_LOOK_S)
+                self._check_due = min(self._check_due, now + SECOND_LOOK_S)
             missing = confirmed
         else:
-            self._suspects = set()
+            self._suspects = {}
         for request_id in missing:
             waiter = waiters[request_id]
             if waiter.grant is None:
