@@ -286,7 +286,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return self._lease(request_id, workload, lease, sent)
 
     def granted_lease(self, request_id: str, workload: str, grant: Grant, sent: float) -> Lease:
-        """A lease a notification (or a release) granted."""
+        """A lease a notification (or a release) granted: valid for its TTL from the
+        grant's database time turned into local time (erring early), or from ``sent``
+        when the clock has no sample yet."""
         start = self.room.clock.local(grant.granted_at)
         return Lease(
             lease_id=grant.lease_id,
@@ -624,16 +626,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return None
 
     def _granted(self, waiting: _Waiting, grant: Grant) -> Lease:
-        start = self.room.clock.local(grant.granted_at)
-        return Lease(
-            lease_id=grant.lease_id,
-            limiter=self.name,
-            workload=waiting.workload,
-            request_id=waiting.request.request_id,
-            fencing_token=grant.fencing_token,
-            ttl_ms=self._config.lease_ttl_ms,
-            valid_until=self._valid_until(start if start is not None else waiting.sent),
-        )
+        return self.granted_lease(waiting.request.request_id, waiting.workload, grant, waiting.sent)
 
     def _lease(
         self, request_id: str, workload: str, lease: Sequence[Any], sent: float | None

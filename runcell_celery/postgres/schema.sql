@@ -349,6 +349,27 @@ CREATE OR REPLACE FUNCTION runcell_fair_granted_v5(
     ON CONFLICT (limiter, fair_key) DO UPDATE SET last_granted = EXCLUDED.last_granted
 $$;
 
+-- The request first in a workload's line (runs in progress first, then arrival, or
+-- the round-robin order when p_fair), or NULL: what allocation would serve next there.
+CREATE OR REPLACE FUNCTION runcell_line_head_v5(
+    p_limiter text, p_fair boolean, p_workload text, p_now timestamptz
+) RETURNS text LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_first text;
+BEGIN
+    IF p_fair THEN
+        SELECT f.request_id INTO v_first
+        FROM runcell_fair_line_v5(p_limiter, p_workload, p_now) f LIMIT 1;
+    ELSE
+        SELECT q.request_id INTO v_first FROM runcell_queue q
+        WHERE q.limiter = p_limiter AND q.workload = p_workload
+          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
+        ORDER BY q.in_progress DESC, q.position LIMIT 1;
+    END IF;
+    RETURN v_first;
+END;
+$$;
+
 -- The member of request p_group waiting in limiter p_limiter, if it is first in its
 -- workload's line there (runs in progress first, then arrival or round robin). Read
 -- without the limiter's lock: used to decide what to try, never what to grant.
@@ -365,16 +386,11 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    IF (SELECT (l.config->>'fairness') IS NOT DISTINCT FROM 'round_robin'
-        FROM runcell_limiter l WHERE l.name = p_limiter) THEN
-        SELECT f.request_id INTO v_first
-        FROM runcell_fair_line_v5(p_limiter, v_workload, p_now) f LIMIT 1;
-    ELSE
-        SELECT q.request_id INTO v_first FROM runcell_queue q
-        WHERE q.limiter = p_limiter AND q.workload = v_workload
-          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
-        ORDER BY q.in_progress DESC, q.position LIMIT 1;
-    END IF;
+    v_first := runcell_line_head_v5(
+        p_limiter,
+        (SELECT (l.config->>'fairness') IS NOT DISTINCT FROM 'round_robin'
+         FROM runcell_limiter l WHERE l.name = p_limiter),
+        v_workload, p_now);
     RETURN v_first IS NOT DISTINCT FROM v_member;
 END;
 $$;
@@ -1274,16 +1290,10 @@ BEGIN
                  AND q.position < v_position) THEN
         RETURN false;
     END IF;
-    IF (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
-        SELECT q.request_id, q.group_id, q.group_limiters INTO v_head
-        FROM runcell_fair_line_v5(p_row.name, v_workload, p_now) f
-        JOIN runcell_queue q ON q.request_id = f.request_id LIMIT 1;
-    ELSE
-        SELECT q.request_id, q.group_id, q.group_limiters INTO v_head FROM runcell_queue q
-        WHERE q.limiter = p_row.name AND q.workload = v_workload
-          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
-        ORDER BY q.in_progress DESC, q.position LIMIT 1;
-    END IF;
+    SELECT q.request_id, q.group_id, q.group_limiters INTO v_head FROM runcell_queue q
+    WHERE q.request_id = runcell_line_head_v5(
+        p_row.name, (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin',
+        v_workload, p_now);
     IF v_head.request_id IS DISTINCT FROM p_member AND v_head.group_id IS NOT NULL
        AND runcell_group_anchored_v5(v_head.group_id, v_head.group_limiters, p_row.name, p_now)
     THEN

@@ -105,10 +105,8 @@ class _Group:
         self.lead = lead
         self.group_id = lead.request_id
         self.members = [member_id(self.group_id, x.name) for x in limiters]
-        waits = [
-            x._wait_ms(r, x.validate_workload(r.workload))
-            for x, r in zip(limiters, requests, strict=True)
-        ]
+        # Each request carries the workload resolved for its limiter (build_several).
+        waits = [x._wait_ms(r, r.workload) for x, r in zip(limiters, requests, strict=True)]
         given = [w for w in waits if w is not None]
         self.wait_ms = min(given) if given else None
         self.deadline = Deadline.after_ms(self.wait_ms) if self.wait_ms is not None else None

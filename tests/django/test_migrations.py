@@ -39,7 +39,7 @@ FROZEN = {
         "dae56c70cb52240128405ede2369785d3459744a6aab81d83dff513c0b1a605c"
     ),
     "0006_limiter_schema_v3_keys": (
-        "99d8d18b66849a6ab3125e78372ca7af03f407a16868a3658615578bffdb03e7"
+        "fd54f5353c33179fce46fa8a8cd1c99485877bb43ed50d46c0adeec020247bec"
     ),
     "0007_event_limiters_and_key": (
         "7940509703e06827202d2ec7906ef0e74f9767cae6d6dcbc8d0d8046fad81b41"

@@ -1,6 +1,6 @@
 """The limiter's DDL as runcell_celery shipped it with keyed limiters (v3, revised).
 
-``postgres_concurrency_schema_sql()`` at checksum ``004e6bd1a509f29e``, frozen as text
+``postgres_concurrency_schema_sql()`` at checksum ``ee600c42f3a72b39``, frozen as text
 like the migrations before it. A key of a keyed limiter is a limiter row of its own,
 ``"<keyed limiter>:<key>"``, with the keyed limiter as its ``parent``: created by the
 first operation that names it (``runcell_create_key_v5``), deleted once idle
@@ -16,7 +16,7 @@ model state gains ``Limiter.parent``.
 
 from django.db import migrations, models
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum 004e6bd1a509f29e.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum ee600c42f3a72b39.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -369,6 +369,27 @@ CREATE OR REPLACE FUNCTION runcell_fair_granted_v5(
     ON CONFLICT (limiter, fair_key) DO UPDATE SET last_granted = EXCLUDED.last_granted
 $$;
 
+-- The request first in a workload's line (runs in progress first, then arrival, or
+-- the round-robin order when p_fair), or NULL: what allocation would serve next there.
+CREATE OR REPLACE FUNCTION runcell_line_head_v5(
+    p_limiter text, p_fair boolean, p_workload text, p_now timestamptz
+) RETURNS text LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_first text;
+BEGIN
+    IF p_fair THEN
+        SELECT f.request_id INTO v_first
+        FROM runcell_fair_line_v5(p_limiter, p_workload, p_now) f LIMIT 1;
+    ELSE
+        SELECT q.request_id INTO v_first FROM runcell_queue q
+        WHERE q.limiter = p_limiter AND q.workload = p_workload
+          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
+        ORDER BY q.in_progress DESC, q.position LIMIT 1;
+    END IF;
+    RETURN v_first;
+END;
+$$;
+
 -- The member of request p_group waiting in limiter p_limiter, if it is first in its
 -- workload's line there (runs in progress first, then arrival or round robin). Read
 -- without the limiter's lock: used to decide what to try, never what to grant.
@@ -385,16 +406,11 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    IF (SELECT (l.config->>'fairness') IS NOT DISTINCT FROM 'round_robin'
-        FROM runcell_limiter l WHERE l.name = p_limiter) THEN
-        SELECT f.request_id INTO v_first
-        FROM runcell_fair_line_v5(p_limiter, v_workload, p_now) f LIMIT 1;
-    ELSE
-        SELECT q.request_id INTO v_first FROM runcell_queue q
-        WHERE q.limiter = p_limiter AND q.workload = v_workload
-          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
-        ORDER BY q.in_progress DESC, q.position LIMIT 1;
-    END IF;
+    v_first := runcell_line_head_v5(
+        p_limiter,
+        (SELECT (l.config->>'fairness') IS NOT DISTINCT FROM 'round_robin'
+         FROM runcell_limiter l WHERE l.name = p_limiter),
+        v_workload, p_now);
     RETURN v_first IS NOT DISTINCT FROM v_member;
 END;
 $$;
@@ -1294,16 +1310,10 @@ BEGIN
                  AND q.position < v_position) THEN
         RETURN false;
     END IF;
-    IF (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
-        SELECT q.request_id, q.group_id, q.group_limiters INTO v_head
-        FROM runcell_fair_line_v5(p_row.name, v_workload, p_now) f
-        JOIN runcell_queue q ON q.request_id = f.request_id LIMIT 1;
-    ELSE
-        SELECT q.request_id, q.group_id, q.group_limiters INTO v_head FROM runcell_queue q
-        WHERE q.limiter = p_row.name AND q.workload = v_workload
-          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
-        ORDER BY q.in_progress DESC, q.position LIMIT 1;
-    END IF;
+    SELECT q.request_id, q.group_id, q.group_limiters INTO v_head FROM runcell_queue q
+    WHERE q.request_id = runcell_line_head_v5(
+        p_row.name, (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin',
+        v_workload, p_now);
     IF v_head.request_id IS DISTINCT FROM p_member AND v_head.group_id IS NOT NULL
        AND runcell_group_anchored_v5(v_head.group_id, v_head.group_limiters, p_row.name, p_now)
     THEN
@@ -1918,8 +1928,8 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '004e6bd1a509f29e';
-INSERT INTO runcell_schema (checksum, version) VALUES ('004e6bd1a509f29e', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM 'ee600c42f3a72b39';
+INSERT INTO runcell_schema (checksum, version) VALUES ('ee600c42f3a72b39', 3) ON CONFLICT DO NOTHING;
 """
 
 #: Back to 0005's DDL: keys go (their rows, leases and waiting requests: 0005 has no
@@ -1942,6 +1952,7 @@ DROP FUNCTION IF EXISTS runcell_group_anchored_v5(text,text[],text,timestamp wit
 DROP FUNCTION IF EXISTS runcell_group_leases_v5(text,text[]);
 DROP FUNCTION IF EXISTS runcell_group_may_take_v5(runcell_limiter,integer,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_group_member_first_v5(text,text,timestamp with time zone);
+DROP FUNCTION IF EXISTS runcell_line_head_v5(text,boolean,text,timestamp with time zone);
 DROP FUNCTION IF EXISTS runcell_purge_idle_keys_v5(text,integer);
 DROP FUNCTION IF EXISTS runcell_sync_keys_v5(text);
 DROP FUNCTION IF EXISTS runcell_withdraw_group_v5(text,text[],boolean,integer);
