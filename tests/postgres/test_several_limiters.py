@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,12 +15,14 @@ from runcell_celery import (
     CancellationToken,
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
+    ConcurrencyLimiterError,
     ConcurrencyTimeoutError,
     run,
     slot,
 )
 from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
 from tests.support.pg import unique_name
+from tests.support.reply_dropper import ReplyDropper
 
 MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
 
@@ -225,3 +228,98 @@ def test_a_tenants_second_call_waiting_first_in_line_does_not_hold_up_another_te
         release.set()
         for thread in threads:
             thread.join(15)
+
+
+# -- faults -------------------------------------------------------------------------------
+
+ACQUIRE_SEVERAL = b"runcell_acquire_several_v5("
+
+
+@pytest.fixture
+def dropper(pg_dsn: str) -> Iterator[ReplyDropper]:
+    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    with ReplyDropper(
+        (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    ) as proxy:
+        yield proxy
+
+
+def _via(proxy: ReplyDropper, dsn: str) -> str:
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    params.update(host="127.0.0.1", port=str(proxy.port))
+    return psycopg.conninfo.make_conninfo(**params)
+
+
+def _pairs(
+    pg_dsn: str, proxy: ReplyDropper, **options: Any
+) -> tuple[list[PostgresConcurrencyLimiter], list[PostgresConcurrencyLimiter]]:
+    """Two limiters, each twice: through the proxy, and direct."""
+    names = [unique_name("lost-reply-a"), unique_name("lost-reply-b")]
+    direct = [create_postgres_concurrency_limiter(pg_dsn, name=n, max_concurrent=1) for n in names]
+    proxied = [
+        create_postgres_concurrency_limiter(
+            _via(proxy, pg_dsn),
+            name=n,
+            max_concurrent=1,
+            listen=False,
+            poll_interval_ms=20,
+            **options,
+        )
+        for n in names
+    ]
+    return proxied, direct
+
+
+def test_a_lost_reply_to_a_grant_over_several_limiters_gives_the_leases_to_the_retry(
+    pg_dsn: str, dropper: ReplyDropper
+) -> None:
+    (a, b), (direct_a, direct_b) = _pairs(pg_dsn, dropper)
+    dropper.arm(ACQUIRE_SEVERAL)
+    with run(timeout_ms=10_000), slot(a, b) as held:
+        assert dropper.dropped[ACQUIRE_SEVERAL] == 1, "no reply was lost; proves nothing"
+        # The retry found the leases its first attempt took: one slot each, no more.
+        assert (direct_a.stats().active, direct_b.stats().active) == (1, 1)
+        assert {lease.limiter for lease in held.leases} == {a.name, b.name}
+    assert (direct_a.stats().active, direct_b.stats().active) == (0, 0)
+
+
+def test_a_lost_reply_to_a_queued_request_over_several_limiters_keeps_one_place(
+    pg_dsn: str, dropper: ReplyDropper
+) -> None:
+    (a, b), (direct_a, direct_b) = _pairs(pg_dsn, dropper)
+    granted: list[bool] = []
+
+    def wait_for_both() -> None:
+        with run(timeout_ms=15_000), slot(a, b):
+            granted.append(True)
+
+    with slot(direct_b):
+        dropper.arm(ACQUIRE_SEVERAL)
+        waiting = threading.Thread(target=wait_for_both)
+        waiting.start()
+        wait_for(lambda: dropper.dropped[ACQUIRE_SEVERAL] == 1, "the queued reply was lost")
+        wait_for(lambda: direct_b.stats().queued == 1, "the request queued")
+        time.sleep(0.3)  # the retry has had its answer
+        assert (direct_a.stats().queued, direct_b.stats().queued) == (1, 1)
+    waiting.join(15)
+    assert granted == [True]
+    assert (direct_a.stats().queued, direct_b.stats().queued) == (0, 0)
+
+
+def test_several_limiters_fail_closed_while_the_database_is_unreachable(
+    pg_dsn: str, dropper: ReplyDropper
+) -> None:
+    (a, b), (direct_a, direct_b) = _pairs(pg_dsn, dropper, connect_timeout_ms=500)
+    with slot(a, b):
+        pass  # the pool's connections are open
+    dropper.cut()  # every connection through the proxy dies, and new ones are refused
+    try:
+        # Without a budget it fails closed once no connection could be had (with one,
+        # it would keep trying while the budget lasts, as one limiter does).
+        with pytest.raises(ConcurrencyLimiterError), slot(a, b):
+            pass  # pragma: no cover - never entered: no slot without the database
+    finally:
+        dropper.restore()
+    assert (direct_a.stats().active, direct_b.stats().active) == (0, 0)
+    with run(timeout_ms=10_000), slot(a, b):  # it recovers on its own
+        assert (direct_a.stats().active, direct_b.stats().active) == (1, 1)
