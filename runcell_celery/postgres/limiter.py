@@ -67,6 +67,7 @@ from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
 from .registration import config_hash, store_limits
 from .several import acquire_several, run_group_pass
+from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
 from .waiting import Grant, Waiter, WaitRoom, get_room
 
 __all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
@@ -81,6 +82,9 @@ AdmissionResult = Parked | Literal["duplicate"]
 MAX_SAFETY_MARGIN_MS = 1_000
 #: A release blocked this many times by a busy row gives up (the lease then expires).
 RELEASE_ATTEMPTS = 3
+#: An acquire takes the stored limits at most this many times (``use_stored``) before
+#: it fails: limits replaced again and again while it asks.
+ADOPT_ATTEMPTS = 3
 
 
 class _Park:
@@ -169,9 +173,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._db = database
         super().__init__(config)
         self._options = options
+        #: The limits this worker was given; ``config`` may be the stored ones instead.
+        self._given = config
         # A key's row carries its keyed limiter's limits and checksum.
         self._hash = stored_hash or config_hash(config)
-        self._margin_s = min(MAX_SAFETY_MARGIN_MS, config.lease_ttl_ms / 10) / 1000
+        self._margin_s = self._safety_margin_s(config)
         self._on_parked_granted: Callable[[list[str]], None] | None = None
         self._keys: KeySet | None = None
 
@@ -202,6 +208,43 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     @property
     def parked_granted_handler(self) -> Callable[[list[str]], None] | None:
         return self._on_parked_granted
+
+    @property
+    def given_config(self) -> LimiterConfig:
+        """The limits this limiter was created with (``config`` is what it works on:
+        the stored limits instead, once it took them under ``on_conflict="use_stored"``)."""
+        return self._given
+
+    # -- the stored limits (on_conflict="use_stored", :mod:`.stored_limits`) --------------
+
+    def use_stored_limits(self, request: AcquireRequest | None = None) -> bool:
+        """Take the limits stored in the database as this limiter's own, after an
+        operation found them replaced by another worker.
+
+        Only under ``on_conflict="use_stored"``: otherwise, or when the limiter has no
+        row, nothing changes and the caller fails as before.
+
+        :returns: whether the limits were taken (the caller may ask again).
+        :raises ConcurrencyLimiterError: the database failed while reading them.
+        """
+        if self._options.on_conflict != "use_stored":
+            return False
+        with _failing_closed(self, request), self._db.connection() as conn:
+            stored = read_stored_limits(conn, self.name)
+        if stored is None:
+            return False
+        self._take(stored, request)
+        return True
+
+    def _take(self, stored: StoredLimits, request: AcquireRequest | None) -> None:
+        announce_stored_limits(self._given, stored, request=request)
+        self._config = stored.config
+        self._hash = stored.config_hash
+        self._margin_s = self._safety_margin_s(stored.config)
+
+    @staticmethod
+    def _safety_margin_s(config: LimiterConfig) -> float:
+        return min(MAX_SAFETY_MARGIN_MS, config.lease_ttl_ms / 10) / 1000
 
     # -- keys -------------------------------------------------------------------------
 
@@ -327,7 +370,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         config = self._config
         try:
             with self._db.connection() as conn:
-                store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
+                stored = store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
+            if stored is not None:
+                self._take(StoredLimits(config=stored[0], config_hash=stored[1]), None)
         except ConcurrencyError:
             raise
         except psycopg.Error as exc:
@@ -523,6 +568,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         # Whether the request may already be in the database (a retry, a redelivered
         # deferral): then leaving means withdrawing it.
         written = retry
+        adopted = 0
         while True:
             # How long the request may still wait: in the queue, and for the row lock.
             remaining = None
@@ -547,6 +593,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     waiting.settled = not written  # nothing of ours to take back
                     raise self._timed_out(request, waiting.wait_ms) from None
                 params["retry"] = written
+            except ConcurrencyConfigError as exc:
+                # Refused before anything was written: the stored limits were replaced.
+                replaced = isinstance(exc.__cause__, LimitsReplacedError)
+                if replaced and adopted < ADOPT_ATTEMPTS and self.use_stored_limits(request):
+                    adopted += 1
+                    params["config_hash"] = self._hash
+                    continue
+                raise
             except ConcurrencyLimiterError as exc:
                 failed = exc.__cause__
                 if isinstance(failed, CallFailedError) and not failed.maybe_done:
@@ -865,7 +919,8 @@ def _failing_closed(
     except LimitsReplacedError as exc:
         error = ConcurrencyConfigError(
             f"the limits of limiter {limiter.name!r} were replaced by another worker; "
-            "restart this worker with the new limits",
+            "restart this worker with the new limits (with on_conflict='use_stored' it "
+            "would work on the stored limits instead)",
             limiter=limiter.name,
         )
         raise _for(error, request, limiter.name) from exc

@@ -21,11 +21,14 @@ __all__ = [
     "DEFAULT_POLL_INTERVAL_MS",
     "DEFAULT_POOL_MAX_SIZE",
     "DEFAULT_QUEUE_ENTRY_TTL_MS",
+    "ON_CONFLICT_VALUES",
     "OnConflict",
     "PostgresOptions",
 ]
 
-OnConflict = Literal["error", "replace"]
+#: What a worker does when the stored limits differ from its settings.
+OnConflict = Literal["error", "replace", "use_stored"]
+ON_CONFLICT_VALUES: tuple[OnConflict, ...] = ("error", "replace", "use_stored")
 
 DEFAULT_POLL_INTERVAL_MS = 100
 DEFAULT_QUEUE_ENTRY_TTL_MS = 15_000
@@ -52,7 +55,12 @@ class PostgresOptions:
         migration.
     :param on_conflict: when stored limits differ: ``"error"`` raises
         :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the fields,
-        ``"replace"`` stores the new limits instead.
+        ``"replace"`` stores the new limits instead, ``"use_stored"`` works on the
+        stored limits (at startup, and when another worker replaces them while this
+        one runs) with a warning and a ``config-error`` event
+        (:mod:`~runcell_celery.postgres.stored_limits`). Under ``"error"`` and
+        ``"replace"`` a worker whose limits were replaced while it runs fails every
+        acquire until it restarts.
     :param listen: wake waiters by ``LISTEN/NOTIFY`` (polling stays the fallback);
         turn off behind a transaction pooler to skip the self-check.
     :param pool_max_size: connections the pool made from a DSN may open (per process).
@@ -104,10 +112,10 @@ class PostgresOptions:
                     f"{_name(path, key)} = {value!r} is invalid: must be True or False"
                 )
         on_conflict = options.get("on_conflict", "error")
-        if on_conflict not in ("error", "replace"):
+        if on_conflict not in ON_CONFLICT_VALUES:
             raise ConcurrencyConfigError(
                 f"{_name(path, 'on_conflict')} = {on_conflict!r} is invalid: "
-                "must be 'error' or 'replace'"
+                "must be 'error', 'replace' or 'use_stored'"
             )
         return cls(**options)
 

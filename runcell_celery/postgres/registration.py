@@ -4,9 +4,11 @@ All workers that share a limiter name must apply the same rules, or two of them 
 grant slots under different limits. The first worker stores its limits (with a hash)
 in the limiter's row; a worker whose limits differ fails at startup with
 :class:`~runcell_celery.errors.ConcurrencyConfigError` naming each differing field,
-unless it was created with ``on_conflict="replace"`` (deploy all workers together).
-Every allocation then checks the hash, so a worker left running with old limits stops
-instead of granting by them.
+unless it was created with ``on_conflict="replace"`` (its limits replace the stored
+ones) or ``on_conflict="use_stored"`` (it works on the stored ones,
+:mod:`~.stored_limits`). Every allocation then checks the hash, so a worker left
+running with old limits never grants by them: it stops, or with ``"use_stored"``
+takes the stored limits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 from psycopg.types.json import Jsonb
 
@@ -24,13 +26,12 @@ from ..errors import ConcurrencyConfigError
 from ..keys import split_key_name
 from . import statements
 from .connection import Connection
+from .options import OnConflict
 from .schema import ensure_schema
 
 __all__ = ["OnConflict", "config_hash", "store_limits"]
 
 logger = logging.getLogger("runcell_celery.postgres")
-
-OnConflict = Literal["error", "replace"]
 
 
 def config_hash(config: LimiterConfig) -> str:
@@ -41,8 +42,12 @@ def config_hash(config: LimiterConfig) -> str:
 
 def store_limits(
     conn: Connection, config: LimiterConfig, *, ensure: bool, on_conflict: OnConflict
-) -> None:
-    """Create the schema if asked, then store ``config`` or check the stored limits."""
+) -> tuple[LimiterConfig, str] | None:
+    """Create the schema if asked, then store ``config`` or check the stored limits.
+
+    :returns: with ``on_conflict="use_stored"`` and stored limits that differ, those
+        limits and their hash (the caller works on them); else ``None``.
+    """
     if ensure:
         ensure_schema(conn)
     params = {
@@ -56,11 +61,13 @@ def store_limits(
         _refuse_a_keys_name(conn, config)
         if conn.execute(statements.REGISTER_LIMITER, params).fetchone() is not None:
             conn.execute(statements.SET_LIMITS, params)
-            return
+            return None
         stored = conn.execute(statements.STORED_LIMITER, params).fetchone()
         assert stored is not None
         if stored[1] == params["config_hash"]:
-            return
+            return None
+        if on_conflict == "use_stored":
+            return LimiterConfig.from_mapping(stored[0]), str(stored[1])
         differences = describe_differences(config, stored[0])
         if on_conflict == "replace":
             conn.execute(statements.REPLACE_LIMITER, params)
@@ -68,11 +75,13 @@ def store_limits(
             # A keyed limiter's keys take its new limits (or stop being keys of it).
             conn.execute(statements.SYNC_KEYS, params)
             logger.warning("runcell: replaced the limits of %r: %s", config.name, differences)
-            return
+            return None
         raise ConcurrencyConfigError(
             f"limiter {config.name!r} is stored with different limits: {differences}. "
             "All workers sharing a name must use the same limits: use a new name, "
-            "or deploy them together with on_conflict='replace'",
+            "store the new limits with on_conflict='replace' (runcell_sync_limiters "
+            "--replace), or let workers work on the stored limits with "
+            "on_conflict='use_stored'",
             limiter=config.name,
         )
 

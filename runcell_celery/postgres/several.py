@@ -31,7 +31,7 @@ from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError
 from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
 from . import statements
-from .calls import RowBusyError, Stamp, lock_timeout_ms
+from .calls import LimitsReplacedError, RowBusyError, Stamp, lock_timeout_ms
 from .waiting import Waiter
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ class _Group:
         self.deadline = Deadline.after_ms(self.wait_ms) if self.wait_ms is not None else None
         self.sent = time.monotonic()
         self.waiters: list[Waiter] = []
+        #: How many times it took the stored limits (``on_conflict="use_stored"``).
+        self.adopted = 0
 
     # -- the whole wait -------------------------------------------------------------------
 
@@ -218,6 +220,12 @@ class _Group:
                 if self.deadline is not None and self.deadline.passed():
                     self._withdraw_quietly()
                     raise self.first._timed_out(lead, self.wait_ms) from None
+            except ConcurrencyConfigError as exc:
+                # Another worker replaced some limiter's limits: under
+                # on_conflict="use_stored" each takes its stored limits and we ask again.
+                if not self._use_stored_limits(exc):
+                    raise
+                params["hashes"] = [x.stored_hash for x in self.limiters]
         self.first.room.clock.sample(sent.at, float(answer["now"]))
         status = answer["s"]
         if status == "granted":
@@ -239,6 +247,14 @@ class _Group:
             f"limiter {named.name!r} has no workload {self._request(named).workload!r}",
             limiter=named.name,
         )
+
+    def _use_stored_limits(self, exc: ConcurrencyConfigError) -> bool:
+        """Whether ``exc`` said the limits were replaced and every limiter took the
+        stored ones (``on_conflict="use_stored"``), at most a few times per request."""
+        if not isinstance(exc.__cause__, LimitsReplacedError) or self.adopted >= 3:
+            return False
+        self.adopted += 1
+        return all(x.use_stored_limits(self.lead) for x in self.limiters)
 
     def _withdraw(self, *, give_back: bool) -> tuple[Lease, ...] | None:
         params = {

@@ -42,6 +42,11 @@ STORED_LIMITER: LiteralString = """
 SELECT config, config_hash FROM runcell_limiter WHERE name = %(name)s FOR UPDATE
 """
 
+#: The stored limits without locking the row (a worker adopting them, ``use_stored``).
+READ_STORED_LIMITER: LiteralString = """
+SELECT config, config_hash FROM runcell_limiter WHERE name = %(name)s
+"""
+
 REPLACE_LIMITER: LiteralString = """
 UPDATE runcell_limiter
 SET config = %(config)s, config_hash = %(config_hash)s, updated_at = clock_timestamp()

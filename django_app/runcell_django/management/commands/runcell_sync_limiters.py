@@ -2,9 +2,10 @@
 
 Workers store a limiter's limits on first use; this stores them at deploy time and
 says what differs. Without ``--replace`` a stored limiter whose limits differ is an
-error (as it is for a worker); with it, the stored limits are replaced. Deploy all
-workers together when replacing: a worker still running with the old limits stops
-allocating until it restarts.
+error (as it is for a worker); with it, the stored limits are replaced. A worker
+still running with the old limits then works on the stored ones if it runs with
+``on_conflict="use_stored"``, and otherwise fails every acquire until it restarts
+(README, "Changing limits on a running fleet").
 """
 
 from __future__ import annotations
