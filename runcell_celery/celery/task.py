@@ -84,6 +84,7 @@ from .limiters import (
     validate_workload,
 )
 from .options import RunOverride, TaskConcurrency
+from .signals import task_deferred
 from .state import registry_for
 from .wiring import ensure_wired
 
@@ -263,6 +264,9 @@ class RunCellTask(Task[Any, Any]):
                 raise DeliverySetAside(request.id) from None
             except SlotDeferred:
                 counters.add(self.name, limiter_name, "deferrals")
+                task_deferred.send(
+                    sender=self, task_id=request.id, limiter=limiter_name, workload=context.workload
+                )
                 _log_deferral(self.name, request.id, admission, context.workload)
                 raise DeliverySetAside(request.id) from None
             return self._run_body(spec, admission, args, kwargs)
