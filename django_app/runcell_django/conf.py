@@ -34,6 +34,8 @@ from runcell_celery.hints import did_you_mean
 from runcell_celery.postgres import PostgresBackend
 from runcell_celery.registry import LimiterRegistry
 
+from . import databases
+
 __all__ = [
     "SETTING",
     "EventSettings",
@@ -154,13 +156,26 @@ def resolve_database(value: str) -> str:
 
 
 def database_alias() -> str | None:
-    """The alias the app's models use: ``RUNCELL["DATABASE"]`` when it is an alias.
+    """The alias of the limiter's database, where the app's models are read and written.
 
-    ``None`` when it is a DSN (or unset): then Django's routers choose, by default
-    ``default``; that database must be the one the DSN names for the admin to show it.
+    ``RUNCELL["DATABASE"]`` itself when it is an alias; for a DSN, the alias the app
+    registers it under (:data:`runcell_django.databases.DSN_ALIAS`), so that the admin
+    and the commands show the database the limiter uses. ``None`` when it is unset:
+    then Django's routers choose, by default ``default``.
+
+    :raises ConcurrencyConfigError: a DSN whose alias ``DATABASES`` already defines.
     """
     value = _database_setting()
-    return value if value is not None and _is_alias(value) else None
+    if value is None:
+        return None
+    if _is_alias(value):
+        return value
+    return databases.register_dsn(value) if _is_dsn(value) else None
+
+
+def _is_dsn(value: str) -> bool:
+    """A DSN (``key=value`` or URI), as opposed to a mistyped alias."""
+    return "=" in value or "://" in value
 
 
 def _check_database(config: Mapping[str, Any]) -> None:
@@ -169,8 +184,8 @@ def _check_database(config: Mapping[str, Any]) -> None:
         if isinstance(value, str) and value:
             resolve_database(value)  # rejects an alias that is not PostgreSQL
         return
-    if "=" in value or "://" in value:
-        return  # a DSN (key=value or URI); the core reports connection failures
+    if _is_dsn(value):
+        return  # the core reports connection failures
     aliases = list(connections.settings)
     raise ConcurrencyConfigError(
         f'{SETTING}["DATABASE"] = {value!r} is invalid: neither a database alias nor a '
@@ -179,9 +194,13 @@ def _check_database(config: Mapping[str, Any]) -> None:
 
 
 def validate() -> None:
-    """Check every part of ``RUNCELL``; raise :class:`ConcurrencyConfigError` if wrong."""
+    """Check every part of ``RUNCELL``; raise :class:`ConcurrencyConfigError` if wrong.
+
+    Registers a DSN's database alias too (:func:`database_alias`), so that commands
+    such as ``migrate --database runcell`` know it from the start."""
     registry()
     event_settings()
+    database_alias()
 
 
 _registry: LimiterRegistry | None = None
@@ -227,6 +246,7 @@ def reset() -> None:
     global _registry
     with _lock:
         _registry = None
+    databases.forget_dsn()
 
 
 @receiver(setting_changed)

@@ -98,11 +98,38 @@ def test_a_database_alias_resolves_to_the_dsn_of_that_database() -> None:
     assert row[0] == connection.settings_dict["NAME"]
 
 
-def test_a_dsn_is_used_as_it_is(settings: Any) -> None:
-    dsn = "postgresql://app@db.internal/app"
+def test_a_dsn_is_used_as_it_is_and_the_admin_reads_it_as_the_runcell_alias(
+    settings: Any,
+) -> None:
+    from django.db import connections
+
+    dsn = "postgresql://app@db.internal:6432/app?sslmode=require"
     settings.RUNCELL = _runcell(DATABASE=dsn)
     assert conf.registry().database_dsn == dsn
-    assert conf.database_alias() is None
+    assert conf.database_alias() == "runcell"
+    entry = connections.settings["runcell"]
+    assert (entry["NAME"], entry["USER"], entry["HOST"], entry["PORT"]) == (
+        "app",
+        "app",
+        "db.internal",
+        "6432",
+    )
+    assert entry["OPTIONS"] == {"sslmode": "require"}
+    settings.RUNCELL = _runcell(DATABASE="default")
+    assert conf.database_alias() == "default"
+    assert "runcell" not in connections.settings  # forgotten with the setting
+
+
+def test_a_dsn_is_not_registered_over_an_alias_the_project_defines(settings: Any) -> None:
+    from django.db import connections
+
+    connections.settings["runcell"] = dict(connections.settings["default"])
+    try:
+        settings.RUNCELL = _runcell(DATABASE="postgresql://app@db.internal/app")
+        with pytest.raises(ConcurrencyConfigError, match="which DATABASES already defines"):
+            conf.database_alias()
+    finally:
+        del connections.settings["runcell"]
 
 
 @pytest.mark.django_db

@@ -1,0 +1,116 @@
+"""System checks (``manage.py check``): the app's tables in a PostgreSQL database, and
+``manage.py migrate`` putting them where the limiter, the admin and the commands use them.
+
+Both mistakes otherwise show up late and far from their cause: a SQLite ``default``
+passes ``check`` and then fails in migration 0001 with ``near "(": syntax error``; a
+limiter database other than ``default`` without the router gets the app's migrations
+applied to ``default`` instead. No check opens a connection: each reads settings and
+asks the routers.
+
+* ``runcell_django.E001`` — the database of the app's tables is not PostgreSQL.
+* ``runcell_django.E002`` — ``migrate`` would apply the app's migrations to a
+  ``default`` that is not PostgreSQL (they fail there) instead of the limiter's database.
+* ``runcell_django.E003`` — ``migrate --database <alias>`` would not create the tables
+  in the limiter's database, where the admin and the commands read them.
+* ``runcell_django.W001`` — ``migrate`` would create the app's tables in ``default``
+  too, where nothing reads them, while the limiter's database is another one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.apps import AppConfig
+from django.core.checks import CheckMessage, Error, Warning, register
+from django.db import DEFAULT_DB_ALIAS, connections, router
+
+from runcell_celery import ConcurrencyConfigError
+
+from . import conf
+from .models import Limiter
+from .routers import APP_LABEL
+
+__all__ = ["check_database"]
+
+ROUTER = "runcell_django.routers.RunCellRouter"
+
+
+def _engine(alias: str) -> str:
+    return str(connections.settings[alias]["ENGINE"])
+
+
+def _is_postgresql(alias: str) -> bool:
+    return connections[alias].vendor == "postgresql"
+
+
+@register()
+def check_database(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Where the app's tables live, and whether ``migrate`` puts them there."""
+    if app_configs is not None and not any(c.label == APP_LABEL for c in app_configs):
+        return []
+    try:
+        alias = conf.database_alias()
+    except ConcurrencyConfigError as exc:
+        return [Error(exc.message, id="runcell_django.E001")]
+    tables = alias if alias is not None else router.db_for_write(Limiter)
+    if not _is_postgresql(tables):
+        return [
+            Error(
+                f"runcell_django's tables are in the database {tables!r} "
+                f"({_engine(tables)}), which is not PostgreSQL: its migrations and the "
+                "limiter need PostgreSQL.",
+                hint=(
+                    'Set RUNCELL["DATABASE"] to a PostgreSQL DSN '
+                    '("postgresql://user@host:5432/dbname") or to the alias of a '
+                    f"PostgreSQL database in DATABASES, add {ROUTER!r} to "
+                    "DATABASE_ROUTERS when that is not 'default', and run manage.py "
+                    "migrate --database <that alias>."
+                ),
+                id="runcell_django.E001",
+            )
+        ]
+    if tables == DEFAULT_DB_ALIAS:
+        return []
+    messages: list[CheckMessage] = []
+    where = f'{tables!r} (RUNCELL["DATABASE"])'
+    if not router.allow_migrate(tables, APP_LABEL):
+        messages.append(
+            Error(
+                f"manage.py migrate --database {tables} would not create runcell_django's "
+                f"tables in {where}, where the limiter, the admin and the management "
+                "commands use them: the database routers do not allow it.",
+                hint=f"Add {ROUTER!r} to DATABASE_ROUTERS (before routers that answer for "
+                "every app).",
+                id="runcell_django.E003",
+            )
+        )
+    if router.allow_migrate(DEFAULT_DB_ALIAS, APP_LABEL):
+        hint = (
+            f"Add {ROUTER!r} to DATABASE_ROUTERS: manage.py migrate then leaves the app "
+            f"out of 'default', and manage.py migrate --database {tables} creates its "
+            "tables in the limiter's database."
+        )
+        if _is_postgresql(DEFAULT_DB_ALIAS):
+            messages.append(
+                Warning(
+                    "manage.py migrate would create runcell_django's tables in 'default' "
+                    f"too, where nothing reads them: the limiter, the admin and the "
+                    f"management commands use {where}.",
+                    hint=hint,
+                    id="runcell_django.W001",
+                )
+            )
+        else:
+            messages.append(
+                Error(
+                    "manage.py migrate would apply runcell_django's migrations to "
+                    f"'default' ({_engine(DEFAULT_DB_ALIAS)}), where they fail (they are "
+                    f"PostgreSQL DDL), instead of to the limiter's database {where}.",
+                    hint=hint,
+                    id="runcell_django.E002",
+                )
+            )
+    return messages

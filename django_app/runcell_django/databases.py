@@ -1,0 +1,110 @@
+"""The Django database alias of ``RUNCELL["DATABASE"]`` when it is a PostgreSQL DSN.
+
+The limiter connects to the DSN itself; the admin, the dashboard, the management
+commands and the event recorder go through Django's ORM, which knows databases only by
+alias. So that they read and write the limiter's own database rather than Django's
+``default``, the app registers the DSN as the database alias :data:`DSN_ALIAS`
+(``"runcell"``) when it first needs it (``ready()`` does, so ``manage.py migrate
+--database runcell`` accepts it). :class:`runcell_django.routers.RunCellRouter` sends
+the app's models and migrations there, and nothing else.
+"""
+
+from __future__ import annotations
+
+import getpass
+import threading
+from typing import Any
+
+import psycopg
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from runcell_celery import ConcurrencyConfigError
+
+__all__ = ["DSN_ALIAS", "database_settings", "forget_dsn", "is_registered_dsn", "register_dsn"]
+
+#: The alias a DSN in ``RUNCELL["DATABASE"]`` is registered under.
+DSN_ALIAS = "runcell"
+
+#: libpq keywords with a field of their own in a ``DATABASES`` entry; the rest go to
+#: ``OPTIONS``, which Django's PostgreSQL backend passes on to ``psycopg.connect``.
+_FIELDS = {"dbname": "NAME", "user": "USER", "password": "PASSWORD", "host": "HOST", "port": "PORT"}
+
+_lock = threading.Lock()
+#: The DSN registered and the entry this module put in ``connections.settings`` (the
+#: entry compared by identity: an alias of that name the project defines is not ours).
+_registered: tuple[str, dict[str, Any]] | None = None
+
+
+def database_settings(dsn: str) -> dict[str, Any]:
+    """A ``DATABASES`` entry for the PostgreSQL DSN ``dsn`` (URI or ``key=value``).
+
+    :raises ConcurrencyConfigError: ``dsn`` cannot be parsed.
+    """
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConcurrencyConfigError(
+            f'RUNCELL["DATABASE"] is invalid: not a PostgreSQL DSN ({exc})'
+        ) from exc
+    entry: dict[str, Any] = {"ENGINE": "django.db.backends.postgresql", "OPTIONS": {}}
+    for keyword, value in params.items():
+        if keyword in _FIELDS:
+            entry[_FIELDS[keyword]] = str(value)
+        else:
+            entry["OPTIONS"][keyword] = value
+    if "NAME" not in entry and "service" not in entry["OPTIONS"]:
+        # libpq's default database is the user's name; Django needs a NAME to connect.
+        entry["NAME"] = entry.get("USER") or getpass.getuser()
+    return entry
+
+
+def register_dsn(dsn: str) -> str:
+    """Register ``dsn`` as the database alias :data:`DSN_ALIAS`; return the alias.
+
+    Idempotent; a changed DSN replaces the entry (and closes this thread's connection).
+
+    :raises ConcurrencyConfigError: ``DATABASES`` already defines that alias.
+    """
+    global _registered
+    with _lock:
+        current = connections.settings.get(DSN_ALIAS)
+        ours = _registered[1] if _registered is not None else None
+        if current is not None and current is not ours:
+            raise ConcurrencyConfigError(
+                f'RUNCELL["DATABASE"] is a DSN, and runcell_django registers it as the '
+                f"database alias {DSN_ALIAS!r}, which DATABASES already defines: set "
+                f'RUNCELL["DATABASE"] = {DSN_ALIAS!r} to use that database, or rename it'
+            )
+        if _registered is not None and _registered[0] == dsn and current is ours:
+            return DSN_ALIAS
+        wanted = database_settings(dsn)
+        # Django's defaults for every other key (AUTOCOMMIT, TEST, ...), as for an
+        # entry of settings.DATABASES.
+        entry = connections.configure_settings({DEFAULT_DB_ALIAS: {}, DSN_ALIAS: wanted})[DSN_ALIAS]
+        _close(DSN_ALIAS)
+        connections.settings[DSN_ALIAS] = entry
+        _registered = (dsn, entry)
+        return DSN_ALIAS
+
+
+def is_registered_dsn(alias: str) -> bool:
+    """Whether ``alias`` is the alias this app registered for a DSN."""
+    return alias == DSN_ALIAS and _registered is not None
+
+
+def forget_dsn() -> None:
+    """Unregister the DSN's alias (when ``RUNCELL`` changes; tests)."""
+    global _registered
+    with _lock:
+        if _registered is not None and connections.settings.get(DSN_ALIAS) is _registered[1]:
+            _close(DSN_ALIAS)
+            del connections.settings[DSN_ALIAS]
+        _registered = None
+
+
+def _close(alias: str) -> None:
+    """Close this thread's connection to ``alias``, if it opened one."""
+    for connection in connections.all(initialized_only=True):
+        if connection.alias == alias:
+            connection.close()
+            del connections[alias]
