@@ -138,6 +138,15 @@ class ProcessLocal(Generic[T]):
         """This process's instance if it was made, else ``None`` (makes nothing)."""
         return self._value if self._pid == os.getpid() else None
 
+    def discard(self) -> T | None:
+        """Forget this process's instance and return it (the caller closes it); the
+        next :meth:`get` makes a new one. ``None`` when none was made here."""
+        with self._lock:
+            if self._value is None or self._pid != os.getpid():
+                return None
+            value, self._value, self._pid = self._value, None, None
+            return value
+
     def _after_fork_in_child(self) -> None:
         # The lock may have been held by a parent thread at the moment of fork.
         self._lock = threading.Lock()

@@ -148,6 +148,19 @@ class LimiterRegistry:
         """Call ``hook`` on every limiter this registry creates (e.g. to wire a publisher)."""
         self._on_create.append(hook)
 
+    def close(self) -> None:
+        """Close this process's backend if it was made, and forget its limiters.
+
+        For whoever drops the registry while the process goes on (a test's app):
+        what the backend owns in this process is released now, not when the process
+        ends. A later :meth:`get` builds the backend and limiters again.
+        """
+        with self._lock:
+            self._instances = ProcessLocal(dict)
+            made = None if self._backend is None else self._backend.discard()
+        if made is not None:
+            made.close()
+
     # -- lookup -----------------------------------------------------------------------
 
     @property

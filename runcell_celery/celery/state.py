@@ -22,6 +22,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..events import remove_event_listener
 from ..ports import AdmissionCount, Backend, CounterStore
 from ..registry import LimiterRegistry
 from .counters import AdmissionCounters
@@ -30,6 +31,7 @@ from .revocation import RevocationWatcher
 __all__ = [
     "AppState",
     "admission_counts",
+    "discard_state",
     "live_states",
     "registry_for",
     "set_settings_provider",
@@ -118,6 +120,24 @@ def admission_counts(source: Celery | CounterStore) -> list[AdmissionCount]:
             f"runcell_celery.postgres.PostgresBackend), not {type(store).__name__}"
         )
     return store.admission_counts()
+
+
+def discard_state(app: Celery) -> None:
+    """Forget ``app``'s state: stop counting its events, write its last counts and
+    close its backend (pool, listener). Nothing happens when the app has none.
+
+    For an app dropped while the process goes on, such as the one a test makes: its
+    counter listener would otherwise count later apps' events, and its backend would
+    keep retrying a test database that was dropped. A later :func:`state_for` starts
+    afresh.
+    """
+    with _lock:
+        state = _states.pop(app, None)
+    if state is None:
+        return
+    remove_event_listener(state.counters.on_event)
+    state.counters.close()
+    state.registry.close()
 
 
 def live_states() -> list[AppState]:

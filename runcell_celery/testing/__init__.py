@@ -1,4 +1,5 @@
-"""Test helpers shipped with the package (stdlib only): a fake LLM provider.
+"""Test helpers shipped with the package (stdlib only): a fake LLM provider, and
+what the pytest plugin (:mod:`.pytest_plugin`) builds its fixtures from.
 
 The fake provider is the independent witness that a concurrency limit held: it counts
 the requests *it* has in flight, so a test or the demo can check ``max_in_flight``
@@ -9,9 +10,18 @@ Modules: :mod:`.wire` (what server and client share), :mod:`.state` (configurati
 and counters, no I/O), :mod:`.server` (HTTP), :mod:`.provider` (the server on a thread
 of this process), :mod:`.client`. This package does not import :mod:`.fake_provider`,
 so running that module with ``-m`` does not load it twice.
+
+For tests of a project's own tasks: :mod:`.capture` (events), :mod:`.counters`
+(admission counts; Celery imported when read), :mod:`.limits` (a project's
+``RUNCELL`` moved onto a test's backend), :mod:`.databases` (a throwaway PostgreSQL
+database; psycopg imported when made) and :mod:`.pytest_plugin` (the fixtures).
 """
 
+from .capture import EventCapture
 from .client import FakeProviderClient
+from .counters import AdmissionCounts
+from .databases import throwaway_database
+from .limits import in_memory, on_postgres
 from .provider import FakeProvider
 from .server import FakeProviderServer
 from .state import FakeProviderConfig
@@ -20,10 +30,15 @@ from .wire import FENCING_TOKEN_HEADER, LIMITER_HEADER, FakeProviderError, FakeP
 __all__ = [
     "FENCING_TOKEN_HEADER",
     "LIMITER_HEADER",
+    "AdmissionCounts",
+    "EventCapture",
     "FakeProvider",
     "FakeProviderClient",
     "FakeProviderConfig",
     "FakeProviderError",
     "FakeProviderServer",
     "FakeProviderStats",
+    "in_memory",
+    "on_postgres",
+    "throwaway_database",
 ]

@@ -1,0 +1,179 @@
+"""The pytest plugin, as a user's suite meets it: a pytest run of its own (pytester).
+
+The user's runs here load every installed plugin, pytest-celery's included (its
+``celery`` plugin, with Docker fixtures), as a project that installs both does; the
+project's own suite turns that one off (pyproject.toml, addopts). One run holds
+several user tests, so the interpreter starts once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psycopg
+import pytest
+
+from runcell_celery.testing import pytest_plugin
+from tests.support.pg import ADMIN_DSN
+
+pytest_plugins = ("pytester",)
+
+#: A user's Django settings module: only RUNCELL matters to the plugin.
+USER_SETTINGS = """
+SECRET_KEY = "not-a-secret"
+INSTALLED_APPS = []
+RUNCELL = {
+    "DATABASE": "default",
+    "LIMITERS": {
+        "claude": {
+            "max_concurrent": 2,
+            "workloads": {"interactive": {"reserved": 1}, "background": {}},
+            "default_workload": "background",
+        },
+    },
+    "POSTGRES": {"poll_interval_ms": 20},
+    "EVENTS": {"ENABLED": True},
+}
+"""
+
+USER_TESTS = """
+import json
+import threading
+
+import pytest
+
+from runcell_celery import slot
+from runcell_celery.celery import RunCellTask, registry_for
+from runcell_celery.events import has_listeners
+from runcell_celery.testing import FakeProviderClient
+
+seen = {}
+
+
+def test_django_settings_run_in_memory(runcell_test_settings, runcell_limiters):
+    assert runcell_test_settings == {
+        "BACKEND": "memory",
+        "LIMITERS": {
+            "claude": {
+                "max_concurrent": 2,
+                "workloads": {"interactive": {"reserved": 1}, "background": {}},
+                "default_workload": "background",
+            },
+        },
+    }
+    assert type(runcell_limiters.get("claude")).__name__ == "InMemoryConcurrencyLimiter"
+
+
+@pytest.mark.parametrize("runcell_backend", ["postgres"])
+def test_django_settings_run_on_a_throwaway_database(
+    runcell_test_settings, runcell_limiters, runcell_postgres
+):
+    assert runcell_test_settings["DATABASE"] == runcell_postgres
+    assert runcell_test_settings["POSTGRES"]["poll_interval_ms"] == 20
+    with slot(runcell_limiters.get("claude")) as held:
+        assert held.fencing_token == 1
+    with open("databases.json", "a") as out:
+        out.write(json.dumps(runcell_postgres) + "\\n")
+
+
+def test_the_provider_witnesses_the_limit_and_events_are_captured(
+    runcell_limiters, runcell_provider, runcell_events
+):
+    limiter = runcell_limiters.get("claude")
+    client = FakeProviderClient(runcell_provider.url)
+
+    def call():
+        with slot(limiter):
+            client.create("hello", latency_ms=50)
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert runcell_provider.stats().completed == 6
+    assert runcell_provider.stats().max_in_flight == 1  # one slot is interactive's
+    assert runcell_events.count("acquired", limiter="claude") == 6
+    assert runcell_events.count("released", workload="background") == 6
+
+
+@pytest.fixture
+def celery_config(runcell_test_settings):
+    return {"runcell": runcell_test_settings}
+
+
+@pytest.mark.parametrize("runcell_backend", ["postgres"])
+def test_celery_app_gets_the_test_limiters_and_counts(celery_app, runcell_counters):
+    @celery_app.task(base=RunCellTask, name="user.ask", concurrency={"limiter": "claude"})
+    def ask():
+        with slot():
+            return "ok"
+
+    assert ask.apply().get() == "ok"
+    assert runcell_counters.of("user.ask").provider_attempts == 1
+    registry = registry_for(celery_app)
+    assert registry.database_dsn == celery_app.conf.runcell["DATABASE"]
+    seen["registry"] = registry
+
+
+def test_the_previous_tests_app_left_nothing_behind():
+    from runcell_celery.celery.state import live_states
+
+    assert all(state.registry is not seen["registry"] for state in live_states())
+    assert not has_listeners(), "a counter listener outlived its app"
+
+
+def test_without_django_settings_runcell_settings_says_what_to_override(
+    runcell_settings, monkeypatch
+):
+    pass
+"""
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", *args, timeout=120)
+
+
+@pytest.fixture
+def user_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    pytester.makepyfile(user_settings=USER_SETTINGS, test_user=USER_TESTS)
+    monkeypatch.setenv("DJANGO_SETTINGS_MODULE", "user_settings")
+    return pytester
+
+
+def test_a_users_suite_runs_its_settings_with_pytest_celery_installed(
+    user_project: pytest.Pytester,
+) -> None:
+    result = _run(user_project, "--trace-config", "-k", "not without_django")
+    result.assert_outcomes(passed=5)
+    loaded = result.stdout.str()
+    assert "pytest_celery" in loaded, "pytest-celery's plugin was not loaded beside ours"
+    assert pytest_plugin.__name__ in loaded
+    # The throwaway database of the PostgreSQL test is gone.
+    (dsn,) = [json.loads(line) for line in (user_project.path / "databases.json").open()]
+    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    assert str(name).startswith("runcell_test_")
+    with psycopg.connect(ADMIN_DSN) as conn:
+        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchall()
+    assert found == [], f"database {name} is still there"
+
+
+def test_without_settings_the_failure_says_which_fixture_to_override(
+    user_project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DJANGO_SETTINGS_MODULE")
+    result = _run(user_project, "-k", "without_django")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*override the runcell_settings fixture*app.conf.runcell*"])
+
+
+def test_loading_the_plugin_imports_neither_django_celery_nor_psycopg() -> None:
+    code = (
+        "import sys, runcell_celery.testing.pytest_plugin; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'django', 'celery', 'kombu', 'psycopg', 'psycopg_pool'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    assert done.stdout.decode().strip() == "[]"
