@@ -34,7 +34,7 @@ from .protocol import ConcurrencyLimiter, SupportsConfig, supports
 
 __all__ = ["LimiterRegistry"]
 
-_SETTINGS_KEYS = ("DATABASE", "LIMITERS", "POSTGRES", "BACKEND", "EVENTS")
+_SETTINGS_KEYS = ("DATABASE", "LIMITERS", "POSTGRES", "BACKEND", "EVENTS", "METRICS")
 
 LimiterFactory = Callable[[], ConcurrencyLimiter]
 

@@ -19,6 +19,7 @@ Needs the ``postgres`` extra (psycopg 3 and psycopg_pool).
 
 from .backend import LimiterState, PostgresBackend, ReleasedLease
 from .factory import create_postgres_concurrency_limiter
+from .gauges import WorkloadGauges, read_workload_gauges
 from .limiter import PostgresConcurrencyLimiter
 from .options import OnConflict, PostgresOptions
 from .parking import REPUBLISH_AFTER_MS
@@ -32,8 +33,10 @@ __all__ = [
     "PostgresConcurrencyLimiter",
     "PostgresOptions",
     "ReleasedLease",
+    "WorkloadGauges",
     "create_postgres_concurrency_limiter",
     "ensure_schema",
     "postgres_concurrency_schema_sql",
+    "read_workload_gauges",
     "schema_checksum",
 ]

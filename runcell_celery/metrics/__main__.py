@@ -1,0 +1,10 @@
+"""``python -m runcell_celery.metrics --port N``: the standalone exporter."""
+
+from __future__ import annotations
+
+import sys
+
+from .exporter import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The standalone exporter: ``python -m runcell_celery.metrics --port 9464``.
+
+For fleets without Django. It serves ``/metrics`` over HTTP:
+
+* the limiters' gauges, read from the database given by ``--database`` or
+  ``RUNCELL_DATABASE_URL`` (one query per scrape, cached ``--cache-ms``);
+* the event metrics the workers of this host wrote to ``--multiprocess-dir`` or
+  ``PROMETHEUS_MULTIPROC_DIR`` (run one exporter per worker host, sharing the
+  workers' directory).
+
+A bearer token is asked for when ``RUNCELL_METRICS_TOKEN`` is set (read from the
+environment only: a command line shows in ``ps``). It prints where it listens, then
+serves until SIGTERM or SIGINT; ``--port 0`` takes any free port (the printed
+address says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry
+
+from .exposition import bearer_token_matches, build_registry, multiprocess_dir, render
+from .gauges import LimiterGaugeCollector
+
+__all__ = ["DATABASE_ENV", "TOKEN_ENV", "main", "make_wsgi_app"]
+
+DATABASE_ENV = "RUNCELL_DATABASE_URL"
+TOKEN_ENV = "RUNCELL_METRICS_TOKEN"
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+
+def make_wsgi_app(registry: CollectorRegistry, *, token: str | None = None) -> WSGIApp:
+    """A WSGI app serving ``registry`` at ``/metrics``; with ``token``, only to
+    ``Authorization: Bearer <token>`` (401 otherwise)."""
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "/") not in ("/metrics", "/metrics/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"runcell metrics are served at /metrics\n"]
+        if token is not None and not bearer_token_matches(environ.get("HTTP_AUTHORIZATION"), token):
+            start_response(
+                "401 Unauthorized",
+                [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="runcell"')],
+            )
+            return [b"a bearer token is required (Authorization: Bearer ...)\n"]
+        body, content_type = render(registry, environ.get("HTTP_ACCEPT"))
+        start_response("200 OK", [("Content-Type", content_type)])
+        return [body]
+
+    return app
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Each scrape is not worth a line."""
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m runcell_celery.metrics",
+        description="Serve runcell's Prometheus metrics at /metrics.",
+    )
+    parser.add_argument("--port", type=_port, required=True, help="port (0: any free port)")
+    parser.add_argument("--address", default="0.0.0.0", help="address (default 0.0.0.0)")
+    parser.add_argument(
+        "--database",
+        default=os.environ.get(DATABASE_ENV) or None,
+        help=f"PostgreSQL DSN of the limiters (default: ${DATABASE_ENV})",
+    )
+    parser.add_argument(
+        "--multiprocess-dir",
+        default=None,
+        help="the workers' PROMETHEUS_MULTIPROC_DIR (default: $PROMETHEUS_MULTIPROC_DIR)",
+    )
+    parser.add_argument(
+        "--cache-ms",
+        type=_cache_ms,
+        default=1_000,
+        help="how long one read of the limiters' state serves scrapes (default 1000)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.multiproc = multiprocess_dir(args.multiprocess_dir)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.database is None and args.multiproc is None:
+        parser.error(
+            f"nothing to export: give --database (or set {DATABASE_ENV}) for the limiters' "
+            "gauges, and/or --multiprocess-dir (or set PROMETHEUS_MULTIPROC_DIR) for the "
+            "workers' event metrics"
+        )
+    return args
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a port, 0 to 65535")
+    return port
+
+
+def _cache_ms(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be 0 or more milliseconds")
+    return value
+
+
+def _gauges(database: str, cache_ms: int) -> LimiterGaugeCollector:
+    from ..postgres import PostgresBackend, read_workload_gauges
+
+    # One connection: scrapes are read one at a time (the collector's lock).
+    backend = PostgresBackend(database=database, options={"pool_max_size": 1})
+    return LimiterGaugeCollector(
+        lambda: read_workload_gauges(backend.pool), cache_seconds=cache_ms / 1000
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the exporter until SIGTERM or SIGINT; return the exit status."""
+    args = _parse(argv)
+    gauges = _gauges(args.database, args.cache_ms) if args.database else None
+    registry = build_registry(gauges=gauges, multiproc=args.multiproc)
+    token = os.environ.get(TOKEN_ENV) or None
+    server = make_server(
+        args.address,
+        args.port,
+        make_wsgi_app(registry, token=token),
+        server_class=_Server,
+        handler_class=_QuietHandler,
+    )
+    host, port = server.server_address[:2]
+    if isinstance(host, bytes):
+        host = host.decode()
+    sources = []
+    if args.database:
+        from ..postgres.connection import redacted
+
+        sources.append(f"gauges from {redacted(args.database)}")
+    if args.multiproc is not None:
+        sources.append(f"events from {args.multiproc}")
+    print(
+        f"runcell metrics exporter listening on http://{host}:{port}/metrics "
+        f"({'; '.join(sources)}{'; bearer token required' if token else ''})",
+        flush=True,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    serving = threading.Thread(target=server.serve_forever, name="runcell-metrics-exporter")
+    serving.start()
+    stop.wait()
+    server.shutdown()
+    serving.join()
+    server.server_close()
+    print("runcell metrics exporter stopped", file=sys.stderr, flush=True)
+    return 0
