@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from .cancellation import CancellationToken
@@ -37,14 +37,25 @@ from .hold import outcome_of
 from .keeper import LeaseKeeper, get_keeper
 from .ports import Parked
 from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, Outcome
-from .request import SlotRequest
+from .request import SeveralRequest, SlotRequest
 
-__all__ = ["Admission", "AdmissionAcquire", "PreAdmitted", "SlotDeferred"]
+__all__ = [
+    "Admission",
+    "AdmissionAcquire",
+    "AdmissionAcquireSeveral",
+    "PreAdmitted",
+    "SlotDeferred",
+]
 
 logger = logging.getLogger("runcell_celery.admission")
 
 AdmissionAcquire = Callable[
     [ConcurrencyLimiter, AcquireRequest, CancellationToken | None, OnWait], Lease
+]
+#: The same for a run over several limiters: one request each, leases in that order.
+AdmissionAcquireSeveral = Callable[
+    [Sequence[ConcurrencyLimiter], Sequence[AcquireRequest], CancellationToken | None, OnWait],
+    tuple[Lease, ...],
 ]
 
 
@@ -60,37 +71,59 @@ class SlotDeferred(BaseException):
 class PreAdmitted:
     """A run's first slot, granted before its body ran and not used yet.
 
-    It is the lease keeper's :class:`~runcell_celery.keeper.LeaseHolder` until it is
-    adopted by a slot (which keeps the lease from then on), released, or lost. Emits
-    no events of its own: ``acquired`` and ``released`` describe provider requests,
-    and belong to the slot that adopts it.
+    One lease, or one per limiter for a run over several limiters (granted together,
+    kept and given back together). Each lease is kept by the lease keeper through a
+    :class:`_AdmittedPart` until a slot adopts them all (and keeps them from then on),
+    they are released, or one is lost. Emits no events of its own: ``acquired`` and
+    ``released`` describe provider requests, and belong to the slot that adopts it.
     """
 
-    def __init__(self, slot_request: SlotRequest, lease: Lease, *, wait_ms: float) -> None:
+    def __init__(
+        self, slot_request: SlotRequest, lease: Lease | Sequence[Lease], *, wait_ms: float
+    ) -> None:
         self.slot_request = slot_request
-        self.lease = lease
+        #: The leases, in the order of :attr:`limiters`.
+        self.leases: list[Lease] = [lease] if isinstance(lease, Lease) else list(lease)
         #: How long the admission waited for the grant (in this delivery).
         self.wait_ms = wait_ms
         self._lock = threading.Lock()
         self._state: Literal["held", "adopted", "released", "lost"] = "held"
         self._keeper: LeaseKeeper | None = None
-        self._key = 0
+        self._parts: list[_AdmittedPart] = []
+        self._keys: list[int] = []
         self._detach: Callable[[], object] | None = None
 
+    @property
+    def lease(self) -> Lease:
+        """The first limiter's lease (the only one, for a run over one limiter)."""
+        return self.leases[0]
+
+    @property
+    def limiters(self) -> tuple[ConcurrencyLimiter, ...]:
+        """The limiters its leases belong to, in order."""
+        request = self.slot_request
+        return request.limiters if isinstance(request, SeveralRequest) else (request.limiter,)
+
     def keep(self, deadline: Deadline | None, cancel: CancellationToken | None) -> None:
-        """Hand the lease to the keeper; release it if ``deadline`` passes or ``cancel``
-        is set before a slot adopts it."""
-        self._keeper = get_keeper()
-        self._key = self._keeper.keep(self, self.lease.ttl_ms, deadline, self.lease.valid_until)
+        """Hand the leases to the keeper; release them if ``deadline`` passes or
+        ``cancel`` is set before a slot adopts them."""
+        keeper = self._keeper = get_keeper()
+        self._parts = [_AdmittedPart(self, index) for index in range(len(self.leases))]
+        self._keys = [
+            keeper.keep(
+                part, lease.ttl_ms, deadline if part.index == 0 else None, lease.valid_until
+            )
+            for part, lease in zip(self._parts, self.leases, strict=True)
+        ]
         if cancel is not None:
             self._detach = cancel.add_callback(self.cancelled)
 
     def hand_over(self) -> Literal["held", "lost"] | None:
-        """Stop keeping the lease, for the slot that adopts it.
+        """Stop keeping the leases, for the slot that adopts them.
 
-        :returns: ``"held"`` (the slot holds :attr:`lease` from now on), ``"lost"``
-            (the lease could not be renewed: the slot must fail as a lost lease), or
-            ``None`` (already released: the slot asks for one of its own).
+        :returns: ``"held"`` (the slot holds :attr:`leases` from now on), ``"lost"``
+            (a lease could not be renewed: the slot must fail as a lost lease), or
+            ``None`` (already released: the slot asks for its own).
         """
         with self._lock:
             state = self._state
@@ -101,53 +134,52 @@ class PreAdmitted:
         return state
 
     def release(self, outcome: Outcome) -> None:
-        """Give the slot back unused (once; nothing if adopted or released already)."""
+        """Give the slots back unused (once; nothing if adopted or released already)."""
         with self._lock:
             state = self._state
             if state not in ("held", "lost"):
                 return
             self._state = "released"
         self._stop()
-        lease = self.lease
-        try:
-            self.slot_request.limiter.release(lease, "lease-lost" if state == "lost" else outcome)
-        except Exception as exc:  # the lease TTL returns the slot
-            logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
-            self.slot_request.event(
-                "release-failed", lease_id=lease.lease_id, error=describe_error(exc)
-            )
+        for limiter, lease in zip(self.limiters, list(self.leases), strict=True):
+            try:
+                limiter.release(lease, "lease-lost" if state == "lost" else outcome)
+            except Exception as exc:  # the lease TTL returns the slot
+                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
+                self.slot_request.event(
+                    "release-failed", lease_id=lease.lease_id, error=describe_error(exc)
+                )
 
     def _stop(self) -> None:
         if self._keeper is not None:
-            self._keeper.forget(self._key)
+            for key in self._keys:
+                self._keeper.forget(key)
         if self._detach is not None:
             self._detach()
             self._detach = None
 
-    # -- what the keeper and a cancelling thread tell it --------------------------------
+    # -- what the keeper (through each part) and a cancelling thread tell it ------------
 
-    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
+    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
         if self._state != "held":
             return None
-        return self.slot_request.limiter, self.lease
+        return self.limiters[index], self.leases[index]
 
-    def lease_renewed(self, lease: Lease) -> None:
-        self.lease = lease
+    def part_renewed(self, index: int, lease: Lease) -> None:
+        self.leases[index] = lease
 
     def renewal_failed(self, error: BaseException) -> None:
-        logger.warning(
-            "renewing pre-admitted slot %s failed: %s", self.lease.lease_id, describe_error(error)
-        )
+        logger.warning("renewing a pre-admitted slot failed: %s", describe_error(error))
 
-    def lease_lost(self, error: BaseException | None) -> None:
+    def lease_lost(self, index: int) -> None:
         with self._lock:
             if self._state != "held":
                 return
             self._state = "lost"
         logger.warning(
             "pre-admitted slot %s of limiter %r was lost before the body used it",
-            self.lease.lease_id,
-            self.slot_request.limiter.name,
+            self.leases[index].lease_id,
+            self.limiters[index].name,
         )
 
     def deadline_passed(self) -> Deadline | None:
@@ -158,24 +190,63 @@ class PreAdmitted:
         self.release("cancelled")
 
 
+class _AdmittedPart:
+    """One lease of a :class:`PreAdmitted`, as the keeper sees it (a LeaseHolder)."""
+
+    __slots__ = ("__weakref__", "_admitted", "index")
+
+    def __init__(self, admitted: PreAdmitted, index: int) -> None:
+        self._admitted = admitted  # the admission holds the parts only through it
+        self.index = index
+
+    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
+        return self._admitted.part_lease(self.index)
+
+    def lease_renewed(self, lease: Lease) -> None:
+        self._admitted.part_renewed(self.index, lease)
+
+    def renewal_failed(self, error: BaseException) -> None:
+        self._admitted.renewal_failed(error)
+
+    def lease_lost(self, error: BaseException | None) -> None:
+        self._admitted.lease_lost(self.index)
+
+    def deadline_passed(self) -> Deadline | None:
+        return self._admitted.deadline_passed()
+
+
 class Admission:
     """A one-shot replacement for ``limiter.acquire``, for the first slot of a run.
 
     :param acquire: called as ``acquire(limiter, request, cancel, on_wait)``; returns
         a lease or raises (:class:`SlotDeferred` to park the run).
-    :param limiter: the limiter it applies to.
+    :param limiter: the limiter it applies to (the first, for a run over several).
     :param request_id: the request id to use, stable across deliveries of the same
         run so a re-delivered run finds the place (or the lease) it already has.
+    :param limiters: a run over several limiters: all of them, in the run's order.
+    :param acquire_several: for such a run, called as ``acquire_several(limiters,
+        requests, cancel, on_wait)``; returns their leases (granted together) or raises.
 
-    Once granted, :attr:`admitted` holds the slot until the run's first ``slot()``
-    (:meth:`first_slot`) or the run's end (:meth:`end`).
+    Once granted, :attr:`admitted` holds the slot (or slots) until the run's first
+    ``slot()`` (:meth:`first_slot`, :meth:`first_slot_several`) or the run's end
+    (:meth:`end`).
     """
 
     def __init__(
-        self, acquire: AdmissionAcquire, *, limiter: ConcurrencyLimiter, request_id: str
+        self,
+        acquire: AdmissionAcquire,
+        *,
+        limiter: ConcurrencyLimiter,
+        request_id: str,
+        limiters: Sequence[ConcurrencyLimiter] | None = None,
+        acquire_several: AdmissionAcquireSeveral | None = None,
     ) -> None:
         self.acquire = acquire
         self.limiter = limiter
+        self.limiters: tuple[ConcurrencyLimiter, ...] = tuple(limiters) if limiters else (limiter,)
+        if len(self.limiters) > 1 and acquire_several is None:
+            raise ValueError("an admission over several limiters needs acquire_several")
+        self.acquire_several = acquire_several
         self.request_id = request_id
         #: Set by the job system when the run parked: where it waits (its place and
         #: expected wait, see :class:`~runcell_celery.ports.Parked`), for its log line.
@@ -205,7 +276,29 @@ class Admission:
         admitted = self.admitted
         if admitted is None or not self._consume():
             return None
-        if limiter is self.limiter and workload == admitted.slot_request.request.workload:
+        if (
+            len(admitted.leases) == 1
+            and limiter is self.limiter
+            and workload == admitted.slot_request.request.workload
+        ):
+            return admitted
+        admitted.release("cancelled")
+        return None
+
+    def first_slot_several(
+        self, limiters: Sequence[ConcurrencyLimiter], workloads: Sequence[str]
+    ) -> PreAdmitted | None:
+        """:meth:`first_slot` for a request over several limiters: it adopts slots
+        admitted over the same limiters, each with the same workload (in any order);
+        anything else is released first."""
+        admitted = self.admitted
+        if admitted is None or not self._consume():
+            return None
+        asked = {id(x): w for x, w in zip(limiters, workloads, strict=True)}
+        held = admitted.slot_request
+        requests = held.requests if isinstance(held, SeveralRequest) else (held.request,)
+        have = {id(x): r.workload for x, r in zip(admitted.limiters, requests, strict=True)}
+        if len(asked) == len(limiters) and asked == have:
             return admitted
         admitted.release("cancelled")
         return None

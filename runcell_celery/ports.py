@@ -33,6 +33,7 @@ __all__ = [
     "RevocationStore",
     "RunStore",
     "SupportsParking",
+    "SupportsSeveralParking",
     "WaitEstimate",
 ]
 
@@ -259,6 +260,13 @@ class ParkingStore(Protocol):
         requests (the backend's wake-up channel)."""
         ...
 
+    def pass_parked_groups(self) -> list[str]:
+        """Give parked requests over several limiters their chance: no process waits
+        for them, so the sweeper asks the backend to try granting them (heads of line
+        first); returns the lease ids of parked requests granted, to re-publish with
+        :meth:`claim_republish`."""
+        ...
+
 
 @runtime_checkable
 class SupportsParking(Protocol):
@@ -298,3 +306,31 @@ class SupportsParking(Protocol):
     def withdraw(self, request_id: str) -> None: ...
 
     def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None: ...
+
+
+@runtime_checkable
+class SupportsSeveralParking(Protocol):
+    """:class:`SupportsParking` for one request over several limiters of a backend
+    (asked through the first): it parks as **one** request — every limiter keeps its
+    place, the message is re-published once when all its slots are granted together,
+    and the re-published task claims every lease or none. Same answers and the same
+    idempotence under lost replies as :class:`SupportsParking`; leases come in
+    ``limiters``' order."""
+
+    def acquire_several_or_park(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        payload: str,
+        admission_wait_ms: float | None = None,
+        defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...] | Parked | Literal["duplicate"]: ...
+
+    def claim_parked_several(
+        self, limiters: Sequence[ConcurrencyLimiter], request_id: str, publication_id: str
+    ) -> tuple[Lease, ...] | ClaimMiss: ...
+
+    def withdraw_several(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None: ...

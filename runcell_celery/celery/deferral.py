@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import Celery, Task, states
@@ -55,8 +55,22 @@ from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
-from ..ports import ExpiredParked, Parked, ParkingStore, Republish, SupportsParking
-from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, SupportsReap
+from ..ports import (
+    ExpiredParked,
+    Parked,
+    ParkingStore,
+    Republish,
+    SupportsParking,
+    SupportsSeveralParking,
+)
+from ..protocol import (
+    AcquireRequest,
+    ConcurrencyLimiter,
+    Lease,
+    OnWait,
+    SupportsReap,
+    SupportsSeveral,
+)
 from ..registry import LimiterRegistry
 from . import headers
 from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request, republish
@@ -116,7 +130,7 @@ def _payload(
 def admission_for(
     task: Task[Any, Any],
     request: Any,
-    limiter: ConcurrencyLimiter,
+    limiters: Sequence[ConcurrencyLimiter],
     spec: TaskConcurrency,
     *,
     deadline_at: float | None,
@@ -124,7 +138,11 @@ def admission_for(
     """The admission of a deferrable run's first slot.
 
     Only a limiter that can park (:class:`~runcell_celery.ports.SupportsParking`)
-    defers; with any other the first slot waits as usual.
+    defers; with any other the first slot waits as usual. A run over several limiters
+    (``limiters``, the run's, in its order) parks as **one** request
+    (:class:`~runcell_celery.ports.SupportsSeveralParking`): a place in every limiter,
+    one message re-published once all its slots are granted together, claimed all at
+    once by the re-published task.
 
     A queue place or lease belongs to one **delivery**, never to the task id alone:
     every delivery asks with a request id of its own (``<task id>/<random>``), so a
@@ -181,9 +199,80 @@ def admission_for(
             admission.parked = result  # its place and expected wait, for the log line
         raise SlotDeferred()
 
+    def acquire_several(
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        cancel: CancellationToken | None,
+        on_wait: OnWait,
+    ) -> tuple[Lease, ...]:
+        first = limiters[0]
+        if not isinstance(first, SupportsSeveralParking):
+            return tuple(
+                _several(first).acquire_several(limiters, requests, cancel=cancel, on_wait=on_wait)
+            )
+        parking: SupportsSeveralParking = first
+        request_id = requests[0].request_id
+        if republished:
+            claimed = parking.claim_parked_several(limiters, request_id, publication)
+            if isinstance(claimed, tuple):
+                return _several_unless_finished(task, task_id, limiters, claimed)
+            if claimed == "stale":
+                raise SlotDeferred()  # as for one limiter: its own publication runs it
+            request_id = _delivery_id(task_id)
+            admission.request_id = request_id
+        result = parking.acquire_several_or_park(
+            [*limiters],
+            [dataclasses.replace(r, request_id=request_id) for r in requests],
+            admission_wait_ms=spec.admission_wait_ms,
+            defer_after_ms=spec.defer_after_ms,
+            payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
+            cancel=cancel,
+            on_wait=on_wait,
+        )
+        if isinstance(result, tuple):
+            return _several_unless_finished(task, task_id, limiters, result)
+        if result == "duplicate":
+            raise DuplicateDelivery()
+        if isinstance(result, Parked):
+            admission.parked = result
+        raise SlotDeferred()
+
     own_id = parked_as if republished else _delivery_id(task_id)
-    admission = Admission(acquire, limiter=limiter, request_id=own_id)
+    several = len(limiters) > 1
+    admission = Admission(
+        acquire,
+        limiter=limiters[0],
+        request_id=own_id,
+        limiters=limiters,
+        acquire_several=acquire_several if several else None,
+    )
     return admission
+
+
+def _several(limiter: ConcurrencyLimiter) -> SupportsSeveral:
+    if not isinstance(limiter, SupportsSeveral):
+        raise ConcurrencyConfigError(
+            f"limiter {limiter.name!r} cannot hold a slot together with other limiters",
+            limiter=limiter.name,
+        )
+    return limiter
+
+
+def _several_unless_finished(
+    task: Task[Any, Any],
+    task_id: str,
+    limiters: Sequence[ConcurrencyLimiter],
+    leases: tuple[Lease, ...],
+) -> tuple[Lease, ...]:
+    """:func:`_unless_finished` for the leases of a run over several limiters."""
+    if not _finished(task, task_id):
+        return leases
+    for limiter, lease in zip(limiters, leases, strict=True):
+        try:
+            limiter.release(lease, "cancelled")
+        except Exception as exc:  # the slot comes back when its lease expires
+            logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
+    raise DuplicateDelivery()
 
 
 def _delivery_id(task_id: str) -> str:
@@ -201,21 +290,27 @@ def _unless_finished(
     may still be running, or may have died, nothing is dropped. Without a stored
     result (no result backend, ``ignore_result``, unreachable) the delivery runs.
     """
-    backend = task.backend
-    if task.ignore_result or isinstance(backend, DisabledBackend):
-        return lease
-    try:
-        state = backend.get_task_meta(task_id, cache=False).get("status")
-    except Exception as exc:  # running again is safer than losing the task
-        logger.warning("runcell: could not read the state of task %s: %s", task_id, exc)
-        return lease
-    if state not in states.READY_STATES:
+    if not _finished(task, task_id):
         return lease
     try:
         limiter.release(lease, "cancelled")
     except Exception as exc:  # the slot comes back when its lease expires
         logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
     raise DuplicateDelivery()
+
+
+def _finished(task: Task[Any, Any], task_id: str) -> bool:
+    """Whether the task already has a result (another delivery finished it). Without a
+    stored result (no result backend, ``ignore_result``, unreachable): ``False``."""
+    backend = task.backend
+    if task.ignore_result or isinstance(backend, DisabledBackend):
+        return False
+    try:
+        state = backend.get_task_meta(task_id, cache=False).get("status")
+    except Exception as exc:  # running again is safer than losing the task
+        logger.warning("runcell: could not read the state of task %s: %s", task_id, exc)
+        return False
+    return state in states.READY_STATES
 
 
 def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
@@ -355,8 +450,11 @@ class Sweeper:
             limiter = self._registry.get(name)
             if isinstance(limiter, SupportsReap):
                 limiter.reap()  # expired leases of dead holders go to parked runs
+        # Parked requests over several limiters have no waiting process to run their
+        # group passes: the sweepers do, and publish what those grant at once.
+        granted = store.pass_parked_groups()
         claimed = store.claim_republish(
-            stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
+            granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
         return publish_grants(self._app, claimed)
 

@@ -388,13 +388,6 @@ class TaskConcurrency:
                 f"{where}['key'] = {spec.key.describe()} is invalid: a key needs a keyed "
                 "'limiter' to belong to"
             )
-        if spec.admission == "defer" and len(spec.limiters) > 1:
-            raise ConcurrencyConfigError(
-                f"{where}: admission 'defer' with several limiters "
-                f"({', '.join(map(repr, spec.limiters))}) needs a backend that parks one "
-                "request over several limiters, and none does yet; declare admission "
-                "'wait', or defer on one limiter"
-            )
         return spec
 
 

@@ -56,6 +56,8 @@ logger = logging.getLogger("runcell_celery.postgres")
 RETAKE_EXPIRED_AFTER_MS = 30_000
 #: Operation ids are remembered this long: far beyond any retry of a lost reply.
 KEEP_OPERATIONS_MS = 15 * 60_000
+#: Group passes of parked requests over several limiters per sweep (heads of line).
+PARKED_GROUP_PASSES = 8
 
 _COUNT_FIELDS = (
     "deliveries",
@@ -260,7 +262,13 @@ class PostgresBackend:
             "keep_ops_ms": KEEP_OPERATIONS_MS,
             "lock_timeout_ms": lock_timeout_ms(None),
         }
-        return [ExpiredParked(*row) for row in self._fetch(statements.TAKE_EXPIRED_PARKED, params)]
+        taken = [ExpiredParked(*row) for row in self._fetch(statements.TAKE_EXPIRED_PARKED, params)]
+        # A request over several limiters expires as one: its first member carries the
+        # task message and stands for it; the others have nothing to record.
+        members = [e for e in taken if e.payload is None]
+        if members:
+            self.complete_expired_parked(members)
+        return [e for e in taken if e.payload is not None]
 
     def complete_expired_parked(self, expired: Sequence[ExpiredParked]) -> int:
         """Delete expired parked requests whose failure is recorded (phase two), in one
@@ -277,6 +285,23 @@ class PostgresBackend:
         except CallFailedError as exc:
             raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
         return int(answer["n"])
+
+    def pass_parked_groups(self, limit: int = PARKED_GROUP_PASSES) -> list[str]:
+        """Run the group passes of up to ``limit`` parked requests over several
+        limiters, heads of line first, and return the lease ids of those granted (to
+        re-publish with :meth:`claim_republish`). No process waits for a parked
+        request, so the sweepers run its passes; releasers run them at once for the
+        requests they find first in line everywhere."""
+        rows = self._fetch(statements.PARKED_GROUPS, {"limit": limit * 4})
+        granted: list[str] = []
+        for group_id in list(dict.fromkeys(str(row[0]) for row in rows))[:limit]:
+            try:
+                answer = call(self._database(), statements.ALLOCATE_GROUP, {"group_id": group_id})
+            except CallFailedError as exc:  # the next sweep tries again
+                logger.info("runcell: the group pass of parked %s failed: %s", group_id, exc)
+                continue
+            granted.extend(str(x) for x in (answer or {}).get("parked") or ())
+        return granted
 
     def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
         """Call ``handler(limiter, request_ids)`` when any process grants parked requests:

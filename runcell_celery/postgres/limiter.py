@@ -66,7 +66,7 @@ from .connection import Database
 from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
 from .registration import config_hash, store_limits
-from .several import acquire_several, run_group_pass
+from .several import acquire_several, claim_parked_group, run_group_pass, withdraw_group
 from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
 from .waiting import Grant, Waiter, WaitRoom, get_room
 
@@ -87,7 +87,7 @@ RELEASE_ATTEMPTS = 3
 ADOPT_ATTEMPTS = 3
 
 
-class _Park:
+class ParkRule:
     """When to park a waiting request, and the message it parks with.
 
     It waits until ``until`` and then parks; under the expected-wait rule
@@ -101,6 +101,19 @@ class _Park:
         self.until = Deadline.after_ms(wait_ms)
         self.payload = payload
         self.rule_ms = rule_ms
+
+    @classmethod
+    def of(cls, payload: str, admission_wait_ms: float | None, defer_after_ms: float) -> ParkRule:
+        """The rule of an ``acquire_or_park`` call: a fixed ``admission_wait_ms``, else
+        the expected-wait rule with threshold ``defer_after_ms``.
+
+        :raises ConcurrencyConfigError: either is not a duration (naming which).
+        """
+        rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
+        if admission_wait_ms is None:
+            return cls(rule_ms, payload, rule_ms=rule_ms)
+        wait_ms = check_duration_ms(admission_wait_ms, field="admission_wait_ms", allow_zero=True)
+        return cls(wait_ms, payload, rule_ms=None)
 
     def estimated(self, estimate: WaitEstimate | None) -> None:
         """Apply the rule to the request's estimate (unknown: wait, then park)."""
@@ -131,7 +144,7 @@ class _Waiting:
         workload: str,
         wait_ms: float | None,
         cancel: CancellationToken | None,
-        park: _Park | None,
+        park: ParkRule | None,
         waiter: Waiter,
     ) -> None:
         self.request = request
@@ -293,7 +306,45 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     ) -> tuple[Lease, ...]:
         """One slot in every limiter of ``limiters`` (all of this database), granted
         together; see :class:`~runcell_celery.protocol.SupportsSeveral`."""
-        return acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait)
+        result = acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait)
+        assert not isinstance(result, str)  # it parks only when asked to
+        return result
+
+    def acquire_several_or_park(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        payload: str,
+        admission_wait_ms: float | None = None,
+        defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...] | AdmissionResult:
+        """:meth:`acquire_or_park` for one request over several limiters: it waits,
+        then parks as one request (every limiter keeps its place; the first in name
+        order carries ``payload``), and is granted all its slots together as a parked
+        request, its message re-published once. The acquire over several limiters
+        gives no wait estimate, so the rule waits up to ``defer_after_ms`` and then
+        parks (or waits ``admission_wait_ms``, when given).
+
+        :returns: the leases, in ``limiters``' order; :class:`~runcell_celery.ports.Parked`;
+            or ``"duplicate"`` (already parked and granted: its publication carries it).
+        """
+        park = ParkRule.of(payload, admission_wait_ms, defer_after_ms)
+        return acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait, park=park)
+
+    def claim_parked_several(
+        self, limiters: Sequence[ConcurrencyLimiter], request_id: str, publication_id: str
+    ) -> tuple[Lease, ...] | ClaimMiss:
+        """:meth:`claim_parked` for a request over several limiters: every lease, or
+        none; in ``limiters``' order."""
+        return claim_parked_group(self, limiters, request_id, publication_id)
+
+    def withdraw_several(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None:
+        """Give up the places or unclaimed parked grants of a request over several
+        limiters, in all of them."""
+        withdraw_group(self, limiters, request_id)
 
     def call_request(
         self,
@@ -439,14 +490,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
             not a duration (naming which, and the bound).
         """
-        rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
-        if admission_wait_ms is None:
-            park = _Park(rule_ms, payload, rule_ms=rule_ms)
-        else:
-            wait_ms = check_duration_ms(
-                admission_wait_ms, field="admission_wait_ms", allow_zero=True
-            )
-            park = _Park(wait_ms, payload, rule_ms=None)
+        park = ParkRule.of(payload, admission_wait_ms, defer_after_ms)
         return self._acquire(request, cancel, on_wait, park=park, retry=True)
 
     def _acquire(
@@ -455,7 +499,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         cancel: CancellationToken | None,
         on_wait: OnWait | None,
         *,
-        park: _Park | None,
+        park: ParkRule | None,
         retry: bool = False,
     ) -> Lease | AdmissionResult:
         waiting = self._begin(request, cancel, park, loop=None)
@@ -513,7 +557,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self,
         request: AcquireRequest,
         cancel: CancellationToken | None,
-        park: _Park | None,
+        park: ParkRule | None,
         *,
         loop: asyncio.AbstractEventLoop | None,
     ) -> _Waiting:

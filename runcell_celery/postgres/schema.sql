@@ -210,6 +210,10 @@ ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_id text;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_limiters text[];
 CREATE INDEX IF NOT EXISTS runcell_queue_groups ON runcell_queue (group_id)
     WHERE group_id IS NOT NULL;
+-- Parked requests over several limiters no process waits for: the sweepers run their
+-- group passes, heads of line first.
+CREATE INDEX IF NOT EXISTS runcell_queue_for_parked_groups ON runcell_queue (position)
+    WHERE parked AND group_id IS NOT NULL AND granted_lease_id IS NULL;
 CREATE TABLE IF NOT EXISTS runcell_fair_history (
     limiter text NOT NULL,
     fair_key text NOT NULL,  -- '' for the keyless requests (a key is never empty)
@@ -707,10 +711,13 @@ DECLARE
 BEGIN
     reaped := 0;
     FOR v_lease IN
+        -- expires_at again outside the subquery: a lease claimed (renewed) while this
+        -- waited for its row lock is rechecked on its new version and kept.
         DELETE FROM runcell_lease WHERE lease_id IN (
             SELECT lease_id FROM runcell_lease
             WHERE limiter = p_row.name AND expires_at <= p_now
             ORDER BY expires_at LIMIT p_limit)
+          AND expires_at <= p_now
         RETURNING lease_id, workload, parked
     LOOP
         reaped := reaped + 1;
@@ -1126,7 +1133,8 @@ $$;
 -- granted later all together by runcell_allocate_group_v5. Nothing is held while it
 -- waits. Returns {"s": "granted", "leases": [[lease_id, token], ...] in p_limiters'
 -- order} | {"s": "queued", "left_ms"} | {"s": "no-wait"} | {"s": "queue-full", "limiter"}
--- | {"s": "unknown-workload", "limiter"}, each with "now".
+-- | {"s": "unknown-workload", "limiter"} | {"s": "duplicate"} (p_retry: it was parked and
+-- granted, see runcell_park_group_v5), each with "now".
 CREATE OR REPLACE FUNCTION runcell_acquire_several_v5(
     p_limiters text[],
     p_hashes text[],
@@ -1170,6 +1178,13 @@ BEGIN
         v_w := v_w || v_j;
     END LOOP;
     IF p_retry THEN
+        -- A grant made to the request while it was parked belongs to its parked
+        -- message's publication, never to a delivery asking again with its id.
+        IF EXISTS (SELECT 1 FROM runcell_lease x
+                   WHERE x.request_id IN (SELECT v_group || '|' || l FROM unnest(p_limiters) AS l)
+                     AND x.parked) THEN
+            RETURN jsonb_build_object('s', 'duplicate', 'now', extract(epoch FROM v_now));
+        END IF;
         v_held := runcell_group_leases_v5(v_group, p_limiters);
         IF v_held IS NOT NULL THEN
             RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
@@ -1308,8 +1323,11 @@ $$;
 -- grant it a slot in each if, in every one, it may take one (runcell_group_may_take_v5)
 -- and no workload of higher priority waits with room. Runs when
 -- an allocation found it first in line everywhere (the releaser is told, "grp"), and
--- from the waiting process now and then. Returns {} or {"t": grant time, "g":
--- [[member, lease_id, token], ...]}; the waiting process is notified.
+-- from the waiting process now and then (for a parked request, from the sweepers).
+-- Returns {} or {"t": grant time, "g": [[member, lease_id, token], ...]}; the waiting
+-- process is notified. A parked request is granted as one parked request is: its
+-- answer is {"t", "g": [], "parked": [the first member's lease id]}, the message to
+-- re-publish.
 CREATE OR REPLACE FUNCTION runcell_allocate_group_v5(p_group text, p_lock_timeout_ms integer)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
@@ -1331,6 +1349,7 @@ DECLARE
     v_keys text[] := '{}';
     v_lease_id uuid;
     v_reaped record;
+    v_parked boolean;
 BEGIN
     SELECT group_limiters INTO v_limiters FROM runcell_queue WHERE group_id = p_group LIMIT 1;
     IF NOT FOUND THEN
@@ -1354,7 +1373,8 @@ BEGIN
     FOR v_i IN 1 .. v_n LOOP
         v_row := v_rows[v_i];
         v_member := p_group || '|' || v_limiters[v_i];
-        SELECT q.workload, q.granted_lease_id, q.deadline, p.channel, q.fair_key INTO v_m
+        SELECT q.workload, q.granted_lease_id, q.deadline, p.channel, q.fair_key, q.parked
+        INTO v_m
         FROM runcell_queue q
         LEFT JOIN runcell_process p ON p.process_id = q.process_id AND p.expires_at > v_now
         WHERE q.request_id = v_member;
@@ -1376,21 +1396,45 @@ BEGIN
         END IF;
         v_w := v_w || v_j;
         v_keys := v_keys || v_m.fair_key;
+        -- Parked (runcell_park_group_v5) as a whole: the first member says for all.
+        v_parked := coalesce(v_parked, v_m.parked);
         v_channel := coalesce(v_channel, v_m.channel);
     END LOOP;
     FOR v_i IN 1 .. v_n LOOP
         v_row := v_rows[v_i];
         v_member := p_group || '|' || v_limiters[v_i];
-        WITH granted AS (DELETE FROM runcell_queue WHERE request_id = v_member RETURNING *)
-        INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
-            root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
-            acquired_at, renewed_at, expires_at, parked)
-        SELECT v_row.name, g.workload, g.request_id, v_row.last_fencing_token + 1, g.run_id,
-            g.root_run_id, g.parent_run_id, g.holder_name, g.holder_host, g.holder_pid,
-            v_row.lease_ttl_ms, v_now, v_now,
-            v_now + v_row.lease_ttl_ms * interval '1 millisecond', false
-        FROM granted g
-        RETURNING lease_id INTO v_lease_id;
+        IF v_parked THEN
+            -- As for one parked request (runcell_allocate_v4): each lease is held for the
+            -- claim window of its limiter, and the rows stay until the re-published task
+            -- claims them all (runcell_claim_parked_group_v5). Only the first member
+            -- carries the task message; the others count as published already, so the
+            -- request is re-published once.
+            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                acquired_at, renewed_at, expires_at, parked)
+            SELECT v_row.name, q.workload, q.request_id, v_row.last_fencing_token + 1,
+                q.run_id, q.root_run_id, q.parent_run_id, q.holder_name, q.holder_host,
+                q.holder_pid, v_row.lease_ttl_ms, v_now, v_now,
+                v_now + least(coalesce((v_row.config->>'claim_window_ms')::integer, 5000),
+                              v_row.lease_ttl_ms) * interval '1 millisecond', true
+            FROM runcell_queue q WHERE q.request_id = v_member
+            RETURNING lease_id INTO v_lease_id;
+            UPDATE runcell_queue
+            SET granted_lease_id = v_lease_id, granted_at = v_now,
+                published_at = CASE WHEN v_i > 1 THEN v_now END
+            WHERE request_id = v_member;
+        ELSE
+            WITH granted AS (DELETE FROM runcell_queue WHERE request_id = v_member RETURNING *)
+            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                acquired_at, renewed_at, expires_at, parked)
+            SELECT v_row.name, g.workload, g.request_id, v_row.last_fencing_token + 1,
+                g.run_id, g.root_run_id, g.parent_run_id, g.holder_name, g.holder_host,
+                g.holder_pid, v_row.lease_ttl_ms, v_now, v_now,
+                v_now + v_row.lease_ttl_ms * interval '1 millisecond', false
+            FROM granted g
+            RETURNING lease_id INTO v_lease_id;
+        END IF;
         UPDATE runcell_limiter
         SET last_fencing_token = last_fencing_token + 1,
             active[v_w[v_i]] = active[v_w[v_i]] + 1,
@@ -1404,6 +1448,13 @@ BEGIN
         v_tokens := v_tokens || (v_row.last_fencing_token + 1);
         v_channels := v_channels || v_channel;
     END LOOP;
+    IF v_parked THEN
+        -- The publishers hear of the first member only: its message is the request's.
+        PERFORM runcell_notify_grants_v4(v_limiters[1], v_now, v_members[1:1],
+            v_leases[1:1], v_tokens[1:1], ARRAY[true], ARRAY[NULL::text]);
+        RETURN jsonb_build_object('t', extract(epoch FROM v_now), 'g', '[]'::jsonb,
+                                  'parked', jsonb_build_array(v_leases[1]));
+    END IF;
     PERFORM runcell_notify_grants_v4(v_limiters[1], v_now, v_members, v_leases, v_tokens,
         array_fill(false, ARRAY[v_n]), v_channels);
     RETURN jsonb_build_object('t', extract(epoch FROM v_now),
@@ -1445,10 +1496,11 @@ BEGIN
         SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiters[v_i];
         FOR v_gone IN
             DELETE FROM runcell_queue WHERE request_id = p_group || '|' || p_limiters[v_i]
-            RETURNING workload, granted_lease_id
+            RETURNING workload, granted_lease_id, expired_at
         LOOP
             v_j := array_position(v_row.workloads, v_gone.workload);
-            IF v_j IS NOT NULL AND v_gone.granted_lease_id IS NULL THEN
+            IF v_j IS NOT NULL AND v_gone.granted_lease_id IS NULL
+               AND v_gone.expired_at IS NULL THEN
                 v_row.waiting[v_j] := greatest(0, v_row.waiting[v_j] - 1);
             END IF;
         END LOOP;
@@ -1469,6 +1521,115 @@ BEGIN
     PERFORM set_config('runcell.due_groups', '', true);
     RETURN jsonb_build_object('s', 'withdrawn', 'now', extract(epoch FROM v_now),
                               'parked', v_parked);
+END;
+$$;
+
+-- Park a waiting request over several limiters (Celery admission deferral) as one
+-- request: under the locks of all its limiters, in order, every member keeps its place
+-- and no process waits for it any more; the first member (p_limiters[1]) carries the
+-- task message. Its group pass (run by releasers and sweepers) grants it as a parked
+-- request. p_op_id makes a retry after a lost reply get the first answer.
+-- Returns {"s": "parked"} | {"s": "granted", "leases": [...] in p_limiters' order} |
+-- {"s": "missing"} (not all of it waits: ask again).
+CREATE OR REPLACE FUNCTION runcell_park_group_v5(
+    p_group text, p_limiters text[], p_payload jsonb, p_op_id uuid, p_lock_timeout_ms integer
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_done jsonb;
+    v_n integer := cardinality(p_limiters);
+    v_members text[];
+    v_i integer;
+    v_now timestamptz;
+    v_waiting integer;
+    v_held jsonb;
+    v_answer jsonb;
+BEGIN
+    v_done := runcell_op_begin_v4(p_op_id);
+    IF v_done IS NOT NULL THEN
+        RETURN v_done;
+    END IF;
+    FOR v_i IN 1 .. v_n LOOP
+        PERFORM runcell_lock_v3(p_limiters[v_i], NULL, p_lock_timeout_ms);
+    END LOOP;
+    v_now := clock_timestamp();
+    v_members := ARRAY(SELECT p_group || '|' || l FROM unnest(p_limiters) AS l);
+    SELECT count(*) INTO v_waiting FROM runcell_queue
+    WHERE request_id = ANY(v_members) AND granted_lease_id IS NULL AND expired_at IS NULL;
+    IF v_waiting = v_n THEN
+        UPDATE runcell_queue
+        SET parked = true, process_id = NULL, expires_at = 'infinity',
+            payload = CASE WHEN request_id = v_members[1] THEN p_payload END
+        WHERE request_id = ANY(v_members);
+        v_answer := jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
+    ELSE
+        v_held := runcell_group_leases_v5(p_group, p_limiters);
+        IF v_held IS NOT NULL THEN
+            v_answer := jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+                                           'leases', v_held);
+        ELSE
+            v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+        END IF;
+    END IF;
+    RETURN runcell_op_end_v4(p_op_id, v_answer);
+END;
+$$;
+
+-- A re-published task over several limiters takes the leases granted to its parked
+-- request, all or none: only the publication the grant was sent as (the first
+-- member's), and only while every member's lease is within its claim window. The
+-- leases are locked first, as a reap locks them, then the rows go and the leases are
+-- renewed to their full TTL, marked picked up. No limiter lock: no count changes.
+-- Returns {"s": "claimed", "leases": [[lease_id, token, workload], ...] in p_limiters'
+-- order} | {"s": "stale"} (still stored: in line, or granted to another publication) |
+-- {"s": "missing"} (claimed by another copy, withdrawn or failed).
+CREATE OR REPLACE FUNCTION runcell_claim_parked_group_v5(
+    p_group text, p_limiters text[], p_publication_id uuid, p_op_id uuid
+) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_done jsonb;
+    v_n integer := cardinality(p_limiters);
+    v_members text[];
+    v_now timestamptz;
+    v_ready integer;
+    v_answer jsonb;
+BEGIN
+    v_done := runcell_op_begin_v4(p_op_id);
+    IF v_done IS NOT NULL THEN
+        RETURN v_done;
+    END IF;
+    v_now := clock_timestamp();
+    v_members := ARRAY(SELECT p_group || '|' || l FROM unnest(p_limiters) AS l);
+    PERFORM 1 FROM runcell_lease l
+    WHERE l.lease_id IN (SELECT q.granted_lease_id FROM runcell_queue q
+                         WHERE q.request_id = ANY(v_members))
+    ORDER BY l.lease_id FOR UPDATE;
+    SELECT count(*) INTO v_ready
+    FROM runcell_queue q JOIN runcell_lease l ON l.lease_id = q.granted_lease_id
+    WHERE q.request_id = ANY(v_members) AND q.parked AND l.expires_at > v_now
+      AND EXISTS (SELECT 1 FROM runcell_queue f
+                  WHERE f.request_id = v_members[1] AND f.publication_id = p_publication_id);
+    IF v_ready = v_n THEN
+        WITH claimed AS (
+            DELETE FROM runcell_queue WHERE request_id = ANY(v_members)
+            RETURNING granted_lease_id
+        ), renewed AS (
+            UPDATE runcell_lease x
+            SET picked_up_at = v_now, renewed_at = v_now,
+                expires_at = v_now + x.ttl_ms * interval '1 millisecond'
+            FROM claimed c WHERE x.lease_id = c.granted_lease_id
+            RETURNING x.lease_id, x.fencing_token, x.workload, x.limiter
+        )
+        SELECT jsonb_build_object('s', 'claimed', 'now', extract(epoch FROM v_now),
+            'leases', jsonb_agg(jsonb_build_array(r.lease_id, r.fencing_token, r.workload)
+                                ORDER BY u.o))
+        INTO v_answer
+        FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o) JOIN renewed r ON r.limiter = u.l;
+    ELSIF EXISTS (SELECT 1 FROM runcell_queue WHERE request_id = ANY(v_members)) THEN
+        v_answer := jsonb_build_object('s', 'stale', 'now', extract(epoch FROM v_now));
+    ELSE
+        v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+    END IF;
+    RETURN runcell_op_end_v4(p_op_id, v_answer);
 END;
 $$;
 

@@ -23,21 +23,33 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..cancellation import CancellationToken
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError
+from ..ports import ClaimMiss, Parked
 from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
 from . import statements
 from .calls import LimitsReplacedError, RowBusyError, Stamp, lock_timeout_ms
 from .waiting import Waiter
 
 if TYPE_CHECKING:
-    from .limiter import PostgresConcurrencyLimiter
+    from .limiter import ParkRule, PostgresConcurrencyLimiter
 
-__all__ = ["GROUP_PASS_S", "acquire_several", "member_id", "run_group_pass"]
+__all__ = [
+    "GROUP_PASS_S",
+    "acquire_several",
+    "claim_parked_group",
+    "member_id",
+    "run_group_pass",
+    "withdraw_group",
+]
+
+#: What a request over several limiters that may park ends with.
+SeveralAdmission = tuple[Lease, ...] | Parked | Literal["duplicate"]
 
 #: How often a process waiting on several limiters runs its request's group pass
 #: itself (seconds), besides the passes releasers run when they find it first in line.
@@ -56,9 +68,65 @@ def acquire_several(
     *,
     cancel: CancellationToken | None = None,
     on_wait: OnWait | None = None,
-) -> tuple[Lease, ...]:
+    park: ParkRule | None = None,
+) -> SeveralAdmission:
     """Wait for one slot in every limiter, granted together; see
-    :class:`~runcell_celery.protocol.SupportsSeveral`."""
+    :class:`~runcell_celery.protocol.SupportsSeveral`. With ``park`` (admission
+    deferral) the request parks as one when the rule says so (see
+    :meth:`~.limiter.PostgresConcurrencyLimiter.acquire_several_or_park`)."""
+    own = _own_limiters(first, limiters)
+    order = sorted(range(len(own)), key=lambda i: own[i].name)
+    group = _Group(first, [own[i] for i in order], [requests[i] for i in order], cancel)
+    result = group.acquire(on_wait, park=park)
+    if isinstance(result, str):
+        return result
+    return _in_callers_order(own, result)
+
+
+def claim_parked_group(
+    first: PostgresConcurrencyLimiter,
+    limiters: Sequence[ConcurrencyLimiter],
+    group_id: str,
+    publication_id: str,
+) -> tuple[Lease, ...] | ClaimMiss:
+    """Take every lease granted to a parked request over ``limiters``, from its
+    re-published message ``publication_id``: all of them, or none (see
+    ``runcell_claim_parked_group_v5``). A retry after a lost reply gets the same answer.
+    """
+    own = _own_limiters(first, limiters)
+    ordered = sorted(own, key=lambda x: x.name)
+    params = {
+        "group_id": group_id,
+        "limiters": [x.name for x in ordered],
+        "publication_id": publication_id,
+        "op_id": str(uuid.uuid4()),
+    }
+    sent = time.monotonic()  # before any attempt: the leases are renewed after it
+    answer = first.call_database(statements.CLAIM_PARKED_GROUP, params)
+    status = answer["s"]
+    if status != "claimed":
+        return "stale" if status == "stale" else "missing"
+    leases = tuple(
+        limiter.make_lease(member_id(group_id, limiter.name), str(workload), (lease, token), sent)
+        for limiter, (lease, token, workload) in zip(ordered, answer["leases"], strict=True)
+    )
+    return _in_callers_order(own, leases)
+
+
+def withdraw_group(
+    first: PostgresConcurrencyLimiter, limiters: Sequence[ConcurrencyLimiter], group_id: str
+) -> None:
+    """Give up a request's places (or unclaimed parked grants) in every limiter."""
+    own = sorted(_own_limiters(first, limiters), key=lambda x: x.name)
+    params = {"group_id": group_id, "limiters": [x.name for x in own], "give_back": True}
+    answer = first.call_database(statements.WITHDRAW_GROUP, params)
+    first.republish(answer.get("parked"))
+
+
+def _own_limiters(
+    first: PostgresConcurrencyLimiter, limiters: Sequence[ConcurrencyLimiter]
+) -> list[PostgresConcurrencyLimiter]:
+    """``limiters`` as this database's limiters, or a configuration error."""
     from .limiter import PostgresConcurrencyLimiter
 
     names = [getattr(limiter, "name", repr(limiter)) for limiter in limiters]
@@ -73,11 +141,14 @@ def acquire_several(
         raise ConcurrencyConfigError(
             f"limiters {names!r} name one limiter twice", limiter=first.name
         )
-    order = sorted(range(len(own)), key=lambda i: own[i].name)
-    group = _Group(first, [own[i] for i in order], [requests[i] for i in order], cancel)
-    leases = group.acquire(on_wait)
+    return own
+
+
+def _in_callers_order(
+    limiters: Sequence[PostgresConcurrencyLimiter], leases: Sequence[Lease]
+) -> tuple[Lease, ...]:
     by_name = {lease.limiter: lease for lease in leases}
-    return tuple(by_name[name] for name in names)
+    return tuple(by_name[limiter.name] for limiter in limiters)
 
 
 def run_group_pass(limiter: PostgresConcurrencyLimiter, group_id: str) -> None:
@@ -85,6 +156,8 @@ def run_group_pass(limiter: PostgresConcurrencyLimiter, group_id: str) -> None:
     answer = limiter.call_database(statements.ALLOCATE_GROUP, {"group_id": group_id})
     if answer and answer.get("g"):
         limiter.room.dispatch_grants(answer["t"], answer["g"])
+    if answer and answer.get("parked"):  # a parked request: re-publish its task
+        limiter.republish(answer["parked"])
 
 
 class _Group:
@@ -117,7 +190,7 @@ class _Group:
 
     # -- the whole wait -------------------------------------------------------------------
 
-    def acquire(self, on_wait: OnWait | None) -> tuple[Lease, ...]:
+    def acquire(self, on_wait: OnWait | None, *, park: ParkRule | None) -> SeveralAdmission:
         room = self.first.room
         self.waiters = [
             room.add(member, limiter.name, None, reap=limiter.reap)
@@ -129,7 +202,9 @@ class _Group:
             if self.cancel is not None and self.cancel.is_set():
                 settled = True
                 raise self.first._cancelled(self.lead)
-            leases = self._ask(retry=False)
+            # A deferrable request may have been written already (a lost reply): ask
+            # as a retry, which also finds a parked grant that is not its to take.
+            leases = self._ask(retry=park is not None)
             if leases is not None:
                 settled = True
                 return leases
@@ -144,6 +219,11 @@ class _Group:
                     self._withdraw(give_back=True)
                     settled = True
                     raise self.first._cancelled(self.lead)
+                if park is not None and park.until.passed():
+                    parked = self._park(park)
+                    if parked is not None:
+                        settled = True
+                        return parked
                 if self.deadline is not None and self.deadline.passed():
                     leases = self._withdraw(give_back=False)
                     settled = True
@@ -167,6 +247,8 @@ class _Group:
                 pause = GROUP_PASS_S - (time.monotonic() - last_pass)
                 if self.deadline is not None:
                     pause = min(pause, max(0.0, self.deadline.remaining_s()))
+                if park is not None:
+                    pause = min(pause, max(0.0, park.until.remaining_s()))
                 next(w for w in self.waiters if w.grant is None).wait(max(0.0, pause))
         finally:
             for unlink in unlinks:
@@ -180,8 +262,10 @@ class _Group:
 
     # -- round trips ----------------------------------------------------------------------
 
-    def _ask(self, *, retry: bool) -> tuple[Lease, ...] | None:
-        """Send the acquire; the leases when granted at once, ``None`` when it waits."""
+    def _ask(self, *, retry: bool) -> tuple[Lease, ...] | Literal["duplicate"] | None:
+        """Send the acquire; the leases when granted at once, ``None`` when it waits,
+        ``"duplicate"`` when a retry finds it parked and granted (its own re-published
+        message carries it)."""
         lead = self.lead
         lineage = lead.lineage
         params: dict[str, Any] = {
@@ -230,6 +314,8 @@ class _Group:
         status = answer["s"]
         if status == "granted":
             return self._leases(answer["leases"], sent.at)
+        if status == "duplicate":
+            return "duplicate"
         if status == "queued":
             for waiter in self.waiters:
                 waiter.queued = True
@@ -255,6 +341,31 @@ class _Group:
             return False
         self.adopted += 1
         return all(x.use_stored_limits(self.lead) for x in self.limiters)
+
+    def _park(self, park: ParkRule) -> tuple[Lease, ...] | Parked | None:
+        """Park the waiting request as one (every member keeps its place); ``None`` when
+        not all of it waits any more: the loop then asks again, as a retry."""
+        params = {
+            "group_id": self.group_id,
+            "limiters": [x.name for x in self.limiters],
+            "payload": park.payload,
+            # Made once: a retry after a lost reply gets the first attempt's answer.
+            "op_id": str(uuid.uuid4()),
+        }
+        answer = self.first.call_request(
+            self.lead, statements.PARK_GROUP, params, lock_ms=lock_timeout_ms(None)
+        )
+        if answer["s"] == "parked":
+            return Parked(
+                limiter=" + ".join(x.name for x in self.limiters),
+                workload=self.lead.workload,
+                waited_ms=(time.monotonic() - self.sent) * 1000,
+            )
+        if answer["s"] == "granted":
+            return self._leases(answer["leases"], None)
+        for waiter in self.waiters:
+            waiter.missing = True
+        return None
 
     def _withdraw(self, *, give_back: bool) -> tuple[Lease, ...] | None:
         params = {

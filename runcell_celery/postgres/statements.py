@@ -297,3 +297,25 @@ WITHDRAW_GROUP: LiteralString = """
 SELECT runcell_withdraw_group_v5(%(group_id)s, %(limiters)s::text[], %(give_back)s,
     %(lock_timeout_ms)s)
 """
+
+#: Park a waiting request over several limiters as one (``runcell_park_group_v5``).
+PARK_GROUP: LiteralString = """
+SELECT runcell_park_group_v5(%(group_id)s, %(limiters)s::text[], %(payload)s::jsonb,
+    %(op_id)s::uuid, %(lock_timeout_ms)s)
+"""
+
+#: A re-published task takes every lease of its parked request over several limiters
+#: (``runcell_claim_parked_group_v5``).
+CLAIM_PARKED_GROUP: LiteralString = """
+SELECT runcell_claim_parked_group_v5(%(group_id)s, %(limiters)s::text[],
+    %(publication_id)s::uuid, %(op_id)s::uuid)
+"""
+
+#: Parked requests over several limiters due a group pass: no process waits for them,
+#: so the sweepers run their passes, heads of line first.
+PARKED_GROUPS: LiteralString = """
+SELECT group_id FROM runcell_queue
+WHERE parked AND group_id IS NOT NULL AND granted_lease_id IS NULL
+ORDER BY position
+LIMIT %(limit)s
+"""

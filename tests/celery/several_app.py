@@ -12,6 +12,9 @@ worker's processes is pushed to the Redis list ``<records_key>:events``.
 * ``several.call(tenant_id, latency_ms)`` — waits for its slot (admission ``wait``) in
   the provider limiter and in its tenant's key limiter together, and returns the names
   of the run's limiters, of its slot's leases and its key.
+* ``several.deferred(tenant_id, latency_ms)`` — the same with admission ``defer``
+  (``admission_wait_ms`` 0: a run that finds no room in both parks at once, as one
+  request over both limiters), and it also returns its fencing tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tests.support.witness_apps import (
 
 ENV = "RUNCELL_TEST_SEVERAL"
 TASK = "several.call"
+DEFERRED_TASK = "several.deferred"
 
 
 def concurrency(settings: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -67,6 +71,18 @@ def create_app(settings: dict[str, Any], *, record_events: bool = False) -> Cele
         concurrency=concurrency(settings),
     )
     def call(self: Task[Any, Any], tenant_id: str, latency_ms: float = 50) -> dict[str, Any]:
+        return _held(tenant_id, latency_ms)
+
+    @app.task(
+        name=DEFERRED_TASK,
+        shared=False,
+        base=RunCellTask,
+        concurrency=concurrency(settings, admission="defer", admission_wait_ms=0),
+    )
+    def deferred(tenant_id: str, latency_ms: float = 50) -> dict[str, Any]:
+        return _held(tenant_id, latency_ms)
+
+    def _held(tenant_id: str, latency_ms: float) -> dict[str, Any]:
         with slot() as held:
             with counted_in_flight(sink(), records, tenant_id):
                 time.sleep(latency_ms / 1000)
@@ -76,6 +92,7 @@ def create_app(settings: dict[str, Any], *, record_events: bool = False) -> Cele
                 "limiters": [limiter.name for limiter in context.limiters],
                 "leases": [lease.limiter for lease in held.leases],
                 "key": context.key,
+                "tokens": held.fencing_tokens,
             }
 
     return app

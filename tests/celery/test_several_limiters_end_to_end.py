@@ -7,8 +7,9 @@ in total inside its slot (:mod:`tests.celery.several_app`). Both limits hold and
 are reached: the tenants together fill the provider's 3 but never 2 of one tenant, and
 one tenant alone runs one at a time though the provider has room. Every slot is one
 request over both limiters (its events name both, the key's limiter as
-``tenant:<key>``), counted under the names joined. ``admission: "defer"`` over several
-limiters is refused when the task is registered on the PostgreSQL backend too.
+``tenant:<key>``), counted under the names joined. With ``admission: "defer"`` a run
+that finds no room parks as one request over both limiters, and both limits still hold
+when the parked runs are re-published and claim their slots together.
 
 A tenant's second task waiting while its first runs must not hold up another tenant's
 task that has room (as ``allocate_several`` and the in-memory limiter decide).
@@ -21,14 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from celery import Celery
 from celery.result import AsyncResult
 
-from runcell_celery import ConcurrencyConfigError
-from runcell_celery.celery import RunCellTask
 from tests.celery import several_app
-from tests.celery.several_app import TASK, concurrency
+from tests.celery.several_app import DEFERRED_TASK, TASK
 from tests.conftest import wait_until
 from tests.support.celery_fixtures import WorkerScenario
 
@@ -101,7 +100,7 @@ def test_tenants_fill_the_providers_limit_but_never_run_two_of_one_tenant_at_onc
 
     for (tenant, _), reply in zip(sent, replies, strict=True):
         both = [scenario.provider, f"{scenario.tenant}:{tenant}"]
-        assert reply == {"limiters": both, "leases": both, "key": tenant}
+        assert _shown(reply) == {"limiters": both, "leases": both, "key": tenant}
     for tenant in TENANTS:
         assert scenario.highest(tenant) <= TENANT_LIMIT, (
             f"{scenario.highest(tenant)} tasks of {tenant} ran at once over its limit"
@@ -149,7 +148,8 @@ def test_one_tenant_alone_runs_one_at_a_time_though_the_provider_has_room(
     sent = scenario.send(["acme"] * 8)
     replies = scenario.results(sent)
     both = [scenario.provider, f"{scenario.tenant}:acme"]
-    assert replies == [{"limiters": both, "leases": both, "key": "acme"}] * len(sent)
+    shown = {"limiters": both, "leases": both, "key": "acme"}
+    assert [_shown(r) for r in replies] == [shown] * len(sent)
     assert scenario.highest("acme") == TENANT_LIMIT
     assert scenario.highest() == TENANT_LIMIT, "the tenant's limit did not bind"
     # Four processes asked at once: some waited for the tenant's slot.
@@ -183,26 +183,61 @@ def test_a_tenant_with_room_is_not_held_up_by_another_tenants_waiting_task(
     )
 
 
-def _register_deferrable(app: Celery, settings: dict[str, Any]) -> None:
-    @app.task(
-        name="several.deferred",
-        shared=False,
-        base=RunCellTask,
-        concurrency=concurrency(settings, admission="defer"),
-    )
-    def deferred(tenant_id: str) -> None:
-        return None
-
-    app.finalize(auto=True)
+def _shown(reply: dict[str, Any]) -> dict[str, Any]:
+    return {name: reply[name] for name in ("limiters", "leases", "key")}
 
 
-def test_defer_over_several_postgres_limiters_is_refused_when_registered(
+def test_deferred_tasks_over_both_limiters_park_as_one_and_keep_both_limits(
     scenario: Scenario,
 ) -> None:
-    with pytest.raises(
-        ConcurrencyConfigError,
-        match=rf"task 'several.deferred' concurrency: admission 'defer' with several "
-        rf"limiters \('{scenario.provider}', '{scenario.tenant}'\) needs a backend that "
-        r"parks one request over several limiters",
-    ):
-        _register_deferrable(scenario.app, scenario.settings)
+    scenario.start_worker(concurrency=4)
+    task = scenario.app.tasks[DEFERRED_TASK]
+    tenants = [tenant for _ in range(6) for tenant in TENANTS[:3]] + ["acme"] * 6
+    sent = [(tenant, task.delay(tenant, 100)) for tenant in tenants]
+    replies = scenario.results(sent)
+
+    for (tenant, _), reply in zip(sent, replies, strict=True):
+        both = [scenario.provider, f"{scenario.tenant}:{tenant}"]
+        assert _shown(reply) == {"limiters": both, "leases": both, "key": tenant}
+    for tenant in TENANTS[:3]:
+        assert scenario.highest(tenant) <= TENANT_LIMIT, (
+            f"{scenario.highest(tenant)} tasks of {tenant} ran at once over its limit"
+        )
+    assert scenario.highest() <= PROVIDER_LIMIT, (
+        f"{scenario.highest()} tasks ran at once over the provider's limit {PROVIDER_LIMIT}"
+    )
+    # Fencing tokens are never handed out twice in one limiter: each run held its own.
+    provider_tokens = [reply["tokens"][scenario.provider] for reply in replies]
+    assert len(set(provider_tokens)) == len(sent)
+
+    label = f"{scenario.provider}+{scenario.tenant}"
+
+    def counted() -> dict[str, int]:
+        return scenario.admission_counts(DEFERRED_TASK).get(label, {})
+
+    wait_until(
+        lambda: counted().get("provider_attempts", 0) >= len(sent),
+        "the worker's counts are written",
+        30,
+        interval=0.1,
+    )
+    counts = counted()
+    assert counts["deferrals"] > 0, "no run parked: the test proves nothing"
+    # Each deferral adds one delivery (the re-published message), never a failure.
+    assert counts["deliveries"] == len(sent) + counts["deferrals"]
+    assert counts["provider_attempts"] == len(sent)
+    assert counts["concurrency_failures"] == 0
+    # Nothing is left behind in either limiter once every run finished.
+    wait_until(lambda: _rows_left(scenario) == (0, 0), "no lease or queue row is left", 15)
+
+
+def _rows_left(scenario: Scenario) -> tuple[int, int]:
+    """Leases and queue rows of the test's limiters (the provider and tenant keys)."""
+    names = [scenario.provider, f"{scenario.tenant}:%"]
+    with psycopg.connect(str(scenario.settings["database"]), autocommit=True) as conn:
+        leases, queued = conn.execute(
+            "SELECT (SELECT count(*) FROM runcell_lease WHERE limiter LIKE ANY(%(n)s)),"
+            " (SELECT count(*) FROM runcell_queue WHERE limiter LIKE ANY(%(n)s))",
+            {"n": names},
+        ).fetchone() or (0, 0)
+    return int(leases), int(queued)

@@ -44,6 +44,9 @@ FROZEN = {
     "0007_event_limiters_and_key": (
         "7940509703e06827202d2ec7906ef0e74f9767cae6d6dcbc8d0d8046fad81b41"
     ),
+    "0008_limiter_schema_v3_parked_groups": (
+        "0ecddac9c633056e29e3f69d725f399e495a8ad4784c57c70a77a38fa77b6ad8"
+    ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"
 
