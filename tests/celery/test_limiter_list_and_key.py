@@ -171,13 +171,10 @@ def test_a_bound_tasks_self_is_not_a_parameter_a_key_can_read() -> None:
     assert list(task._runcell_signature.parameters) == ["tenant_id", "payload", "org"]
 
 
-def test_defer_with_several_limiters_fails_when_bound_naming_the_task() -> None:
-    with pytest.raises(
-        ConcurrencyConfigError,
-        match=r"task 'keys.task' concurrency: admission 'defer' with several limiters "
-        r"\('openai', 'tenant'\) needs a backend that parks one request over several",
-    ):
-        _define(_app(), limiter=["openai", "tenant"], key="{tenant_id}", admission="defer")
+def test_defer_with_several_limiters_is_declared_like_defer_with_one() -> None:
+    task = _define(_app(), limiter=["openai", "tenant"], key="{tenant_id}", admission="defer")
+    spec = task._runcell
+    assert (spec.limiters, spec.admission) == (("openai", "tenant"), "defer")
 
 
 def test_a_workload_with_several_limiters_must_exist_in_one_of_them() -> None:
@@ -478,10 +475,12 @@ def test_a_run_over_a_list_holds_a_slot_in_each_limiter_and_the_keys_limiter() -
         }
 
 
-def test_tasks_over_a_list_keep_every_limit_on_a_threaded_worker() -> None:
+@pytest.mark.parametrize("admission", ["wait", "defer"])
+def test_tasks_over_a_list_keep_every_limit_on_a_threaded_worker(admission: str) -> None:
     """Four tenants of one slot each under openai's three: a witness counts the bodies
     in flight per tenant and in total; the tenants' limits and openai's both hold, and
-    both are reached (else the test proves nothing)."""
+    both are reached (else the test proves nothing). In-memory limiters cannot park:
+    with admission ``defer`` the first slot waits, as it does for one limiter."""
     app, _openai, _tenants = _several_app(openai=3, tenant=1)
     lock = threading.Lock()
     now: dict[str, int] = {}
@@ -496,7 +495,7 @@ def test_tasks_over_a_list_keep_every_limit_on_a_threaded_worker() -> None:
         base=RunCellTask,
         name="several.worker",
         shared=False,
-        concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"},
+        concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}", "admission": admission},
     )
     def work(tenant_id: str) -> None:
         with slot():
