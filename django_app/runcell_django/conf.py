@@ -7,6 +7,7 @@
         "LIMITERS": {"claude": {"max_concurrent": 8, "workloads": {...}}},
         "POSTGRES": {"poll_interval_ms": 100},
         "EVENTS": {"ENABLED": True, "RETENTION_DAYS": 7},
+        "METRICS": {"TOKEN": os.environ["RUNCELL_METRICS_TOKEN"]},
     }
 
 Nothing is read at import time: :func:`registry` and :func:`event_settings` read
@@ -39,9 +40,11 @@ from . import databases
 __all__ = [
     "SETTING",
     "EventSettings",
+    "MetricsSettings",
     "celery_settings_provider",
     "database_alias",
     "event_settings",
+    "metrics_settings",
     "postgres_backend",
     "registry",
     "reset",
@@ -123,6 +126,75 @@ def event_settings() -> EventSettings:
     return EventSettings(**values)
 
 
+@dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """``RUNCELL["METRICS"]``: who may read the metrics view, and where it reads.
+
+    :param token: a scrape bearing ``Authorization: Bearer <token>`` is served;
+        ``None``: no token is accepted.
+    :param allow_staff: a logged-in staff user's session is served too (a look from
+        the browser).
+    :param cache_ms: how long one read of the limiters' state serves scrapes.
+    :param multiprocess_dir: where the workers' event metrics are
+        (``PROMETHEUS_MULTIPROC_DIR`` when ``None``; neither: this process's own).
+    """
+
+    token: str | None = None
+    allow_staff: bool = True
+    cache_ms: int = 1_000
+    multiprocess_dir: str | None = None
+
+
+#: A token shorter than this is refused: it would be guessed.
+MIN_TOKEN_LENGTH = 16
+
+
+def metrics_settings() -> MetricsSettings:
+    """Return ``RUNCELL["METRICS"]`` validated, with defaults filled in."""
+    given = runcell_settings().get("METRICS", {})
+    path = f'{SETTING}["METRICS"]'
+    if not isinstance(given, Mapping):
+        raise ConcurrencyConfigError(f"{path} = {given!r} is invalid: must be a dict")
+    options = {
+        "TOKEN": "token",
+        "ALLOW_STAFF": "allow_staff",
+        "CACHE_MS": "cache_ms",
+        "MULTIPROCESS_DIR": "multiprocess_dir",
+    }
+    values: dict[str, Any] = {}
+    for key, value in given.items():
+        if key not in options:
+            raise ConcurrencyConfigError(
+                f'{path}["{key}"] is invalid: unknown option; {did_you_mean(key, options)}'
+            )
+        where = f'{path}["{key}"]'
+        if key == "TOKEN" and value is not None:
+            if not isinstance(value, str):
+                raise ConcurrencyConfigError(
+                    f"{where} = {value!r} is invalid: must be a string of at least "
+                    f"{MIN_TOKEN_LENGTH} characters, or None"
+                )
+            if len(value) < MIN_TOKEN_LENGTH:  # never echoed: it is a secret
+                raise ConcurrencyConfigError(
+                    f"{where} is invalid: {len(value)} characters is too short to be "
+                    f"secret; must be at least {MIN_TOKEN_LENGTH}"
+                )
+        elif key == "ALLOW_STAFF" and not isinstance(value, bool):
+            raise ConcurrencyConfigError(f"{where} = {value!r} is invalid: must be True or False")
+        elif key == "CACHE_MS" and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ConcurrencyConfigError(
+                f"{where} = {value!r} is invalid: must be an integer of at least 0"
+            )
+        elif key == "MULTIPROCESS_DIR" and value is not None and not isinstance(value, str):
+            raise ConcurrencyConfigError(
+                f"{where} = {value!r} is invalid: must be a directory path, or None"
+            )
+        values[options[key]] = value
+    return MetricsSettings(**values)
+
+
 def _database_setting() -> str | None:
     value = runcell_settings().get("DATABASE")
     return value if isinstance(value, str) and value else None
@@ -200,6 +272,7 @@ def validate() -> None:
     such as ``migrate --database runcell`` know it from the start."""
     registry()
     event_settings()
+    metrics_settings()
     database_alias()
 
 

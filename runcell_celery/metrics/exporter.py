@@ -35,6 +35,8 @@ __all__ = ["DATABASE_ENV", "TOKEN_ENV", "main", "make_wsgi_app"]
 
 DATABASE_ENV = "RUNCELL_DATABASE_URL"
 TOKEN_ENV = "RUNCELL_METRICS_TOKEN"
+#: How long a scrape waits for a database connection before reporting it down.
+CONNECT_TIMEOUT_MS = 2_000
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -130,8 +132,12 @@ def _cache_ms(text: str) -> int:
 def _gauges(database: str, cache_ms: int) -> LimiterGaugeCollector:
     from ..postgres import PostgresBackend, read_workload_gauges
 
-    # One connection: scrapes are read one at a time (the collector's lock).
-    backend = PostgresBackend(database=database, options={"pool_max_size": 1})
+    # One connection: scrapes are read one at a time (the collector's lock). A database
+    # that does not answer is reported within a scrape's timeout, not after it.
+    backend = PostgresBackend(
+        database=database,
+        options={"pool_max_size": 1, "connect_timeout_ms": CONNECT_TIMEOUT_MS},
+    )
     return LimiterGaugeCollector(
         lambda: read_workload_gauges(backend.pool), cache_seconds=cache_ms / 1000
     )
