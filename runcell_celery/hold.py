@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .deadline import Deadline
 from .errors import (
@@ -35,6 +35,9 @@ from .events import describe_error, has_listeners
 from .keeper import LeaseKeeper, get_keeper
 from .protocol import ConcurrencyLimiter, Lease, Outcome
 from .request import SeveralRequest, SlotRequest
+
+if TYPE_CHECKING:
+    from .tracing import HoldSpan
 
 __all__ = ["AbortReason", "Hold", "SeveralHold", "is_interrupt", "register_interrupt"]
 
@@ -115,6 +118,8 @@ class Hold:
         self._keeper_key = 0
         #: The lease whose loss aborted the hold, when not ``lease`` (several leases).
         self._lost_lease: Lease | None = None
+        #: Its ``runcell.slot.hold`` span, when a tracer provider is set.
+        self.trace: HoldSpan | None = None
 
     def keep(self, deadline: Deadline | None) -> None:
         """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""
@@ -176,6 +181,8 @@ class Hold:
         self._cleanups.clear()
         if not already_released:
             self._release(reason or outcome_of(exc))
+        if self.trace is not None:
+            self.trace.end(reason or outcome_of(exc))
         if reason is None:
             return None
         return abort_error(self.slot_request, self._lost_lease or self.lease, reason)

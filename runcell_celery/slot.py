@@ -43,6 +43,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, cast
 
+from . import tracing
 from .admission import Admission, PreAdmitted, SlotDeferred
 from .cancellation import CancellationToken
 from .context import RunContext, current_run
@@ -292,6 +293,7 @@ class Slot:
     ) -> NoReturn:
         for cleanup in cleanups:
             cleanup()
+        tracing.wait_failed(asked, exc, started)
         error = _wait_failed(asked, exc, started)
         if error is exc:
             raise exc
@@ -368,6 +370,7 @@ class Slot:
         first of several), keep the lease(s) renewed, and listen for cancellation and
         for aborts asked for before the grant."""
         self._hold = hold
+        hold.trace = tracing.start_hold(asked, hold, started, waited_ms)
         run = asked.run
         if run is not None:
             run.progress.slots_taken += 1
@@ -419,6 +422,7 @@ def _lease_expired_before_start(
 ) -> NoReturn:
     for cleanup in cleanups:
         cleanup()
+    tracing.wait_ended(asked, started, "expired-before-start")
     name = asked.limiter.name
     asked.event(
         "lease-lost",
@@ -448,6 +452,7 @@ def _several_expired_before_start(
 ) -> NoReturn:
     for cleanup in cleanups:
         cleanup()
+    tracing.wait_ended(asked, started, "expired-before-start")
     asked.event(
         "lease-lost",
         lease_id=expired.lease_id,
@@ -550,9 +555,11 @@ def preadmit(admission: Admission) -> None:
     try:
         lease = admission.acquire(asked.limiter, asked.request, run.cancel, asked.wait_started)
     except SlotDeferred:
+        tracing.wait_deferred(asked, started, admission.parked)
         raise
     except BaseException as exc:
         Slot._not_granted(asked, exc, started, [])
+    tracing.wait_granted(asked, started, (lease,))
     waited_ms = (time.monotonic() - started) * 1000
     admission.hold(PreAdmitted(asked, lease, wait_ms=waited_ms), run.deadline, run.cancel)
 
