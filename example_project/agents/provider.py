@@ -29,9 +29,15 @@ RETRY_DELAY_S = 0.05
 T = TypeVar("T")
 
 
-@cache
 def _client() -> FakeProviderClient:
-    return FakeProviderClient(settings.PROVIDER_URL, timeout=60)
+    """The client of ``settings.PROVIDER_URL`` (read at each call: tests point it at a
+    fake provider of their own)."""
+    return _client_of(settings.PROVIDER_URL)
+
+
+@cache
+def _client_of(url: str) -> FakeProviderClient:
+    return FakeProviderClient(url, timeout=60)
 
 
 def _call(request: Callable[[int | None], T]) -> T:
