@@ -72,15 +72,24 @@ class DjangoProject:
         """``python manage.py ARGS`` in the project (its exit status is not checked)."""
         return self._run([self.python, "manage.py", *args], cwd=self.root, timeout=timeout, env=env)
 
-    def script(self, code: str, timeout: float = 120) -> Any:
+    def script(self, code: str, timeout: float = 120, env: dict[str, str] | None = None) -> Any:
         """Run ``code`` in ``manage.py shell`` and return what it printed after
         :data:`RESULT_MARKER` (JSON); fail with its output if it did not succeed."""
-        done = self.manage("shell", "--no-imports", "-c", code, timeout=timeout)
+        done = self.manage("shell", "--no-imports", "-c", code, timeout=timeout, env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
         failure = f"script failed ({done.returncode}):\n{code}\n{done.stdout}\n{done.stderr}"
         assert done.returncode == 0, failure
         assert lines, failure
         return json.loads(lines[-1][len(RESULT_MARKER) :])
+
+    def environment(self) -> dict[str, str]:
+        """The environment its processes get: this one's, without settings of other
+        projects (``DJANGO_SETTINGS_MODULE``) or of the demo."""
+        return {
+            key: value
+            for key, value in os.environ.items()
+            if key != "DJANGO_SETTINGS_MODULE" and not key.startswith("RUNCELL_DEMO_")
+        }
 
     def _run(
         self,
@@ -90,15 +99,10 @@ class DjangoProject:
         timeout: float = 120,
         env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        environ = {
-            key: value
-            for key, value in os.environ.items()
-            if key != "DJANGO_SETTINGS_MODULE" and not key.startswith("RUNCELL_DEMO_")
-        }
         return subprocess.run(
             argv,
             cwd=cwd,
-            env={**environ, **(env or {})},
+            env={**self.environment(), **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,
