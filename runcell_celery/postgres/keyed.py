@@ -10,7 +10,8 @@ key's first acquire is still one round trip) and deletes once idle
   out), since a fleet may see 100,000 tenants;
 * a purge loop, started by the first key used in the process: every
   :data:`PURGE_INTERVAL_S` it deletes idle keys in batches (any process may: the
-  purge skips keys in use and never waits for one);
+  purge skips keys in use and never waits for one), and the round-robin history of
+  keys idle for :data:`FAIR_HISTORY_IDLE_MS`;
 * per-key counts for operators (the busiest keys, searchable) and the totals over all
   keys.
 """
@@ -35,6 +36,9 @@ __all__ = ["PURGE_BATCH", "PURGE_INTERVAL_S", "KeySet"]
 PURGE_INTERVAL_S = 10.0
 #: Keys deleted per purge statement; a full batch is followed by another at once.
 PURGE_BATCH = 10_000
+#: A key's round-robin history is forgotten once it was last served this long ago and
+#: has nothing waiting (it is then served like a new key): milliseconds.
+FAIR_HISTORY_IDLE_MS = 60_000
 #: Key limiter objects kept per keyed limiter in a process (rebuilt without I/O).
 CACHED_KEYS = 4_096
 
@@ -81,6 +85,15 @@ class KeySet:
         """Delete up to ``limit`` idle keys now; return how many went."""
         params = {"parent": self._parent.name, "limit": limit}
         return int(self._parent.call_database(statements.PURGE_IDLE_KEYS, params) or 0)
+
+    def purge_fair_history(
+        self, *, idle_ms: int = FAIR_HISTORY_IDLE_MS, limit: int = PURGE_BATCH
+    ) -> int:
+        """Forget the round-robin history of keys served over ``idle_ms`` ago with
+        nothing waiting (in every round-robin limiter, not only this one: keys are
+        shared names); return how many rows went."""
+        params = {"idle_ms": idle_ms, "limit": limit}
+        return int(self._parent.call_database(statements.PURGE_FAIR_HISTORY, params) or 0)
 
     def reap_expired(self) -> int:
         """Run an allocation pass on every key that has an expired lease (a dead
@@ -136,4 +149,6 @@ def _purge_step(keys: KeySet) -> float:
     if not keys.purging:
         keys.purging = True  # the loop starts with the first key used: nothing is idle yet
         return PURGE_INTERVAL_S
-    return 0.0 if keys.purge() >= PURGE_BATCH else PURGE_INTERVAL_S
+    purged = keys.purge()
+    forgotten = keys.purge_fair_history()
+    return 0.0 if max(purged, forgotten) >= PURGE_BATCH else PURGE_INTERVAL_S

@@ -319,3 +319,9 @@ WHERE parked AND group_id IS NOT NULL AND granted_lease_id IS NULL
 ORDER BY position
 LIMIT %(limit)s
 """
+
+#: Forget the round-robin history of keys idle for ``idle_ms`` (nothing waiting, not
+#: served since): ``runcell_purge_fair_history_v5``.
+PURGE_FAIR_HISTORY: LiteralString = """
+SELECT runcell_purge_fair_history_v5(%(idle_ms)s, %(limit)s)
+"""

@@ -45,7 +45,7 @@ FROZEN = {
         "7940509703e06827202d2ec7906ef0e74f9767cae6d6dcbc8d0d8046fad81b41"
     ),
     "0008_limiter_schema_v3_parked_groups": (
-        "0ecddac9c633056e29e3f69d725f399e495a8ad4784c57c70a77a38fa77b6ad8"
+        "64fa15ef7bfe3faf29305d71686f50ea4d37bafac207376b29e17ca675351719"
     ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"

@@ -244,6 +244,56 @@ def test_round_robin_serves_a_tenants_one_call_within_two_grants_of_anothers_fif
     assert "B" in order[:2], order[:5]
 
 
+def test_the_round_robin_history_of_idle_keys_is_forgotten_and_a_waiting_keys_kept(
+    pg_dsn: str, make_limiter: MakeLimiter
+) -> None:
+    provider = make_limiter(max_concurrent=1, fairness="round_robin")
+    tenants = make_limiter(max_concurrent=5, keyed=True)
+    tags = [unique_name("tenant") for _ in range(3)]
+    for tag in tags:  # each tenant served once, through its key's limiter and the provider
+        with slot(provider, tenants.key(tag)):
+            pass
+    waiting = tags[0]
+    held = provider.acquire(_request("holder"))
+    queued = threading.Thread(target=_one_call, args=(provider, tenants, waiting))
+    queued.start()
+    try:
+        deadline = time.monotonic() + 15
+        while provider.stats().queued < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+        tenants._key_set().purge_fair_history(idle_ms=0)
+
+        assert _history(pg_dsn, provider.name) == {waiting}, "a key still waiting lost its turn"
+    finally:
+        provider.release(held)
+        queued.join(30)
+    tenants._key_set().purge_fair_history(idle_ms=0)
+    assert _history(pg_dsn, provider.name) == set()
+
+
+def _one_call(
+    provider: PostgresConcurrencyLimiter, tenants: PostgresConcurrencyLimiter, key: str
+) -> None:
+    with slot(provider, tenants.key(key)):
+        pass
+
+
+def _request(name: str) -> AcquireRequest:
+    request_id = unique_name(name)
+    return AcquireRequest(
+        request_id=request_id, workload="default", lineage=RunLineage(request_id, request_id)
+    )
+
+
+def _history(dsn: str, limiter: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT fair_key FROM runcell_fair_history WHERE limiter = %s", [limiter]
+        ).fetchall()
+    return {row[0] for row in rows}
+
+
 def test_first_come_first_served_is_the_default_between_keys(make_limiter: MakeLimiter) -> None:
     provider = make_limiter(max_concurrent=1)
     order: list[str] = []

@@ -1,4 +1,4 @@
-"""The limiter's DDL as runcell_celery shipped it at checksum ``d578859387b83d26``.
+"""The limiter's DDL as runcell_celery shipped it at checksum ``d022c242f51f5f87``.
 
 ``postgres_concurrency_schema_sql()``, frozen as text like the migrations before it.
 A request over several limiters parks as one request (Celery admission deferral):
@@ -6,14 +6,16 @@ runcell_park_group_v5 parks every member, the group pass (runcell_allocate_group
 grants a parked request as parked leases held for the claim window and re-publishes its
 message once, and runcell_claim_parked_group_v5 lets the re-published task claim every
 lease or none; sweepers find parked requests over several limiters through
-runcell_queue_for_parked_groups. A reap no longer deletes a lease claimed while it
+runcell_queue_for_parked_groups. The round-robin history records when each key was
+served (runcell_fair_history.granted_at) and forgets keys idle for a while
+(runcell_purge_fair_history_v5). A reap no longer deletes a lease claimed while it
 waited for its row lock.
 Written by ``scripts/new_schema_migration.py``.
 """
 
 from django.db import migrations
 
-#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum d578859387b83d26.
+#: ``runcell_celery.postgres.postgres_concurrency_schema_sql()``, checksum d022c242f51f5f87.
 LIMITER_SCHEMA = r"""
 -- runcell_celery PostgreSQL limiter schema, version 3.
 --
@@ -237,6 +239,10 @@ CREATE TABLE IF NOT EXISTS runcell_fair_history (
     last_granted bigint NOT NULL,
     PRIMARY KEY (limiter, fair_key)
 );
+-- When each key was last served, so that the history of keys idle for a while is
+-- purged (runcell_purge_fair_history_v5): 100,000 tenants leave no rows behind.
+ALTER TABLE runcell_fair_history ADD COLUMN IF NOT EXISTS granted_at timestamptz;
+CREATE INDEX IF NOT EXISTS runcell_fair_history_for_purge ON runcell_fair_history (granted_at);
 -- The limiter row is written by every operation: room on its page keeps those updates
 -- HOT (pruned in place), so it stays fast without VACUUM.
 ALTER TABLE runcell_limiter SET (fillfactor = 20);
@@ -365,9 +371,37 @@ $$;
 CREATE OR REPLACE FUNCTION runcell_fair_granted_v5(
     p_limiter text, p_key text, p_token bigint
 ) RETURNS void LANGUAGE sql AS $$
-    INSERT INTO runcell_fair_history (limiter, fair_key, last_granted)
-    VALUES (p_limiter, coalesce(p_key, ''), p_token)
-    ON CONFLICT (limiter, fair_key) DO UPDATE SET last_granted = EXCLUDED.last_granted
+    INSERT INTO runcell_fair_history (limiter, fair_key, last_granted, granted_at)
+    VALUES (p_limiter, coalesce(p_key, ''), p_token, clock_timestamp())
+    ON CONFLICT (limiter, fair_key) DO UPDATE
+    SET last_granted = EXCLUDED.last_granted, granted_at = EXCLUDED.granted_at
+$$;
+
+-- Forget the round-robin history of keys served longer than p_idle_ms ago that have no
+-- request waiting in that limiter, up to p_limit rows: such a key, back later, is
+-- served like a new one (before keys served since). Rows being written are skipped,
+-- never waited for. Returns how many went; asynchronous commit.
+CREATE OR REPLACE FUNCTION runcell_purge_fair_history_v5(p_idle_ms integer, p_limit integer)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_gone integer;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    WITH idle AS (
+        SELECT h.limiter, h.fair_key FROM runcell_fair_history h
+        WHERE (h.granted_at IS NULL
+               OR h.granted_at < clock_timestamp() - p_idle_ms * interval '1 millisecond')
+          AND NOT EXISTS (SELECT 1 FROM runcell_queue q
+                          WHERE q.limiter = h.limiter AND coalesce(q.fair_key, '') = h.fair_key
+                            AND q.granted_lease_id IS NULL)
+        LIMIT p_limit
+        FOR UPDATE OF h SKIP LOCKED
+    )
+    DELETE FROM runcell_fair_history h USING idle
+    WHERE h.limiter = idle.limiter AND h.fair_key = idle.fair_key;
+    GET DIAGNOSTICS v_gone = ROW_COUNT;
+    RETURN v_gone;
+END;
 $$;
 
 -- The request first in a workload's line (runs in progress first, then arrival, or
@@ -2086,8 +2120,8 @@ DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
 DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
 DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);
 
-DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM 'd578859387b83d26';
-INSERT INTO runcell_schema (checksum, version) VALUES ('d578859387b83d26', 3) ON CONFLICT DO NOTHING;
+DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM 'd022c242f51f5f87';
+INSERT INTO runcell_schema (checksum, version) VALUES ('d022c242f51f5f87', 3) ON CONFLICT DO NOTHING;
 """
 
 #: The reverse: what this revision created, then 0006_limiter_schema_v3_keys's text again.
@@ -2097,7 +2131,10 @@ DELETE FROM runcell_lease WHERE parked AND picked_up_at IS NULL AND request_id L
 SELECT runcell_set_limits_v3(name) FROM runcell_limiter;
 DROP FUNCTION IF EXISTS runcell_claim_parked_group_v5(p_group text, p_limiters text[], p_publication_id uuid, p_op_id uuid);
 DROP FUNCTION IF EXISTS runcell_park_group_v5(p_group text, p_limiters text[], p_payload jsonb, p_op_id uuid, p_lock_timeout_ms integer);
+DROP FUNCTION IF EXISTS runcell_purge_fair_history_v5(p_idle_ms integer, p_limit integer);
+DROP INDEX IF EXISTS runcell_fair_history_for_purge;
 DROP INDEX IF EXISTS runcell_queue_for_parked_groups;
+ALTER TABLE runcell_fair_history DROP COLUMN IF EXISTS granted_at;
 """
 
 
