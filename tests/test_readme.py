@@ -174,6 +174,7 @@ def test_readme_commands_are_all_known() -> None:
             argv[0] in ("./demo", "scripts/test")
             or (argv[0] == ".venv/bin/python" and argv[1] in BENCH_ARGS)
             or argv[1:3] == ["-m", "runcell_celery.testing.fake_provider"]
+            or argv[1:3] == ["-m", "runcell_celery.metrics"]
             # Run by the quickstart tests; migrate --database by test_checks_databases.
             or INSTALL.fullmatch(command) is not None
             or command in sh_commands(quickstart=True)
@@ -427,3 +428,31 @@ def test_readme_quickstart_works_from_a_fresh_virtualenv_with_the_install_line(
 
 def psycopg_dbname(dsn: str) -> str:
     return str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+
+
+def test_readme_metrics_exporter_command_serves_until_stopped(block_env: dict[str, str]) -> None:
+    (command,) = [c for c in sh_commands() if "runcell_celery.metrics" in c]
+    argv = shlex.split(command)
+    # Any free port here (the README's may be taken), on the README test's database.
+    argv = [a for a in argv if a not in ("--port", "9464")] + ["--port", "0"]
+    env = {**block_env, "RUNCELL_DATABASE_URL": block_env["DATABASE_URL"]}
+    proc = subprocess.Popen(
+        [str(ROOT / argv[0]), *argv[1:]],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert "listening on http://" in line, line
+        url = line.split("listening on ", 1)[1].split()[0].replace("0.0.0.0", "127.0.0.1")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=10) as response:
+            assert b"runcell_database_up 1.0" in response.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
+    assert proc.returncode == 0
