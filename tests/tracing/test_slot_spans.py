@@ -28,6 +28,7 @@ from runcell_celery import (
     create_concurrency_limiter,
     run,
     slot,
+    tracing,
 )
 from runcell_celery.admission import Admission, SlotDeferred
 from runcell_celery.ports import Parked, WaitEstimate
@@ -354,3 +355,23 @@ def test_a_failing_span_processor_never_fails_a_slot_nor_keeps_its_slot(
                 pass
     assert limiter.stats().active == 0
     assert any("recording a runcell span failed" in r.getMessage() for r in caplog.records)
+
+
+def test_an_api_without_the_provider_global_is_asked_at_every_slot(
+    no_tracer_provider: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback for an opentelemetry-api that renamed its private global: slower
+    (get_tracer_provider() per slot), still right."""
+    monkeypatch.setattr(tracing, "_peek", trace.get_tracer_provider)
+    monkeypatch.setattr(tracing, "_cache", (object(), None))
+    limiter = _limiter(1)
+    with slot(limiter):
+        pass
+    assert current_tracer() is None
+    recorded = set_tracer_provider()
+    try:
+        with slot(limiter):
+            pass
+        assert len(recorded.holds()) == 1
+    finally:
+        recorded.provider.shutdown()
