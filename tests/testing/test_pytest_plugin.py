@@ -9,8 +9,10 @@ several user tests, so the interpreter starts once.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -177,3 +179,18 @@ def test_loading_the_plugin_imports_neither_django_celery_nor_psycopg() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
     assert done.stdout.decode().strip() == "[]"
+
+
+# Two tests with a worker each, in a pytest of its own: about 20 s, so with the stress
+# suite (which CI runs too), not in the default run.
+@pytest.mark.stress
+def test_the_readmes_testing_example_passes_as_a_users_suite(pytester: pytest.Pytester) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (example,) = [
+        block
+        for block in re.findall(r"^```python\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+        if "runcell_test_settings" in block
+    ]
+    pytester.makepyfile(test_readme_example=example)
+    result = _run(pytester, "-p", "no:celery", "-p", "celery.contrib.pytest")
+    result.assert_outcomes(passed=2)
