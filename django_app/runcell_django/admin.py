@@ -34,6 +34,13 @@ from django.utils.translation import ngettext
 from runcell_celery.keys import split_key_name
 
 from . import conf
+from .display import (
+    clipped,
+    count_column,
+    short_time,
+    task_cell,
+    timestamp_field,
+)
 from .filters import EventKeyFilter, KeyFilter, LimiterFilter, QueueStateFilter, WorkloadFilter
 from .force_release import force_release as release_leases
 from .managers import GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
@@ -45,8 +52,10 @@ from .models import (
     Limiter,
     QueueEntry,
 )
+from .queue_summary import queue_summary
 from .state import LimiterState, format_duration, format_ms
 from .views import dashboard_view
+from .waiting import Reason, counts, why_it_waits
 
 __all__ = [
     "AdmissionCountAdmin",
@@ -65,15 +74,6 @@ else:
 
 _ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
 _ID_SEARCH_HELP = _("An exact run id (Celery task id), root run id or request id.")
-
-
-def _task(name: str | None, run_id: str | None) -> str:
-    """A task's name with its id (the run id) below it."""
-    return format_html(
-        '{}<br><span class="runcell-task-id" style="color:#666">{}</span>',
-        name or "-",
-        run_id or "-",
-    )
 
 
 def _queued(state: LimiterState) -> str:
@@ -133,10 +133,12 @@ class LimiterAdmin(ReadOnlyAdmin):
         "p95_wait",
         "settings_status",
         "last_fencing_token",
-        "created_at",
-        "updated_at",
+        "created",
+        "updated",
     )
     readonly_fields = (*fields, "keyed_limiter", "keys_summary", "busiest_keys")
+    created = timestamp_field(Limiter._meta.get_field("created_at"))
+    updated = timestamp_field(Limiter._meta.get_field("updated_at"))
 
     #: Rows of the busiest keys table on a keyed limiter's page.
     BUSIEST_KEYS = 20
@@ -324,15 +326,24 @@ class LimiterAdmin(ReadOnlyAdmin):
         return render_to_string("runcell_django/busiest_keys.html", context)
 
 
+def _lease_now(obj: Lease) -> datetime.datetime | None:
+    """The database's time when the lease was read (``acquired_at`` + ``age``)."""
+    age: datetime.timedelta | None = getattr(obj, "age", None)
+    return None if age is None else obj.acquired_at + age
+
+
 @admin.register(Lease)
 class LeaseAdmin(ReadOnlyAdmin):
+    """Slots held now. The list keeps what tells holders apart and how long they
+    have (task, process, token, age, expiry) within 1280 px; lineage, request id and
+    absolute times with seconds are on a lease's page, with its force release."""
+
     list_display = (
         "lease",
         "limiter_workload",
         "held_with",
         "task",
         "holder",
-        "lineage",
         "fencing_token",
         "age",
         "expires_in",
@@ -355,16 +366,20 @@ class LeaseAdmin(ReadOnlyAdmin):
         "held_with",
         "holder",
         "fencing_token",
-        "acquired_at",
-        "age",
-        "renewed_at",
-        "expires_at",
-        "expires_in",
+        "acquired",
+        "renewed",
+        "expires",
         "ttl_ms",
         "parked",
-        "picked_up_at",
+        "picked_up",
     )
     readonly_fields = fields
+
+    # Absolute times with seconds and how far from now (database time) they are.
+    acquired = timestamp_field(Lease._meta.get_field("acquired_at"), now=_lease_now)
+    renewed = timestamp_field(Lease._meta.get_field("renewed_at"), now=_lease_now)
+    expires = timestamp_field(Lease._meta.get_field("expires_at"), now=_lease_now)
+    picked_up = timestamp_field(Lease._meta.get_field("picked_up_at"), now=_lease_now)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         queryset = cast("LeaseQuerySet", super().get_queryset(request))
@@ -372,7 +387,7 @@ class LeaseAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("lease"), ordering="lease_id")
     def lease(self, obj: Lease) -> str:
-        return str(obj.lease_id)[:8]
+        return clipped(str(obj.lease_id))
 
     @admin.display(description=_("limiter"), ordering="limiter")
     def limiter_name(self, obj: Lease) -> str:
@@ -407,17 +422,11 @@ class LeaseAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("task and task id"), ordering="holder_name")
     def task(self, obj: Lease) -> str:
-        return _task(obj.holder_name, obj.run_id)
+        return task_cell(obj.holder_name, obj.run_id)
 
     @admin.display(description=_("holder"))
     def holder(self, obj: Lease) -> str:
         return f"{obj.holder_host or '?'} pid {obj.holder_pid or '?'}"
-
-    @admin.display(description=_("root / parent run"))
-    def lineage(self, obj: Lease) -> str:
-        if obj.root_run_id in (None, obj.run_id) and obj.parent_run_id is None:
-            return "-"
-        return f"{obj.root_run_id or '-'} / {obj.parent_run_id or '-'}"
 
     @admin.display(description=_("age"), ordering="acquired_at")
     def age(self, obj: Lease) -> str:
@@ -436,6 +445,22 @@ class LeaseAdmin(ReadOnlyAdmin):
     def parked_task(self, obj: Lease) -> bool:
         """Held for a deferred task that has not started again yet."""
         return obj.parked
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """A lease's page, with a force-release button for users allowed to: it posts
+        this lease to the list's force-release action (which asks to confirm)."""
+        context = {
+            "runcell_can_force_release": self.has_force_release_permission(request),
+            "runcell_action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            **(extra_context or {}),
+        }
+        return super().change_view(request, object_id, form_url, extra_context=context)
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         opts = self.opts
@@ -476,10 +501,32 @@ class LeaseAdmin(ReadOnlyAdmin):
         )
 
 
+def _queue_now(obj: QueueEntry) -> datetime.datetime | None:
+    """The database's time when the row was read (``enqueued_at`` + ``waited``)."""
+    waited: datetime.timedelta | None = getattr(obj, "waited", None)
+    return None if waited is None else obj.enqueued_at + waited
+
+
+def _reason(obj: QueueEntry) -> Reason | None:
+    """Why a request still in line waits (``None``: granted, or its limits unreadable),
+    from its limiter row fetched with it (``select_related``): no query."""
+    limiter = obj.limiter
+    limits = limiter.limits
+    if obj.granted_lease_id is not None or limits is None:
+        return None
+    active = counts(limiter.workloads, limiter.active)
+    waiting = counts(limiter.workloads, limiter.waiting)
+    return why_it_waits(limits, active, waiting, obj.workload, ahead=getattr(obj, "ahead", 0))
+
+
 @admin.register(QueueEntry)
 class QueueEntryAdmin(ReadOnlyAdmin):
+    """Requests waiting or parked, each with its place and why it waits; above the
+    list, a summary per limiter and workload (waiting, parked, oldest wait, why)."""
+
     list_display = (
         "place",
+        "why",
         "limiter_workload",
         "request_group",
         "state",
@@ -487,7 +534,6 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "waited",
         "deadline_left",
         "task",
-        "holder",
     )
     list_filter = (LimiterFilter, WorkloadFilter, QueueStateFilter)
     # The workload's priority comes from its limiter's stored limits.
@@ -504,11 +550,12 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "request_group",
         "state",
         "place",
+        "why",
         "in_progress",
         "priority",
-        "enqueued_at",
+        "enqueued",
         "waited",
-        "deadline",
+        "deadline_at",
         "deadline_left",
         "holder_name",
         "run_id",
@@ -516,10 +563,15 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "parent_run_id",
         "holder",
         "granted_lease_id",
-        "granted_at",
-        "published_at",
+        "granted",
+        "published",
     )
     readonly_fields = fields
+
+    enqueued = timestamp_field(QueueEntry._meta.get_field("enqueued_at"), now=_queue_now)
+    deadline_at = timestamp_field(QueueEntry._meta.get_field("deadline"), now=_queue_now)
+    granted = timestamp_field(QueueEntry._meta.get_field("granted_at"), now=_queue_now)
+    published = timestamp_field(QueueEntry._meta.get_field("published_at"), now=_queue_now)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         queryset = cast("QueueEntryQuerySet", super().get_queryset(request))
@@ -566,6 +618,38 @@ class QueueEntryAdmin(ReadOnlyAdmin):
             return "-"
         return f"#{getattr(obj, 'ahead', 0) + 1}"
 
+    @admin.display(description=_("why it waits"))
+    def why(self, obj: QueueEntry) -> str:
+        """What holds it back, by the allocation rules: others ahead in line, its
+        workload's ceiling, slots reserved for other workloads, the limit, a workload
+        of higher priority; for a request over several limiters, the others too."""
+        if getattr(obj, "stale", False):
+            return format_html(
+                '<span class="runcell-why" data-reason="abandoned">{}</span>',
+                _("abandoned: its process stopped polling"),
+            )
+        reason = _reason(obj)
+        if reason is None:
+            return "-"
+        waits_on: list[str] | None = getattr(obj, "waits_on", None)
+        if waits_on is not None and obj.limiter_id not in waits_on and waits_on:
+            text = "{} {}".format(_("room here; waits on"), ", ".join(waits_on))
+            return format_html(
+                '<span class="runcell-why" data-reason="other-limiters">{}</span>', text
+            )
+        return format_html(
+            '<span class="runcell-why" data-reason="{}">{}</span>', reason.code, reason.text
+        )
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)
+        if isinstance(context, dict) and "cl" in context:
+            context["runcell_summary"] = queue_summary(context["cl"].queryset)
+        return response
+
     @admin.display(description=_("priority"))
     def priority(self, obj: QueueEntry) -> str:
         limits = obj.limiter.limits
@@ -587,7 +671,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("task and task id"), ordering="holder_name")
     def task(self, obj: QueueEntry) -> str:
-        return _task(obj.holder_name, obj.run_id)
+        return task_cell(obj.holder_name, obj.run_id)
 
     @admin.display(description=_("holder"))
     def holder(self, obj: QueueEntry) -> str:
@@ -598,36 +682,47 @@ class QueueEntryAdmin(ReadOnlyAdmin):
 
 @admin.register(AdmissionCount)
 class AdmissionCountAdmin(ReadOnlyAdmin):
+    """Counts per task and limiter. Within 1280 px: headers wrap, counts from 10,000
+    on are written 12.3k (exact in the tooltip), the time of the last count is short."""
+
     list_display = (
         "task_name",
         "limiter",
-        "deliveries",
-        "deferrals",
-        "provider_attempts",
-        "provider_failures",
-        "concurrency_failures",
-        "updated_at",
+        *(
+            count_column(AdmissionCount, name)
+            for name in (
+                "deliveries",
+                "deferrals",
+                "provider_attempts",
+                "provider_failures",
+                "concurrency_failures",
+            )
+        ),
+        "last_counted",
     )
     list_display_links = None
     list_filter = (LimiterFilter,)
     search_fields = ("task_name",)
 
+    @admin.display(description=_("last counted at"), ordering="updated_at")
+    def last_counted(self, obj: AdmissionCount) -> str:
+        return short_time(obj.updated_at)
+
 
 @admin.register(ConcurrencyEvent)
 class ConcurrencyEventAdmin(ReadOnlyAdmin):
     list_display = (
-        "occurred_at",
+        "occurred",
         "type",
         "request_limiters",
-        "key_link",
         "workload",
-        "holder_name",
-        "run_id",
-        "request_id",
+        "key_link",
+        "task",
         "wait",
         "hold",
         "detail",
     )
+    list_display_links = ("occurred",)
     list_filter = (
         "type",
         LimiterFilter,
@@ -642,7 +737,7 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     fieldsets = (
-        (None, {"fields": ("type", "occurred_at", "limiter", "limiters", "key", "workload")}),
+        (None, {"fields": ("type", "occurred", "limiter", "limiters", "key", "workload")}),
         (
             _("run"),
             {"fields": ("holder_name", "run_id", "root_run_id", "parent_run_id", "request_id")},
@@ -653,7 +748,7 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
                 "fields": (
                     "lease_id",
                     "fencing_token",
-                    "deadline",
+                    "wait_deadline",
                     "wait_ms",
                     "hold_ms",
                     "outcome",
@@ -664,6 +759,20 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
         ),
         (_("recorded by"), {"fields": ("host", "pid", "actor", "dropped")}),
     )
+
+    wait_deadline = timestamp_field(ConcurrencyEvent._meta.get_field("deadline"))
+
+    readonly_fields = ("occurred", "wait_deadline")
+
+    @admin.display(description=_("occurred at"), ordering="occurred_at")
+    def occurred(self, obj: ConcurrencyEvent) -> str:
+        """On the list the time of day with seconds (its date unless today); on the
+        event's page the full date and time with seconds."""
+        return short_time(obj.occurred_at)
+
+    @admin.display(description=_("task and task id"), ordering="holder_name")
+    def task(self, obj: ConcurrencyEvent) -> str:
+        return task_cell(obj.holder_name, obj.run_id)
 
     @admin.display(description=_("limiters"), ordering="limiter")
     def request_limiters(self, obj: ConcurrencyEvent) -> str:
@@ -688,15 +797,24 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("details"))
     def detail(self, obj: ConcurrencyEvent) -> str:
+        """Outcome, reason and who, then the error's first two lines (the whole error
+        is the tooltip, and on the event's page)."""
         parts = [
             obj.outcome,
             obj.reason,
-            obj.error and obj.error[:80],
             obj.actor and f"by {obj.actor}",
             obj.dropped and f"{obj.dropped} dropped",
             obj.fencing_token is not None and f"token {obj.fencing_token}",
         ]
-        return " · ".join(str(p) for p in parts if p)
+        text = " · ".join(str(p) for p in parts if p)
+        if not obj.error:
+            return text
+        return format_html(
+            '{}<span class="runcell-error" title="{}">{}</span>',
+            f"{text} · " if text else "",
+            obj.error,
+            obj.error[:300],
+        )
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None

@@ -84,14 +84,15 @@ SEED = [
 #: Page -> the most queries it may make: 2 for the session and the user, then the
 #: page's own (paginator count, total count, rows, the filters' limiter list, and
 #: the events page's dropped-events warning; the dashboard's three series; the
-#: limiters' live counts: one statement on the backend's pool).
+#: limiters' live counts: one statement on the backend's pool; the queue page's
+#: summary: its counts grouped in the database, and the limiters they wait on).
 PAGES = {
     f"{ADMIN}/limiter/": 6,
     f"{ADMIN}/lease/": 6,
     f"{ADMIN}/lease/?limiter=claude&workload=interactive": 6,
     f"{ADMIN}/lease/?q=held-task-500": 6,
-    f"{ADMIN}/queueentry/": 6,
-    f"{ADMIN}/queueentry/?state=parked&limiter=gpt": 6,
+    f"{ADMIN}/queueentry/": 8,
+    f"{ADMIN}/queueentry/?state=parked&limiter=gpt": 8,
     f"{ADMIN}/concurrencyevent/": 6,
     f"{ADMIN}/concurrencyevent/?type__exact=acquired": 6,
     f"{ADMIN}/concurrencyevent/?limiter=gpt&workload=background": 6,
