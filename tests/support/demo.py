@@ -3,8 +3,10 @@
 ``demo_environment`` gives a run its own ``RUNCELL_DEMO_HOME`` (a directory every
 user may traverse: as root the embedded PostgreSQL runs as another user), its own
 Celery queue names, and by default its own database on the test server; the caller
-may point the services elsewhere. ``DemoProcess`` starts ``./demo`` in a session of
-its own, reads its output line by line and knows the processes it recorded.
+may point the services elsewhere. ``private_checkout`` is the other case: a copy of the
+checkout, with a virtualenv of its own, inside a directory only its owner may enter.
+``DemoProcess`` starts ``./demo`` in a session of its own, reads its output line by line
+and knows the processes it recorded.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -52,10 +56,64 @@ def demo_environment(*, own_database: bool = True) -> Iterator[dict[str, str]]:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def run_demo(args: list[str], env: dict[str, str], timeout: float = 240) -> tuple[int, str]:
-    """Run ``./demo ARGS`` to its end; return its exit code and output."""
+@contextlib.contextmanager
+def private_checkout() -> Iterator[tuple[Path, dict[str, str]]]:
+    """A fresh copy of the checkout (its tracked files, as a clone has them) inside a
+    0700 temporary directory, and the environment for running its ``./demo``.
+
+    Its ``.venv`` (``RUNCELL_VENV``) lies inside too, and holds its own copy of the
+    ``pgserver`` package, so the embedded PostgreSQL's binaries are out of reach of any
+    other user, as in a clone under ``/root``; the other packages come from this
+    checkout's virtualenv (a ``.pth`` line), so nothing is downloaded. The demo's files
+    are in the copy's ``.runcell/``, its default. Everything is removed afterwards.
+    """
+    outer = Path(tempfile.mkdtemp(prefix="runcell-private-"))  # mode 0700
+    checkout = outer / "runcell_celery"
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        for name in filter(None, listed.decode().split("\0")):
+            source = ROOT / name
+            if source.is_file():
+                (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, checkout / name)
+        venv = checkout / ".venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        site_packages = Path(
+            sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)})
+        )
+        ours = Path(sysconfig.get_path("purelib"))
+        for package in ("pgserver", "pgserver.libs"):  # the binaries load the libs
+            shutil.copytree(ours / package, site_packages / package, symlinks=True)
+        (site_packages / "runcell-checkout.pth").write_text(
+            f"import site; site.addsitedir({str(ours)!r})\n"
+        )
+        # ./demo installs the package when this stamp differs from pyproject.toml's cksum.
+        cksum = subprocess.run(
+            ["cksum", str(checkout / "pyproject.toml")], capture_output=True, text=True, check=True
+        )
+        (venv / ".runcell-demo-installed").write_text(cksum.stdout.split()[0] + "\n")
+        env = {
+            key: value for key, value in os.environ.items() if not key.startswith("RUNCELL_DEMO_")
+        }
+        env.update(
+            RUNCELL_VENV=str(venv),
+            RUNCELL_DEMO_QUEUE_PREFIX=f"runcell-demo-test-{uuid.uuid4().hex[:8]}",
+            PYTHONUNBUFFERED="1",
+        )
+        yield checkout, env
+    finally:
+        shutil.rmtree(outer, ignore_errors=True)
+
+
+def run_demo(
+    args: list[str], env: dict[str, str], timeout: float = 240, demo: Path = DEMO
+) -> tuple[int, str]:
+    """Run ``./demo ARGS`` (of this checkout, or ``demo``) to its end; return its exit
+    code and output."""
     done = subprocess.run(
-        [str(DEMO), *args],
+        [str(demo), *args],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
