@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Bar", "Chart", "Line", "bar", "line_chart"]
+from django.utils.translation import gettext as _
 
-WIDTH = 640
+__all__ = ["Bar", "Chart", "Line", "bar", "line_chart", "time_ticks"]
+
+WIDTH = 560
 HEIGHT = 180
 LEFT = 48
 RIGHT = 12
@@ -70,15 +72,21 @@ def line_chart(
     end: datetime.datetime,
     series: Mapping[str, tuple[str, Mapping[datetime.datetime, float]]],
     limit: tuple[str, float] | None = None,
-    unit: str = "",
+    value_format: Callable[[float], str] | None = None,
     bucket_s: int = 60,
 ) -> Chart:
     """Lay out bucketed ``series`` (label -> (color, {time: value})) over ``start..end``.
 
-    ``limit`` draws a dashed horizontal line (label, value), e.g. ``max_concurrent``.
-    Buckets (``bucket_s`` seconds) without a value leave a gap.
+    The chart has its own vertical scale, from 0 to a round number above its values
+    (and ``limit``): give each measure its own chart, or a small one vanishes under a
+    big one. ``limit`` draws a dashed horizontal line (label, value), e.g.
+    ``max_concurrent``, *under* the series: a series at the limit stays visible on
+    it. Buckets (``bucket_s`` seconds) without a value leave a gap. A series' legend
+    value is its latest point's. ``value_format`` writes values (ticks, legend):
+    the page's own duration format for waits, so the legend reads as the header.
     """
-    values = [v for _, points in series.values() for v in points.values()]
+    show = value_format or _plain
+    values = [v for _color, points in series.values() for v in points.values()]
     top_value = max([*values, limit[1] if limit else 0.0, 0.0])
     y_max = _nice_ceiling(top_value * 1.1 if top_value else 1.0)
     plot_w = WIDTH - LEFT - RIGHT
@@ -92,6 +100,16 @@ def line_chart(
         return TOP + plot_h * (1 - min(value / y_max, 1.0))
 
     lines: list[Line] = []
+    if limit is not None:
+        lines.append(
+            Line(
+                limit[0],
+                "#ba2121",
+                f"M{LEFT} {y(limit[1]):.1f} H{WIDTH - RIGHT}",
+                dashed=True,
+                last=show(limit[1]),
+            )
+        )
     for label, (color, points) in series.items():
         parts: list[str] = []
         dots: list[tuple[float, float]] = []
@@ -107,20 +125,12 @@ def line_chart(
                 label,
                 color,
                 " ".join(parts),
-                last="" if last is None else _fmt(last, unit),
+                last="" if last is None else show(last),
                 dots=tuple(dots),
             )
         )
-    if limit is not None:
-        lines.append(
-            Line(limit[0], "#ba2121", f"M{LEFT} {y(limit[1]):.1f} H{WIDTH - RIGHT}", dashed=True)
-        )
-    y_ticks = tuple(Tick(y(y_max * i / 4), _fmt(y_max * i / 4, unit)) for i in range(5))
-    x_ticks = []
-    for minutes_ago in (60, 45, 30, 15, 0):
-        at = end - datetime.timedelta(minutes=minutes_ago)
-        if at >= start:
-            x_ticks.append(Tick(x(at), "now" if minutes_ago == 0 else f"-{minutes_ago} min"))
+    y_ticks = tuple(Tick(y(y_max * i / 4), show(y_max * i / 4)) for i in range(5))
+    x_ticks = tuple(Tick(x(at), label) for at, label in time_ticks(start, end))
     return Chart(
         title=title,
         width=WIDTH,
@@ -131,14 +141,44 @@ def line_chart(
         bottom=HEIGHT - BOTTOM,
         lines=tuple(lines),
         y_ticks=y_ticks,
-        x_ticks=tuple(x_ticks),
+        x_ticks=x_ticks,
         empty=not values,
     )
 
 
-def _fmt(value: float, unit: str) -> str:
-    if unit == "ms":
-        return f"{value / 1000:.1f} s" if value >= 1000 else f"{value:.0f} ms"
+#: Steps between the time axis' labels, in seconds: the first giving at most
+#: :data:`MAX_TIME_TICKS` labels over the window is used.
+TIME_STEPS = (10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600)
+MAX_TIME_TICKS = 6
+
+
+def time_ticks(
+    start: datetime.datetime, end: datetime.datetime
+) -> list[tuple[datetime.datetime, str]]:
+    """Labels of the time axis, counted back from ``end`` ("now") in round steps that
+    suit the window: ``-30 s`` for a minute's run, ``-15 min`` for an hour."""
+    span = max((end - start).total_seconds(), 1.0)
+    step = next((s for s in TIME_STEPS if span / s <= MAX_TIME_TICKS - 1), TIME_STEPS[-1])
+    ticks = []
+    back = 0
+    while back <= span:
+        ticks.append((end - datetime.timedelta(seconds=back), _ago(back)))
+        back += step
+    return ticks[::-1]
+
+
+def _ago(seconds: int) -> str:
+    """``now``, ``-90 s``, ``-15 min``, ``-2 h``, ``-1.5 h``: whole units only."""
+    if seconds == 0:
+        return _("now")
+    if seconds % 60:
+        return f"-{seconds} s"
+    if seconds < 3600 or seconds % 1800:
+        return f"-{seconds // 60} min"
+    return f"-{seconds // 3600} h" if seconds % 3600 == 0 else f"-{seconds / 3600:.1f} h"
+
+
+def _plain(value: float) -> str:
     return f"{value:g}"
 
 

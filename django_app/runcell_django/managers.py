@@ -265,7 +265,8 @@ class EventManager(_RunCellManager):
             return list(cursor.fetchall())
 
     def wait_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
-        """``(limiter, bucket, p50, p95, max, count)`` of acquired slots' waits."""
+        """``(limiter, bucket, p50, p95, max, count, longest)``: acquired slots' waits,
+        and the longest wait during the bucket, waits in progress included."""
         return self._raw(sql.WAIT_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
 
     def occupancy_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
