@@ -10,7 +10,8 @@ that failed without the caller adding anything::
     ├── ConcurrencyQueueFullError    max_queued requests already wait; provider not called
     ├── ConcurrencyLimiterError      the limiter or its database failed; fails closed
     ├── ConcurrencyConfigError       invalid settings, unknown workload, conflicting limits
-    │   └── ConcurrencyHeaderError   a task message carries a malformed runcell header
+    │   ├── ConcurrencyHeaderError   a task message carries a malformed runcell header
+    │   └── ConcurrencyNoLimiterError  slot() with no limiter, outside any run that has one
     ├── ConcurrencyLeaseLostError    the slot could not be kept (renewal, max_hold_ms)
     └── ConcurrencyCancelledError    the run was cancelled while it waited or held a slot
 
@@ -26,6 +27,7 @@ __all__ = [
     "ConcurrencyHeaderError",
     "ConcurrencyLeaseLostError",
     "ConcurrencyLimiterError",
+    "ConcurrencyNoLimiterError",
     "ConcurrencyQueueFullError",
     "ConcurrencyTimeoutError",
 ]
@@ -109,6 +111,14 @@ class ConcurrencyHeaderError(ConcurrencyConfigError):
     starts (its body does not run) and the message names the header and the value.
     A subclass of :class:`ConcurrencyConfigError`, so code that stops on bad
     configuration stops on it too.
+    """
+
+
+class ConcurrencyNoLimiterError(ConcurrencyConfigError):
+    """``slot()`` named no limiter and its run has none (or there is no run).
+
+    Its own class so a layer that knows why the run has none (a Celery task declared
+    with ``concurrency={}``) can say so, naming the task and what to add.
     """
 
 

@@ -28,6 +28,7 @@ from .errors import (
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
     ConcurrencyError,
+    ConcurrencyNoLimiterError,
     ConcurrencyTimeoutError,
 )
 from .events import ConcurrencyEvent, EventType, describe_error, emit, has_listeners
@@ -259,7 +260,7 @@ def build_request(
         limiter = run.limiter
     resolved_id = request_id or new_request_id()
     if limiter is None:
-        raise ConcurrencyConfigError(
+        raise ConcurrencyNoLimiterError(
             "slot() has no limiter: pass one, or call it inside run(limiter=...) or a RunCellTask",
             run_id=run.run_id,
             root_run_id=run.root_run_id,
@@ -309,7 +310,7 @@ def _outside_any_run(
     resolved_id = request_id or new_request_id()
     lineage = RunLineage(resolved_id, resolved_id)
     if limiter is None:
-        raise ConcurrencyConfigError(
+        raise ConcurrencyNoLimiterError(
             "slot() has no limiter: pass one, or call it inside run(limiter=...) or a RunCellTask",
             run_id=resolved_id,
             root_run_id=resolved_id,

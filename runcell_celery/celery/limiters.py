@@ -10,6 +10,7 @@ the limiter of the run's key (``registry.get("tenant").key("acme")``, named
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -25,6 +26,7 @@ from ..registry import LimiterRegistry
 __all__ = [
     "body_signature",
     "by_name",
+    "declared_at",
     "is_keyed",
     "key_of",
     "limiter_argument",
@@ -59,6 +61,26 @@ def body_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     return signature.replace(parameters=parameters)
 
 
+def declared_at(cls: type[Task[Any, Any]]) -> str | None:
+    """``agents/tasks.py:42``: where the task's body is declared (its decorator's line),
+    so that an error raised when Celery binds the task (at app finalisation, far from
+    the decorator) still leads to the declaration; ``None`` if unknown."""
+    raw = inspect.getattr_static(cls, "run", None)
+    function = getattr(raw, "__func__", raw)
+    code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+    if code is None:
+        return None
+    return f"{_shown_path(code.co_filename)}:{code.co_firstlineno}"
+
+
+def _shown_path(filename: str) -> str:
+    """A file name relative to the working directory when it is below it."""
+    try:
+        return os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+
+
 def require(registry: LimiterRegistry, name: str, where: str) -> None:
     """Raise unless the registry knows ``name``; the error names the task."""
     try:
@@ -87,7 +109,18 @@ def validate_workload(
     default.
     """
     if len(names) == 1:
-        registry.validate(names[0], workload)
+        try:
+            registry.validate(names[0], workload)
+        except ConcurrencyConfigError as exc:
+            if exc.workload is None:  # an unknown limiter: the message names it
+                raise ConcurrencyConfigError(f"{where}: {exc.message}", limiter=names[0]) from None
+            raise ConcurrencyConfigError(
+                f"{where}['workload'] = {workload!r} is invalid: {exc.message} (its "
+                f'workloads are {registry.settings_path}["LIMITERS"]["{names[0]}"]'
+                '["workloads"])',
+                limiter=names[0],
+                workload=workload,
+            ) from None
         return
     if workload is None:
         return

@@ -62,7 +62,12 @@ from ..cancellation import CancellationToken
 from ..config import MAX_DURATION_MS
 from ..context import RunContext, current_run, run
 from ..deadline import Deadline
-from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
+from ..errors import (
+    ConcurrencyConfigError,
+    ConcurrencyError,
+    ConcurrencyLimiterError,
+    ConcurrencyNoLimiterError,
+)
 from ..ports import RunStore
 from ..protocol import (
     ConcurrencyLimiter,
@@ -77,6 +82,7 @@ from .deferral import DuplicateDelivery, admission_for
 from .limiters import (
     body_signature,
     by_name,
+    declared_at,
     is_keyed,
     key_of,
     limiter_argument,
@@ -125,6 +131,18 @@ class RunCellTask(Task[Any, Any]):
         super().on_bound(app)
         if not getattr(cls, "name", None):
             return  # the abstract base itself
+        try:
+            cls._bind_concurrency(app)
+        except ConcurrencyConfigError as exc:
+            # Celery binds tasks at app finalisation, far from the decorator: say where
+            # the task is declared.
+            site = declared_at(cls)
+            if site is None:
+                raise
+            raise type(exc)(f"{exc.message} (task declared at {site})", **exc.fields()) from None
+
+    @classmethod
+    def _bind_concurrency(cls, app: Celery) -> None:
         spec = (
             TaskConcurrency.parse(cls.concurrency, task_name=cls.name)
             if cls.concurrency is not None
@@ -163,6 +181,22 @@ class RunCellTask(Task[Any, Any]):
         # A deferral is not "ignored" work: Celery's line for it is replaced by ours.
         logging.getLogger("celery.app.trace").addFilter(_HIDE_SET_ASIDE)
         ensure_wired(app)
+
+    def _no_limiter(self, exc: ConcurrencyNoLimiterError) -> ConcurrencyNoLimiterError:
+        """What is wrong when the body's ``slot()`` finds no limiter: the task declares
+        none and no task with one sent it."""
+        names = registry_for(self.app).names()
+        example = names[0] if names else "llm"
+        known = ", ".join(map(repr, names)) or "none configured"
+        site = declared_at(type(self))
+        return ConcurrencyNoLimiterError(
+            f"task {self.name!r}{f' ({site})' if site else ''} called slot() with no "
+            f"limiter: its concurrency="
+            f"{dict(self.concurrency or {})!r} declares no 'limiter', and it was not sent "
+            "by a task that has one. Declare one, e.g. concurrency={'limiter': "
+            f"{example!r}}} (known: {known}), or pass it: slot(limiter)",
+            **exc.fields(),
+        )
 
     # -- sending ------------------------------------------------------------------------
 
@@ -224,7 +258,10 @@ class RunCellTask(Task[Any, Any]):
             and headers.read(request, headers.PARENT) is None
             and current_run() is None
         ):
-            return super().__call__(*args, **kwargs)  # nothing to limit
+            try:
+                return super().__call__(*args, **kwargs)  # nothing to limit
+            except ConcurrencyNoLimiterError as exc:
+                raise self._no_limiter(exc).with_traceback(exc.__traceback__) from None
         counters = ensure_wired(self.app).counters
         # Every delivery is counted before anything can fail; a failure before the run
         # asks for a slot emits no event, so it is counted here, not by the listener.
