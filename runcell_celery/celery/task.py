@@ -51,7 +51,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from billiard.exceptions import Terminated
 from celery import Celery, Task
@@ -101,8 +101,15 @@ logger = logging.getLogger("runcell_celery.celery")
 register_interrupt(SoftTimeLimitExceeded)
 register_interrupt(Terminated)
 
+if TYPE_CHECKING:
+    _Task = Task[Any, Any]
+else:
+    # celery-types makes Task generic; Celery itself only accepts Task[...] from 5.5
+    # on, and pyproject admits 5.4 (noxfile.py's oldest session imports this module).
+    _Task = Task
 
-class RunCellTask(Task[Any, Any]):
+
+class RunCellTask(_Task):
     """Base class for tasks whose provider calls share concurrency limits.
 
     Task option ``concurrency`` (a dict): ``limiter`` (a registry name, or a list of
