@@ -194,7 +194,12 @@ class Slot:
         asked, cancel, cleanups = self._ask()
         started = time.monotonic()
         if isinstance(asked, SeveralRequest):
-            _give_back_admitted(asked)
+            adopted_several = _adopt_several(asked, cleanups)
+            if adopted_several is not None:
+                asked, leases, waited_ms = adopted_several
+                return self._granted_several(
+                    asked, leases, started, cancel, cleanups, None, waited_ms
+                )
             try:
                 leases = _acquire_several(asked, cancel)
             except BaseException as exc:
@@ -215,7 +220,12 @@ class Slot:
         started = time.monotonic()
         task = asyncio.current_task()
         if isinstance(asked, SeveralRequest):
-            _give_back_admitted(asked)
+            adopted_several = _adopt_several(asked, cleanups)
+            if adopted_several is not None:
+                asked, leases, waited_ms = adopted_several
+                return self._granted_several(
+                    asked, leases, started, cancel, cleanups, task, waited_ms
+                )
             try:
                 leases = await _acquire_several_async(asked, cancel)
             except BaseException as exc:
@@ -334,6 +344,7 @@ class Slot:
         cancel: CancellationToken | None,
         cleanups: list[Callable[[], object]],
         task: asyncio.Task[Any] | None,
+        waited_ms: float | None = None,
     ) -> Slot:
         """As :meth:`_granted`, for one lease in each of several limiters."""
         for lease in leases:
@@ -355,7 +366,7 @@ class Slot:
             task=task,
             cleanups=cleanups,
         )
-        return self._start_hold(hold, asked, leases[0], started, cancel, None)
+        return self._start_hold(hold, asked, leases[0], started, cancel, waited_ms)
 
     def _start_hold(
         self,
@@ -520,6 +531,41 @@ def _adopt(
     return asked, lease, admitted.wait_ms
 
 
+def _adopt_several(
+    asked: SeveralRequest, cleanups: list[Callable[[], object]]
+) -> tuple[SeveralRequest, tuple[Lease, ...], float] | None:
+    """:func:`_adopt` for a request over several limiters: the slots admitted before
+    the body over the same limiters and workloads, their leases in ``asked``'s order.
+    Slots admitted for anything else are given back first: a run never holds part of
+    its slots while it waits for others."""
+    run = asked.run
+    admission = run.admission if run is not None else None
+    if admission is None:
+        return None
+    admitted = admission.first_slot_several(asked.limiters, [r.workload for r in asked.requests])
+    if admitted is None:
+        return None
+    kept = admitted.hand_over()
+    if kept is None:  # released meanwhile (cancelled, budget ended): ask as usual
+        return None
+    by_limiter = {id(x): lease for x, lease in zip(admitted.limiters, admitted.leases, strict=True)}
+    leases = tuple(by_limiter[id(x)] for x in asked.limiters)
+    request_id = admitted.slot_request.request.request_id
+    if asked.request.request_id != request_id:
+        requests = tuple(dataclasses.replace(r, request_id=request_id) for r in asked.requests)
+        asked = SeveralRequest(run, asked.limiters, requests, asked.key)
+    if kept == "lost":
+        for cleanup in cleanups:
+            cleanup()
+        lost = leases[0]
+        asked.event("lease-lost", lease_id=lost.lease_id, hold_ms=0.0, reason="renewal", error=None)
+        for limiter, lease in zip(asked.limiters, leases, strict=True):
+            with contextlib.suppress(Exception):  # lost already: the limiter may know it
+                limiter.release(lease, "lease-lost")
+        raise abort_error(asked, lost, "lease-lost")
+    return asked, leases, admitted.wait_ms
+
+
 def _pre_admitted_lost(
     asked: SlotRequest, lease: Lease, cleanups: list[Callable[[], object]]
 ) -> NoReturn:
@@ -546,6 +592,9 @@ def preadmit(admission: Admission) -> None:
     run = current_run()
     if run is None:
         raise RuntimeError("preadmit() needs the run whose first slot it admits")
+    if admission.acquire_several is not None:
+        _preadmit_several(run, admission)
+        return
     try:
         asked = build_request(run, admission.limiter, request_id=admission.request_id)
     except ConcurrencyError as exc:
@@ -564,14 +613,30 @@ def preadmit(admission: Admission) -> None:
     admission.hold(PreAdmitted(asked, lease, wait_ms=waited_ms), run.deadline, run.cancel)
 
 
-def _give_back_admitted(asked: SeveralRequest) -> None:
-    """A run's first request over several limiters cannot adopt the one slot admitted
-    before the body (it would hold part of its slots while it waits): give it back."""
-    run = asked.run
-    admission = run.admission if run is not None else None
-    if admission is not None and admission.admitted is not None:
-        # No request's workload is "": the admitted slot never matches, so it is released.
-        admission.first_slot(asked.limiter, "")
+def _preadmit_several(run: RunContext, admission: Admission) -> None:
+    """:func:`preadmit` for a run over several limiters: one request over all of them
+    (granted together, or parked as one)."""
+    assert admission.acquire_several is not None
+    try:
+        asked = build_several(run, admission.limiters, request_id=admission.request_id)
+    except ConcurrencyError as exc:
+        names = tuple(x.name for x in admission.limiters)
+        report_refusal(exc, run.name, limiters=names, key=run.key)
+        raise
+    started = time.monotonic()
+    try:
+        leases = admission.acquire_several(
+            asked.limiters, asked.requests, run.cancel, asked.wait_started
+        )
+        leases = _check_leases(asked, tuple(leases))
+    except SlotDeferred:
+        tracing.wait_deferred(asked, started, admission.parked)
+        raise
+    except BaseException as exc:
+        Slot._not_granted(asked, exc, started, [])
+    tracing.wait_granted(asked, started, leases)
+    waited_ms = (time.monotonic() - started) * 1000
+    admission.hold(PreAdmitted(asked, leases, wait_ms=waited_ms), run.deadline, run.cancel)
 
 
 def _acquire_several(asked: SeveralRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:

@@ -68,7 +68,7 @@ from ..errors import (
     ConcurrencyLimiterError,
     ConcurrencyNoLimiterError,
 )
-from ..ports import RunStore
+from ..ports import RunStore, SupportsSeveralParking
 from ..protocol import (
     ConcurrencyLimiter,
     SupportsStats,
@@ -376,12 +376,11 @@ class RunCellTask(_Task):
             )
         key = self._delivered_key(spec, carried, args, kwargs)
         limiters = self._run_limiters(registry, spec, key)
-        limiter = limiters[0] if limiters else None
         inherited = current_run()
-        effective = limiter or (inherited.limiter if inherited is not None else None)
+        effective = limiters or (inherited.limiters if inherited is not None else ())
         budget = self._budget(request, spec, carried, registry)
         admission = None
-        if spec.admission == "defer" and effective is not None and not request.is_eager:
+        if spec.admission == "defer" and effective and not request.is_eager:
             admission = admission_for(
                 self, request, effective, spec, deadline_at=budget.carried_unix()
             )
@@ -639,6 +638,13 @@ def _log_deferral(
 
 
 def _withdraw(admission: Admission | None) -> None:
-    """Give up the queue place (or parked grant) of a run that will not use it."""
-    if admission is not None and isinstance(admission.limiter, SupportsWithdraw):
-        admission.limiter.withdraw(admission.request_id)
+    """Give up the queue place (or parked grant) of a run that will not use it: in
+    every limiter, for a run over several."""
+    if admission is None:
+        return
+    first = admission.limiter
+    if len(admission.limiters) > 1:
+        if isinstance(first, SupportsSeveralParking):
+            first.withdraw_several(admission.limiters, admission.request_id)
+    elif isinstance(first, SupportsWithdraw):
+        first.withdraw(admission.request_id)
