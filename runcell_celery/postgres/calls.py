@@ -24,7 +24,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .connection import Connection, Database
+from .connection import Connection, Database, PoolBusy
 
 __all__ = [
     "LOCK_WAIT_CAP_MS",
@@ -149,10 +149,11 @@ def call(
         except PoolTimeout as exc:  # (a psycopg.Error too: caught first)
             if lock_timeout_ms < LOCK_WAIT_CAP_MS:
                 raise RowBusyError(_describe(exc), maybe_done=lost) from exc
-            if _saturated(database):
+            if isinstance(exc, PoolBusy):
                 # Every connection is open and in use by this process's other calls
-                # (thousands of threads asking at once): the database is there, so a
-                # caller without a deadline waits its turn instead of failing.
+                # (thousands of threads asking at once) and the database answers: a
+                # caller without a deadline waits its turn instead of failing. (A pool
+                # that only looks full while the database is down fails closed.)
                 attempt -= 1
                 continue
             raise CallFailedError(_describe(exc), maybe_done=lost) from exc
@@ -189,14 +190,6 @@ def call(
                 continue
             raise CallFailedError(_describe(exc)) from exc
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _saturated(database: Database) -> bool:
-    """Whether the pool has every connection it may open, all lent out (busy, not down)."""
-    stats = database.pool.get_stats()
-    return bool(
-        stats.get("pool_size", 0) >= database.pool.max_size and stats.get("pool_available", 0) == 0
-    )
 
 
 def _send(conn: Connection, query: LiteralString, params: Mapping[str, Any], *, rows: bool) -> Any:

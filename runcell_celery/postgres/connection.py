@@ -18,17 +18,18 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, LiteralString
 
 import psycopg
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..background import ProcessLocal
 from .options import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE
 
-__all__ = ["Database", "fetch_all", "fetch_one", "redacted"]
+__all__ = ["Database", "PoolBusy", "fetch_all", "fetch_one", "redacted"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -42,6 +43,11 @@ KEEPALIVES: dict[str, Any] = {
     "keepalives_interval": 3,
     "keepalives_count": 3,
 }
+
+
+class PoolBusy(PoolTimeout):
+    """No connection within the wait because every one the pool may open is lent out,
+    while the database itself answers (many threads at once, not an outage)."""
 
 
 class _Pools:
@@ -150,12 +156,66 @@ class Database:
         :param timeout: wait at most this long for one (default: the pool's timeout,
             ``connect_timeout_ms``).
         """
-        with self.pool.connection(timeout=timeout) as conn:
-            yield conn
+        pool = self.pool
+        lent = False
+        try:
+            with pool.connection(timeout=timeout) as conn:
+                lent = True
+                yield conn
+        except PoolTimeout as exc:
+            if lent:
+                raise
+            raise self._explained(exc, pool) from exc
+
+    def _explained(self, exc: PoolTimeout, pool: ConnectionPool[Any]) -> PoolTimeout:
+        """``couldn't get a connection after 5.00 sec`` with why. The pool only logs its
+        failed attempts, so one direct attempt finds the cause (at most one a second
+        per database: an outage does not turn each failed call into a connection
+        attempt). A pool whose connections all look lent out while the database
+        answers is busy, not down: :class:`PoolBusy`."""
+        cause = _diagnoses.get().cause(self.conninfo, self._timeout)
+        if cause is not None:
+            return PoolTimeout(f"{exc} ({cause})")
+        stats = pool.get_stats()
+        if stats.get("pool_size", 0) >= pool.max_size and stats.get("pool_available", 0) == 0:
+            return PoolBusy(f"{exc} (all {pool.max_size} connections of the pool in use)")
+        return PoolTimeout(str(exc))
 
     def direct_connection(self, **kwargs: Any) -> Connection:
         """Open a connection outside the pool (the listener's), in autocommit mode."""
         return psycopg.connect(self.conninfo, autocommit=True, **{**KEEPALIVES, **kwargs})
+
+
+#: How long one direct attempt's finding stands for the calls that fail after it.
+DIAGNOSIS_TTL_S = 1.0
+
+
+class _Diagnoses:
+    """This process's latest finding per database: why no connection could be had."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.found: dict[str, tuple[float, str | None]] = {}
+
+    def cause(self, conninfo: str, timeout_s: float) -> str | None:
+        """The error a direct connection attempt gets now (``None``: it connected, so
+        the database came back or the pool was only slow)."""
+        with self.lock:
+            found = self.found.get(conninfo)
+            if found is not None and time.monotonic() - found[0] < DIAGNOSIS_TTL_S:
+                return found[1]
+            try:
+                psycopg.connect(
+                    conninfo, autocommit=True, connect_timeout=max(1, min(2, int(timeout_s)))
+                ).close()
+                cause = None
+            except psycopg.Error as exc:
+                cause = " ".join(str(exc).split()) or type(exc).__name__
+            self.found[conninfo] = (time.monotonic(), cause)
+            return cause
+
+
+_diagnoses: ProcessLocal[_Diagnoses] = ProcessLocal(_Diagnoses)
 
 
 def redacted(conninfo: str) -> str:
