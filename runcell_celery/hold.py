@@ -32,7 +32,7 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import describe_error, has_listeners
-from .keeper import LeaseKeeper, get_keeper
+from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper
 from .protocol import ConcurrencyLimiter, Lease, Outcome
 from .request import SeveralRequest, SlotRequest
 
@@ -118,6 +118,8 @@ class Hold:
         self._keeper_key = 0
         #: The lease whose loss aborted the hold, when not ``lease`` (several leases).
         self._lost_lease: Lease | None = None
+        #: Why the lease was lost, when the limiter said (``force-released by alice``).
+        self._lost_why: str | None = None
         #: Its ``runcell.slot.hold`` span, when a tracer provider is set.
         self.trace: HoldSpan | None = None
 
@@ -185,7 +187,8 @@ class Hold:
             self.trace.end(reason or outcome_of(exc))
         if reason is None:
             return None
-        return abort_error(self.slot_request, self._lost_lease or self.lease, reason)
+        lease = self._lost_lease or self.lease
+        return abort_error(self.slot_request, lease, reason, why=self._lost_why)
 
     def settle_task(self) -> None:
         """Take back the cancellation an abort sent the task to stop its body, so it
@@ -248,6 +251,8 @@ class Hold:
             callbacks: list[Callable[[], object]] = []
             if first:
                 self._abort_reason = reason
+                if isinstance(error, LeaseTakenBackError):
+                    self._lost_why = error.reason
                 callbacks, self._abort_callbacks = self._abort_callbacks, []
             if release_now:
                 self._released = True
@@ -256,7 +261,7 @@ class Hold:
                 "lease-lost",
                 lease_id=(self._lost_lease or self.lease).lease_id,
                 hold_ms=(time.monotonic() - self.held_since) * 1000,
-                reason="max-hold" if reason == "max-hold" else "renewal",
+                reason="max-hold" if reason == "max-hold" else _lost_reason(error),
                 error=describe_error(error) if error is not None else None,
             )
         if release_now:
@@ -285,8 +290,20 @@ class Hold:
                 self._task.cancel()
 
 
-def abort_error(slot_request: SlotRequest, lease: Lease, reason: AbortReason) -> ConcurrencyError:
-    """The error that replaces the result of a body whose hold was aborted."""
+def _lost_reason(error: BaseException | None) -> str:
+    """The ``lease-lost`` event's reason: what the limiter said (``force-released by
+    alice``), else ``renewal`` (not renewed in time, or the limiter no longer had it)."""
+    return error.reason if isinstance(error, LeaseTakenBackError) else "renewal"
+
+
+def abort_error(
+    slot_request: SlotRequest, lease: Lease, reason: AbortReason, *, why: str | None = None
+) -> ConcurrencyError:
+    """The error that replaces the result of a body whose hold was aborted.
+
+    :param why: why a lost lease was lost, when the limiter said (``force-released by
+        alice``); otherwise it "could not be renewed".
+    """
     name = slot_request.limiter.name
     if isinstance(slot_request, SeveralRequest):
         name = lease.limiter  # the lease lost, of whichever limiter
@@ -294,7 +311,7 @@ def abort_error(slot_request: SlotRequest, lease: Lease, reason: AbortReason) ->
     cls: type[ConcurrencyError]
     if reason == "lease-lost":
         cls = ConcurrencyLeaseLostError
-        message = f"lost slot {lease_id} of limiter {name!r}: it could not be renewed"
+        message = f"lost slot {lease_id} of limiter {name!r}: {why or 'it could not be renewed'}"
     elif reason == "max-hold":
         cls = ConcurrencyLeaseLostError
         message = f"slot {lease_id} of limiter {name!r} was held past max_hold_ms"

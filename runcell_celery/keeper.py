@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 from .background import BackgroundLoop, ProcessLocal
 from .deadline import Deadline
@@ -46,6 +46,27 @@ MAX_SLEEP_SECONDS = 60.0
 #: costs the keeper nothing, where waking it for every hold would cost a thread
 #: switch per provider call.
 IDLE_TICK_SECONDS = 1.0
+
+
+@runtime_checkable
+class SupportsLossReason(Protocol):
+    """A limiter that can say why it no longer holds a lease (an operator took it back)."""
+
+    def loss_reason(self, lease: Lease) -> str | None:
+        """``"force-released by alice"``, or ``None`` when it does not know."""
+        ...
+
+
+class LeaseTakenBackError(Exception):
+    """Why a lease was lost, when the limiter knows (``force-released by alice``).
+
+    The keeper hands it to :meth:`LeaseHolder.lease_lost` as the error, so a holder
+    that reads no reason still works.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class LeaseHolder(Protocol):
@@ -227,7 +248,7 @@ class LeaseKeeper:
                 self.forget(key)
             elif renewed is None:
                 self.forget(key)
-                _safely(holder.lease_lost, None)
+                _safely(holder.lease_lost, _why_lost(limiter, lease))
             else:
                 entry.renew_at = sent_at + entry.ttl * RENEW_FRACTION
                 bound = renewed.valid_until
@@ -239,6 +260,19 @@ def _renew(limiter: ConcurrencyLimiter, leases: Sequence[Lease]) -> Mapping[str,
     if len(leases) > 1 and supports(limiter, SupportsRenewMany):
         return cast(SupportsRenewMany, limiter).renew_many(leases)
     return {lease.lease_id: limiter.renew(lease) for lease in leases}
+
+
+def _why_lost(limiter: ConcurrencyLimiter, lease: Lease) -> LeaseTakenBackError | None:
+    """Ask the limiter why it no longer holds ``lease`` (one read, only when a lease is
+    lost); ``None`` when it cannot say."""
+    if not supports(limiter, SupportsLossReason):
+        return None
+    try:
+        reason = cast(SupportsLossReason, limiter).loss_reason(lease)
+    except Exception as exc:  # the loss stands; only its reason is unknown
+        logger.info("runcell lease keeper: why %s was lost is unknown: %s", lease.lease_id, exc)
+        return None
+    return LeaseTakenBackError(reason) if reason else None
 
 
 def _safely(call: Callable[..., T], *args: object) -> T | None:

@@ -38,7 +38,7 @@ def force_release(lease_ids: Sequence[str], *, actor: str) -> list[ReleasedLease
     :returns: the leases released (those already gone are left out).
     :raises ConcurrencyConfigError: no PostgreSQL backend is configured.
     """
-    released = conf.postgres_backend().force_release([str(i) for i in lease_ids])
+    released = conf.postgres_backend().force_release([str(i) for i in lease_ids], actor=actor)
     now = timezone.now()
     alias = conf.database_alias() or router.db_for_write(ConcurrencyEvent)
     with transaction.atomic(using=alias):

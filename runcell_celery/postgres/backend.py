@@ -313,7 +313,9 @@ class PostgresBackend:
 
     # -- operators ----------------------------------------------------------------------
 
-    def force_release(self, lease_ids: Sequence[str]) -> list[ReleasedLease]:
+    def force_release(
+        self, lease_ids: Sequence[str], *, actor: str | None = None
+    ) -> list[ReleasedLease]:
         """Take slots back from their holders now and give them to the next waiters.
 
         The leases are expired in database time, then each affected limiter runs an
@@ -322,9 +324,11 @@ class PostgresBackend:
         by the allocation rules. The holder finds out at its next renewal and its
         provider call is aborted; until then the fencing token protects the provider.
 
+        :param actor: who released them (a user name): the holder's lease-lost error
+            and event then say ``force-released by <actor>``.
         :returns: the leases released (those already gone are left out).
         """
-        params = {"lease_ids": [str(lease_id) for lease_id in lease_ids]}
+        params = {"lease_ids": [str(lease_id) for lease_id in lease_ids], "actor": actor}
         released = [ReleasedLease(*row) for row in self._fetch(statements.EXPIRE_LEASES, params)]
         self.reap(sorted({lease.limiter for lease in released}))
         return released

@@ -804,6 +804,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """Extend ``lease`` by its TTL (database time); ``None`` if no longer held."""
         return self.renew_many([lease])[lease.lease_id]
 
+    def loss_reason(self, lease: Lease) -> str | None:
+        """Why ``lease`` is no longer held, when an operator took it back:
+        ``"force-released by alice"`` (:meth:`PostgresBackend.force_release
+        <runcell_celery.postgres.PostgresBackend.force_release>`); ``None`` otherwise."""
+        rows = self.fetch(statements.FORCE_RELEASED_BY, {"lease_id": lease.lease_id})
+        return f"force-released by {rows[0][0]}" if rows and rows[0][0] else None
+
     def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
         """Renew several leases of this limiter in one statement."""
         if not leases:

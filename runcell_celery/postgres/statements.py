@@ -189,11 +189,29 @@ SELECT workloads, active, waiting FROM runcell_limiter WHERE name = %(limiter)s
 
 #: Expire leases now (force release), so the next allocation pass reaps them like a
 #: crashed holder's (a parked task's grant goes back in line) and renewals fail.
+#: An operator's force release: expire the leases and, in the same transaction, note
+#: who did it where the holder looks when its renewal finds the lease gone
+#: (``runcell_operation``, keyed by the lease id; purged by age like the others).
 EXPIRE_LEASES: LiteralString = """
-UPDATE runcell_lease SET expires_at = clock_timestamp()
-WHERE lease_id = ANY(%(lease_ids)s::uuid[]) AND expires_at > clock_timestamp()
-RETURNING lease_id::text, limiter, workload, request_id, fencing_token, run_id, root_run_id,
-          parent_run_id, holder_name
+WITH expired AS (
+    UPDATE runcell_lease SET expires_at = clock_timestamp()
+    WHERE lease_id = ANY(%(lease_ids)s::uuid[]) AND expires_at > clock_timestamp()
+    RETURNING lease_id, limiter, workload, request_id, fencing_token, run_id, root_run_id,
+              parent_run_id, holder_name
+), noted AS (
+    INSERT INTO runcell_operation (op_id, result)
+    SELECT lease_id, jsonb_build_object('force_released_by', %(actor)s::text) FROM expired
+    WHERE %(actor)s::text IS NOT NULL
+    ON CONFLICT (op_id) DO NOTHING
+)
+SELECT lease_id::text, limiter, workload, request_id, fencing_token, run_id, root_run_id,
+       parent_run_id, holder_name
+FROM expired
+"""
+
+#: Who force-released a lease, if an operator did (see ``EXPIRE_LEASES``).
+FORCE_RELEASED_BY: LiteralString = """
+SELECT result->>'force_released_by' FROM runcell_operation WHERE op_id = %(lease_id)s::uuid
 """
 
 #: The limits stored for every limiter (or the named ones).
