@@ -218,17 +218,18 @@ def render(summary: Summary) -> str:
     lines += [
         "",
         f"  {'task':<30}{'deliveries':>11}{'deferrals':>11}{'provider':>10}{'provider':>10}"
-        f"{'limiter':>9}",
-        f"  {'':<30}{'':>11}{'':>11}{'attempts':>10}{'failures':>10}{'failures':>9}",
+        f"{'concurrency':>13}",
+        f"  {'':<30}{'':>11}{'':>11}{'attempts':>10}{'failures':>10}{'failures':>13}",
     ]
     for c in summary.counts:
         lines.append(
             f"  {c.task_name:<30}{c.deliveries:>11}{c.deferrals:>11}{c.provider_attempts:>10}"
-            f"{c.provider_failures:>10}{c.concurrency_failures:>9}"
+            f"{c.provider_failures:>10}{c.concurrency_failures:>13}"
         )
     totals = [sum(getattr(c, f) for c in summary.counts) for f in _COUNT_FIELDS]
     lines.append(
-        f"  {'total':<30}{totals[0]:>11}{totals[1]:>11}{totals[2]:>10}{totals[3]:>10}{totals[4]:>9}"
+        f"  {'total':<30}{totals[0]:>11}{totals[1]:>11}{totals[2]:>10}{totals[3]:>10}"
+        f"{totals[4]:>13}"
     )
     lines += [
         "",
