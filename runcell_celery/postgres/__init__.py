@@ -18,6 +18,7 @@ Needs the ``postgres`` extra (psycopg 3 and psycopg_pool).
 """
 
 from .backend import LimiterState, PostgresBackend, ReleasedLease
+from .closing import close_database
 from .factory import create_postgres_concurrency_limiter
 from .gauges import WorkloadGauges, read_workload_gauges
 from .limiter import PostgresConcurrencyLimiter
@@ -34,6 +35,7 @@ __all__ = [
     "PostgresOptions",
     "ReleasedLease",
     "WorkloadGauges",
+    "close_database",
     "create_postgres_concurrency_limiter",
     "ensure_schema",
     "postgres_concurrency_schema_sql",

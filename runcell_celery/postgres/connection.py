@@ -83,6 +83,18 @@ class _Pools:
 _pools: ProcessLocal[_Pools] = ProcessLocal(_Pools)
 
 
+def close_pools(conninfo: str) -> int:
+    """Close this process's pools for ``conninfo`` (every size and timeout); return how
+    many. Limiters still using them fail closed; a later use opens a new pool."""
+    pools = _pools.get()
+    with pools.lock:
+        keys = [key for key in pools.by_key if key[0] == conninfo]
+        closing = [pools.by_key.pop(key) for key in keys]
+    for pool in closing:
+        pool.close()
+    return len(closing)
+
+
 def fetch_all(
     conn: Connection, query: LiteralString, params: Mapping[str, Any] | None = None
 ) -> list[tuple[Any, ...]]:

@@ -199,6 +199,15 @@ class WaitRoom:
         self._wake_poll = threading.Event()
         self._loop = BackgroundLoop("runcell-safety-poll", self, WaitRoom._poll_step)
 
+    def close(self) -> None:
+        """Stop the safety poll and the listener (and close its connection). Waiters
+        still here are not served any more: close a database nobody waits on."""
+        self._loop.stop()
+        self._wake_poll.set()  # the poll's wait ends now, not at its next interval
+        self._loop.stop(timeout=5)
+        if self.listener is not None:
+            self.listener.stop()
+
     def process(self) -> dict[str, Any]:
         """Who waits, as the database records it (see ``runcell_process``)."""
         return {
@@ -407,6 +416,18 @@ class _Rooms:
 
 
 _rooms: ProcessLocal[_Rooms] = ProcessLocal(_Rooms)
+
+
+def close_room(key: object) -> bool:
+    """Stop the listener and safety poll of this process's room for the database
+    ``key`` (:attr:`Database.key`) and forget it; ``False`` if there was none."""
+    rooms = _rooms.get()
+    with rooms.lock:
+        room = rooms.by_database.pop(key, None)
+    if room is None:
+        return False
+    room.close()
+    return True
 
 
 def get_room(database: Database, options: PostgresOptions) -> WaitRoom:

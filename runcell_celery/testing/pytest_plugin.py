@@ -124,7 +124,16 @@ def runcell_postgres(runcell_postgres_server: str) -> Iterator[str]:
     """The DSN of an empty database made for this test, dropped after it (its
     connections ended), so leases, queues and counts never leak between tests."""
     with throwaway_database(runcell_postgres_server) as dsn:
-        yield dsn
+        try:
+            yield dsn
+        finally:
+            if "runcell_celery.postgres" in sys.modules:
+                # This process's pool and listener for the database go with it: none
+                # keeps retrying a database that is gone (or fills the server's
+                # connection slots over a long suite).
+                from ..postgres import close_database
+
+                close_database(dsn)
 
 
 @pytest.fixture
