@@ -15,7 +15,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+from runcell_celery.postgres import (
+    PostgresConcurrencyLimiter,
+    close_database,
+    create_postgres_concurrency_limiter,
+)
 
 ADMIN_DSN = os.environ.get("RUNCELL_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -35,7 +39,9 @@ def create_database(prefix: str) -> str:
 
 
 def drop_database(dsn: str) -> None:
-    """Drop a database made by :func:`create_database`, ending its sessions first."""
+    """Drop a database made by :func:`create_database`, ending its sessions first (this
+    process's pool and listener on it are closed, not left retrying it)."""
+    close_database(dsn)
     name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
     with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
         conn.execute(
