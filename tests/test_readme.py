@@ -179,6 +179,8 @@ def test_readme_commands_are_all_known() -> None:
             or INSTALL.fullmatch(command) is not None
             or command in sh_commands(quickstart=True)
             or argv == ["python", "manage.py", "migrate", "--database", "runcell"]
+            # Minutes each: CI runs them through scripts/test (see the nox test below).
+            or argv[:2] == [".venv/bin/nox", "-s"]
         )
         assert known, f"README.md command with no way to run it here: {command}"
 
@@ -187,6 +189,24 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert "scripts/test" in sh_commands()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert any("scripts/test" in line and not line.lstrip().startswith("#") for line in ci)
+
+
+def test_readme_nox_sessions_are_defined_and_run_by_ci() -> None:
+    """Each session takes minutes, so this test does not run them: it checks that the
+    README's ``nox -s`` lines name sessions noxfile.py defines and scripts/test runs."""
+    shown = {shlex.split(c)[2] for c in sh_commands() if c.startswith(".venv/bin/nox -s ")}
+    assert shown, "README shows how to run the nox sessions"
+    listed = subprocess.run(
+        [sys.executable, "-m", "nox", "-l", "--json"], cwd=ROOT, capture_output=True, check=True
+    )
+    defined = {session["name"] for session in json.loads(listed.stdout)}
+    assert shown <= defined, f"noxfile.py defines {sorted(defined)}"
+    (ci,) = [
+        shlex.split(line)
+        for line in (ROOT / "scripts" / "test").read_text().splitlines()
+        if "bin/nox" in line and not line.lstrip().startswith("#")
+    ]
+    assert shown <= set(ci), f"scripts/test runs {ci}"
 
 
 def test_readme_demo_command_runs_and_the_limit_holds() -> None:

@@ -1,13 +1,8 @@
-"""The built distribution ships both packages whole, and a checkout imports them too.
-
-The wheel is built from a copy of the sources (never in the working tree, where a
-stale ``build/`` could hide a missing file), the way ``pip install .`` builds it.
-"""
+"""The built distribution ships both packages whole, and a checkout imports them too."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -22,22 +17,9 @@ SOURCE_ROOTS = {"runcell_celery": ROOT, "runcell_django": ROOT / "django_app"}
 
 
 @pytest.fixture(scope="module")
-def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """The names of the files in a wheel built by ``pip wheel`` from a fresh copy."""
-    source = tmp_path_factory.mktemp("source")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, source / name)
-    shutil.copytree(ROOT / "runcell_celery", source / "runcell_celery", ignore=ignore)
-    shutil.copytree(ROOT / "django_app", source / "django_app", ignore=ignore)
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), "."],
-        cwd=source,
-        check=True,
-    )
-    (wheel,) = out.glob("*.whl")
-    with zipfile.ZipFile(wheel) as archive:
+def wheel_files(built_wheel: Path) -> set[str]:
+    """The names of the files in the wheel (``built_wheel``, tests/packaging/conftest.py)."""
+    with zipfile.ZipFile(built_wheel) as archive:
         return set(archive.namelist())
 
 
