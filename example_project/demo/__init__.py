@@ -10,5 +10,6 @@ Modules, one job each:
 * :mod:`.fleet` — the fake provider, the Celery workers and the Django server;
 * :mod:`.workload` — what it sends, and the progress bar;
 * :mod:`.summary` — the numbers at the end, from the provider, the events and the counters;
-* :mod:`.worker_hooks` — loaded by the workers: progress and slot waits for the summary.
+* :mod:`.waits` — the summary's waits per workload, a parked run's whole wait included;
+* :mod:`.worker_hooks` — loaded by the workers: progress and what the waits are made of.
 """

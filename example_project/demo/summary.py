@@ -2,7 +2,9 @@
 
 * **provider's own maximum in flight** — the fake provider's ``/stats``: it counts the
   requests it is serving, whoever sent them;
-* **slot waits per workload** — the ``acquired`` events' ``wait_ms`` the workers reported;
+* **waits per workload** — what the workers recorded (:mod:`.waits`): the ``acquired``
+  events, each parked delivery (the ``task_deferred`` signal) and when each run was
+  sent and first asked, so a parked run's first slot counts its whole wait;
 * **deliveries, deferrals, provider attempts and failures** — the fleet's admission
   counters in PostgreSQL (``admission_counts``), this run's share.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,10 +24,11 @@ from runcell_celery.celery import AdmissionCount, admission_counts
 from runcell_celery.postgres import PostgresBackend
 from runcell_celery.testing import FakeProviderClient, FakeProviderStats
 
+from .waits import Waits, concurrency_failures, waits_by_workload
 from .worker_hooks import keys
 from .workload import Finished
 
-__all__ = ["CountsBefore", "Summary", "collect", "render"]
+__all__ = ["CountsBefore", "Summary", "collect", "read_waits", "render"]
 
 _COUNT_FIELDS = (
     "deliveries",
@@ -48,30 +50,6 @@ def read_counts(database_url: str) -> CountsBefore:
             return {}
         raise
     return {(r.task_name, r.limiter): tuple(getattr(r, f) for f in _COUNT_FIELDS) for r in rows}
-
-
-def percentile(values: list[float], share: float) -> float | None:
-    """Linear-interpolated percentile (``share`` in 0..1); ``None`` for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * share
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-@dataclass(frozen=True)
-class Waits:
-    """Per workload: runs' time from sending to first slot, and the limiter's slot waits."""
-
-    workload: str
-    runs: int
-    first_slot_p50_ms: float | None
-    first_slot_p95_ms: float | None
-    slots: int
-    slot_wait_p50_ms: float | None
-    slot_wait_p95_ms: float | None
 
 
 @dataclass
@@ -115,32 +93,7 @@ def collect(
     """Gather the numbers once the workload is done."""
     stats = provider.wait_idle(timeout=30)
     counts = _counts_after(database_url, before, stats)
-    events = [
-        json.loads(raw) for raw in redis.Redis.from_url(redis_url).lrange(keys(run)["waits"], 0, -1)
-    ]
-    slot_waits: dict[str, list[float]] = defaultdict(list)
-    first_slot: dict[str, list[float]] = defaultdict(list)
-    failures: dict[str, int] = defaultdict(int)
-    for event in events:
-        workload = event["workload"] or "-"
-        if event["type"] != "acquired":
-            failures[event["type"]] += 1
-            continue
-        slot_waits[workload].append(float(event["wait_ms"] or 0))
-        if "first_slot_ms" in event:
-            first_slot[workload].append(max(0.0, float(event["first_slot_ms"])))
-    waits = [
-        Waits(
-            workload=name,
-            runs=len(first_slot[name]),
-            first_slot_p50_ms=percentile(first_slot[name], 0.5),
-            first_slot_p95_ms=percentile(first_slot[name], 0.95),
-            slots=len(values),
-            slot_wait_p50_ms=percentile(values, 0.5),
-            slot_wait_p95_ms=percentile(values, 0.95),
-        )
-        for name, values in sorted(slot_waits.items())
-    ]
+    waits, failures = read_waits(redis_url, run)
     return Summary(
         size=size,
         limit=limit,
@@ -155,8 +108,27 @@ def collect(
             "seconds": round(finished.seconds, 1),
         },
         services=services,
-        concurrency_failures=dict(failures),
+        concurrency_failures=failures,
     )
+
+
+def read_waits(redis_url: str, run: str) -> tuple[list[Waits], dict[str, int]]:
+    """The waits per workload and the concurrency failures the workers recorded for
+    ``run`` (:mod:`.worker_hooks` writes, :mod:`.waits` computes)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        run_keys = keys(run)
+        records = [json.loads(raw) for raw in client.lrange(run_keys["records"], 0, -1)]
+        sent = _times(client.hgetall(run_keys["sent"]))
+        asked = _times(client.hgetall(run_keys["asked"]))
+    finally:
+        client.close()
+    return waits_by_workload(records, sent=sent, asked=asked), concurrency_failures(records)
+
+
+def _times(raw: Any) -> dict[str, float]:
+    """A Redis hash of task id -> Unix time, decoded."""
+    return {key.decode(): float(value) for key, value in raw.items()}
 
 
 def _counts_after(
@@ -206,14 +178,21 @@ def render(summary: Summary) -> str:
         f"  tasks                                     {tasks['succeeded']} succeeded, "
         f"{tasks['failed']} failed, of {tasks['expected']}",
         "",
-        f"  {'':<14}{'sent -> first slot':>29}   {'each slot: limiter wait':>31}",
-        f"  {'workload':<14}{'runs':>7}{'p50':>11}{'p95':>11}   {'slots':>9}{'p50':>11}{'p95':>11}",
+        "  waits per workload, p50 and p95:",
+        "    sent -> first slot  from sending a task to its first slot, queued and parked included",
+        "    wait for a slot     each slot's wait; a parked run's first slot counts from its first",
+        "                        ask to its slot, across deferral and re-publication",
+        "    parked              how many of those slots waited parked, holding no worker process",
+        "",
+        f"  {'':<14}{'sent -> first slot':>29}   {'wait for a slot':>29}",
+        f"  {'workload':<14}{'runs':>7}{'p50':>11}{'p95':>11}   {'slots':>9}{'parked':>9}"
+        f"{'p50':>11}{'p95':>11}",
     ]
     for w in summary.waits:
         lines.append(
             f"  {w.workload:<14}{w.runs:>7}{_ms(w.first_slot_p50_ms):>11}"
-            f"{_ms(w.first_slot_p95_ms):>11}   {w.slots:>9}{_ms(w.slot_wait_p50_ms):>11}"
-            f"{_ms(w.slot_wait_p95_ms):>11}"
+            f"{_ms(w.first_slot_p95_ms):>11}   {w.slots:>9}{w.parked:>9}"
+            f"{_ms(w.slot_wait_p50_ms):>11}{_ms(w.slot_wait_p95_ms):>11}"
         )
     lines += [
         "",

@@ -5,11 +5,12 @@ Reports to Redis, under keys of this demo run:
 * ``{run}:ready`` — a set of worker hostnames that are ready;
 * ``{run}:progress`` — a hash of finished task counts (``succeeded``, ``failed``);
 * ``{run}:sent`` — when each task was first sent (task id -> Unix time);
-* ``{run}:waits`` — a list of JSON records for the summary's percentiles: each
-  ``acquired`` event's workload and ``wait_ms`` (the limiter's wait for that slot),
-  plus, for a run's first slot, ``first_slot_ms``: from the task's first sending to
-  its first slot, time spent parked and in the broker's queue included; and each
-  concurrency failure.
+* ``{run}:asked`` — when each task's first delivery started, and so first asked for
+  a slot (task id -> Unix time; a re-published delivery keeps it);
+* ``{run}:records`` — a list of JSON records for the summary's waits
+  (:mod:`.waits` reads them): each ``acquired`` event (run, workload, time,
+  ``wait_ms``), each parked delivery (the ``task_deferred`` signal: a deferral emits
+  no event) and each concurrency failure.
 
 Loaded by the demo's own process too, which sends the workload.
 
@@ -25,9 +26,16 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import before_task_publish, task_failure, task_success, worker_ready
+from celery.signals import (
+    before_task_publish,
+    task_failure,
+    task_prerun,
+    task_success,
+    worker_ready,
+)
 
 from runcell_celery import ConcurrencyEvent, add_event_listener
+from runcell_celery.celery.signals import task_deferred
 
 _RECORDED = {"acquired", "timed-out", "queue-full", "limiter-error", "lease-lost"}
 
@@ -35,7 +43,7 @@ _RECORDED = {"acquired", "timed-out", "queue-full", "limiter-error", "lease-lost
 def keys(run: str) -> dict[str, str]:
     """The Redis keys of one demo run."""
     base = f"runcell-demo:{run}"
-    return {name: f"{base}:{name}" for name in ("ready", "progress", "sent", "first", "waits")}
+    return {name: f"{base}:{name}" for name in ("ready", "progress", "sent", "asked", "records")}
 
 
 def forget_run(redis_url: str, run: str, *, after_s: int) -> None:
@@ -65,25 +73,32 @@ class _Reporter:
         if task_id:  # a re-published (deferred) task keeps its first sending time
             self.client.hsetnx(self.keys["sent"], task_id, time.time())
 
+    def on_prerun(self, task_id: str | None = None, **_: Any) -> None:
+        if task_id:  # a re-published (deferred) task keeps its first ask
+            self.client.hsetnx(self.keys["asked"], task_id, time.time())
+
+    def on_deferred(
+        self, task_id: str | None = None, workload: str | None = None, **_: Any
+    ) -> None:
+        self._record(
+            {"type": "deferred", "run_id": task_id, "workload": workload, "timestamp": time.time()}
+        )
+
     def on_event(self, event: ConcurrencyEvent) -> None:
         if event.type not in _RECORDED:
             return
-        record: dict[str, Any] = {
-            "type": event.type,
-            "workload": event.workload,
-            "wait_ms": event.wait_ms,
-        }
-        run_id = event.run_id
-        first = (
-            event.type == "acquired"
-            and run_id is not None
-            and self.client.hsetnx(self.keys["first"], run_id, 1)
+        self._record(
+            {
+                "type": event.type,
+                "run_id": event.run_id,
+                "workload": event.workload,
+                "timestamp": event.timestamp,
+                "wait_ms": event.wait_ms,
+            }
         )
-        if first and run_id is not None:
-            sent = self.client.hget(self.keys["sent"], run_id)
-            if sent is not None:
-                record["first_slot_ms"] = (event.timestamp - float(sent)) * 1000
-        self.client.rpush(self.keys["waits"], json.dumps(record))
+
+    def _record(self, record: dict[str, Any]) -> None:
+        self.client.rpush(self.keys["records"], json.dumps(record))
 
     def on_ready(self, sender: Any = None, **_: Any) -> None:
         self.client.sadd(self.keys["ready"], str(getattr(sender, "hostname", "?")))
@@ -100,6 +115,8 @@ def install(app: Celery) -> None:
     reporter = _Reporter(os.environ["RUNCELL_DEMO_REDIS_URL"], os.environ["RUNCELL_DEMO_RUN"])
     add_event_listener(reporter.on_event)
     before_task_publish.connect(reporter.on_publish, weak=False)
+    task_prerun.connect(reporter.on_prerun, weak=False)
+    task_deferred.connect(reporter.on_deferred, weak=False)
     worker_ready.connect(reporter.on_ready, weak=False)
     task_success.connect(reporter.on_success, weak=False)
     task_failure.connect(reporter.on_failure, weak=False)
