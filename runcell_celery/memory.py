@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import math
 import threading
@@ -52,7 +53,9 @@ from .protocol import (
     LimiterStats,
     OnWait,
     Outcome,
+    QueuePlace,
     WorkloadStats,
+    announce_wait,
 )
 
 if TYPE_CHECKING:
@@ -302,10 +305,19 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         if on_wait is None:
             return
         deadline = waiter.deadline
-        if math.isinf(deadline):
-            on_wait(None)
-        else:
-            on_wait(self._clock.time() + (deadline - self._clock.monotonic()))
+        clock = self._clock
+        at = None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic())
+        announce_wait(on_wait, at, functools.partial(self._place, waiter))
+
+    def _place(self, waiter: _Waiter) -> QueuePlace:
+        """The waiter's place in its workload's line here (counted only when asked)."""
+        with self._lock:
+            if not self._coordinated:
+                return place_in_line(waiter, self._waiting)
+        return COORDINATOR.call(self, self._place_locked, waiter)
+
+    def _place_locked(self, waiter: _Waiter) -> QueuePlace:
+        return place_in_line(waiter, COORDINATOR.waiting if self._coordinated else self._waiting)
 
     def _settle(self, waiter: _Waiter, cancel: CancellationToken | None) -> Lease | None:
         """After a wake-up: return the lease, raise cancel/timeout, or ``None`` to wait on."""
@@ -605,4 +617,4 @@ def create_concurrency_limiter(
     return InMemoryConcurrencyLimiter(config, clock=clock)
 
 
-from .memory_several import COORDINATOR  # noqa: E402 - it needs the classes above
+from .memory_several import COORDINATOR, place_in_line  # noqa: E402 - it needs the classes above

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -31,12 +32,25 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .allocation import allocate_several, has_room
 from .cancellation import CancellationToken
 from .errors import ConcurrencyConfigError, ConcurrencyTimeoutError
-from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
+from .protocol import (
+    AcquireRequest,
+    ConcurrencyLimiter,
+    Lease,
+    OnWait,
+    QueuePlace,
+    announce_wait,
+)
 
 if TYPE_CHECKING:
     from .memory import InMemoryConcurrencyLimiter, _Waiter
 
-__all__ = ["COORDINATOR", "Coordinator", "acquire_several", "acquire_several_async"]
+__all__ = [
+    "COORDINATOR",
+    "Coordinator",
+    "acquire_several",
+    "acquire_several_async",
+    "place_in_line",
+]
 
 T = TypeVar("T")
 
@@ -324,7 +338,31 @@ def _announce(waiter: _Waiter, on_wait: OnWait | None) -> None:
         return
     clock = waiter.limiters[0]._clock
     deadline = waiter.deadline
-    on_wait(None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic()))
+    at = None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic())
+    announce_wait(on_wait, at, functools.partial(_place, waiter))
+
+
+def _place(waiter: _Waiter) -> QueuePlace:
+    with COORDINATOR.lock:  # its limiters are coordinated while it waits
+        return place_in_line(waiter, COORDINATOR.waiting)
+
+
+def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
+    """Where ``waiter`` stands in ``line`` (a limiter's, or the coordinator's): in each
+    of its limiters, one more than the requests of its workload there that joined
+    before it and still wait; over several limiters the largest (it is granted when
+    every line lets it through). Allocation may serve some later arrivals first (a run
+    in progress, a round-robin key): like the PostgreSQL limiter's, it is the place by
+    arrival. The in-memory limiter knows no mean hold time: no expected wait."""
+    ahead = [0] * len(waiter.limiters)
+    for other in line:
+        if other.arrival >= waiter.arrival:
+            continue
+        for member, workload in zip(other.limiters, other.workloads, strict=True):
+            for i, (mine, wanted) in enumerate(zip(waiter.limiters, waiter.workloads, strict=True)):
+                if member is mine and workload == wanted:
+                    ahead[i] += 1
+    return QueuePlace(place=max(ahead) + 1)
 
 
 def _selected(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 from .cancellation import CancellationToken
 from .deadline import Deadline
@@ -31,7 +31,9 @@ __all__ = [
     "Lease",
     "LimiterStats",
     "OnWait",
+    "OnWaitWithPlace",
     "Outcome",
+    "QueuePlace",
     "RunLineage",
     "SupportsAsyncAcquire",
     "SupportsConfig",
@@ -44,7 +46,9 @@ __all__ = [
     "SupportsValidateWorkload",
     "SupportsWithdraw",
     "WorkloadStats",
+    "announce_wait",
     "supports",
+    "wants_place",
 ]
 
 #: How a hold ended, passed to :meth:`ConcurrencyLimiter.release` and in ``released``.
@@ -52,6 +56,8 @@ Outcome = Literal["success", "error", "cancelled", "timed-out", "max-hold", "lea
 
 #: Called by a limiter when a request must wait, with the wait's deadline as a
 #: Unix timestamp (``None``: no deadline). The runtime emits ``wait-started`` from it.
+#: A limiter that knows where the request joined the line tells it with
+#: :func:`announce_wait` (to callbacks that are :class:`OnWaitWithPlace`).
 OnWait = Callable[[float | None], None]
 
 E = TypeVar("E", bound=ConcurrencyError)
@@ -158,6 +164,46 @@ class LimiterStats:
     queued: int
     workloads: Mapping[str, WorkloadStats] = field(default_factory=dict)
     keys: Sequence[KeyStats] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePlace:
+    """Where a request that must wait joined the line, as its limiter saw it then.
+
+    :param place: its place in its workload's line, counting from 1 (the requests of
+        its workload in line before it, plus one). Over several limiters, the largest
+        of its places: it is granted when every line has let it through.
+    :param expected_wait_ms: how long it is likely to wait, from the limiter's own
+        figures (see :class:`~runcell_celery.ports.WaitEstimate`); ``None`` when the
+        limiter cannot tell.
+    """
+
+    place: int
+    expected_wait_ms: float | None = None
+
+
+@runtime_checkable
+class OnWaitWithPlace(Protocol):
+    """An ``on_wait`` callback that can also be told the request's place in line.
+
+    A plain :data:`OnWait` (a function of the deadline) keeps working with every
+    limiter, and a limiter that only calls ``on_wait(deadline)`` keeps working with
+    this one: the place is an addition, told through :func:`announce_wait` only to a
+    callback that has these methods and wants it now (the slot runtime wants it while a
+    tracer records the wait span), so finding the place costs nothing otherwise.
+    """
+
+    def __call__(self, deadline: float | None) -> None:
+        """The request waits (``deadline``: Unix time, ``None``: none)."""
+        ...
+
+    def wants_place(self) -> bool:
+        """Whether the place is worth finding for this wait."""
+        ...
+
+    def placed(self, place: QueuePlace) -> None:
+        """Where the request joined the line (told before the call with the deadline)."""
+        ...
 
 
 @runtime_checkable
@@ -340,3 +386,34 @@ def supports(limiter: object, ability: type) -> bool:
     if found is None:
         found = _ability_cache[key] = isinstance(limiter, ability)
     return found
+
+
+def announce_wait(
+    on_wait: OnWait | None,
+    deadline: float | None,
+    place: Callable[[], QueuePlace | None] | None = None,
+) -> None:
+    """Tell ``on_wait`` that a request waits: for a limiter to call once it queued one.
+
+    :param deadline: the wait's deadline, Unix time (``None``: no deadline).
+    :param place: finds the request's :class:`QueuePlace` (``None`` inside: unknown).
+        Called only when ``on_wait`` is an :class:`OnWaitWithPlace` that wants it, so a
+        limiter may count its line there; a plain callback gets the deadline alone.
+    """
+    if on_wait is None:
+        return
+    if place is not None and wants_place(on_wait):
+        found = place()
+        if found is not None:
+            cast(OnWaitWithPlace, on_wait).placed(found)
+    on_wait(deadline)
+
+
+def wants_place(on_wait: OnWait | None) -> bool:
+    """Whether ``on_wait`` is an :class:`OnWaitWithPlace` that wants the place now: for a
+    limiter that must ask for more to learn it (it is asked again at the wait)."""
+    return (
+        on_wait is not None
+        and supports(on_wait, OnWaitWithPlace)
+        and cast(OnWaitWithPlace, on_wait).wants_place()
+    )

@@ -37,6 +37,7 @@ from .keys import check_key
 from .protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
+    QueuePlace,
     RunLineage,
     SupportsValidateWorkload,
     supports,
@@ -56,11 +57,16 @@ class SlotRequest:
     :param limiter: the limiter to ask.
     :param request: the request to send it.
 
+    It is also the limiter's ``on_wait`` for its request (an
+    :class:`~runcell_celery.protocol.OnWaitWithPlace`): called, it emits
+    ``wait-started``; told the request's place in line, it keeps it in ``place`` for
+    the wait span (asked for only while a tracer records spans).
+
     A plain slotted class rather than a frozen dataclass: one is built per slot, on
     the hot path, and a frozen dataclass pays an ``object.__setattr__`` per field.
     """
 
-    __slots__ = ("limiter", "request", "run")
+    __slots__ = ("limiter", "place", "request", "run")
 
     def __init__(
         self, run: RunContext | None, limiter: ConcurrencyLimiter, request: AcquireRequest
@@ -68,6 +74,8 @@ class SlotRequest:
         self.run = run
         self.limiter = limiter
         self.request = request
+        #: Where the request joined the line, when its limiter told (and a tracer asked).
+        self.place: QueuePlace | None = None
 
     def __repr__(self) -> str:
         return f"SlotRequest({self.limiter.name!r}, {self.request!r})"
@@ -80,6 +88,17 @@ class SlotRequest:
         """The limiter's ``on_wait``: the request waits (``deadline``: Unix time)."""
         if has_listeners():
             self.event("wait-started", deadline=deadline)
+
+    __call__ = wait_started
+
+    def wants_place(self) -> bool:
+        """Whether the limiter should find the request's place: only for a wait span
+        (finding it may mean counting a line)."""
+        return _tracing.current_tracer() is not None
+
+    def placed(self, place: QueuePlace) -> None:
+        """The limiter's answer to :meth:`wants_place`: where the request joined the line."""
+        self.place = place
 
     def event(self, type_: EventType, **extra: Any) -> None:
         """Emit an event about this request (nothing to build when nobody listens)."""
@@ -392,3 +411,7 @@ def report_refusal(
             **extra,
         )
     )
+
+
+# Last: tracing imports this module's classes (and asks nothing of it at import).
+from . import tracing as _tracing  # noqa: E402

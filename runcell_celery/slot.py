@@ -62,7 +62,6 @@ from .hold import Hold, SeveralHold, abort_error, is_interrupt, register_interru
 from .protocol import (
     ConcurrencyLimiter,
     Lease,
-    OnWait,
     SupportsAsyncAcquire,
     SupportsConfig,
     SupportsSeveral,
@@ -210,7 +209,7 @@ class Slot:
             asked, lease, waited_ms = adopted
             return self._granted(asked, lease, started, cancel, cleanups, None, waited_ms)
         try:
-            lease = _acquire(asked, cancel, asked.wait_started)
+            lease = _acquire(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
         return self._granted(asked, lease, started, cancel, cleanups, None)
@@ -236,7 +235,7 @@ class Slot:
             asked, lease, waited_ms = adopted
             return self._granted(asked, lease, started, cancel, cleanups, task, waited_ms)
         try:
-            lease = await _acquire_async(asked, cancel, asked.wait_started)
+            lease = await _acquire_async(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
         return self._granted(asked, lease, started, cancel, cleanups, task)
@@ -602,7 +601,7 @@ def preadmit(admission: Admission) -> None:
         raise
     started = time.monotonic()
     try:
-        lease = admission.acquire(asked.limiter, asked.request, run.cancel, asked.wait_started)
+        lease = admission.acquire(asked.limiter, asked.request, run.cancel, asked)
     except SlotDeferred:
         tracing.wait_deferred(asked, started, admission.parked)
         raise
@@ -625,9 +624,7 @@ def _preadmit_several(run: RunContext, admission: Admission) -> None:
         raise
     started = time.monotonic()
     try:
-        leases = admission.acquire_several(
-            asked.limiters, asked.requests, run.cancel, asked.wait_started
-        )
+        leases = admission.acquire_several(asked.limiters, asked.requests, run.cancel, asked)
         leases = _check_leases(asked, tuple(leases))
     except SlotDeferred:
         tracing.wait_deferred(asked, started, admission.parked)
@@ -642,9 +639,7 @@ def _preadmit_several(run: RunContext, admission: Admission) -> None:
 def _acquire_several(asked: SeveralRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
     first = cast(SupportsSeveral, asked.limiters[0])
     leases = tuple(
-        first.acquire_several(
-            asked.limiters, asked.requests, cancel=cancel, on_wait=asked.wait_started
-        )
+        first.acquire_several(asked.limiters, asked.requests, cancel=cancel, on_wait=asked)
     )
     return _check_leases(asked, leases)
 
@@ -674,7 +669,7 @@ async def _acquire_several_async(
         native = cast(SupportsSeveralAsync, first)
         leases = tuple(
             await native.acquire_several_async(
-                asked.limiters, asked.requests, cancel=cancel, on_wait=asked.wait_started
+                asked.limiters, asked.requests, cancel=cancel, on_wait=asked
             )
         )
         return _check_leases(asked, leases)
@@ -696,13 +691,12 @@ async def _acquire_several_async(
         stop.detach()
 
 
-def _acquire(asked: SlotRequest, cancel: CancellationToken | None, on_wait: OnWait) -> Lease:
-    return asked.limiter.acquire(asked.request, cancel=cancel, on_wait=on_wait)
+def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> Lease:
+    # The request is its own on_wait (it emits wait-started and keeps its place).
+    return asked.limiter.acquire(asked.request, cancel=cancel, on_wait=asked)
 
 
-async def _acquire_async(
-    asked: SlotRequest, cancel: CancellationToken | None, on_wait: OnWait
-) -> Lease:
+async def _acquire_async(asked: SlotRequest, cancel: CancellationToken | None) -> Lease:
     """Use the limiter's ``acquire_async``, or run a blocking acquire in a thread.
 
     In the thread case an asyncio cancellation cancels the thread's wait through a
@@ -711,9 +705,9 @@ async def _acquire_async(
     limiter, request = asked.limiter, asked.request
     if supports(limiter, SupportsAsyncAcquire):
         native = cast(SupportsAsyncAcquire, limiter)
-        return await native.acquire_async(request, cancel=cancel, on_wait=on_wait)
+        return await native.acquire_async(request, cancel=cancel, on_wait=asked)
     stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
-    blocking = functools.partial(_acquire, asked, stop, on_wait)
+    blocking = functools.partial(_acquire, asked, stop)
     waiting = asyncio.ensure_future(asyncio.to_thread(blocking))
     try:
         return await asyncio.shield(waiting)

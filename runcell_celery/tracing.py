@@ -14,9 +14,16 @@ limiter as ``tenant:acme``), ``limiters`` and ``workloads`` (every limiter of th
 request, in the order given, and the workload used in each), ``workload``, ``key``,
 ``request_id``, ``run_id``, ``outcome``; once granted ``lease_id``,
 ``fencing_token`` (the first limiter's) and ``fencing_tokens`` (one per limiter);
-``queue.place`` and ``queue.expected_wait_ms`` when the limiter told them (a
-deferral's place in its workload's line); ``preadmitted`` on a hold whose slot was
-admitted before the run's body (its wait is the admission's wait span).
+on a wait that queued, ``queue.place`` (its place in its workload's line when it
+joined it, from 1; over several limiters the largest of its places) and
+``queue.expected_wait_ms`` when the limiter told them; ``preadmitted`` on a hold whose
+slot was admitted before the run's body (its wait is the admission's wait span).
+
+The place comes from the limiter, through the request's ``on_wait``
+(:class:`~runcell_celery.protocol.OnWaitWithPlace`): the in-memory limiter counts its
+line, the PostgreSQL limiter reads it from its acquire's answer (no extra round trip).
+The request asks for it only while :func:`current_tracer` has a tracer, so nobody
+counts a line for a span that will not be built.
 
 Only ``opentelemetry-api`` is used, and only if installed (the ``otel`` extra). With
 no tracer provider set (the API's default proxy, or a no-op provider) no span is
@@ -259,11 +266,7 @@ def _record_wait(
     attributes = _attributes(asked)
     attributes["runcell.outcome"] = outcome
     attributes.update(_lease_attributes(leases))
-    if parked is not None and parked.place is not None:
-        attributes["runcell.queue.place"] = parked.place
-        expected = parked.expected_wait_ms
-        if expected is not None:
-            attributes["runcell.queue.expected_wait_ms"] = expected
+    attributes.update(_place_attributes(asked, parked))
     if error is not None and outcome in _FAILED_WAITS:
         attributes["error.type"] = type(error).__qualname__
     span = tracer.start_span(WAIT_SPAN, start_time=start_ns, attributes=attributes)
@@ -294,6 +297,21 @@ def _attributes(asked: SlotRequest) -> dict[str, AttributeValue]:
     }
     if key is not None:
         attributes["runcell.key"] = key
+    return attributes
+
+
+def _place_attributes(asked: SlotRequest, parked: Parked | None) -> dict[str, AttributeValue]:
+    """Where the request joined the line: as its limiter told the wait (``asked.place``),
+    or as a deferral's answer told it (the same figures, kept with the parked run)."""
+    if parked is not None and parked.place is not None:
+        place, expected = parked.place, parked.expected_wait_ms
+    elif asked.place is not None:
+        place, expected = asked.place.place, asked.place.expected_wait_ms
+    else:
+        return {}
+    attributes: dict[str, AttributeValue] = {"runcell.queue.place": place}
+    if expected is not None:
+        attributes["runcell.queue.expected_wait_ms"] = expected
     return attributes
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -49,7 +50,9 @@ from ..protocol import (
     LimiterStats,
     OnWait,
     Outcome,
+    QueuePlace,
     WorkloadStats,
+    announce_wait,
 )
 from . import statements
 from .calls import (
@@ -584,7 +587,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         answer = self._send_acquire(waiting, retry=retry)
         if answer is None:
             if on_wait is not None:
-                on_wait(waiting.deadline.to_unix() if waiting.deadline is not None else None)
+                deadline = waiting.deadline.to_unix() if waiting.deadline is not None else None
+                announce_wait(on_wait, deadline, functools.partial(_place, waiting.estimate))
             return self._step(waiting)
         return answer
 
@@ -1027,6 +1031,14 @@ def _estimate(answer: Mapping[str, Any]) -> WaitEstimate:
         hold_ms=float(hold_ms) if hold_ms is not None else None,
         slots=int(answer.get("slots") or 0),
     )
+
+
+def _place(estimate: WaitEstimate | None) -> QueuePlace | None:
+    """A queued request's place, from its acquire's answer (``None``: the answer told
+    none, as a retry that found its row already waiting)."""
+    if estimate is None:
+        return None
+    return QueuePlace(place=estimate.place, expected_wait_ms=estimate.expected_ms)
 
 
 def _op_id() -> str:

@@ -30,8 +30,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..cancellation import CancellationToken
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError
-from ..ports import ClaimMiss, Parked
-from ..protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
+from ..ports import ClaimMiss, Parked, WaitEstimate
+from ..protocol import (
+    AcquireRequest,
+    ConcurrencyLimiter,
+    Lease,
+    OnWait,
+    QueuePlace,
+    announce_wait,
+    wants_place,
+)
 from . import statements
 from .calls import LimitsReplacedError, RowBusyError, Stamp, lock_timeout_ms
 from .waiting import Waiter
@@ -151,6 +159,22 @@ def _in_callers_order(
     return tuple(by_name[limiter.name] for limiter in limiters)
 
 
+def _lines(lines: Sequence[Any] | None) -> list[WaitEstimate] | None:
+    """The ``"lines"`` of :data:`~.statements.ACQUIRE_SEVERAL_WITH_LINES`' answer, or
+    ``None`` if one is missing (a limiter row not found). A retried ask that found its
+    rows already waiting counts itself in each line (rare: a lost reply)."""
+    if not lines or any(line is None or line[0] is None for line in lines):
+        return None
+    return [
+        WaitEstimate(
+            ahead=int(ahead),
+            hold_ms=float(hold_ms) if hold_ms is not None else None,
+            slots=int(slots or 0),
+        )
+        for ahead, hold_ms, slots in lines
+    ]
+
+
 def run_group_pass(limiter: PostgresConcurrencyLimiter, group_id: str) -> None:
     """Run one request's group pass and wake this process's members it granted."""
     answer = limiter.call_database(statements.ALLOCATE_GROUP, {"group_id": group_id})
@@ -187,6 +211,10 @@ class _Group:
         self.waiters: list[Waiter] = []
         #: How many times it took the stored limits (``on_conflict="use_stored"``).
         self.adopted = 0
+        #: Whether the first ask also reads where it joins each line (for a wait span).
+        self.with_lines = False
+        #: Where it joined each line, in ``limiters``' order, when it asked for that.
+        self.lines: list[WaitEstimate] | None = None
 
     # -- the whole wait -------------------------------------------------------------------
 
@@ -204,12 +232,14 @@ class _Group:
                 raise self.first._cancelled(self.lead)
             # A deferrable request may have been written already (a lost reply): ask
             # as a retry, which also finds a parked grant that is not its to take.
+            self.with_lines = wants_place(on_wait)
             leases = self._ask(retry=park is not None)
+            self.with_lines = False
             if leases is not None:
                 settled = True
                 return leases
-            if on_wait is not None:
-                on_wait(self.deadline.to_unix() if self.deadline is not None else None)
+            deadline = self.deadline.to_unix() if self.deadline is not None else None
+            announce_wait(on_wait, deadline, self._place)
             last_pass = time.monotonic()
             while True:
                 if all(w.grant is not None for w in self.waiters):
@@ -293,7 +323,9 @@ class _Group:
             try:
                 answer = self.first.call_request(
                     lead,
-                    statements.ACQUIRE_SEVERAL,
+                    statements.ACQUIRE_SEVERAL_WITH_LINES
+                    if self.with_lines
+                    else statements.ACQUIRE_SEVERAL,
                     params,
                     lock_ms=lock_timeout_ms(remaining),
                     stamp=sent,
@@ -319,6 +351,8 @@ class _Group:
         if status == "queued":
             for waiter in self.waiters:
                 waiter.queued = True
+            if "lines" in answer:
+                self.lines = _lines(answer["lines"])
             # Others of its lines wait ahead of it, but they may all be requests over
             # several limiters waiting elsewhere: its group pass tells at once.
             with contextlib.suppress(ConcurrencyError):
@@ -332,6 +366,19 @@ class _Group:
         raise ConcurrencyConfigError(
             f"limiter {named.name!r} has no workload {self._request(named).workload!r}",
             limiter=named.name,
+        )
+
+    def _place(self) -> QueuePlace | None:
+        """Its place: the largest of its lines' (it is granted when every line lets it
+        through), with the longest expected wait when every line has one."""
+        lines = self.lines
+        if not lines:
+            return None
+        expected = [line.expected_ms for line in lines]
+        known = [ms for ms in expected if ms is not None]
+        return QueuePlace(
+            place=max(line.place for line in lines),
+            expected_wait_ms=max(known) if len(known) == len(expected) else None,
         )
 
     def _use_stored_limits(self, exc: ConcurrencyConfigError) -> bool:

@@ -305,6 +305,27 @@ SELECT runcell_acquire_several_v5(%(limiters)s::text[], %(hashes)s::text[],
     %(lock_timeout_ms)s, %(retry)s)
 """
 
+#: :data:`ACQUIRE_SEVERAL`, also saying where the request joins each line, in the same
+#: round trip (sent instead only when a tracer records the wait's place): ``"lines"``,
+#: one ``[ahead, hold_ms, slots]`` per limiter in ``limiters``' order, as
+#: ``runcell_acquire_v3``'s answer tells them. Read with the statement's snapshot, so
+#: as the lines stood when it asked (before it waited for the rows' locks, if it did).
+ACQUIRE_SEVERAL_WITH_LINES: LiteralString = """
+SELECT runcell_acquire_several_v5(%(limiters)s::text[], %(hashes)s::text[],
+    %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
+    %(lock_timeout_ms)s, %(retry)s)
+    || jsonb_build_object('lines', (
+        SELECT jsonb_agg(jsonb_build_array(
+                   l.waiting[array_position(l.workloads, u.workload)],
+                   l.hold_ms_avg,
+                   least(l.ceilings[array_position(l.workloads, u.workload)],
+                         l.max_concurrent))
+               ORDER BY u.o)
+        FROM unnest(%(limiters)s::text[], %(workloads)s::text[])
+             WITH ORDINALITY AS u(name, workload, o)
+        JOIN runcell_limiter AS l ON l.name = u.name))
+"""
+
 #: The group pass of a request over several limiters (``runcell_allocate_group_v5``).
 ALLOCATE_GROUP: LiteralString = """
 SELECT runcell_allocate_group_v5(%(group_id)s, %(lock_timeout_ms)s)
