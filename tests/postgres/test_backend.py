@@ -85,7 +85,7 @@ def _wait_for(condition: Callable[[], bool], what: str) -> None:
         (
             {"on_conflict": "merge"},
             'RUNCELL["POSTGRES"]["on_conflict"] = \'merge\' is invalid: '
-            "must be 'error' or 'replace'",
+            "must be 'error', 'replace' or 'use_stored'",
         ),
         (
             [("listen", False)],
