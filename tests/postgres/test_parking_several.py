@@ -275,64 +275,66 @@ def test_a_request_granted_while_it_waits_before_parking_keeps_its_leases(
         limiter.release(lease)
 
 
-def test_a_lost_reply_to_a_group_park_gets_its_answer_even_when_a_grant_came_in_between(
-    pg_dsn: str,
-) -> None:
-    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
-    where = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with ReplyDropper(where) as dropper:
+class _Pair:
+    """Two limiters of one database, each made twice: direct, and through a proxy that
+    can lose the reply to one statement after it committed."""
+
+    def __init__(self, pg_dsn: str, dropper: ReplyDropper) -> None:
+        params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
         params.update(host="127.0.0.1", port=str(dropper.port))
         proxied_dsn = psycopg.conninfo.make_conninfo(**params)
         names = sorted([unique_name("lost-a"), unique_name("lost-b")])
-        direct = [
+        self.direct = [
             create_postgres_concurrency_limiter(pg_dsn, name=n, max_concurrent=1) for n in names
         ]
-        proxied = [
+        self.proxied = [
             create_postgres_concurrency_limiter(proxied_dsn, name=n, max_concurrent=1, listen=False)
             for n in names
         ]
-        held = direct[0].acquire(_requests(unique_name("holder"), 1)[0])
-        group = unique_name("parked")
-        # The park commits; before its reply arrives, the slot frees and the group is
-        # granted (as a parked request).
-        dropper.arm(b"runcell_park_group_v5(", before_cut=lambda: direct[0].release(held))
 
-        answer = proxied[0].acquire_several_or_park(
-            proxied, _requests(group), admission_wait_ms=0, payload=PAYLOAD
-        )
 
-        assert dropper.dropped[b"runcell_park_group_v5("] == 1, "no reply was lost"
-        assert isinstance(answer, Parked), f"the retry read its own park as {answer!r}"
-        assert [granted for _, _, granted, _ in _rows(pg_dsn, group)] == [True, True]
+@pytest.fixture
+def dropper(pg_dsn: str) -> Iterator[ReplyDropper]:
+    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    where = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    with ReplyDropper(where) as proxy:
+        yield proxy
+
+
+def test_a_lost_reply_to_a_group_park_gets_its_answer_even_when_a_grant_came_in_between(
+    pg_dsn: str, dropper: ReplyDropper
+) -> None:
+    pair = _Pair(pg_dsn, dropper)
+    held = pair.direct[0].acquire(_requests(unique_name("holder"), 1)[0])
+    group = unique_name("parked")
+    # The park commits; before its reply arrives, the slot frees and the group is
+    # granted (as a parked request).
+    dropper.arm(b"runcell_park_group_v5(", before_cut=lambda: pair.direct[0].release(held))
+
+    answer = pair.proxied[0].acquire_several_or_park(
+        pair.proxied, _requests(group), admission_wait_ms=0, payload=PAYLOAD
+    )
+
+    assert dropper.dropped[b"runcell_park_group_v5("] == 1, "no reply was lost"
+    assert isinstance(answer, Parked), f"the retry read its own park as {answer!r}"
+    assert [granted for _, _, granted, _ in _rows(pg_dsn, group)] == [True, True]
 
 
 def test_a_lost_reply_to_a_group_claim_gives_every_claimed_lease_to_the_retry(
-    pg_dsn: str, backend: PostgresBackend
+    pg_dsn: str, dropper: ReplyDropper, backend: PostgresBackend
 ) -> None:
-    params = psycopg.conninfo.conninfo_to_dict(pg_dsn)
-    where = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    with ReplyDropper(where) as dropper:
-        params.update(host="127.0.0.1", port=str(dropper.port))
-        proxied_dsn = psycopg.conninfo.make_conninfo(**params)
-        names = sorted([unique_name("claim-a"), unique_name("claim-b")])
-        direct = [
-            create_postgres_concurrency_limiter(pg_dsn, name=n, max_concurrent=1) for n in names
-        ]
-        proxied = [
-            create_postgres_concurrency_limiter(proxied_dsn, name=n, max_concurrent=1, listen=False)
-            for n in names
-        ]
-        held = direct[0].acquire(_requests(unique_name("holder"), 1)[0])
-        group = unique_name("parked")
-        assert isinstance(_park(direct[0], direct[1], group), Parked)
-        direct[0].release(held)
-        (claim,) = _mine(backend.claim_republish(stale_ms=0), group)
-        dropper.arm(b"runcell_claim_parked_group_v5(")
+    pair = _Pair(pg_dsn, dropper)
+    held = pair.direct[0].acquire(_requests(unique_name("holder"), 1)[0])
+    group = unique_name("parked")
+    assert isinstance(_park(pair.direct[0], pair.direct[1], group), Parked)
+    pair.direct[0].release(held)
+    (claim,) = _mine(backend.claim_republish(stale_ms=0), group)
+    dropper.arm(b"runcell_claim_parked_group_v5(")
 
-        leases = proxied[0].claim_parked_several(proxied, group, claim.publication_id)
+    leases = pair.proxied[0].claim_parked_several(pair.proxied, group, claim.publication_id)
 
-        assert dropper.dropped[b"runcell_claim_parked_group_v5("] == 1, "no reply was lost"
-        assert isinstance(leases, tuple), f"the retry read its own claim as {leases!r}"
-        for limiter, lease in zip(direct, leases, strict=True):
-            assert limiter.renew(lease) is not None, "a claimed lease is not held"
-            limiter.release(lease)
+    assert dropper.dropped[b"runcell_claim_parked_group_v5("] == 1, "no reply was lost"
+    assert isinstance(leases, tuple), f"the retry read its own claim as {leases!r}"
+    for limiter, lease in zip(pair.direct, leases, strict=True):
+        assert limiter.renew(lease) is not None, "a claimed lease is not held"
+        limiter.release(lease)
