@@ -1,8 +1,11 @@
 """The Celery app the Celery tests run: in-process workers and ``celery worker`` subprocesses.
 
-Both sides build it with :func:`create_app` from the same settings, so the test process
-and the worker processes agree on task names and limits. A worker subprocess gets its
-settings from the ``RUNCELL_TEST_CELERY`` environment variable (JSON) and is started as
+Both sides configure it with :func:`celery_conf` and define its tasks with
+:func:`register_tasks`, from the same settings, so the test process and the worker
+processes agree on task names and limits. :func:`create_app` does both on a new app;
+Celery's ``celery_app`` fixture (``tests.support.celery_fixtures``) is configured from
+:func:`celery_conf` and gets its tasks after. A worker subprocess gets its settings from
+the ``RUNCELL_TEST_CELERY`` environment variable (JSON) and is started as
 ``celery -A tests.support.celery_app:app worker ...``.
 
 Every concurrency event of a worker is pushed to a Redis list (``events_key``), so a
@@ -96,14 +99,16 @@ def database_ports(pid: int, server_port: int) -> set[int]:
     }
 
 
-def create_app(settings: dict[str, Any]) -> Celery:
-    """Build the test app.
+def celery_conf(settings: dict[str, Any]) -> dict[str, Any]:
+    """The Celery configuration of the test app: Redis broker and results, the test's
+    queue, its ``runcell`` dict, then the settings' own ``conf`` overrides.
 
     ``settings``: ``queue`` (unique per test), ``runcell`` (the ``app.conf.runcell``
-    dict), ``provider_url``, ``events_key``, and optional Celery ``conf`` overrides.
+    dict) and optional Celery ``conf`` overrides.
     """
-    app = Celery("runcell_tests", broker=REDIS_URL, backend=REDIS_URL, set_as_current=False)
     conf = {
+        "broker_url": REDIS_URL,
+        "result_backend": REDIS_URL,
         "task_default_queue": settings["queue"],
         "task_serializer": "json",
         "result_serializer": "json",
@@ -126,7 +131,30 @@ def create_app(settings: dict[str, Any]) -> Celery:
         },
         "runcell": settings["runcell"],
     }
-    app.conf.update({**conf, **settings.get("conf", {})})
+    return {**conf, **settings.get("conf", {})}
+
+
+def create_app(settings: dict[str, Any]) -> Celery:
+    """Build the test app: :func:`celery_conf` on a new app, then :func:`register_tasks`.
+
+    ``settings``: those of both (``queue``, ``runcell``, ``provider_url``,
+    ``events_key``, optional ``conf``).
+    """
+    app = Celery("runcell_tests", set_as_current=False)
+    app.conf.update(celery_conf(settings))
+    register_tasks(app, settings)
+    return app
+
+
+def register_tasks(app: Celery, settings: dict[str, Any]) -> None:
+    """Define the test tasks (``rc.*``) on ``app``, however it was configured (by
+    :func:`create_app`, or Celery's ``celery_app`` fixture from :func:`celery_conf`).
+
+    ``settings``: ``provider_url`` (the fake provider the tasks call) and, optionally,
+    ``events_key``: the Redis list every concurrency event of this process is pushed
+    to from now on (the listener is kept in :data:`EVENT_RECORDERS`, for the fixture
+    that made the app to remove).
+    """
     provider = FakeProviderClient(settings.get("provider_url", "http://127.0.0.1:9"), timeout=60)
     events_key = settings.get("events_key")
     if events_key:
@@ -352,8 +380,6 @@ def create_app(settings: dict[str, Any]) -> Celery:
                 error = None
             waited_s = time.monotonic() - started
         return {"waited_s": waited_s, "error": error}
-
-    return app
 
 
 def _from_env() -> Celery | None:
