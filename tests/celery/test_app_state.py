@@ -10,12 +10,13 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from typing import Any
 
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
 
 from runcell_celery.celery import RunCellStep, RunCellTask, registry_for
 from runcell_celery.celery.state import state_for
-from tests.support.celery_fixtures import inprocess_worker
 
 MEMORY = {"BACKEND": "memory", "LIMITERS": {"llm": {"max_concurrent": 1}}}
 
@@ -59,16 +60,16 @@ def test_an_apps_state_goes_with_the_app() -> None:
 
 
 def test_a_worker_of_the_app_runs_the_sweeper_in_its_bootstep_and_stops_it_with_itself(
-    make_app,
+    celery_app: Celery, celery_worker_pool: str, celery_worker_parameters: dict[str, Any]
 ) -> None:
-    app = make_app()  # its tasks are bound (and it is wired) when the worker finalizes it
-
+    # Its tasks are bound (and it is wired) when the worker finalizes it. The worker is
+    # Celery's celery_worker, started here: the test looks on after it stopped.
     def sweepers() -> int:
         return sum(1 for t in threading.enumerate() if t.name == "runcell-sweeper" and t.is_alive())
 
     already = sweepers()
-    with inprocess_worker(app) as worker:
-        assert RunCellStep in app.steps["worker"]
+    with start_worker(celery_app, pool=celery_worker_pool, **celery_worker_parameters) as worker:
+        assert RunCellStep in celery_app.steps["worker"]
         assert any(isinstance(step, RunCellStep) for step in worker.steps)
         assert sweepers() == already + 1
     assert sweepers() == already

@@ -39,7 +39,6 @@ from runcell_celery.celery.message import (
 from runcell_celery.ports import Republish
 from tests.conftest import wait_until
 from tests.support.celery_app import REDIS_URL, Parcel
-from tests.support.celery_fixtures import inprocess_worker
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -333,16 +332,15 @@ def test_a_row_parked_as_a_signature_by_an_earlier_version_is_still_published(
     assert message.decode()[:2] == [[1, "a"], {"k": 2}]
 
 
+@pytest.mark.celery(task_protocol=1)
 def test_a_deferrable_task_sent_with_message_protocol_1_fails_naming_protocol_2(
-    make_app,
+    celery_app: Celery, celery_worker: Any
 ) -> None:
     # Protocol 1 bodies are decoded by the worker before the request exists: there are
     # no delivered bytes to park, and the run says so instead of re-encoding anything.
-    app = make_app(conf={"task_protocol": 1})
-    with inprocess_worker(app, concurrency=1):
-        result = app.tasks["rc.defer_echo"].delay(1)
-        with pytest.raises(ConcurrencyConfigError, match="protocol 2"):
-            result.get(timeout=30)
+    result = celery_app.tasks["rc.defer_echo"].delay(1)
+    with pytest.raises(ConcurrencyConfigError, match="protocol 2"):
+        result.get(timeout=30)
 
 
 def test_a_message_too_large_to_park_fails_with_an_error_naming_the_limit(
@@ -359,12 +357,12 @@ def test_a_message_too_large_to_park_fails_with_an_error_naming_the_limit(
     assert "MAX_PARKED_MESSAGE_BYTES" in str(caught.value)
 
 
-def test_a_task_too_large_to_park_fails_visibly_in_the_result_backend(make_app) -> None:
-    app = make_app()
-    with inprocess_worker(app, concurrency=1):
-        result = app.tasks["rc.defer_echo"].delay("x" * MAX_PARKED_MESSAGE_BYTES)
-        with pytest.raises(ConcurrencyConfigError, match=str(MAX_PARKED_MESSAGE_BYTES)):
-            result.get(timeout=30)
+def test_a_task_too_large_to_park_fails_visibly_in_the_result_backend(
+    celery_app: Celery, celery_worker: Any
+) -> None:
+    result = celery_app.tasks["rc.defer_echo"].delay("x" * MAX_PARKED_MESSAGE_BYTES)
+    with pytest.raises(ConcurrencyConfigError, match=str(MAX_PARKED_MESSAGE_BYTES)):
+        result.get(timeout=30)
     assert result.state == "FAILURE"
 
 

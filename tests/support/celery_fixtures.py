@@ -4,7 +4,11 @@
   unique queue and events key per test, the session's PostgreSQL database, a fake
   provider started for the test.
 * ``make_app`` — builds an app from those settings (with overrides).
-* ``inprocess_worker`` — ``celery.contrib.testing.worker.start_worker`` (threads pool).
+* Celery's own fixtures (``celery.contrib.pytest``) set up for those settings: its
+  ``celery_app`` is configured by ``celery_config`` (and a test's
+  ``@pytest.mark.celery(...)``) and gets the test tasks; its ``celery_worker`` runs
+  them in this process on a threads pool (``celery_worker_pool``,
+  ``celery_worker_parameters``).
 * ``worker_processes`` — ``celery worker`` subprocesses (prefork or solo), stopped by PID.
 * :class:`WorkerScenario` — for tests on an app module of their own
   (``tests/celery/*_app.py``): the app, its worker subprocesses and Redis records.
@@ -30,17 +34,16 @@ from typing import Any, Self
 import pytest
 import redis
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.result import AsyncResult
 from celery.utils.nodenames import host_format
 
 from runcell_celery import remove_event_listener
 from runcell_celery.celery import admission_counts
-from runcell_celery.celery.state import state_for
+from runcell_celery.celery.state import discard_state, state_for
 from runcell_celery.testing import FakeProvider
 from tests.conftest import wait_until
 
-from .celery_app import ENV, EVENT_RECORDERS, REDIS_URL, create_app
+from .celery_app import ENV, EVENT_RECORDERS, REDIS_URL, celery_conf, create_app, register_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,13 +107,72 @@ def make_app(celery_settings: dict[str, Any]) -> Iterator[Callable[..., Celery]]
         state.counters.close()  # a last write while the test's database still exists
 
 
-@contextlib.contextmanager
-def inprocess_worker(app: Celery, *, concurrency: int = 4) -> Iterator[Any]:
-    """A real worker in this process (threads pool), on the app's queue."""
-    with start_worker(
-        app, pool="threads", concurrency=concurrency, perform_ping_check=False, loglevel="WARNING"
-    ) as worker:
-        yield worker
+#: How long the in-process worker's Redis consumer blocks on its queue (kombu's
+#: ``polling_interval``, its ``BRPOP`` timeout): the worker notices it should stop
+#: within that, not the default 1 s.
+INPROCESS_POLL_S = 0.1
+
+
+@pytest.fixture
+def celery_config(celery_settings: dict[str, Any]) -> dict[str, Any]:
+    """Celery's ``celery_app`` configured as the test app (:func:`celery_conf`): Redis
+    broker and results, this test's queue, database and limits.
+
+    A test changes any key with ``@pytest.mark.celery(key=value)`` (Celery's own
+    mark); ``runcell=`` there replaces only the keys it names of the test's runcell
+    settings (see ``celery_app``).
+    """
+    conf = celery_conf(celery_settings)
+    conf["broker_transport_options"] = {
+        **conf["broker_transport_options"],
+        "polling_interval": INPROCESS_POLL_S,
+    }
+    return conf
+
+
+@pytest.fixture
+def celery_app(
+    celery_app: Celery,
+    celery_config: dict[str, Any],
+    celery_settings: dict[str, Any],
+    request: pytest.FixtureRequest,
+) -> Iterator[Celery]:
+    """Celery's ``celery_app`` with the test tasks (``rc.*``), their events recorded.
+
+    A ``runcell`` dict in the test's ``@pytest.mark.celery(...)`` is laid over the
+    test's runcell settings (``LIMITERS`` of its own, say), so the test database and
+    its ``POSTGRES`` options stay: Celery's mark would replace the whole dict.
+    Afterwards the app's integration state (counter listener, pool, listener) and
+    event recorder are dropped.
+    """
+    mark = request.node.get_closest_marker("celery")
+    overrides = mark.kwargs.get("runcell", {}) if mark is not None else {}
+    celery_app.conf.runcell = {**celery_config["runcell"], **overrides}
+    register_tasks(celery_app, celery_settings)
+    yield celery_app
+    _forget(celery_app)
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    """Threads: the tasks run at once, as in a worker process (Celery's default is solo)."""
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    """Four threads, more than the tests' limits (so the limit is what holds tasks
+    back), no ping task (the worker is ready once ``celery_worker`` yields), warnings
+    logged."""
+    return {"concurrency": 4, "perform_ping_check": False, "loglevel": "WARNING"}
+
+
+def _forget(app: Celery) -> None:
+    """Drop what the integration and the test tasks keep for ``app`` in this process."""
+    listener = EVENT_RECORDERS.pop(app, None)
+    if listener is not None:
+        remove_event_listener(listener)
+    discard_state(app)
 
 
 class WorkerProcesses:

@@ -1,6 +1,6 @@
 """A deferred Celery run's wait span says so, with its place in line from PostgreSQL.
 
-A real in-process worker (threads) on the PostgreSQL limiter, limit 1, runs three
+Celery's in-process ``celery_worker`` (threads) on the PostgreSQL limiter, limit 1, runs three
 ``admission: defer`` tasks sent at once under the Celery instrumentation: the runs
 that find the slot taken are parked (their wait span ends ``deferred``, with the
 place the database gave them), then re-published and run (their wait span ends
@@ -10,7 +10,7 @@ place the database gave them), then re-published and run (their wait span ends
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,11 +19,27 @@ from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
-from tests.support.celery_fixtures import celery_settings, inprocess_worker, make_app, provider
+from tests.conftest import wait_until
+from tests.support.celery_fixtures import (
+    celery_app,
+    celery_config,
+    celery_settings,
+    celery_worker_parameters,
+    celery_worker_pool,
+    provider,
+)
 from tests.support.pg import pg_dsn
 from tests.tracing.conftest import RecordedSpans
 
-__all__ = ["celery_settings", "make_app", "pg_dsn", "provider"]
+__all__ = [
+    "celery_app",
+    "celery_config",
+    "celery_settings",
+    "celery_worker_parameters",
+    "celery_worker_pool",
+    "pg_dsn",
+    "provider",
+]
 
 LIMITS = {
     "max_concurrent": 1,
@@ -47,15 +63,20 @@ def _parent_id(span: ReadableSpan) -> int | None:
     return span.parent.span_id if span.parent is not None else None
 
 
+@pytest.mark.celery(runcell={"LIMITERS": {"llm": LIMITS}})
 def test_a_parked_run_has_a_deferred_wait_with_its_place_and_then_runs_on_its_admitted_slot(
-    instrumented: RecordedSpans, make_app: Callable[..., Celery]
+    instrumented: RecordedSpans, celery_app: Celery, celery_worker: Any
 ) -> None:
-    app = make_app(limits=LIMITS)
-    defer_task: Any = app.tasks["rc.defer"]
-    with inprocess_worker(app, concurrency=3):
-        results = [defer_task.delay(300) for _ in range(3)]
-        replies = [result.get(timeout=60) for result in results]
+    # The instrumentation is on before the worker starts, and off after it stopped.
+    defer_task: Any = celery_app.tasks["rc.defer"]
+    results = [defer_task.delay(300) for _ in range(3)]
+    replies = [result.get(timeout=60) for result in results]
     assert len(replies) == 3
+    # A delivery's task span ends after its result is stored, one wait span a delivery.
+    wait_until(
+        lambda: len(instrumented.named("run/rc.defer")) == len(instrumented.waits()),
+        "every delivery's task span has ended",
+    )
 
     recorded = instrumented.all()
     runs = {s.context.span_id: s for s in recorded if s.name == "run/rc.defer"}
