@@ -39,8 +39,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
 
 from celery import Celery, Task, states
 from celery.app.task import Context
@@ -56,6 +56,7 @@ from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
 from ..ports import (
+    ClaimMiss,
     ExpiredParked,
     Parked,
     ParkingStore,
@@ -87,6 +88,12 @@ SWEEP_INTERVAL_S = 1.0
 #: A grant nobody published within this long is published by the sweeper (so a lost
 #: wake-up still leaves most of the claim window for the task to claim it).
 REPUBLISH_AFTER_MS = 1_000
+
+
+#: What an admission holds once granted: one lease, or one per limiter.
+_Held = Lease | tuple[Lease, ...]
+#: Why an admission that asked holds nothing (yet).
+AdmissionResult = Parked | Literal["duplicate"]
 
 
 class DuplicateDelivery(SlotDeferred):
@@ -160,20 +167,21 @@ def admission_for(
     republished = parked_as is not None and publication is not None
     admission: Admission
 
-    def acquire(
-        limiter: ConcurrencyLimiter,
-        slot_request: AcquireRequest,
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
-    ) -> Lease:
-        if not isinstance(limiter, SupportsParking):
-            return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
-        parking: SupportsParking = limiter
-        request_id = slot_request.request_id
+    def admit(
+        request_id: str,
+        limiters: Sequence[ConcurrencyLimiter],
+        claim: Callable[[str, str], _Held | ClaimMiss],
+        acquire_or_park: Callable[[str, str], _Held | AdmissionResult],
+    ) -> _Held:
+        """The one admission path, for one limiter or several: a re-published copy
+        claims its delivery's grant; otherwise the delivery asks, waiting or parking.
+        ``claim(request_id, publication)`` and ``acquire_or_park(request_id,
+        payload)`` give a lease (one limiter) or leases (several), or say why not."""
         if republished:
-            claimed = parking.claim_parked(request_id, publication)
-            if isinstance(claimed, Lease):
-                return _unless_finished(task, task_id, limiter, claimed)
+            assert publication is not None
+            claimed = claim(request_id, publication)
+            if not isinstance(claimed, str):
+                return _unless_finished(task, task_id, limiters, claimed)
             if claimed == "stale":
                 # The parked delivery is still stored (back in line, or granted to a
                 # newer publication): this copy ends, and the run stays parked (a
@@ -183,21 +191,40 @@ def admission_for(
             # ended. This copy is a delivery of its own.
             request_id = _delivery_id(task_id)
             admission.request_id = request_id  # what a withdrawal must name
-        result = parking.acquire_or_park(
-            dataclasses.replace(slot_request, request_id=request_id),
-            admission_wait_ms=spec.admission_wait_ms,
-            defer_after_ms=spec.defer_after_ms,
-            payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
-            cancel=cancel,
-            on_wait=on_wait,
-        )
-        if isinstance(result, Lease):
-            return _unless_finished(task, task_id, limiter, result)
+        payload = _payload(task, request, deadline_at=deadline_at, admission_id=request_id)
+        result = acquire_or_park(request_id, payload)
+        if not isinstance(result, str):
+            return _unless_finished(task, task_id, limiters, result)
         if result == "duplicate":  # already parked and granted: its publication runs it
             raise DuplicateDelivery()
         if isinstance(result, Parked):
             admission.parked = result  # its place and expected wait, for the log line
         raise SlotDeferred()
+
+    def acquire(
+        limiter: ConcurrencyLimiter,
+        slot_request: AcquireRequest,
+        cancel: CancellationToken | None,
+        on_wait: OnWait,
+    ) -> Lease:
+        if not isinstance(limiter, SupportsParking):
+            return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
+        parking: SupportsParking = limiter
+        held = admit(
+            slot_request.request_id,
+            (limiter,),
+            parking.claim_parked,
+            lambda request_id, payload: parking.acquire_or_park(
+                dataclasses.replace(slot_request, request_id=request_id),
+                admission_wait_ms=spec.admission_wait_ms,
+                defer_after_ms=spec.defer_after_ms,
+                payload=payload,
+                cancel=cancel,
+                on_wait=on_wait,
+            ),
+        )
+        assert isinstance(held, Lease)
+        return held
 
     def acquire_several(
         limiters: Sequence[ConcurrencyLimiter],
@@ -211,31 +238,24 @@ def admission_for(
                 _several(first).acquire_several(limiters, requests, cancel=cancel, on_wait=on_wait)
             )
         parking: SupportsSeveralParking = first
-        request_id = requests[0].request_id
-        if republished:
-            claimed = parking.claim_parked_several(limiters, request_id, publication)
-            if isinstance(claimed, tuple):
-                return _several_unless_finished(task, task_id, limiters, claimed)
-            if claimed == "stale":
-                raise SlotDeferred()  # as for one limiter: its own publication runs it
-            request_id = _delivery_id(task_id)
-            admission.request_id = request_id
-        result = parking.acquire_several_or_park(
-            [*limiters],
-            [dataclasses.replace(r, request_id=request_id) for r in requests],
-            admission_wait_ms=spec.admission_wait_ms,
-            defer_after_ms=spec.defer_after_ms,
-            payload=_payload(task, request, deadline_at=deadline_at, admission_id=request_id),
-            cancel=cancel,
-            on_wait=on_wait,
+        held = admit(
+            requests[0].request_id,
+            limiters,
+            lambda request_id, publication_id: parking.claim_parked_several(
+                limiters, request_id, publication_id
+            ),
+            lambda request_id, payload: parking.acquire_several_or_park(
+                [*limiters],
+                [dataclasses.replace(r, request_id=request_id) for r in requests],
+                admission_wait_ms=spec.admission_wait_ms,
+                defer_after_ms=spec.defer_after_ms,
+                payload=payload,
+                cancel=cancel,
+                on_wait=on_wait,
+            ),
         )
-        if isinstance(result, tuple):
-            return _several_unless_finished(task, task_id, limiters, result)
-        if result == "duplicate":
-            raise DuplicateDelivery()
-        if isinstance(result, Parked):
-            admission.parked = result
-        raise SlotDeferred()
+        assert isinstance(held, tuple)
+        return held
 
     own_id = parked_as if republished else _delivery_id(task_id)
     several = len(limiters) > 1
@@ -258,32 +278,16 @@ def _several(limiter: ConcurrencyLimiter) -> SupportsSeveral:
     return limiter
 
 
-def _several_unless_finished(
-    task: Task[Any, Any],
-    task_id: str,
-    limiters: Sequence[ConcurrencyLimiter],
-    leases: tuple[Lease, ...],
-) -> tuple[Lease, ...]:
-    """:func:`_unless_finished` for the leases of a run over several limiters."""
-    if not _finished(task, task_id):
-        return leases
-    for limiter, lease in zip(limiters, leases, strict=True):
-        try:
-            limiter.release(lease, "cancelled")
-        except Exception as exc:  # the slot comes back when its lease expires
-            logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
-    raise DuplicateDelivery()
-
-
 def _delivery_id(task_id: str) -> str:
     """A request id for one delivery of a task: never shared with another delivery."""
     return f"{task_id}/{uuid.uuid4().hex}"
 
 
 def _unless_finished(
-    task: Task[Any, Any], task_id: str, limiter: ConcurrencyLimiter, lease: Lease
-) -> Lease:
-    """Return ``lease``, unless another delivery of the task already finished it.
+    task: Task[Any, Any], task_id: str, limiters: Sequence[ConcurrencyLimiter], held: _Held
+) -> _Held:
+    """Return ``held`` (a lease, or one per limiter), unless another delivery of the
+    task already finished it: then the slots are given back and this delivery dropped.
 
     Read when the delivery has its slot, so a duplicate waits (parked, in line) until
     the delivery it duplicates has finished, and only then is dropped; while that one
@@ -291,11 +295,13 @@ def _unless_finished(
     result (no result backend, ``ignore_result``, unreachable) the delivery runs.
     """
     if not _finished(task, task_id):
-        return lease
-    try:
-        limiter.release(lease, "cancelled")
-    except Exception as exc:  # the slot comes back when its lease expires
-        logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
+        return held
+    leases = (held,) if isinstance(held, Lease) else held
+    for limiter, lease in zip(limiters, leases, strict=True):
+        try:
+            limiter.release(lease, "cancelled")
+        except Exception as exc:  # the slot comes back when its lease expires
+            logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
     raise DuplicateDelivery()
 
 
