@@ -13,7 +13,8 @@ import pytest
 from tests.support.demo import DemoProcess, demo_environment, process_groups, processes_mentioning
 from tests.support.pg import ADMIN_DSN
 
-pytestmark = pytest.mark.timeout(300)
+# Whole demo runs (about a minute together): in the stress suite, which CI runs too.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.stress]
 
 
 def _gone(pids: list[int], timeout: float = 10) -> list[int]:

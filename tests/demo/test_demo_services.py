@@ -26,6 +26,9 @@ from demo.paths import Paths
 pytestmark = pytest.mark.timeout(300)
 
 
+# A whole demo run from a fresh copy with its own virtualenv (over 20 s): in the stress
+# suite, which CI runs too.
+@pytest.mark.stress
 def test_demo_falls_back_to_embedded_services_from_a_checkout_only_root_may_enter() -> None:
     """The environment points nowhere and localhost is not asked: embedded servers run
     the whole demo, and the provider's own count shows the limit held. Run as root (the

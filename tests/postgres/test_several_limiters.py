@@ -283,6 +283,7 @@ def test_a_lost_reply_to_a_grant_over_several_limiters_gives_the_leases_to_the_r
     assert (direct_a.stats().active, direct_b.stats().active) == (0, 0)
 
 
+@pytest.mark.stress  # waits out a queue entry TTL (about 15 s); CI runs the stress suite
 def test_a_lost_reply_to_a_queued_request_over_several_limiters_keeps_one_place(
     pg_dsn: str, dropper: ReplyDropper
 ) -> None:
