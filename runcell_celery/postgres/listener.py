@@ -40,6 +40,9 @@ SELF_CHECK_TIMEOUT_S = 2.0
 RECONNECT_DELAY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 #: How long one step waits for notifications before checking whether to stop.
 NOTIFIES_TIMEOUT_S = 1.0
+#: A wait longer than its timeout by this much was paused: it does not count as having
+#: read every notification (see ``GrantListener.caught_up_at``).
+PAUSED_WAIT_SLACK_S = 0.5
 
 ParkedHandler = Callable[[str, list[str]], None]
 
@@ -191,10 +194,16 @@ class GrantListener:
         self._listen_parked(conn)
         # A connection lost without a reset is found by TCP keepalives (see
         # connection.KEEPALIVES), not by statements: a quiet listener costs nothing.
+        started = time.monotonic()
         for notify in conn.notifies(timeout=NOTIFIES_TIMEOUT_S):
             self.dispatch(notify.channel, notify.payload)
-        # Every notification that reached the connection before now has been handed on.
-        self.caught_up_at = time.monotonic()
+        ended = time.monotonic()
+        # Every notification that reached the connection before now has been handed on,
+        # unless this wait outlasted its timeout by far: the process was paused
+        # (SIGSTOP) or starved, and a wait whose time ran out while it stood still may
+        # end without reading what arrived meanwhile. The next wait reads it first.
+        if ended - started <= NOTIFIES_TIMEOUT_S + PAUSED_WAIT_SLACK_S:
+            self.caught_up_at = ended
 
     def _disconnect(self) -> None:
         self.connected.clear()
