@@ -209,6 +209,7 @@ def test_readme_nox_sessions_are_defined_and_run_by_ci() -> None:
     assert shown <= set(ci), f"scripts/test runs {ci}"
 
 
+@pytest.mark.stress  # a whole demo run (about 20 s); CI runs the stress suite too
 def test_readme_demo_command_runs_and_the_limit_holds() -> None:
     variants = {tuple(shlex.split(c)[1:]) for c in sh_commands() if c.startswith("./demo")}
     assert () in variants, "README shows ./demo itself"

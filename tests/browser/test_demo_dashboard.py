@@ -45,6 +45,8 @@ def demo_browser() -> Iterator[Any]:
             browser.close()
 
 
+# A whole demo run under a browser (about 30 s): in the stress suite, which CI runs too.
+@pytest.mark.stress
 def test_dashboard_shows_the_demo_limiter_while_the_workload_runs(demo_browser: Any) -> None:
     with demo_environment() as env:
         # A small workload made slower, so the screenshot catches it under way.

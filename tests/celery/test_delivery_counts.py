@@ -68,6 +68,7 @@ def test_deliveries_whose_limiter_limits_conflict_are_each_counted_as_a_failure(
     assert after.provider_attempts == before.provider_attempts
 
 
+@pytest.mark.stress  # waits out connection timeouts (about 17 s); CI runs it in stress
 def test_deliveries_that_cannot_reach_the_database_are_each_counted_as_a_failure(
     make_app, worker_processes, celery_settings
 ) -> None:

@@ -197,6 +197,7 @@ def test_a_process_paused_between_its_grant_and_its_body_never_starts_the_body(
     assert witness.most == 1
 
 
+@pytest.mark.stress  # 10,000 waiters (about 12 s); CI runs the stress suite too
 def test_ten_thousand_grants_at_once_are_all_served_and_the_limiter_keeps_working(
     pg_dsn: str,
 ) -> None:
