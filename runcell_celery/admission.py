@@ -33,7 +33,7 @@ from typing import Literal
 from .cancellation import CancellationToken
 from .deadline import Deadline
 from .events import describe_error
-from .hold import outcome_of
+from .hold import LeasePart, outcome_of
 from .keeper import LeaseKeeper, get_keeper
 from .ports import Parked
 from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, Outcome
@@ -73,9 +73,10 @@ class PreAdmitted:
 
     One lease, or one per limiter for a run over several limiters (granted together,
     kept and given back together). Each lease is kept by the lease keeper through a
-    :class:`_AdmittedPart` until a slot adopts them all (and keeps them from then on),
-    they are released, or one is lost. Emits no events of its own: ``acquired`` and
-    ``released`` describe provider requests, and belong to the slot that adopts it.
+    :class:`~runcell_celery.hold.LeasePart` until a slot adopts them all (and keeps
+    them from then on), they are released, or one is lost. Emits no events of its
+    own: ``acquired`` and ``released`` describe provider requests, and belong to the
+    slot that adopts it.
     """
 
     def __init__(
@@ -89,7 +90,7 @@ class PreAdmitted:
         self._lock = threading.Lock()
         self._state: Literal["held", "adopted", "released", "lost"] = "held"
         self._keeper: LeaseKeeper | None = None
-        self._parts: list[_AdmittedPart] = []
+        self._parts: list[LeasePart] = []
         self._keys: list[int] = []
         self._detach: Callable[[], object] | None = None
 
@@ -108,7 +109,7 @@ class PreAdmitted:
         """Hand the leases to the keeper; release them if ``deadline`` passes or
         ``cancel`` is set before a slot adopts them."""
         keeper = self._keeper = get_keeper()
-        self._parts = [_AdmittedPart(self, index) for index in range(len(self.leases))]
+        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
         self._keys = [
             keeper.keep(
                 part, lease.ttl_ms, deadline if part.index == 0 else None, lease.valid_until
@@ -168,10 +169,10 @@ class PreAdmitted:
     def part_renewed(self, index: int, lease: Lease) -> None:
         self.leases[index] = lease
 
-    def renewal_failed(self, error: BaseException) -> None:
+    def part_renewal_failed(self, index: int, error: BaseException) -> None:
         logger.warning("renewing a pre-admitted slot failed: %s", describe_error(error))
 
-    def lease_lost(self, index: int) -> None:
+    def part_lost(self, index: int, error: BaseException | None) -> None:
         with self._lock:
             if self._state != "held":
                 return
@@ -188,31 +189,6 @@ class PreAdmitted:
 
     def cancelled(self) -> None:
         self.release("cancelled")
-
-
-class _AdmittedPart:
-    """One lease of a :class:`PreAdmitted`, as the keeper sees it (a LeaseHolder)."""
-
-    __slots__ = ("__weakref__", "_admitted", "index")
-
-    def __init__(self, admitted: PreAdmitted, index: int) -> None:
-        self._admitted = admitted  # the admission holds the parts only through it
-        self.index = index
-
-    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
-        return self._admitted.part_lease(self.index)
-
-    def lease_renewed(self, lease: Lease) -> None:
-        self._admitted.part_renewed(self.index, lease)
-
-    def renewal_failed(self, error: BaseException) -> None:
-        self._admitted.renewal_failed(error)
-
-    def lease_lost(self, error: BaseException | None) -> None:
-        self._admitted.lease_lost(self.index)
-
-    def deadline_passed(self) -> Deadline | None:
-        return self._admitted.deadline_passed()
 
 
 class Admission:

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .deadline import Deadline
 from .errors import (
@@ -328,7 +328,7 @@ class SeveralHold(Hold):
     """One request's leases in several limiters, held, renewed and released together.
 
     ``lease`` is the first limiter's; ``leases`` all of them, in the order given. Each
-    lease is kept by the keeper through a :class:`_Part` (renewals are batched per
+    lease is kept by the keeper through a :class:`LeasePart` (renewals are batched per
     limiter as for any lease); the hold's deadline (run budget, ``max_hold_ms``) is
     watched once, on the first. Losing any lease aborts the hold and releases the
     others at once; ending it releases every lease.
@@ -348,7 +348,7 @@ class SeveralHold(Hold):
         super().__init__(slot_request, leases[0], max_hold=max_hold, task=task, cleanups=cleanups)
         self.several = slot_request
         self.leases = list(leases)
-        self._parts: list[_Part] = []
+        self._parts: list[LeasePart] = []
         self._part_keys: list[int] = []
         self._parts_keeper: LeaseKeeper | None = None
 
@@ -356,7 +356,7 @@ class SeveralHold(Hold):
         """Hand every lease to the keeper; the first carries the hold's deadline."""
         due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
         keeper = self._parts_keeper = get_keeper()
-        self._parts = [_Part(self, index) for index in range(len(self.leases))]
+        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
         self._part_keys = [
             keeper.keep(part, lease.ttl_ms, due if part.index == 0 else None, lease.valid_until)
             for part, lease in zip(self._parts, self.leases, strict=True)
@@ -408,37 +408,49 @@ class SeveralHold(Hold):
         self.abort("lease-lost", error)
 
 
-class _Part:
-    """One lease of a :class:`SeveralHold`, as the keeper sees it (a LeaseHolder)."""
+class PartedHolder(Protocol):
+    """A holder of one lease per limiter whose leases the keeper keeps one by one
+    (:class:`SeveralHold`, :class:`~runcell_celery.admission.PreAdmitted`)."""
 
-    __slots__ = ("__weakref__", "_hold", "index")
+    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None: ...
+    def part_renewed(self, index: int, lease: Lease) -> None: ...
+    def part_renewal_failed(self, index: int, error: BaseException) -> None: ...
+    def part_lost(self, index: int, error: BaseException | None) -> None: ...
+    def deadline_passed(self) -> Deadline | None: ...
 
-    def __init__(self, hold: SeveralHold, index: int) -> None:
-        self._hold = weakref.ref(hold)
+
+class LeasePart:
+    """One lease of a :class:`PartedHolder`, as the keeper sees it (a LeaseHolder).
+    Holds its holder weakly: a holder dropped unreleased stops being renewed."""
+
+    __slots__ = ("__weakref__", "_holder", "index")
+
+    def __init__(self, holder: PartedHolder, index: int) -> None:
+        self._holder = weakref.ref(holder)
         self.index = index
 
     def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
-        hold = self._hold()
-        return None if hold is None else hold.part_lease(self.index)
+        holder = self._holder()
+        return None if holder is None else holder.part_lease(self.index)
 
     def lease_renewed(self, lease: Lease) -> None:
-        hold = self._hold()
-        if hold is not None:
-            hold.part_renewed(self.index, lease)
+        holder = self._holder()
+        if holder is not None:
+            holder.part_renewed(self.index, lease)
 
     def renewal_failed(self, error: BaseException) -> None:
-        hold = self._hold()
-        if hold is not None:
-            hold.part_renewal_failed(self.index, error)
+        holder = self._holder()
+        if holder is not None:
+            holder.part_renewal_failed(self.index, error)
 
     def lease_lost(self, error: BaseException | None) -> None:
-        hold = self._hold()
-        if hold is not None:
-            hold.part_lost(self.index, error)
+        holder = self._holder()
+        if holder is not None:
+            holder.part_lost(self.index, error)
 
     def deadline_passed(self) -> Deadline | None:
-        hold = self._hold()
-        return None if hold is None else hold.deadline_passed()
+        holder = self._holder()
+        return None if holder is None else holder.deadline_passed()
 
 
 def _call_safely(callback: Callable[[], object]) -> None:
