@@ -14,6 +14,7 @@ limit is a limit that does not hold.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -33,6 +34,7 @@ __all__ = [
     "LimiterConfig",
     "WorkloadConfig",
     "check_duration_ms",
+    "has_unstorable",
     "limiter_config",
 ]
 
@@ -101,7 +103,12 @@ def _render_path(prefix: str, path: FieldPath) -> str:
         return prefix or "limiter settings"
     head = prefix if prefix else path[0]
     rest = path if prefix else path[1:]
-    return head + "".join(f'["{part}"]' for part in rest)
+    return head + "".join(f'["{_printable(part)}"]' for part in rest)
+
+
+def _printable(part: str) -> str:
+    """A settings key as a path shows it, with control characters escaped."""
+    return part if part.isprintable() else repr(part)[1:-1]
 
 
 def _check_int(
@@ -148,11 +155,24 @@ def _check_optional_int(path: FieldPath, value: object, *, minimum: int) -> int 
     return None if value is None else _check_int(path, value, minimum=minimum)
 
 
+#: What names and keys may not hold, as messages say it.
+UNSTORABLE_RULE = "control characters (such as NUL) or lone surrogates"
+
+
+def has_unstorable(text: str) -> bool:
+    """Whether ``text`` holds a character a name or a key may not: a control character
+    (NUL cannot be stored in PostgreSQL ``text``; the others break log lines and
+    headers) or a lone surrogate (it has no UTF-8 encoding)."""
+    return not text.isprintable() and any(unicodedata.category(ch) in ("Cc", "Cs") for ch in text)
+
+
 def _check_name(path: FieldPath, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _InvalidSettingError(path, value, "must be a non-empty string")
     if len(value) > MAX_NAME_LENGTH:
         raise _InvalidSettingError(path, value, f"must be at most {MAX_NAME_LENGTH} characters")
+    if has_unstorable(value):
+        raise _InvalidSettingError(path, value, f"must not contain {UNSTORABLE_RULE}")
     return value
 
 

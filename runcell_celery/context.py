@@ -22,18 +22,27 @@ A run started inside another is a child (README, "Celery": child tasks). It inhe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from .arguments import (
+    check_admission,
+    check_cancel,
+    check_deadline,
+    check_deadline_at,
+    check_id,
+    check_limiter,
+    check_text,
+)
 from .cancellation import CancellationToken
 from .config import check_duration_ms
 from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
-from .keys import check_key
+from .keys import check_fair_key
 from .protocol import ConcurrencyLimiter, RunLineage, SupportsValidateWorkload, supports
 from .several import check_several, resolve_workloads
 
@@ -139,6 +148,39 @@ class RunOptions:
     key: str | None = None
 
 
+def _limiters_argument(limiter: object) -> tuple[ConcurrencyLimiter, ...]:
+    """``run(limiter=...)``: none, one limiter, or a sequence of them."""
+    if limiter is None:
+        return ()
+    if supports(limiter, ConcurrencyLimiter):
+        return (cast(ConcurrencyLimiter, limiter),)
+    if isinstance(limiter, Sequence) and not isinstance(limiter, str | bytes):
+        return tuple(
+            check_limiter(item, argument=f"run(limiter[{i}])") for i, item in enumerate(limiter)
+        )
+    return (check_limiter(limiter, argument="run(limiter)"),)
+
+
+def _check_arguments(**given: Any) -> None:
+    """Check ``run()``'s other arguments; each error names the argument and the value."""
+    checks: dict[str, Callable[..., object]] = {
+        "workload": check_text,
+        "default_workload": check_text,
+        "deadline": check_deadline,
+        "deadline_at": check_deadline_at,
+        "cancel": check_cancel,
+        "run_id": check_id,
+        "root_run_id": check_id,
+        "parent_run_id": check_id,
+        "name": check_id,  # a task's name, as long as an id may be
+        "admission": check_admission,
+        "key": check_fair_key,
+    }
+    for argument, value in given.items():
+        if value is not None:
+            checks[argument](value, argument=f"run({argument})")
+
+
 class run:  # noqa: N801 - a context manager named like the thing it opens
     """Start a run (sync ``with`` or ``async with``); nested inside another, a child run.
 
@@ -149,8 +191,8 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
     :param default_workload: the workload of the code starting the run (e.g. the
         task's declared one); used only when neither the run nor its parent selects one.
     :param timeout_ms: total budget, counted from entering the run; slot waits count
-        against it. A child's budget is cut to its parent's remaining one. An infinite
-        value means no budget.
+        against it. A child's budget is cut to its parent's remaining one. ``None``
+        means no budget (of its own).
     :param deadline: an absolute deadline (combined with ``timeout_ms`` and the
         parent's; the earliest wins).
     :param deadline_at: the same as a Unix timestamp, for a budget carried from another
@@ -168,7 +210,11 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         request names.
     :raises ConcurrencyConfigError: the workload does not exist, or the limiter has
         several workloads, no default and none was selected; limiters that cannot be
-        held together. Raised at once, before anything waits.
+        held together. Raised at once, before anything waits. Also at once, naming the
+        argument and the value, for an argument of the wrong kind or shape (a limiter
+        that is not one, a blank name, id or workload, a key
+        :func:`~runcell_celery.keys.check_fair_key` refuses, a budget that is not a
+        non-negative number, a ``deadline_at`` that is not a finite Unix time).
     """
 
     def __init__(
@@ -188,13 +234,20 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         admission: Admission | None = None,
         key: str | None = None,
     ) -> None:
-        limiters: tuple[ConcurrencyLimiter, ...]
-        if limiter is None:
-            limiters = ()
-        elif isinstance(limiter, (tuple, list)) or not supports(limiter, ConcurrencyLimiter):
-            limiters = tuple(cast(Sequence[ConcurrencyLimiter], limiter))
-        else:
-            limiters = (cast(ConcurrencyLimiter, limiter),)
+        limiters = _limiters_argument(limiter)
+        _check_arguments(
+            workload=workload,
+            default_workload=default_workload,
+            deadline=deadline,
+            deadline_at=deadline_at,
+            cancel=cancel,
+            run_id=run_id,
+            root_run_id=root_run_id,
+            parent_run_id=parent_run_id,
+            name=name,
+            admission=admission,
+            key=key,
+        )
         if deadline_at is not None:
             deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
         if timeout_ms is not None:
@@ -249,8 +302,6 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
                     # Selected, not resolved: it applies where a limiter has it.
                     check_several(limiters)
                     resolve_workloads(limiters, workload)
-                if o.key is not None:
-                    check_key(limiters[0].name, o.key)
             except ConcurrencyConfigError as exc:
                 # Name the run that failed to start, as every ConcurrencyError does.
                 raise ConcurrencyConfigError(

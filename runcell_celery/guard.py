@@ -12,6 +12,8 @@ import inspect
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
+from .arguments import check_limiter_list, check_slot_arguments
+from .errors import ConcurrencyConfigError
 from .protocol import ConcurrencyLimiter
 from .slot import Slot
 
@@ -59,16 +61,24 @@ def guard(
 
     ``limiter`` may be a sequence of limiters: every call then holds one slot in each,
     granted together (as ``slot(a, b)``); ``key`` is the fairness key.
+
+    :raises ConcurrencyConfigError: when decorating, naming the argument and the value,
+        for an argument ``slot()`` would refuse (or a decorated object that is not
+        callable).
     """
-    limiters: tuple[ConcurrencyLimiter, ...]
-    if isinstance(limiter, Sequence):
-        limiters = tuple(limiter)
-    else:
-        limiters = () if limiter is None else (limiter,)
+    limiters = check_limiter_list(limiter, argument="guard(limiter)")
+    check_slot_arguments("guard", limiters, workload, key, max_hold_ms, None, None)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        if not callable(func):
+            raise ConcurrencyConfigError(
+                f"guard(fn) = {func!r:.60} is invalid: must be a function (the provider call)"
+            )
+
         def make() -> Slot:
-            return Slot(*limiters, workload=workload, key=key, max_hold_ms=max_hold_ms)
+            made = Slot.__new__(Slot)
+            made._setup(limiters, workload, key, max_hold_ms, None, None, call="guard")
+            return made
 
         wrapper: Callable[..., Any]
         if inspect.isasyncgenfunction(func):

@@ -10,23 +10,34 @@ first use and is removed once idle, so 100,000 tenants leave nothing behind.
 
 Keys come from user data (a task argument, a header), so they are checked here, in one
 place, before they name anything: a string of 1 to :data:`MAX_KEY_LENGTH` characters,
-not blank, with no control characters, whose limiter name stays within
-:data:`~runcell_celery.config.MAX_NAME_LENGTH`.
+not blank, with no control characters (NUL among them) and no lone surrogates (neither
+can be stored in PostgreSQL's ``text``), whose limiter name stays within
+:data:`~runcell_celery.config.MAX_NAME_LENGTH`. A fairness key (``slot(key=...)``,
+``run(key=...)``, a task's key, the ``runcell_key`` header) follows the same rules
+(:func:`check_fair_key`) wherever it enters, so the database is never the first to
+refuse one: a key it cannot index would fail every allocation that grants it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import unicodedata
 
-from .config import KEY_SEPARATOR, MAX_NAME_LENGTH, LimiterConfig
+from .config import (
+    KEY_SEPARATOR,
+    MAX_NAME_LENGTH,
+    UNSTORABLE_RULE,
+    LimiterConfig,
+    has_unstorable,
+)
 from .errors import ConcurrencyConfigError
 from .protocol import SupportsKeys, supports
 
 __all__ = [
     "MAX_KEY_LENGTH",
+    "check_fair_key",
     "check_key",
     "config_for_key",
+    "describe_key",
     "is_keyed",
     "key_limiter_name",
     "split_key_name",
@@ -36,31 +47,78 @@ __all__ = [
 MAX_KEY_LENGTH = 128
 
 
-def check_key(limiter: str, key: object) -> str:
+def check_key(limiter: str, key: object, *, argument: str | None = None) -> str:
     """Return ``key`` if it may name a key of ``limiter``; raise naming it otherwise.
 
+    :param argument: where the key was given (``"tenant.key(...)"``), for the message.
     :raises ConcurrencyConfigError: not a string, blank, longer than
-        :data:`MAX_KEY_LENGTH`, containing a control character, or making the key's
-        limiter name longer than :data:`~runcell_celery.config.MAX_NAME_LENGTH`.
+        :data:`MAX_KEY_LENGTH`, containing a control character or a lone surrogate,
+        or making the key's limiter name longer than
+        :data:`~runcell_celery.config.MAX_NAME_LENGTH`.
     """
-    problem = _key_problem(limiter, key)
+    problem = _key_problem(key) or _room_problem(limiter, key)
     if problem is not None:
+        where = f"{argument}: " if argument else ""
         raise ConcurrencyConfigError(
-            f"key {key!r} of limiter {limiter!r} is invalid: {problem}", limiter=limiter
+            f"{where}key {describe_key(key)} of limiter {limiter!r} is invalid: {problem}",
+            limiter=limiter,
         )
     assert isinstance(key, str)
     return key
 
 
-def _key_problem(limiter: str, key: object) -> str | None:
+def check_fair_key(key: object, *, argument: str) -> str:
+    """Return ``key`` if it may be a request's fairness key; raise naming ``argument``.
+
+    The rules of :func:`check_key` but the name's length: a fairness key names no
+    limiter (it groups waiting requests of ``fairness: "round_robin"`` limiters).
+
+    :raises ConcurrencyConfigError: ``{argument} = <the key's shape> is invalid: ...``.
+    """
+    problem = _key_problem(key)
+    if problem is not None:
+        raise ConcurrencyConfigError(f"{argument} = {describe_key(key)} is invalid: {problem}")
+    assert isinstance(key, str)
+    return key
+
+
+#: Keys up to this long are shown whole in errors; longer ones by their start.
+_SHOWN_WHOLE = 40
+
+
+def describe_key(key: object) -> str:
+    """The key as an error shows it: whole when short, else its start and its length
+    (a 3,000-character key is not printed whole), control characters escaped."""
+    if not isinstance(key, str):
+        shown = repr(key)
+        if len(shown) > _SHOWN_WHOLE:
+            shown = shown[: _SHOWN_WHOLE - 1] + "\u2026"
+        return f"{shown} (of type {type(key).__name__})"
+    if len(key) <= _SHOWN_WHOLE:
+        return _escaped(key)
+    return f"{_escaped(key[:16])}\u2026 ({len(key)} characters)"
+
+
+def _escaped(text: str) -> str:
+    # repr() escapes control characters but not lone surrogates' invalidity: make
+    # them visible too, so the message itself can be printed and stored.
+    return repr(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _key_problem(key: object) -> str | None:
     if not isinstance(key, str):
         return f"a key must be a string, not {type(key).__name__}"
     if not key.strip():
         return "a key must not be empty or blank"
     if len(key) > MAX_KEY_LENGTH:
         return f"a key must be at most {MAX_KEY_LENGTH} characters (it has {len(key)})"
-    if any(unicodedata.category(ch) == "Cc" for ch in key):
-        return "a key must not contain control characters"
+    if has_unstorable(key):
+        return f"a key must not contain {UNSTORABLE_RULE}"
+    return None
+
+
+def _room_problem(limiter: str, key: object) -> str | None:
+    assert isinstance(key, str)
     room = MAX_NAME_LENGTH - len(limiter) - len(KEY_SEPARATOR)
     if len(key) > room:
         return (

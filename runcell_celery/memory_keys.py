@@ -26,7 +26,7 @@ from .cancellation import CancellationToken
 from .clock import SYSTEM_CLOCK, Clock
 from .config import LimiterConfig
 from .errors import ConcurrencyConfigError
-from .keys import config_for_key
+from .keys import check_key, config_for_key
 from .memory import InMemoryConcurrencyLimiter
 from .protocol import (
     AcquireRequest,
@@ -77,6 +77,7 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         :raises ConcurrencyConfigError: the key is invalid
             (:func:`~runcell_celery.keys.check_key`).
         """
+        check_key(self._config.name, key, argument=f"{self._config.name}.key()")
         with self._lock:
             limiter = self._live.get(key)
             if limiter is None:

@@ -33,7 +33,6 @@ from .errors import (
 )
 from .events import ConcurrencyEvent, EventType, describe_error, emit, has_listeners
 from .ids import new_request_id
-from .keys import check_key
 from .protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -204,10 +203,8 @@ def build_several(
         key = run.key
     try:
         check_several(limiters)
-        if key is None:
+        if key is None:  # a given key was checked where it entered (slot(), run())
             key = default_key(limiters)
-        else:
-            check_key(limiters[0].name, key)
         workloads = resolve_workloads(limiters, workload)
     except ConcurrencyConfigError as exc:
         raise ConcurrencyConfigError(

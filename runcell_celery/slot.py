@@ -45,6 +45,7 @@ from typing import Any, NoReturn, cast
 
 from . import tracing
 from .admission import Admission, PreAdmitted, SlotDeferred
+from .arguments import check_slot_arguments
 from .cancellation import CancellationToken
 from .context import RunContext, current_run
 from .deadline import Deadline
@@ -113,7 +114,9 @@ class Slot:
         max_hold_ms: int | None,
         cancel: CancellationToken | None,
         request_id: str | None,
+        call: str = "slot",
     ) -> None:
+        check_slot_arguments(call, limiters, workload, key, max_hold_ms, cancel, request_id)
         # One limiter (or none: the run's) is the path it always was; several are one
         # request over them all.
         self._several: tuple[ConcurrencyLimiter, ...] | None = None
@@ -746,6 +749,10 @@ def slot(
         limiter's ``max_hold_ms``).
     :param cancel: a token that cancels this request (the run's still applies).
     :param request_id: a stable id for the request (defaults to a new one).
+    :raises ConcurrencyConfigError: at once, naming the argument and the value, for an
+        argument that is not what it must be: a limiter that is not a limiter, a
+        blank workload or request id, a key :func:`~runcell_celery.keys.check_fair_key`
+        refuses, ``max_hold_ms`` not a positive finite number, ``cancel`` not a token.
     :raises ConcurrencyError: see :mod:`runcell_celery.errors`; the provider must not
         be called when entering fails. ``ConcurrencyConfigError`` for a keyed limiter
         itself (name ``limiter.key(...)``), the same limiter twice, or limiters that

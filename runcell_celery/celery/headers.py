@@ -46,7 +46,7 @@ from typing import Any, TypedDict
 
 from ..config import check_duration_ms
 from ..errors import ConcurrencyConfigError, ConcurrencyHeaderError
-from ..keys import check_key
+from ..keys import check_fair_key, check_key
 from .options import RunOverride
 
 __all__ = [
@@ -169,13 +169,15 @@ def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> Carri
 
     key = read(request, KEY)
     if key is not None:
-        if not isinstance(key, str):
-            raise invalid(KEY, key, "must be a string (a key)")
-        for limiter in keyed:
-            try:
+        try:
+            check_fair_key(key, argument="the key")
+            for limiter in keyed:
                 check_key(limiter, key)
-            except ConcurrencyConfigError as exc:
-                raise invalid(KEY, key, exc.message) from None
+        except ConcurrencyConfigError as exc:
+            raise ConcurrencyHeaderError(
+                f"task {task_name!r}: message header {KEY!r} is invalid: {exc.message}",
+                **lineage,
+            ) from None
     return CarriedRun(parent=parent, select=override, deadline=deadline, key=key)
 
 
@@ -218,7 +220,10 @@ def _parent(value: object, invalid: Callable[[str], ConcurrencyHeaderError]) -> 
     )
     if limiters is not None:
         parent["limiters"] = list(limiters)
-    key = name("key")
+    key = value.get("key")
     if key is not None:
-        parent["key"] = key
+        try:
+            parent["key"] = check_fair_key(key, argument="its 'key'")
+        except ConcurrencyConfigError as exc:
+            raise invalid(exc.message) from None
     return parent

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from ..config import check_duration_ms
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
-from ..keys import check_key
+from ..keys import check_fair_key, check_key
 from ..ports import DEFAULT_DEFER_AFTER_MS
 
 __all__ = ["DEFAULT_DEFER_AFTER_MS", "KeyFunction", "RunKey", "RunOverride", "TaskConcurrency"]
@@ -242,11 +242,12 @@ class RunKey:
                 raise cannot(f"no argument {exc.name!r} in this call") from None
             except (LookupError, AttributeError, ValueError, TypeError) as exc:
                 raise cannot(f"{type(exc).__name__}: {exc}") from None
-        for limiter in limiters:
-            try:
+        try:
+            check_fair_key(key, argument="the key formed")
+            for limiter in limiters:
                 check_key(limiter, key)
-            except ConcurrencyConfigError as exc:
-                raise cannot(exc.message) from None
+        except ConcurrencyConfigError as exc:
+            raise cannot(exc.message) from None
         assert isinstance(key, str)
         return key
 

@@ -59,12 +59,12 @@ class KeySet:
     def get(self, key: str) -> PostgresConcurrencyLimiter:
         """The limiter of ``key`` (checked: :func:`runcell_celery.keys.check_key`)."""
         parent = self._parent
+        check_key(parent.name, key, argument=f"{parent.name}.key()")
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-        check_key(parent.name, key)
         from .limiter import PostgresConcurrencyLimiter
 
         limiter = PostgresConcurrencyLimiter(

@@ -8,8 +8,10 @@ from runcell_celery import ConcurrencyConfigError
 from runcell_celery.config import LimiterConfig, limiter_config
 from runcell_celery.keys import (
     MAX_KEY_LENGTH,
+    check_fair_key,
     check_key,
     config_for_key,
+    describe_key,
     key_limiter_name,
     split_key_name,
 )
@@ -37,7 +39,7 @@ def test_an_invalid_key_is_rejected_naming_the_key_and_the_limiter(key: object, 
     with pytest.raises(ConcurrencyConfigError) as caught:
         check_key("tenant", key)
     assert words in str(caught.value)
-    assert repr(key) in str(caught.value)
+    assert describe_key(key) in str(caught.value)
     assert "'tenant'" in str(caught.value)
 
 
@@ -89,3 +91,18 @@ def test_keyed_is_stored_only_when_set_so_existing_hashes_do_not_change() -> Non
     assert limiter_config(2, name="t").differences(limiter_config(2, name="t", keyed=True)) == [
         "keyed"
     ]
+
+
+def test_a_long_key_is_shown_by_its_start_and_its_length_not_whole() -> None:
+    with pytest.raises(ConcurrencyConfigError) as caught:
+        check_key("tenant", "k" * 3000)
+    assert "'kkkkkkkkkkkkkkkk'… (3000 characters)" in caught.value.message
+    assert len(caught.value.message) < 200
+
+
+def test_a_fairness_key_follows_the_key_rules_without_a_limiters_name() -> None:
+    assert check_fair_key("a" * MAX_KEY_LENGTH, argument="slot(key)") == "a" * MAX_KEY_LENGTH
+    for bad, rule in (("", "empty"), ("a\x00", "NUL"), ("a\ud800", "surrogates"), (1, "string")):
+        with pytest.raises(ConcurrencyConfigError, match=r"^slot\(key\) = .* is invalid") as caught:
+            check_fair_key(bad, argument="slot(key)")
+        assert rule in caught.value.message
