@@ -21,6 +21,8 @@ refuse one: a key it cannot index would fail every allocation that grants it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Literal
 
 from .config import (
     KEY_SEPARATOR,
@@ -36,10 +38,12 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "check_fair_key",
     "check_key",
+    "check_key_clashes",
     "config_for_key",
     "describe_key",
     "is_keyed",
     "key_limiter_name",
+    "key_name_clash",
     "split_key_name",
 ]
 
@@ -140,6 +144,43 @@ def split_key_name(name: str) -> tuple[str, str | None]:
     """
     limiter, separator, key = name.partition(KEY_SEPARATOR)
     return (limiter, key) if separator else (name, None)
+
+
+def key_name_clash(
+    plain: str, keyed: str, key: str, *, stored: Literal["keyed", "limiter"] | None = None
+) -> ConcurrencyConfigError:
+    """The error for a limiter ``plain`` named like key ``key`` of the keyed limiter
+    ``keyed`` (``"tenant:acme"`` and ``"tenant"``): both would be one limiter.
+
+    :param stored: which of the two was there first, when it is in the database.
+    """
+    there = ""
+    if stored == "keyed":
+        there = f" (the keyed limiter {keyed!r} is stored already)"
+    elif stored == "limiter":
+        there = f" (the limiter {plain!r} is stored already)"
+    return ConcurrencyConfigError(
+        f"limiter {plain!r} is named like key {key!r} of the keyed limiter {keyed!r}"
+        f"{there}: both would be one limiter, so {keyed}.key({key!r}) could never be "
+        f"used; rename one of them (the limits of key {key!r} are {keyed}.key({key!r}))",
+        limiter=plain,
+    )
+
+
+def check_key_clashes(limiters: Mapping[str, bool], *, where: str = "") -> None:
+    """Raise if a limiter is named like a key of a keyed one, in either order.
+
+    :param limiters: every limiter's name, with whether it is keyed.
+    :param where: where they were given (``RUNCELL["LIMITERS"]``), for the message.
+    :raises ConcurrencyConfigError: naming both limiters (:func:`key_name_clash`).
+    """
+    for name, keyed in limiters.items():
+        parent, key = split_key_name(name)
+        if key is not None and not keyed and limiters.get(parent):
+            error = key_name_clash(name, parent, key)
+            if where:
+                raise ConcurrencyConfigError(f"{where}: {error.message}", limiter=name)
+            raise error
 
 
 def config_for_key(config: LimiterConfig, key: str) -> LimiterConfig:

@@ -29,6 +29,7 @@ from .background import ProcessLocal
 from .config import LimiterConfig
 from .errors import ConcurrencyConfigError
 from .hints import did_you_mean
+from .keys import check_key_clashes, is_keyed
 from .ports import Backend, BackendFactory
 from .protocol import ConcurrencyLimiter, SupportsConfig, supports
 
@@ -51,6 +52,8 @@ class LimiterRegistry:
         self._resolve_database = resolve_database or (lambda value: value)
         self._configs: dict[str, LimiterConfig] = {}
         self._factories: dict[str, LimiterFactory] = {}
+        #: Whether each limiter registered in code is keyed (a factory's: not known, no).
+        self._keyed: dict[str, bool] = {}
         self._instances: ProcessLocal[dict[str, ConcurrencyLimiter]] = ProcessLocal(dict)
         self._lock = threading.Lock()
         self._database: str | None = None
@@ -97,6 +100,12 @@ class LimiterRegistry:
             )
             for limiter, limits in limiters.items()
         }
+        with self._lock:
+            kept = {n: k for n, k in self._keyed.items() if n not in configs}
+        check_key_clashes(
+            {**kept, **{n: config.keyed for n, config in configs.items()}},
+            where=f'{path}["LIMITERS"]',
+        )
         backend: ProcessLocal[Backend] | None = None
         if name not in NEEDS_DATABASE or has_database:
             backend = ProcessLocal(self._backend_maker(factory, database, options, options_path))
@@ -109,6 +118,7 @@ class LimiterRegistry:
             self._factories = {
                 limiter: made for limiter, made in self._factories.items() if limiter not in configs
             }
+            self._keyed = kept
             self._instances = ProcessLocal(dict)
         if previous is not None and (made := previous.peek()) is not None:
             made.close()
@@ -129,17 +139,29 @@ class LimiterRegistry:
     def register(
         self, limiter: ConcurrencyLimiter | LimiterFactory, *, name: str | None = None
     ) -> None:
-        """Register a limiter (or a factory called once per process) under a name."""
+        """Register a limiter (or a factory called once per process) under a name.
+
+        :raises ConcurrencyConfigError: no name for a factory, or a name that clashes
+            with a key of a keyed limiter (``"tenant:acme"`` beside a keyed
+            ``"tenant"``), in either order, naming both. A factory's limiter is not
+            made here, so it counts as not keyed.
+        """
         factory: LimiterFactory
+        keyed = False
         if isinstance(limiter, ConcurrencyLimiter):
             instance = limiter
             name = name or instance.name
+            keyed = is_keyed(instance)
             factory = lambda: instance  # noqa: E731 - the same instance in every process
         else:
             if name is None:
                 raise ConcurrencyConfigError("register(factory) needs name=...")
             factory = limiter
         with self._lock:
+            known = {n: c.keyed for n, c in self._configs.items() if n != name}
+            known.update({n: k for n, k in self._keyed.items() if n != name})
+            check_key_clashes({**known, name: keyed}, where=f"register({name!r})")
+            self._keyed[name] = keyed
             self._factories[name] = factory
             self._configs.pop(name, None)
             self._instances.get().pop(name, None)

@@ -23,7 +23,7 @@ from psycopg.types.json import Jsonb
 
 from ..config import LimiterConfig
 from ..errors import ConcurrencyConfigError
-from ..keys import split_key_name
+from ..keys import key_name_clash, split_key_name
 from . import statements
 from .connection import Connection
 from .options import OnConflict
@@ -88,16 +88,20 @@ def store_limits(
 
 def _refuse_a_keys_name(conn: Connection, config: LimiterConfig) -> None:
     """A limiter may not be named like a key of a keyed limiter (``"tenant:acme"`` while
-    ``"tenant"`` is keyed): both would be one row."""
+    ``"tenant"`` is keyed): both would be one row. Refused in either order: whichever
+    of the two is stored first, the second is refused naming both."""
+    if config.keyed:
+        # The other order: the keyed limiter comes after a limiter named like its key.
+        row = conn.execute(statements.PLAIN_NAMED_LIKE_A_KEY, {"name": config.name}).fetchone()
+        if row is not None:
+            _, key = split_key_name(str(row[0]))
+            raise key_name_clash(str(row[0]), config.name, key or "", stored="limiter")
+        return
     parent, key = split_key_name(config.name)
-    if key is None or config.keyed:
+    if key is None:
         return
     if conn.execute(statements.IS_KEYED, {"name": parent}).fetchone() is not None:
-        raise ConcurrencyConfigError(
-            f"limiter {config.name!r} is named like key {key!r} of the keyed limiter "
-            f"{parent!r}: use {parent}.key({key!r}), or another name",
-            limiter=config.name,
-        )
+        raise key_name_clash(config.name, parent, key, stored="keyed")
 
 
 def describe_differences(config: LimiterConfig, stored: Mapping[str, Any]) -> str:

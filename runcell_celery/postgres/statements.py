@@ -288,6 +288,14 @@ SELECT 1 FROM runcell_limiter
 WHERE name = %(name)s AND parent IS NULL AND coalesce((config->>'keyed')::boolean, false)
 """
 
+#: A limiter that is not a key but is named like a key of ``name`` (``"tenant:acme"``
+#: beside a keyed ``"tenant"``): both would be one row. Compared byte-wise, as names are.
+PLAIN_NAMED_LIKE_A_KEY: LiteralString = """
+SELECT name FROM runcell_limiter
+WHERE parent IS NULL AND starts_with(name COLLATE "C", %(name)s || ':')
+ORDER BY name COLLATE "C" LIMIT 1
+"""
+
 #: The keys of a keyed limiter holding an expired lease. Leases are few (one per slot
 #: held fleet-wide), so they are read whole rather than through 100,000 key rows.
 KEYS_WITH_EXPIRED_LEASES: LiteralString = """

@@ -10,6 +10,7 @@ from runcell_celery.keys import (
     MAX_KEY_LENGTH,
     check_fair_key,
     check_key,
+    check_key_clashes,
     config_for_key,
     describe_key,
     key_limiter_name,
@@ -106,3 +107,15 @@ def test_a_fairness_key_follows_the_key_rules_without_a_limiters_name() -> None:
         with pytest.raises(ConcurrencyConfigError, match=r"^slot\(key\) = .* is invalid") as caught:
             check_fair_key(bad, argument="slot(key)")
         assert rule in caught.value.message
+
+
+def test_a_limiter_named_like_a_key_of_a_keyed_limiter_is_refused_in_either_order() -> None:
+    for limiters in (
+        {"tenant:acme": False, "tenant": True},
+        {"tenant": True, "tenant:acme": False},
+    ):
+        with pytest.raises(ConcurrencyConfigError) as caught:
+            check_key_clashes(limiters, where='RUNCELL["LIMITERS"]')
+        assert "'tenant:acme'" in caught.value.message
+        assert "keyed limiter 'tenant'" in caught.value.message
+    check_key_clashes({"tenant:acme": False, "tenant": False})  # neither keyed: two limiters
