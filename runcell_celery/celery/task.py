@@ -50,7 +50,7 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from billiard.exceptions import Terminated
@@ -75,6 +75,7 @@ from ..protocol import (
     SupportsWithdraw,
 )
 from ..registry import LimiterRegistry
+from ..several import resolve_workloads
 from ..slot import preadmit, register_interrupt, slot
 from . import headers
 from .counters import counter_label
@@ -591,28 +592,31 @@ def _log_deferral(
 ) -> None:
     """One INFO line per parking, saying where the run waits.
 
-    The place is the one the limiter answered when the request joined the line (with
-    the wait it expected then). A limiter that does not say falls back to the length
-    of the workload's line read just after parking (one short read of the kept
-    counts, only on this already slow path): lines are first come first served, so
-    that is its place, or a bound on it if others joined in between. A limiter
-    without stats (or one that fails) gives no place.
+    The line names every limiter of the run with the workload it waits in there
+    (``limiter 'llm' (workload 'background')``, or ``limiters 'openai' (workload
+    'default') + 'tenant:acme' (workload 'batch')`` for a run over several). The place
+    is the one the limiter answered when the request joined the line (with the wait
+    it expected then). A limiter that does not say falls back to the length of the
+    workload's line read just after parking, in the run's first limiter (one short
+    read of the kept counts, only on this already slow path): lines are first come
+    first served, so that is its place, or a bound on it if others joined in between.
+    A limiter without stats (or one that fails) gives no place.
     """
     if admission is None:
         return
     limiter = admission.limiter
     parked = admission.parked
+    workloads = _deferral_workloads(admission, workload)
+    where = _describe_limiters(admission.limiters or (limiter,), workloads)
     if parked is not None and parked.place is not None:
         expected = parked.expected_wait_ms
         logger.info(
-            "Task %s[%s] deferred: parked at place %d of limiter %r (workload %r), "
-            "expected wait %s, after waiting %.0f ms; its message is acked and is "
-            "published again when a slot frees",
+            "Task %s[%s] deferred: parked at place %d of %s, expected wait %s, after "
+            "waiting %.0f ms; its message is acked and is published again when a slot frees",
             task_name,
             task_id,
             parked.place,
-            limiter.name,
-            workload,
+            where,
             f"{expected / 1000:.1f} s" if expected is not None else "unknown",
             parked.waited_ms,
         )
@@ -624,17 +628,41 @@ def _log_deferral(
         except Exception:  # the parking committed; a place is only nice to have
             place = None
         else:
-            line = stats.workloads.get(workload) if workload is not None else None
+            first = workloads[0] if workloads else None
+            line = stats.workloads.get(first) if first is not None else None
             place = line.queued if line is not None else stats.queued
     logger.info(
-        "Task %s[%s] deferred: parked at %s of limiter %r (workload %r); its message is "
-        "acked and is published again when a slot frees",
+        "Task %s[%s] deferred: parked at %s of %s; its message is acked and is "
+        "published again when a slot frees",
         task_name,
         task_id,
         f"place {place}" if place is not None else "an unknown place",
-        limiter.name,
-        workload,
+        where,
     )
+
+
+def _deferral_workloads(admission: Admission, workload: str | None) -> tuple[str | None, ...]:
+    """The workload the parked run waits in, in each of its limiters: the one it
+    selects where a limiter has it, the limiter's default elsewhere."""
+    limiters = admission.limiters or (admission.limiter,)
+    try:
+        return resolve_workloads(limiters, workload)
+    except ConcurrencyConfigError:  # it parked, so it resolved; say what is known
+        parked = admission.parked
+        known = parked.workload if parked is not None and len(limiters) == 1 else workload
+        return tuple(known for _ in limiters)
+
+
+def _describe_limiters(
+    limiters: Sequence[ConcurrencyLimiter], workloads: Sequence[str | None]
+) -> str:
+    """``limiter 'llm' (workload 'background')``; several joined with ``" + "``."""
+    parts = [
+        f"{limiter.name!r} (workload {workload!r})"
+        for limiter, workload in zip(limiters, workloads, strict=True)
+    ]
+    label = "limiter" if len(parts) == 1 else "limiters"
+    return f"{label} {' + '.join(parts)}"
 
 
 def _withdraw(admission: Admission | None) -> None:

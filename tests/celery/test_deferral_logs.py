@@ -9,6 +9,7 @@ line and no "ignored" line.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,11 @@ import pytest
 import redis
 from celery import Celery
 
-from runcell_celery import slot
+from runcell_celery import create_concurrency_limiter, slot
+from runcell_celery.admission import Admission
 from runcell_celery.celery import AdmissionCount, admission_counts, registry_for
+from runcell_celery.celery.task import _log_deferral
+from runcell_celery.ports import Parked, WaitEstimate
 from tests.conftest import wait_until
 from tests.support.celery_app import REDIS_URL
 
@@ -94,3 +98,72 @@ def test_each_parking_logs_one_deferral_line_and_celery_logs_no_ignored_line(
     deferrals = _counts(app).deferrals - before.deferrals
     assert deferrals >= TASKS
     assert len(DEFERRED.findall(text)) == deferrals, text
+
+
+# -- the line of a run over several limiters (no worker: the line itself) -------------
+
+
+def _several_admission(parked: Parked) -> Admission:
+    openai = create_concurrency_limiter(
+        1,
+        name="openai",
+        workloads={"interactive": {}, "background": {}},
+        default_workload="background",
+    )
+    tenant = create_concurrency_limiter(1, name="tenant", keyed=True).key("acme")
+
+    def never(*_: object) -> tuple[()]:
+        raise AssertionError("not asked")
+
+    admission = Admission(
+        never, limiter=openai, request_id="r1", limiters=[openai, tenant], acquire_several=never
+    )
+    admission.parked = parked
+    return admission
+
+
+@pytest.mark.parametrize(
+    ("workload", "expected"),
+    [
+        (None, "'openai' (workload 'background') + 'tenant:acme' (workload 'default')"),
+        ("interactive", "'openai' (workload 'interactive') + 'tenant:acme' (workload 'default')"),
+    ],
+)
+def test_the_deferral_line_of_a_run_over_several_limiters_names_each_with_its_workload(
+    caplog: pytest.LogCaptureFixture, workload: str | None, expected: str
+) -> None:
+    parked = Parked(limiter="openai + tenant:acme", workload=workload or "background")
+    with caplog.at_level(logging.INFO, logger="runcell_celery.celery"):
+        _log_deferral("rc.several", "t-1", _several_admission(parked), workload)
+    (line,) = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
+    assert f"Task rc.several[t-1] deferred: parked at place 0 of limiters {expected};" in line
+    assert "None" not in line
+
+
+def test_the_deferral_line_with_a_place_names_every_limiter_too(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    parked = Parked(
+        limiter="openai + tenant:acme",
+        workload="background",
+        estimate=WaitEstimate(ahead=2, hold_ms=1000.0, slots=1),
+    )
+    with caplog.at_level(logging.INFO, logger="runcell_celery.celery"):
+        _log_deferral("rc.several", "t-1", _several_admission(parked), None)
+    (line,) = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
+    assert line.startswith(
+        "Task rc.several[t-1] deferred: parked at place 3 of limiters 'openai' (workload "
+        "'background') + 'tenant:acme' (workload 'default'), expected wait 3.0 s"
+    )
+
+
+def test_the_deferral_line_of_one_limiter_names_its_default_workload_not_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    llm = create_concurrency_limiter(1, name="llm", workloads={"batch": {}})
+    admission = Admission(lambda *_: None, limiter=llm, request_id="r1")  # type: ignore[arg-type,return-value]
+    admission.parked = Parked(limiter="llm", workload="batch")
+    with caplog.at_level(logging.INFO, logger="runcell_celery.celery"):
+        _log_deferral("rc.one", "t-1", admission, None)
+    (line,) = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
+    assert "of limiter 'llm' (workload 'batch');" in line
