@@ -14,9 +14,11 @@ does not run — or it is granted a slot that waits for the body as a
 * a first ``slot()`` that names another limiter or workload does not adopt it, and
   **releases it first**: a run never keeps an idle slot while it waits for another
   one (two slots of one limiter held by one run could wait on each other);
-* a lease lost meanwhile (renewal failed, released by an operator) makes the adopting
-  ``slot()`` raise :class:`~runcell_celery.errors.ConcurrencyLeaseLostError`, as a
-  held slot's would; cancellation or the end of the run's budget releases it;
+* a lease lost meanwhile (renewal failed, released by an operator, or its local
+  validity passed while the process was paused, even if the keeper has not run
+  since) makes the adopting ``slot()`` raise
+  :class:`~runcell_celery.errors.ConcurrencyLeaseLostError`, as a held slot's would;
+  cancellation or the end of the run's budget releases it;
 * if the body never adopts it, it is released when the run ends.
 
 The core knows nothing about Celery: a run carries an :class:`Admission` whose
@@ -34,7 +36,7 @@ from .cancellation import CancellationToken
 from .deadline import Deadline
 from .events import describe_error
 from .hold import LeasePart, outcome_of
-from .keeper import LeaseKeeper, get_keeper
+from .keeper import LeaseKeeper, get_keeper, local_validity
 from .ports import Parked
 from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, Outcome
 from .request import SeveralRequest, SlotRequest
@@ -93,6 +95,9 @@ class PreAdmitted:
         self._parts: list[LeasePart] = []
         self._keys: list[int] = []
         self._detach: Callable[[], object] | None = None
+        #: The keeper's clock and each lease's local validity on it (set by keep).
+        self._clock = get_keeper().clock
+        self._valid_until: list[float] = []
 
     @property
     def lease(self) -> Lease:
@@ -109,10 +114,16 @@ class PreAdmitted:
         """Hand the leases to the keeper; release them if ``deadline`` passes or
         ``cancel`` is set before a slot adopts them."""
         keeper = self._keeper = get_keeper()
+        self._clock = keeper.clock
+        now = self._clock.monotonic()
+        self._valid_until = [local_validity(lease, now).at for lease in self.leases]
         self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
         self._keys = [
             keeper.keep(
-                part, lease.ttl_ms, deadline if part.index == 0 else None, lease.valid_until
+                part,
+                lease.ttl_ms,
+                deadline if part.index == 0 else None,
+                Deadline(self._valid_until[part.index]),
             )
             for part, lease in zip(self._parts, self.leases, strict=True)
         ]
@@ -123,9 +134,11 @@ class PreAdmitted:
         """Stop keeping the leases, for the slot that adopts them.
 
         :returns: ``"held"`` (the slot holds :attr:`leases` from now on), ``"lost"``
-            (a lease could not be renewed: the slot must fail as a lost lease), or
-            ``None`` (already released: the slot asks for its own).
+            (a lease could not be renewed, or its local validity has passed: the slot
+            must fail as a lost lease), or ``None`` (already released: the slot asks
+            for its own).
         """
+        self._check_validity()
         with self._lock:
             state = self._state
             if state not in ("held", "lost"):
@@ -136,6 +149,7 @@ class PreAdmitted:
 
     def release(self, outcome: Outcome) -> None:
         """Give the slots back unused (once; nothing if adopted or released already)."""
+        self._check_validity()
         with self._lock:
             state = self._state
             if state not in ("held", "lost"):
@@ -150,6 +164,17 @@ class PreAdmitted:
                 self.slot_request.event(
                     "release-failed", lease_id=lease.lease_id, error=describe_error(exc)
                 )
+
+    def _check_validity(self) -> None:
+        """Take a lease whose local validity has passed for lost, as the keeper would
+        when it next runs (a process paused longer than the lease lives)."""
+        if self._state != "held":
+            return
+        now = self._clock.monotonic()
+        for index, valid_until in enumerate(self._valid_until):
+            if now >= valid_until:
+                self.part_lost(index, None)
+                return
 
     def _stop(self) -> None:
         if self._keeper is not None:
@@ -166,8 +191,9 @@ class PreAdmitted:
             return None
         return self.limiters[index], self.leases[index]
 
-    def part_renewed(self, index: int, lease: Lease) -> None:
+    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
         self.leases[index] = lease
+        self._valid_until[index] = valid_until.at
 
     def part_renewal_failed(self, index: int, error: BaseException) -> None:
         logger.warning("renewing a pre-admitted slot failed: %s", describe_error(error))

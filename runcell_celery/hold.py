@@ -6,6 +6,13 @@ renewed, could not be renewed, was lost or that a deadline passed, and the hold
 reacts. It owns the abort state machine and releases the slot exactly once, with an
 outcome (README, "Errors": what each failure means for the provider call).
 
+A lease is lost the moment its local validity has passed
+(:func:`~runcell_celery.keeper.local_validity`, on the keeper's clock), whoever looks
+first: the keeper, the body asking :attr:`Hold.aborted`, or the body's end. A process
+paused past its lease (SIGSTOP, a swapped-out host) must not end the hold with
+success when it resumes before its keeper thread runs: another holder may have had
+the slot meanwhile.
+
 An abort (lease lost, ``max_hold_ms`` passed, run cancelled, budget ended) happens at
 most once: abort callbacks run, an ``async with`` body is cancelled where it is
 interruptible, and ending the hold returns the matching error instead of success. One
@@ -32,7 +39,7 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import describe_error, has_listeners
-from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper
+from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper, local_validity
 from .protocol import ConcurrencyLimiter, Lease, Outcome
 from .request import SeveralRequest, SlotRequest
 
@@ -116,6 +123,11 @@ class Hold:
         self._interruptible = True
         self._keeper: LeaseKeeper | None = None
         self._keeper_key = 0
+        #: The clock the leases' local validity is read on: the lease keeper's.
+        self._clock = get_keeper().clock
+        #: Until when each lease is valid here (one per lease; the keeper tells each
+        #: renewal). Past it, the hold is aborted as a lost lease, whoever looks first.
+        self._valid_until = [local_validity(lease, self._clock.monotonic()).at]
         #: The lease whose loss aborted the hold, when not ``lease`` (several leases).
         self._lost_lease: Lease | None = None
         #: Why the lease was lost, when the limiter said (``force-released by alice``).
@@ -127,7 +139,8 @@ class Hold:
         """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""
         due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
         self._keeper = get_keeper()
-        self._keeper_key = self._keeper.keep(self, self.lease.ttl_ms, due, self.lease.valid_until)
+        valid_until = Deadline(self._valid_until[0])
+        self._keeper_key = self._keeper.keep(self, self.lease.ttl_ms, due, valid_until)
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
@@ -136,14 +149,22 @@ class Hold:
 
     @property
     def aborted(self) -> bool:
+        """Whether the hold was aborted; true as soon as a lease's local validity has
+        passed, even if the keeper has not run since."""
+        if self._abort_reason is None:
+            self._check_validity()
         return self._abort_reason is not None
 
     @property
     def abort_reason(self) -> AbortReason | None:
+        if self._abort_reason is None:
+            self._check_validity()
         return self._abort_reason
 
     def on_abort(self, callback: Callable[[], object]) -> None:
         """Call ``callback`` if the hold is aborted; at once if it already was."""
+        if self._abort_reason is None:
+            self._check_validity()
         with self._state:
             if self._abort_reason is None:
                 self._abort_callbacks.append(callback)
@@ -168,7 +189,12 @@ class Hold:
     # -- the end ----------------------------------------------------------------------
 
     def end(self, exc: BaseException | None) -> ConcurrencyError | None:
-        """Release once and return the error that replaces the body's result, if any."""
+        """Release once and return the error that replaces the body's result, if any.
+
+        A lease whose local validity passed before now is lost, even if the keeper has
+        not said so yet: the hold ends with :class:`ConcurrencyLeaseLostError`.
+        """
+        self._check_validity()
         with self._state:
             if self._ended:
                 return None
@@ -189,6 +215,20 @@ class Hold:
             return None
         lease = self._lost_lease or self.lease
         return abort_error(self.slot_request, lease, reason, why=self._lost_why)
+
+    def _check_validity(self) -> None:
+        """Abort the hold as a lost lease if a lease's local validity has passed (the
+        keeper may not have run since: a paused or starved process)."""
+        if self._ended or self._released:
+            return
+        now = self._clock.monotonic()
+        for index, valid_until in enumerate(self._valid_until):
+            if now >= valid_until:
+                self._validity_passed(index)
+                return
+
+    def _validity_passed(self, index: int) -> None:
+        self.lease_lost(None)
 
     def settle_task(self) -> None:
         """Take back the cancellation an abort sent the task to stop its body, so it
@@ -215,8 +255,9 @@ class Hold:
             return None
         return self.slot_request.limiter, self.lease
 
-    def lease_renewed(self, lease: Lease) -> None:
+    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None:
         self.lease = lease
+        self._valid_until[0] = valid_until.at
 
     def renewal_failed(self, error: BaseException) -> None:
         self.slot_request.event(
@@ -348,6 +389,8 @@ class SeveralHold(Hold):
         super().__init__(slot_request, leases[0], max_hold=max_hold, task=task, cleanups=cleanups)
         self.several = slot_request
         self.leases = list(leases)
+        now = self._clock.monotonic()
+        self._valid_until = [local_validity(lease, now).at for lease in leases]
         self._parts: list[LeasePart] = []
         self._part_keys: list[int] = []
         self._parts_keeper: LeaseKeeper | None = None
@@ -358,7 +401,12 @@ class SeveralHold(Hold):
         keeper = self._parts_keeper = get_keeper()
         self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
         self._part_keys = [
-            keeper.keep(part, lease.ttl_ms, due if part.index == 0 else None, lease.valid_until)
+            keeper.keep(
+                part,
+                lease.ttl_ms,
+                due if part.index == 0 else None,
+                Deadline(self._valid_until[part.index]),
+            )
             for part, lease in zip(self._parts, self.leases, strict=True)
         ]
 
@@ -391,8 +439,9 @@ class SeveralHold(Hold):
             return None
         return self.several.limiters[index], self.leases[index]
 
-    def part_renewed(self, index: int, lease: Lease) -> None:
+    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
         self.leases[index] = lease
+        self._valid_until[index] = valid_until.at
         if index == 0:
             self.lease = lease
 
@@ -407,13 +456,16 @@ class SeveralHold(Hold):
                 self._lost_lease = self.leases[index]
         self.abort("lease-lost", error)
 
+    def _validity_passed(self, index: int) -> None:
+        self.part_lost(index, None)
+
 
 class PartedHolder(Protocol):
     """A holder of one lease per limiter whose leases the keeper keeps one by one
     (:class:`SeveralHold`, :class:`~runcell_celery.admission.PreAdmitted`)."""
 
     def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None: ...
-    def part_renewed(self, index: int, lease: Lease) -> None: ...
+    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None: ...
     def part_renewal_failed(self, index: int, error: BaseException) -> None: ...
     def part_lost(self, index: int, error: BaseException | None) -> None: ...
     def deadline_passed(self) -> Deadline | None: ...
@@ -433,10 +485,10 @@ class LeasePart:
         holder = self._holder()
         return None if holder is None else holder.part_lease(self.index)
 
-    def lease_renewed(self, lease: Lease) -> None:
+    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None:
         holder = self._holder()
         if holder is not None:
-            holder.part_renewed(self.index, lease)
+            holder.part_renewed(self.index, lease, valid_until)
 
     def renewal_failed(self, error: BaseException) -> None:
         holder = self._holder()

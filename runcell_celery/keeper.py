@@ -9,10 +9,13 @@ deadline is due. Renewals of the leases one limiter holds are batched into one
 
 The keeper decides nothing about a hold's outcome itself: it tells the
 :class:`LeaseHolder` what happened (renewed, renewal failed, lost, deadline passed)
-and the holder reacts. It keeps only weak references, so a hold that is dropped
-without being exited simply stops being renewed and its lease expires. It logs
-instead of dying, and a forked child (Celery prefork) gets a keeper of its own through
-:class:`~runcell_celery.background.ProcessLocal`.
+and the holder reacts. It also tells the holder until when its lease is valid here
+(:func:`local_validity`, on the keeper's :attr:`LeaseKeeper.clock`): the holder reads
+that same bound when its body ends or asks whether it was aborted, so a lease whose
+validity passed is lost whichever thread looks first. It keeps only weak references,
+so a hold that is dropped without being exited simply stops being renewed and its
+lease expires. It logs instead of dying, and a forked child (Celery prefork) gets a
+keeper of its own through :class:`~runcell_celery.background.ProcessLocal`.
 """
 
 from __future__ import annotations
@@ -20,16 +23,16 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar, cast, runtime_checkable
 
 from .background import BackgroundLoop, ProcessLocal
+from .clock import SYSTEM_CLOCK, Clock
 from .deadline import Deadline
 from .protocol import ConcurrencyLimiter, Lease, SupportsRenewMany, supports
 
-__all__ = ["LeaseHolder", "LeaseKeeper", "get_keeper"]
+__all__ = ["LeaseHolder", "LeaseKeeper", "get_keeper", "local_validity"]
 
 logger = logging.getLogger("runcell_celery.keeper")
 
@@ -69,6 +72,19 @@ class LeaseTakenBackError(Exception):
         self.reason = reason
 
 
+def local_validity(lease: Lease, now: float) -> Deadline:
+    """Until when ``lease`` is surely valid in this process, as the keeper counts it.
+
+    The limiter's own bound (:attr:`Lease.valid_until`, counted from when the request
+    was sent) when it gives one, else a TTL from ``now`` (when the hold began, or when
+    the renewal that returned ``lease`` was sent). Past it without a successful
+    renewal, the lease is lost: another holder may have the slot.
+    """
+    if lease.valid_until is not None:
+        return lease.valid_until
+    return Deadline(now + lease.ttl_ms / 1000)
+
+
 class LeaseHolder(Protocol):
     """What the keeper needs from whoever holds a lease (:class:`~.hold.Hold`)."""
 
@@ -76,7 +92,9 @@ class LeaseHolder(Protocol):
         """The limiter and lease to renew, or ``None`` once the hold has ended."""
         ...
 
-    def lease_renewed(self, lease: Lease) -> None: ...
+    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None:
+        """The lease was renewed: ``lease`` is valid here until ``valid_until``."""
+        ...
 
     def renewal_failed(self, error: BaseException) -> None: ...
 
@@ -102,9 +120,8 @@ class _Entry:
         self.holder = weakref.ref(holder)
         self.ttl = ttl
         self.renew_at = now + ttl * RENEW_FRACTION
-        # Where the keeper must assume the lease is gone if no renewal succeeded: the
-        # limiter's own bound when it gives one (counted from when the request was
-        # sent), else a TTL from now.
+        # Where the keeper must assume the lease is gone if no renewal succeeded
+        # (what local_validity says; the holder reads the same bound).
         self.expires_at = now + ttl if valid_until is None else valid_until.at
         self.deadline = math.inf if deadline is None else deadline.at
 
@@ -115,11 +132,15 @@ class _Entry:
 class LeaseKeeper:
     """Renews held leases and fires hold deadlines from one background loop.
 
-    All times inside are ``time.monotonic()`` instants (what a
-    :class:`~runcell_celery.deadline.Deadline` holds).
+    All times inside are instants of :attr:`clock`'s ``monotonic()`` (what a
+    :class:`~runcell_celery.deadline.Deadline` holds: ``time.monotonic()``, unless a
+    test gives a clock of its own).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        #: The clock of every instant the keeper compares, and of its holders' leases'
+        #: local validity.
+        self.clock = clock
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
         self._next_key = 0
@@ -136,11 +157,11 @@ class LeaseKeeper:
     ) -> int:
         """Start renewing ``holder``'s lease; fire its deadline if given.
 
-        :param valid_until: the lease's own local bound (:attr:`Lease.valid_until`):
-            past it without a successful renewal, the lease is lost.
+        :param valid_until: the lease's local validity (:func:`local_validity`): past
+            it without a successful renewal, the lease is lost. ``None``: a TTL from now.
         :returns: a key for :meth:`forget`.
         """
-        entry = _Entry(holder, ttl_ms / 1000, time.monotonic(), deadline, valid_until)
+        entry = _Entry(holder, ttl_ms / 1000, self.clock.monotonic(), deadline, valid_until)
         with self._cond:
             key = self._next_key
             self._next_key += 1
@@ -177,7 +198,7 @@ class LeaseKeeper:
     def _wait_for_due(self) -> list[tuple[int, _Entry]]:
         with self._cond:
             while True:
-                now = time.monotonic()
+                now = self.clock.monotonic()
                 if self._loop.stopping.is_set():
                     return []
                 due_at = min(
@@ -195,7 +216,7 @@ class LeaseKeeper:
     def service(self) -> None:
         """Do everything that is due now: deadlines, renewals, expiry."""
         entries = self._wait_for_due()
-        now = time.monotonic()
+        now = self.clock.monotonic()
         candidates: dict[int, list[tuple[int, _Entry, Lease]]] = {}
         limiters: dict[int, ConcurrencyLimiter] = {}
         due: set[int] = set()
@@ -230,7 +251,7 @@ class LeaseKeeper:
     def _renew_batch(
         self, limiter: ConcurrencyLimiter, batch: Sequence[tuple[int, _Entry, Lease]]
     ) -> None:
-        sent_at = time.monotonic()
+        sent_at = self.clock.monotonic()
         leases = [lease for _, _, lease in batch]
         try:
             results = _renew(limiter, leases)
@@ -251,9 +272,9 @@ class LeaseKeeper:
                 _safely(holder.lease_lost, _why_lost(limiter, lease))
             else:
                 entry.renew_at = sent_at + entry.ttl * RENEW_FRACTION
-                bound = renewed.valid_until
-                entry.expires_at = sent_at + entry.ttl if bound is None else bound.at
-                _safely(holder.lease_renewed, renewed)
+                bound = local_validity(renewed, sent_at)
+                entry.expires_at = bound.at
+                _safely(holder.lease_renewed, renewed, bound)
 
 
 def _renew(limiter: ConcurrencyLimiter, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:

@@ -126,7 +126,7 @@ def test_a_renewed_lease_replaces_the_kept_one(custom_limiter: CustomFactory) ->
     hold = _hold(limiter)
     renewed = limiter.renew(hold.lease)
     assert renewed is not None
-    hold.lease_renewed(renewed)
+    hold.lease_renewed(renewed, Deadline.after_ms(renewed.ttl_ms))
     assert hold.kept_lease() == (limiter, renewed)
     hold.end(None)
 

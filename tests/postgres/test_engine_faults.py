@@ -1,13 +1,15 @@
 """The engine under the faults that used to take a limiter down.
 
 A process frozen while it holds the limiter row, a process frozen between its grant
-and its body, ten thousand grants in one transaction, and a thousand ``async with``
-waiters on one event loop whose holders do their own I/O.
+and its body, holders frozen in their bodies past their leases, ten thousand grants in
+one transaction, and a thousand ``async with`` waiters on one event loop whose holders
+do their own I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -23,10 +25,12 @@ import pytest
 from runcell_celery import (
     ConcurrencyLeaseLostError,
     ConcurrencyTimeoutError,
+    add_event_listener,
     run,
     slot,
 )
 from runcell_celery.postgres import create_postgres_concurrency_limiter
+from tests.conftest import EventRecorder, wait_until
 from tests.support.pg import unique_name
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -274,3 +278,113 @@ def test_a_thousand_async_waiters_while_holders_resolve_names_and_do_io(pg_dsn: 
     asyncio.run(main())
     assert len(resolved) == 1_000
     assert witness.most <= 2
+
+
+def hold_when_told(
+    dsn: str, limits: dict[str, Any], busy: bool, resumed: Any, orders: Connection
+) -> None:
+    """Hold a slot whenever told (``"hold"``), say ``"held"``, stay in the body until
+    resumed from a pause, read ``held.aborted`` once and report how the ``with`` ended,
+    with the lease's ``lease-lost`` events and the outcomes its release recorded.
+
+    A ``busy`` body computes until ``resumed`` (shared memory) is set: it holds the
+    interpreter when stopped, so when resumed it runs before the keeper thread. The
+    other one blocks reading ``"finish"``, sent while it is stopped (its keeper thread
+    may then run first).
+    """
+    limiter = create_postgres_concurrency_limiter(dsn, **limits)
+    events = EventRecorder()
+    add_event_listener(events)
+    while orders.recv() == "hold":
+        first_read: bool | None = None
+        lease_id = ""
+        try:
+            with slot(limiter) as held:
+                lease_id = held.lease.lease_id if held.lease is not None else ""
+                orders.send("held")
+                if busy:
+                    while not resumed.value:  # reading it never lets another thread run
+                        pass
+                else:
+                    orders.recv()
+                first_read = held.aborted
+            how, said = "success", ""
+        except ConcurrencyLeaseLostError as exc:
+            how, said = "lease-lost", str(exc)
+        except Exception as exc:
+            how, said = "failed", f"{type(exc).__name__}: {exc}"
+
+        def of(kind: str, lease_id: str = lease_id) -> list[Any]:
+            return [e for e in events.of(kind) if e.lease_id == lease_id]
+
+        with contextlib.suppress(AssertionError):  # whoever noticed may still be saying so
+            wait_until(lambda: of("lease-lost"), "the lease-lost event", timeout=2)
+        released = [e.outcome for e in of("released")]
+        orders.send((how, first_read, said, len(of("lease-lost")), released))
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is in the stopped state (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def test_a_holder_paused_past_its_lease_while_another_takes_the_slot_never_ends_with_success(
+    pg_dsn: str, stopped_processes: list[Any]
+) -> None:
+    # Four holder processes, five rounds: twenty trials. In each round every holder
+    # holds a slot and stays in its body (two compute, two block on a read); all are
+    # stopped; this process takes every slot once their leases have expired; then each
+    # holder is resumed (a blocked one finds "finish" waiting). Its first look at
+    # held.aborted and its `with` must both say "lost", whichever of its body and its
+    # keeper thread runs first.
+    holders, rounds = 4, 5
+    name = unique_name("paused-holder")
+    limits = {"name": name, "max_concurrent": holders, "lease_ttl_ms": 1_000}
+    limiter = create_postgres_concurrency_limiter(pg_dsn, **limits)
+    resumed = SPAWN.RawValue("b", 0)
+    pipes: list[Connection] = []
+    for index in range(holders):
+        busy = index % 2 == 0
+        parent, child = SPAWN.Pipe()
+        process = SPAWN.Process(target=hold_when_told, args=(pg_dsn, limits, busy, resumed, child))
+        process.start()
+        stopped_processes.append(process)
+        pipes.append(parent)
+    outcomes: list[tuple[str, bool | None, str, int, list[str]]] = []
+    for _ in range(rounds):
+        resumed.value = 0
+        for pipe in pipes:
+            pipe.send("hold")
+        for pipe in pipes:
+            assert pipe.poll(60), "a holder never got its slot"
+            assert pipe.recv() == "held"
+        for process in stopped_processes:
+            os.kill(process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not all(_stopped(p.pid) for p in stopped_processes):
+            assert time.monotonic() < deadline, "a holder did not stop"
+            time.sleep(0.005)
+        with contextlib.ExitStack() as taken:
+            taken.enter_context(run(timeout_ms=30_000))
+            for _ in range(holders):  # granted as the stopped holders' leases expire
+                taken.enter_context(slot(limiter))
+            for pipe in pipes[1::2]:
+                pipe.send("finish")  # to the blocked bodies
+            resumed.value = 1  # to the busy ones
+            for process in stopped_processes:
+                os.kill(process.pid, signal.SIGCONT)
+            for pipe in pipes:
+                assert pipe.poll(30), "a resumed holder said nothing"
+                outcomes.append(pipe.recv())
+    for pipe in pipes:
+        pipe.send("stop")
+    assert len(outcomes) == holders * rounds
+    ended = [how for how, *_ in outcomes]
+    assert ended == ["lease-lost"] * len(outcomes), outcomes
+    first_reads = [first for _, first, *_ in outcomes]
+    assert first_reads == [True] * len(outcomes), outcomes
+    assert all(said.startswith("lost slot") for _, _, said, *_ in outcomes), outcomes
+    assert [lost for *_, lost, _ in outcomes] == [1] * len(outcomes), outcomes
+    assert [released for *_, released in outcomes] == [["lease-lost"]] * len(outcomes)
+    assert limiter.stats().active == 0
