@@ -426,8 +426,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         try:
             with self._db.connection() as conn:
                 stored = store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
-            if stored is not None:
-                self._take(StoredLimits(config=stored[0], config_hash=stored[1]), None)
+            if stored.adopted is not None:
+                adopted, adopted_hash = stored.adopted
+                self._take(StoredLimits(config=adopted, config_hash=adopted_hash), None)
+            if stored.allocated:
+                # New limits granted waiting requests: their processes were notified;
+                # parked tasks and requests over several limiters are ours to move on.
+                self._republish(stored.allocated.get("parked"))
+                self._run_due_groups(stored.allocated)
         except ConcurrencyError:
             raise
         except psycopg.Error as exc:
