@@ -29,6 +29,7 @@ from .connection import Connection, Database, PoolBusy
 __all__ = [
     "LOCK_WAIT_CAP_MS",
     "STATEMENT_TIMEOUT_MS",
+    "WITHDRAW_GRACE_MS",
     "CallFailedError",
     "LimiterMissingError",
     "LimitsReplacedError",
@@ -44,6 +45,11 @@ logger = logging.getLogger("runcell_celery.postgres")
 LOCK_WAIT_CAP_MS = 5_000
 #: A bounded caller's statement may run this much past its lock wait (the work itself).
 STATEMENT_GRACE_MS = 200
+#: How long a request whose wait ended waits for its limiter rows to withdraw itself;
+#: rows locked longer, it leaves at once and the withdrawal runs in the background
+#: (:meth:`~.waiting.WaitRoom.withdraw_later`), so no caller overshoots its budget by
+#: a lock wait.
+WITHDRAW_GRACE_MS = 100
 #: No statement runs longer than this (granting 10,000 waiters at once takes well
 #: under a second here).
 STATEMENT_TIMEOUT_MS = 60_000

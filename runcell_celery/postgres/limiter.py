@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, LiteralString
+from typing import Any, Literal, LiteralString, cast
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -57,6 +57,7 @@ from ..protocol import (
 from . import statements
 from .calls import (
     LOCK_WAIT_CAP_MS,
+    WITHDRAW_GRACE_MS,
     CallFailedError,
     LimiterMissingError,
     LimitsReplacedError,
@@ -425,8 +426,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         try:
             with self._db.connection() as conn:
                 stored = store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
-            if stored is not None:
-                self._take(StoredLimits(config=stored[0], config_hash=stored[1]), None)
+            if stored.adopted is not None:
+                adopted, adopted_hash = stored.adopted
+                self._take(StoredLimits(config=adopted, config_hash=adopted_hash), None)
+            if stored.allocated:
+                # New limits granted waiting requests: their processes were notified;
+                # parked tasks and requests over several limiters are ours to move on.
+                self._republish(stored.allocated.get("parked"))
+                self._run_due_groups(stored.allocated)
         except ConcurrencyError:
             raise
         except psycopg.Error as exc:
@@ -638,7 +645,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 # Nothing was done (a frozen holder of the row lock, a full pool).
                 written = written or exc.maybe_done
                 if waiting.deadline is not None and waiting.deadline.passed():
-                    waiting.settled = not written  # nothing of ours to take back
+                    waiting.settled = True
+                    if written:  # else nothing of ours to take back
+                        self._withdraw_in_time(request, give_back=True)
                     raise self._timed_out(request, waiting.wait_ms) from None
                 params["retry"] = written
             except ConcurrencyConfigError as exc:
@@ -702,22 +711,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             if parked is not None:
                 return parked
         if waiting.deadline is not None and waiting.deadline.passed():
-            answer = self._call(
-                request,
-                statements.WITHDRAW,
-                {
-                    "limiter": self.name,
-                    "request_id": request.request_id,
-                    "give_back": False,
-                    "op_id": None,  # repeating it gives the same outcome: nothing to record
-                },
-                lock_ms=lock_timeout_ms(None),
-            )
-            if answer["s"] == "granted":
+            waiting.settled = True  # withdrawn now, or in the background
+            answer = self._withdraw_in_time(request, give_back=False)
+            if answer is not None and answer["s"] == "granted":
                 # Allocation chose us just before the deadline: the grant wins.
                 return self._lease(request.request_id, waiting.workload, answer["lease"], None)
-            self._republish(answer.get("parked"))
-            waiting.settled = True
             raise self._timed_out(request, waiting.wait_ms)
         if waiting.waiter.missing:
             # Our queue row was dropped (this process stalled past queue_entry_ttl_ms):
@@ -869,6 +867,29 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         }
         answer = self._call(None, statements.WITHDRAW, params, lock_ms=lock_timeout_ms(None))
         self._republish(answer.get("parked"))
+
+    def _withdraw_in_time(
+        self, request: AcquireRequest, *, give_back: bool
+    ) -> Mapping[str, Any] | None:
+        """Withdraw a request whose wait ended, waiting for the row at most
+        :data:`~.calls.WITHDRAW_GRACE_MS`; the answer, or ``None`` when the row stayed
+        locked: this process's room withdraws it later then, giving back any grant.
+        A grant made just before (``give_back=False``) is in the answer."""
+        params = {
+            "limiter": self.name,
+            "request_id": request.request_id,
+            "give_back": give_back,
+            "op_id": None,  # repeating it gives the same outcome: nothing to record
+        }
+        try:
+            answer = self._call(
+                request, statements.WITHDRAW, params, lock_ms=WITHDRAW_GRACE_MS, busy_ok=True
+            )
+        except RowBusyError:
+            self.room.withdraw_later(functools.partial(self.withdraw, request.request_id))
+            return None
+        self._republish(answer.get("parked"))
+        return cast(Mapping[str, Any], answer)
 
     def _withdraw_quietly(self, request: AcquireRequest) -> None:
         try:

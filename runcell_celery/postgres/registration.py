@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg.types.json import Jsonb
@@ -25,11 +26,12 @@ from ..config import LimiterConfig
 from ..errors import ConcurrencyConfigError
 from ..keys import key_name_clash, split_key_name
 from . import statements
+from .calls import LOCK_WAIT_CAP_MS
 from .connection import Connection
 from .options import OnConflict
 from .schema import ensure_schema
 
-__all__ = ["OnConflict", "config_hash", "store_limits"]
+__all__ = ["OnConflict", "Stored", "config_hash", "store_limits"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -40,13 +42,26 @@ def config_hash(config: LimiterConfig) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What :func:`store_limits` came to."""
+
+    #: With ``on_conflict="use_stored"`` and stored limits that differ: those limits
+    #: and their hash (the caller works on them).
+    adopted: tuple[LimiterConfig, str] | None = None
+    #: After replacing the limits: what the allocation pass it ran granted
+    #: (:data:`~.statements.ALLOCATE_AFTER_NEW_LIMITS`), for the caller to re-publish
+    #: parked tasks (``"parked"``) and run group passes (``"grp"``).
+    allocated: Mapping[str, Any] | None = None
+
+
 def store_limits(
     conn: Connection, config: LimiterConfig, *, ensure: bool, on_conflict: OnConflict
-) -> tuple[LimiterConfig, str] | None:
+) -> Stored:
     """Create the schema if asked, then store ``config`` or check the stored limits.
 
-    :returns: with ``on_conflict="use_stored"`` and stored limits that differ, those
-        limits and their hash (the caller works on them); else ``None``.
+    Replaced limits reach the requests already waiting at once: the same transaction
+    runs allocation on the limiter and on its keys that have waiters.
     """
     if ensure:
         ensure_schema(conn)
@@ -61,21 +76,26 @@ def store_limits(
         _refuse_a_keys_name(conn, config)
         if conn.execute(statements.REGISTER_LIMITER, params).fetchone() is not None:
             conn.execute(statements.SET_LIMITS, params)
-            return None
+            return Stored()
         stored = conn.execute(statements.STORED_LIMITER, params).fetchone()
         assert stored is not None
         if stored[1] == params["config_hash"]:
-            return None
+            return Stored()
         if on_conflict == "use_stored":
-            return LimiterConfig.from_mapping(stored[0]), str(stored[1])
+            return Stored(adopted=(LimiterConfig.from_mapping(stored[0]), str(stored[1])))
         differences = describe_differences(config, stored[0])
         if on_conflict == "replace":
             conn.execute(statements.REPLACE_LIMITER, params)
             conn.execute(statements.SET_LIMITS, params)
             # A keyed limiter's keys take its new limits (or stop being keys of it).
             conn.execute(statements.SYNC_KEYS, params)
+            # Raised room goes to the requests waiting now, not at the next release.
+            row = conn.execute(
+                statements.ALLOCATE_AFTER_NEW_LIMITS,
+                {"name": config.name, "lock_timeout_ms": LOCK_WAIT_CAP_MS},
+            ).fetchone()
             logger.warning("runcell: replaced the limits of %r: %s", config.name, differences)
-            return None
+            return Stored(allocated=row[0] if row is not None else None)
         raise ConcurrencyConfigError(
             f"limiter {config.name!r} is stored with different limits: {differences}. "
             "All workers sharing a name must use the same limits: use a new name, "

@@ -21,6 +21,7 @@ is only late, never lost.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -41,7 +42,13 @@ from ..protocol import (
     wants_place,
 )
 from . import statements
-from .calls import LimitsReplacedError, RowBusyError, Stamp, lock_timeout_ms
+from .calls import (
+    WITHDRAW_GRACE_MS,
+    LimitsReplacedError,
+    RowBusyError,
+    Stamp,
+    lock_timeout_ms,
+)
 from .waiting import Waiter
 
 if TYPE_CHECKING:
@@ -178,6 +185,12 @@ def _lines(lines: Sequence[Any] | None) -> list[WaitEstimate] | None:
 def run_group_pass(limiter: PostgresConcurrencyLimiter, group_id: str) -> None:
     """Run one request's group pass and wake this process's members it granted."""
     answer = limiter.call_database(statements.ALLOCATE_GROUP, {"group_id": group_id})
+    _group_passed(limiter, answer)
+
+
+def _group_passed(limiter: PostgresConcurrencyLimiter, answer: Any) -> None:
+    """Act on a group pass's answer: wake the members it granted, re-publish a parked
+    request's task."""
     if answer and answer.get("g"):
         limiter.room.dispatch_grants(answer["t"], answer["g"])
     if answer and answer.get("parked"):  # a parked request: re-publish its task
@@ -209,6 +222,10 @@ class _Group:
         self.deadline = Deadline.after_ms(self.wait_ms) if self.wait_ms is not None else None
         self.sent = time.monotonic()
         self.waiters: list[Waiter] = []
+        #: Nothing is left in the database for this request but what it returned (or
+        #: what this process's room withdraws in the background): no withdrawal on the
+        #: way out.
+        self.settled = False
         #: How many times it took the stored limits (``on_conflict="use_stored"``).
         self.adopted = 0
         #: Whether the first ask also reads where it joins each line (for a wait span).
@@ -225,10 +242,9 @@ class _Group:
             for member, limiter in zip(self.members, self.limiters, strict=True)
         ]
         unlinks = [self.cancel.add_callback(w.wake) for w in self.waiters] if self.cancel else []
-        settled = False
         try:
             if self.cancel is not None and self.cancel.is_set():
-                settled = True
+                self.settled = True
                 raise self.first._cancelled(self.lead)
             # A deferrable request may have been written already (a lost reply): ask
             # as a retry, which also finds a parked grant that is not its to take.
@@ -236,27 +252,27 @@ class _Group:
             leases = self._ask(retry=park is not None)
             self.with_lines = False
             if leases is not None:
-                settled = True
+                self.settled = True
                 return leases
             deadline = self.deadline.to_unix() if self.deadline is not None else None
             announce_wait(on_wait, deadline, self._place)
             last_pass = time.monotonic()
             while True:
                 if all(w.grant is not None for w in self.waiters):
-                    settled = True
+                    self.settled = True
                     return self._granted()
                 if self.cancel is not None and self.cancel.is_set():
-                    self._withdraw(give_back=True)
-                    settled = True
+                    self.settled = True
+                    self._withdraw_in_time(give_back=True)
                     raise self.first._cancelled(self.lead)
                 if park is not None and park.until.passed():
                     parked = self._park(park)
                     if parked is not None:
-                        settled = True
+                        self.settled = True
                         return parked
                 if self.deadline is not None and self.deadline.passed():
-                    leases = self._withdraw(give_back=False)
-                    settled = True
+                    self.settled = True  # withdrawn now, or in the background
+                    leases = self._withdraw_in_time(give_back=False)
                     if leases is not None:
                         return leases  # granted just before the deadline: the grant wins
                     raise self.first._timed_out(self.lead, self.wait_ms)
@@ -268,10 +284,10 @@ class _Group:
                         waiter.queued = False
                     leases = self._ask(retry=True)
                     if leases is not None:
-                        settled = True
+                        self.settled = True
                         return leases
                 if time.monotonic() - last_pass >= GROUP_PASS_S:
-                    run_group_pass(self.first, self.group_id)
+                    self._group_pass()
                     last_pass = time.monotonic()
                     continue
                 pause = GROUP_PASS_S - (time.monotonic() - last_pass)
@@ -285,7 +301,7 @@ class _Group:
                 unlink()
             for waiter in self.waiters:
                 room.remove(waiter)
-            if not settled:
+            if not self.settled:
                 # Interrupted or failed: leave every line; slots granted meanwhile are
                 # given back, never leaked.
                 self._withdraw_quietly()
@@ -298,6 +314,9 @@ class _Group:
         message carries it)."""
         lead = self.lead
         lineage = lead.lineage
+        # Whether the request may be in the database already: then leaving means
+        # withdrawing it (a row lock that timed out wrote nothing).
+        written = retry
         params: dict[str, Any] = {
             "limiters": [x.name for x in self.limiters],
             "hashes": [x.stored_hash for x in self.limiters],
@@ -331,10 +350,13 @@ class _Group:
                     stamp=sent,
                 )
                 break
-            except RowBusyError:
+            except RowBusyError as exc:
+                written = written or exc.maybe_done
                 params["retry"] = True
                 if self.deadline is not None and self.deadline.passed():
-                    self._withdraw_quietly()
+                    self.settled = True
+                    if written:
+                        self._withdraw_in_time(give_back=True)
                     raise self.first._timed_out(lead, self.wait_ms) from None
             except ConcurrencyConfigError as exc:
                 # Another worker replaced some limiter's limits: under
@@ -356,9 +378,10 @@ class _Group:
             # Others of its lines wait ahead of it, but they may all be requests over
             # several limiters waiting elsewhere: its group pass tells at once.
             with contextlib.suppress(ConcurrencyError):
-                run_group_pass(self.first, self.group_id)
+                self._group_pass()
             return None
         named = self._limiter(answer.get("limiter"))
+        self.settled = True  # refused: nothing of it is left in the database
         if status == "queue-full":
             raise named._queue_full(self._request(named))
         if status == "no-wait":
@@ -414,19 +437,48 @@ class _Group:
             waiter.missing = True
         return None
 
-    def _withdraw(self, *, give_back: bool) -> tuple[Lease, ...] | None:
+    def _group_pass(self) -> None:
+        """Run its group pass, waiting for its limiters' rows no longer than its budget
+        (rows that stay locked: the next pass tries again)."""
+        remaining = None if self.deadline is None else max(0.0, self.deadline.remaining_ms())
+        try:
+            answer = self.first.call_request(
+                self.lead,
+                statements.ALLOCATE_GROUP,
+                {"group_id": self.group_id},
+                lock_ms=lock_timeout_ms(remaining),
+            )
+        except RowBusyError:
+            return
+        _group_passed(self.first, answer)
+
+    def _withdraw(self, *, give_back: bool, lock_ms: int | None = None) -> tuple[Lease, ...] | None:
         params = {
             "group_id": self.group_id,
             "limiters": [x.name for x in self.limiters],
             "give_back": give_back,
         }
         answer = self.first.call_request(
-            self.lead, statements.WITHDRAW_GROUP, params, lock_ms=lock_timeout_ms(None)
+            self.lead,
+            statements.WITHDRAW_GROUP,
+            params,
+            lock_ms=lock_timeout_ms(None) if lock_ms is None else lock_ms,
         )
         if answer["s"] == "granted":
             return self._leases(answer["leases"], None)
         self.first.republish(answer.get("parked"))
         return None
+
+    def _withdraw_in_time(self, *, give_back: bool) -> tuple[Lease, ...] | None:
+        """Withdraw it now, waiting for its rows at most
+        :data:`~.calls.WITHDRAW_GRACE_MS` (a grant made just before is returned unless
+        ``give_back``); rows locked longer: this process's room withdraws it later,
+        giving back any grant, and ``None``."""
+        try:
+            return self._withdraw(give_back=give_back, lock_ms=WITHDRAW_GRACE_MS)
+        except RowBusyError:
+            self.first.room.withdraw_later(functools.partial(self._withdraw, give_back=True))
+            return None
 
     def _withdraw_quietly(self) -> None:
         # A failure leaves rows the database drops with this process later.

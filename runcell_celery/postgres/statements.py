@@ -95,6 +95,21 @@ SELECT runcell_renew_v3(%(limiter)s, %(lease_ids)s::uuid[])
 #: After storing or replacing limits: their array form and the counts, from the rows.
 SET_LIMITS: LiteralString = "SELECT runcell_set_limits_v3(%(name)s)"
 
+#: After replacing limits, in the same transaction: an allocation pass
+#: (``runcell_reap_v3``) on the limiter and on each of its keys that has requests
+#: waiting, in lock (name) order, so they get raised room at once; their processes are
+#: notified as by any allocation. Answers like a release: ``{"parked": [lease ids of
+#: parked requests granted, to re-publish], "grp": [requests over several limiters due
+#: a group pass]}``.
+ALLOCATE_AFTER_NEW_LIMITS: LiteralString = """
+SELECT runcell_due_groups_v5(jsonb_build_object('parked', coalesce(jsonb_agg(p.lease), '[]')))
+FROM (SELECT l.name FROM runcell_limiter AS l
+      WHERE (l.name = %(name)s OR l.parent = %(name)s) AND 0 < ANY(l.waiting)
+      ORDER BY l.name COLLATE "C") AS changed,
+     LATERAL runcell_reap_v3(changed.name, %(lock_timeout_ms)s) AS r(parked),
+     LATERAL jsonb_array_elements(r.parked) AS p(lease)
+"""
+
 #: A re-published parked task takes the lease granted to its delivery: its queue row
 #: goes and the lease is renewed. Only the publication it was sent as can claim it;
 #: the answer says whether the request is still stored for another publication.

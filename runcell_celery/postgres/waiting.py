@@ -50,6 +50,9 @@ logger = logging.getLogger("runcell_celery.postgres.waiting")
 #: How soon a request found missing is looked at again; it is taken as dropped only
 #: once the listener has caught up since (it may not have read its grant yet).
 SECOND_LOOK_S = 0.25
+#: How many times a withdrawal left to the background is tried before its rows are
+#: left to expire with their process (see :meth:`WaitRoom.withdraw_later`).
+LATE_WITHDRAW_ATTEMPTS = 3
 
 _HOST = socket.gethostname()
 
@@ -198,6 +201,13 @@ class WaitRoom:
         self._check_due = math.inf
         self._wake_poll = threading.Event()
         self._loop = BackgroundLoop("runcell-safety-poll", self, WaitRoom._poll_step)
+        #: Withdrawals of requests that left without them (see :meth:`withdraw_later`),
+        #: with the attempts made so far.
+        self._late: deque[tuple[Callable[[], object], int]] = deque()
+        self._late_ready = threading.Event()
+        self._late_loop = BackgroundLoop(
+            "runcell-late-withdraw", self, WaitRoom._late_step, retry_s=1.0
+        )
 
     def close(self) -> None:
         """Stop the safety poll and the listener (and close its connection). Waiters
@@ -205,6 +215,8 @@ class WaitRoom:
         self._loop.stop()
         self._wake_poll.set()  # the poll's wait ends now, not at its next interval
         self._loop.stop(timeout=5)
+        self._late_loop.stop()
+        self._late_ready.set()
         if self.listener is not None:
             self.listener.stop()
 
@@ -272,6 +284,42 @@ class WaitRoom:
     def waiting(self) -> int:
         with self._lock:
             return len(self._waiters)
+
+    def withdraw_later(self, withdraw: Callable[[], object]) -> None:
+        """Run ``withdraw`` in this room's ``runcell-late-withdraw`` thread, one at a
+        time, retried a few times if it fails (a withdrawal is idempotent).
+
+        For a request whose wait ended while its limiter rows stayed locked: it leaves
+        at once, within its budget, and its rows go once the locks are free. Until
+        then they are harmless: no allocation grants a row past its deadline, and a
+        grant made before the deadline is given back by ``withdraw``. A withdrawal
+        that never succeeds leaves rows that go with this process's liveness
+        (``queue_entry_ttl_ms`` after it stops renewing it).
+        """
+        with self._lock:
+            self._late.append((withdraw, 0))
+        self._late_ready.set()
+        self._late_loop.start()
+
+    def _late_step(self) -> float:
+        with self._lock:
+            item = self._late.popleft() if self._late else None
+        if item is None:
+            self._late_ready.wait()
+            self._late_ready.clear()
+            return 0.0
+        withdraw, attempts = item
+        try:
+            withdraw()
+        except Exception as exc:
+            if attempts + 1 >= LATE_WITHDRAW_ATTEMPTS:
+                logger.warning("runcell: a withdrawal failed, rows left to expire: %s", exc)
+                return 0.0
+            logger.info("runcell: a withdrawal failed, trying again: %s", exc)
+            with self._lock:
+                self._late.append((withdraw, attempts + 1))
+            return 1.0
+        return 0.0
 
     # -- news from the database ---------------------------------------------------------
 
