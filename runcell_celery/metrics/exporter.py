@@ -90,7 +90,9 @@ class _Parser(argparse.ArgumentParser):
     the arguments it does not recognize: a DSN split by the shell)."""
 
     def error(self, message: str) -> NoReturn:
-        super().error(scrub(message))
+        if message.startswith("unrecognized arguments"):  # argparse quotes them
+            message = scrub(message)
+        super().error(message)
 
 
 def _parser() -> argparse.ArgumentParser:
