@@ -38,11 +38,12 @@ runtime builds no event at all, so events cost nothing until someone listens.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
+
+from .redaction import scrub
 
 __all__ = [
     "EVENT_TYPES",
@@ -154,16 +155,8 @@ def emit(event: ConcurrencyEvent) -> None:
             logger.exception("runcell event listener %r failed on %s", listener, event.type)
 
 
-_SECRET_PATTERNS = (
-    re.compile(r"(://[^:/@\s]*:)[^@\s]+@"),  # scheme://user:secret@host, scheme://:secret@
-    # key=value, key: value, and quoted keys as in a dict or JSON: 'password': 'x'
-    re.compile(r"(?i)((?:password|passwd|pwd|secret|token|api[_-]?key)['\"]?\s*[=:]\s*)\S+"),
-)
-
-
 def describe_error(error: BaseException) -> str:
-    """Return ``"ClassName: message"`` with anything that looks like a secret removed."""
-    text = f"{type(error).__name__}: {error}"
-    for pattern in _SECRET_PATTERNS:
-        text = pattern.sub(r"\1***@" if pattern is _SECRET_PATTERNS[0] else r"\1***", text)
+    """Return ``"ClassName: message"`` with anything that looks like a secret removed
+    (:func:`runcell_celery.redaction.scrub`)."""
+    text = scrub(f"{type(error).__name__}: {error}")
     return text[:2000]

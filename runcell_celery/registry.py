@@ -32,6 +32,7 @@ from .hints import did_you_mean
 from .keys import check_key_clashes, is_keyed
 from .ports import Backend, BackendFactory
 from .protocol import ConcurrencyLimiter, SupportsConfig, supports
+from .redaction import shape
 
 __all__ = ["LimiterRegistry"]
 
@@ -69,7 +70,7 @@ class LimiterRegistry:
         :raises ConcurrencyConfigError: naming the path of the bad setting.
         """
         if not isinstance(settings, Mapping):
-            raise ConcurrencyConfigError(f"{path} = {settings!r} is invalid: must be a dict")
+            raise ConcurrencyConfigError(f"{path} is invalid: {shape(settings)}, must be a dict")
         for key in settings:
             if key not in _SETTINGS_KEYS:
                 hint = did_you_mean(str(key), _SETTINGS_KEYS)
@@ -78,11 +79,18 @@ class LimiterRegistry:
         factory = load_backend(name, setting=f'{path}["BACKEND"]')
         database = settings.get("DATABASE") if name in NEEDS_DATABASE else None
         has_database = isinstance(database, str) and bool(database)
+        if name in NEEDS_DATABASE and database is not None and not has_database:
+            # Never the value: a DSN, or a DATABASES entry given in its place, may hold a
+            # password (runcell_celery.redaction).
+            raise ConcurrencyConfigError(
+                f'{path}["DATABASE"] is invalid: {shape(database)}; the PostgreSQL limiter '
+                "needs a DSN string (or, with Django, a database alias)"
+            )
         if name in NEEDS_DATABASE and settings.get("LIMITERS") and not has_database:
             raise ConcurrencyConfigError(
-                f'{path}["DATABASE"] = {database!r} is invalid: the PostgreSQL limiter '
-                'needs a DSN (or, with Django, a database alias); set "BACKEND": "memory" '
-                "for limiters that live in one process"
+                f'{path}["DATABASE"] is missing: the PostgreSQL limiter needs a DSN (or, '
+                'with Django, a database alias); set "BACKEND": "memory" for limiters '
+                "that live in one process"
             )
         section = str(name).upper()
         options = settings.get(section, {})
@@ -92,7 +100,7 @@ class LimiterRegistry:
         limiters = settings.get("LIMITERS", {})
         if not isinstance(limiters, Mapping):
             raise ConcurrencyConfigError(
-                f'{path}["LIMITERS"] = {limiters!r} is invalid: must be a dict'
+                f'{path}["LIMITERS"] is invalid: {shape(limiters)}, must be a dict'
             )
         configs = {
             limiter: LimiterConfig.from_mapping(

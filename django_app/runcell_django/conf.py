@@ -19,6 +19,7 @@ key, e.g. ``RUNCELL["LIMITERS"]["claude"]["workloads"]["interactive"]["reserved"
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from django.dispatch import receiver
 
 from runcell_celery import ConcurrencyConfigError
 from runcell_celery.hints import did_you_mean
-from runcell_celery.postgres import PostgresBackend
+from runcell_celery.postgres import PostgresBackend, check_dsn
+from runcell_celery.redaction import TokenError, check_token, looks_like_dsn, shape
 from runcell_celery.registry import LimiterRegistry
 
 from . import databases
@@ -97,7 +99,7 @@ def runcell_settings() -> Mapping[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ConcurrencyConfigError(f"{SETTING} = {value!r} is invalid: must be a dict")
+        raise ConcurrencyConfigError(f"{SETTING} is invalid: {shape(value)}, must be a dict")
     return value
 
 
@@ -145,16 +147,12 @@ class MetricsSettings:
     multiprocess_dir: str | None = None
 
 
-#: A token shorter than this is refused: it would be guessed.
-MIN_TOKEN_LENGTH = 16
-
-
 def metrics_settings() -> MetricsSettings:
     """Return ``RUNCELL["METRICS"]`` validated, with defaults filled in."""
     given = runcell_settings().get("METRICS", {})
     path = f'{SETTING}["METRICS"]'
-    if not isinstance(given, Mapping):
-        raise ConcurrencyConfigError(f"{path} = {given!r} is invalid: must be a dict")
+    if not isinstance(given, Mapping):  # never echoed: it may be the token itself
+        raise ConcurrencyConfigError(f"{path} is invalid: {shape(given)}, must be a dict")
     options = {
         "TOKEN": "token",
         "ALLOW_STAFF": "allow_staff",
@@ -169,16 +167,10 @@ def metrics_settings() -> MetricsSettings:
             )
         where = f'{path}["{key}"]'
         if key == "TOKEN" and value is not None:
-            if not isinstance(value, str):
-                raise ConcurrencyConfigError(
-                    f"{where} = {value!r} is invalid: must be a string of at least "
-                    f"{MIN_TOKEN_LENGTH} characters, or None"
-                )
-            if len(value) < MIN_TOKEN_LENGTH:  # never echoed: it is a secret
-                raise ConcurrencyConfigError(
-                    f"{where} is invalid: {len(value)} characters is too short to be "
-                    f"secret; must be at least {MIN_TOKEN_LENGTH}"
-                )
+            try:  # never echoed: it is a secret
+                value = check_token(value)
+            except TokenError as exc:
+                raise ConcurrencyConfigError(f"{where} is invalid: {exc}, or None") from None
         elif key == "ALLOW_STAFF" and not isinstance(value, bool):
             raise ConcurrencyConfigError(f"{where} = {value!r} is invalid: must be True or False")
         elif key == "CACHE_MS" and (
@@ -242,26 +234,37 @@ def database_alias() -> str | None:
         return None
     if _is_alias(value):
         return value
-    return databases.register_dsn(value) if _is_dsn(value) else None
+    return databases.register_dsn(value) if looks_like_dsn(value) else None
 
 
-def _is_dsn(value: str) -> bool:
-    """A DSN (``key=value`` or URI), as opposed to a mistyped alias."""
-    return "=" in value or "://" in value
+#: What a database alias looks like: a value that does not is never echoed (it may be
+#: a DSN with its password, written wrong).
+_ALIAS_LIKE = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 
 
 def _check_database(config: Mapping[str, Any]) -> None:
+    """Refuse a ``DATABASE`` that is neither a PostgreSQL alias nor a DSN that parses,
+    never showing what may be a password (:mod:`runcell_celery.redaction`); the core
+    refuses other types, by their shape."""
     value = config.get("DATABASE")
     if not isinstance(value, str) or not value or _is_alias(value):
         if isinstance(value, str) and value:
             resolve_database(value)  # rejects an alias that is not PostgreSQL
         return
-    if _is_dsn(value):
-        return  # the core reports connection failures
+    where = f'{SETTING}["DATABASE"]'
+    if looks_like_dsn(value):
+        check_dsn(value, setting=where)  # the core reports connection failures
+        return
     aliases = list(connections.settings)
+    if _ALIAS_LIKE.fullmatch(value):
+        raise ConcurrencyConfigError(
+            f"{where} = {value!r} is invalid: neither a database alias nor a "
+            f"PostgreSQL DSN; {did_you_mean(value, aliases)}"
+        )
     raise ConcurrencyConfigError(
-        f'{SETTING}["DATABASE"] = {value!r} is invalid: neither a database alias nor a '
-        f"PostgreSQL DSN; {did_you_mean(value, aliases)}"
+        f"{where} is invalid: {shape(value)}, neither a database alias "
+        f"({', '.join(repr(a) for a in aliases)}) nor a PostgreSQL DSN "
+        "(postgresql://user:password@host:5432/dbname or 'host=... dbname=...')"
     )
 
 

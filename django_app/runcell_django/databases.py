@@ -15,10 +15,10 @@ import getpass
 import threading
 from typing import Any
 
-import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from runcell_celery import ConcurrencyConfigError
+from runcell_celery.postgres import check_dsn
 
 __all__ = ["DSN_ALIAS", "database_settings", "forget_dsn", "is_registered_dsn", "register_dsn"]
 
@@ -40,12 +40,7 @@ def database_settings(dsn: str) -> dict[str, Any]:
 
     :raises ConcurrencyConfigError: ``dsn`` cannot be parsed.
     """
-    try:
-        params = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        raise ConcurrencyConfigError(
-            f'RUNCELL["DATABASE"] is invalid: not a PostgreSQL DSN ({exc})'
-        ) from exc
+    params = check_dsn(dsn, setting='RUNCELL["DATABASE"]')  # masked if it is not one
     entry: dict[str, Any] = {"ENGINE": "django.db.backends.postgresql", "OPTIONS": {}}
     for keyword, value in params.items():
         if keyword in _FIELDS:

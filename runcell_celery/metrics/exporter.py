@@ -8,26 +8,35 @@ For fleets without Django. It serves ``/metrics`` over HTTP:
   ``PROMETHEUS_MULTIPROC_DIR`` (run one exporter per worker host, sharing the
   workers' directory).
 
-A bearer token is asked for when ``RUNCELL_METRICS_TOKEN`` is set (read from the
-environment only: a command line shows in ``ps``). It prints where it listens, then
-serves until SIGTERM or SIGINT; ``--port 0`` takes any free port (the printed
-address says which).
+A bearer token is asked for when ``RUNCELL_METRICS_TOKEN`` is set or ``--token-file``
+names a file holding it (never on the command line, which shows in ``ps``); the rule
+is the Django view's (:func:`runcell_celery.redaction.check_token`: at least 16
+characters, surrounding whitespace such as a file's trailing newline dropped). It
+listens on every interface (``0.0.0.0``) unless ``--address`` says otherwise, prints
+where it listens, then serves until SIGTERM or SIGINT; ``--port 0`` takes any free
+port (the printed address says which). Every bad flag is a one-line usage error
+(exit status 2), a DSN shown with its password masked and a token never shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, NoReturn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
 
+from ..config import MAX_DURATION_MS
+from ..errors import ConcurrencyConfigError
+from ..redaction import TokenError, check_token, scrub
 from .exposition import bearer_token_matches, build_registry, multiprocess_dir, render
 from .gauges import LimiterGaugeCollector
 
@@ -67,21 +76,50 @@ class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Each scrape is not worth a line."""
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose one-line errors never show a password (argparse quotes
+    the arguments it does not recognize: a DSN split by the shell)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments"):  # argparse quotes them
+            message = scrub(message)
+        super().error(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
         prog="python -m runcell_celery.metrics",
         description="Serve runcell's Prometheus metrics at /metrics.",
+        epilog=(
+            f"A bearer token is required when ${TOKEN_ENV} is set or --token-file is "
+            "given (at least 16 visible ASCII characters; surrounding whitespace, such as "
+            "a file's trailing newline, is dropped). The token is never read from the "
+            "command line, which shows in ps."
+        ),
     )
     parser.add_argument("--port", type=_port, required=True, help="port (0: any free port)")
-    parser.add_argument("--address", default="0.0.0.0", help="address (default 0.0.0.0)")
+    parser.add_argument(
+        "--address",
+        type=_address,
+        default="0.0.0.0",
+        help=(
+            "IP address or host name to listen on (default 0.0.0.0: every interface of "
+            "the host; give 127.0.0.1 to serve this host only)"
+        ),
+    )
     parser.add_argument(
         "--database",
-        default=os.environ.get(DATABASE_ENV) or None,
+        type=_database,
+        default=None,
         help=f"PostgreSQL DSN of the limiters (default: ${DATABASE_ENV})",
     )
     parser.add_argument(
@@ -95,7 +133,26 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1_000,
         help="how long one read of the limiters' state serves scrapes (default 1000)",
     )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help=(
+            f"read the bearer token from this file instead of ${TOKEN_ENV} (surrounding "
+            "whitespace, such as the trailing newline, is dropped)"
+        ),
+    )
+    return parser
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.database is None and os.environ.get(DATABASE_ENV):
+        try:
+            args.database = _database(os.environ[DATABASE_ENV])
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"${DATABASE_ENV}: {exc}")
     try:
         args.multiproc = multiprocess_dir(args.multiprocess_dir)
     except ValueError as exc:
@@ -106,7 +163,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             "gauges, and/or --multiprocess-dir (or set PROMETHEUS_MULTIPROC_DIR) for the "
             "workers' event metrics"
         )
-    return args
+    args.token = _token(parser, args.token_file)
+    return parser, args
 
 
 def _port(text: str) -> int:
@@ -124,9 +182,63 @@ def _cache_ms(text: str) -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be 0 or more milliseconds")
+    if not 0 <= value <= MAX_DURATION_MS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: must be 0 to {MAX_DURATION_MS} milliseconds"
+        )
     return value
+
+
+def _address(text: str) -> str:
+    """An IP address, or a host name that resolves (to listen on)."""
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(text, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: must be an IP address (0.0.0.0, 127.0.0.1, ::1) or a "
+            "host name that resolves"
+        ) from None
+    return text
+
+
+def _database(text: str) -> str:
+    """A DSN that parses; an error shows it with the password masked."""
+    from ..postgres import check_dsn
+
+    try:
+        check_dsn(text, setting="")
+    except ConcurrencyConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
+
+
+def _token(parser: argparse.ArgumentParser, path: str | None) -> str | None:
+    """The bearer token of ``--token-file`` or ``$RUNCELL_METRICS_TOKEN`` (checked by
+    :func:`~runcell_celery.redaction.check_token`; never echoed), or ``None``."""
+    if path is not None and os.environ.get(TOKEN_ENV):
+        parser.error(f"argument --token-file: give it or set ${TOKEN_ENV}, not both")
+    if path is not None:
+        where = f"argument --token-file: {path!r}"
+        try:
+            with open(path, encoding="utf-8") as file:
+                value = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            parser.error(f"{where} cannot be read ({reason})")
+    else:
+        where = f"${TOKEN_ENV}"
+        value = os.environ.get(TOKEN_ENV) or ""
+        if not value:
+            return None
+    try:
+        return check_token(value)
+    except TokenError as exc:
+        parser.error(f"{where} holds no valid token: {exc}")
 
 
 def _gauges(database: str, cache_ms: int) -> LimiterGaugeCollector:
@@ -145,17 +257,23 @@ def _gauges(database: str, cache_ms: int) -> LimiterGaugeCollector:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the exporter until SIGTERM or SIGINT; return the exit status."""
-    args = _parse(argv)
+    parser, args = _parse(argv)
+    token = args.token
     gauges = _gauges(args.database, args.cache_ms) if args.database else None
     registry = build_registry(gauges=gauges, multiproc=args.multiproc)
-    token = os.environ.get(TOKEN_ENV) or None
-    server = make_server(
-        args.address,
-        args.port,
-        make_wsgi_app(registry, token=token),
-        server_class=_Server,
-        handler_class=_QuietHandler,
-    )
+    try:
+        server = make_server(
+            args.address,
+            args.port,
+            make_wsgi_app(registry, token=token),
+            server_class=_Server6 if ":" in args.address else _Server,
+            handler_class=_QuietHandler,
+        )
+    except OSError as exc:
+        parser.error(
+            f"argument --address/--port: cannot listen on {args.address!r} port {args.port} "
+            f"({exc.strerror or exc})"
+        )
     host, port = server.server_address[:2]
     if isinstance(host, bytes):
         host = host.decode()

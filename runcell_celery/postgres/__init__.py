@@ -19,6 +19,7 @@ Needs the ``postgres`` extra (psycopg 3 and psycopg_pool).
 
 from .backend import LimiterState, PostgresBackend, ReleasedLease
 from .closing import close_database
+from .connection import check_dsn
 from .factory import create_postgres_concurrency_limiter
 from .gauges import WorkloadGauges, read_workload_gauges
 from .limiter import PostgresConcurrencyLimiter
@@ -35,6 +36,7 @@ __all__ = [
     "PostgresOptions",
     "ReleasedLease",
     "WorkloadGauges",
+    "check_dsn",
     "close_database",
     "create_postgres_concurrency_limiter",
     "ensure_schema",

@@ -132,6 +132,8 @@ class PostgresBackend:
     :param path: how the settings spell that section, for error messages.
     :raises ConcurrencyConfigError: an option is unknown or invalid (naming
         ``path["option"]`` and the value).
+    :raises ConcurrencyConfigError: ``database`` is a string but not a DSN (masked in
+        the message, :mod:`runcell_celery.redaction`).
     :raises TypeError: ``database`` is neither a DSN nor a pool.
     """
 
@@ -146,10 +148,13 @@ class PostgresBackend:
         self._taker_tag = uuid.uuid4().hex[:8]
         self._db: Database | None = None
         if database is not None:
+            section = '["POSTGRES"]'
+            setting = path[: -len(section)] if path.endswith(section) else "RUNCELL"
             self._db = Database(
                 database,
                 pool_max_size=self.options.pool_max_size,
                 timeout=self.options.connect_timeout_ms / 1000,
+                setting=f'{setting}["DATABASE"]',
             )
 
     @classmethod

@@ -27,9 +27,11 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..background import ProcessLocal
+from ..errors import ConcurrencyConfigError
+from ..redaction import dsn_secrets, mask_dsn, scrub
 from .options import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE
 
-__all__ = ["Database", "PoolBusy", "fetch_all", "fetch_one", "redacted"]
+__all__ = ["Database", "PoolBusy", "check_dsn", "fetch_all", "fetch_one", "redacted", "scrubbed"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -122,6 +124,8 @@ class Database:
     :param db: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool` the caller
         owns. A caller's pool should use ``autocommit=True`` and, behind PgBouncer
         before 1.21 in transaction mode, ``prepare_threshold=None``.
+    :param setting: how errors name where ``db`` came from.
+    :raises ConcurrencyConfigError: ``db`` is a string but not a DSN (:func:`check_dsn`).
     """
 
     def __init__(
@@ -130,8 +134,10 @@ class Database:
         *,
         pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
         timeout: float = DEFAULT_CONNECT_TIMEOUT_MS / 1000,
+        setting: str = "db",
     ) -> None:
         if isinstance(db, str):
+            check_dsn(db, setting=setting)
             self._dsn: str | None = db
             self._given_pool: ConnectionPool[Any] | None = None
             self.conninfo = db
@@ -194,8 +200,20 @@ class Database:
         return PoolTimeout(str(exc))
 
     def direct_connection(self, **kwargs: Any) -> Connection:
-        """Open a connection outside the pool (the listener's), in autocommit mode."""
-        return psycopg.connect(self.conninfo, autocommit=True, **{**KEEPALIVES, **kwargs})
+        """Open a connection outside the pool (the listener's), in autocommit mode.
+
+        :raises psycopg.OperationalError: it failed; the message never holds the
+            password (:func:`scrubbed`), nor does the exception's context.
+        """
+        failure: psycopg.Error | None = None
+        try:
+            return psycopg.connect(self.conninfo, autocommit=True, **{**KEEPALIVES, **kwargs})
+        except psycopg.Error as exc:
+            message = scrubbed(exc, self.conninfo)
+            if message == str(exc):
+                raise
+            failure = type(exc)(message)
+        raise failure  # outside the except block: no context holds the original
 
 
 #: How long one direct attempt's finding stands for the calls that fail after it.
@@ -222,7 +240,7 @@ class _Diagnoses:
                 ).close()
                 cause = None
             except psycopg.Error as exc:
-                cause = " ".join(str(exc).split()) or type(exc).__name__
+                cause = " ".join(scrubbed(exc, conninfo).split()) or type(exc).__name__
             self.found[conninfo] = (time.monotonic(), cause)
             return cause
 
@@ -238,4 +256,30 @@ def redacted(conninfo: str) -> str:
         return "the database"
     return (
         f"{params.get('host', 'localhost')}:{params.get('port', 5432)}/{params.get('dbname', '')}"
+    )
+
+
+def scrubbed(error: BaseException, conninfo: str) -> str:
+    """``str(error)`` without the password of ``conninfo`` (nor anything that looks like
+    one): libpq's and psycopg's messages may echo parts of a DSN."""
+    return scrub(str(error), dsn_secrets(conninfo))
+
+
+def check_dsn(dsn: str, *, setting: str = "DATABASE") -> dict[str, Any]:
+    """Parse the PostgreSQL DSN ``dsn`` (URI or ``key=value``); return its parameters.
+
+    :param setting: how the error names where the DSN came from (empty: it does not).
+    :raises ConcurrencyConfigError: it cannot be parsed. The message shows the DSN with
+        its password masked and psycopg's reason scrubbed; the error has no cause or
+        context (psycopg's own message quotes the DSN).
+    """
+    try:
+        return psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        reason = " ".join(scrubbed(exc, dsn).split())
+    given = f"{setting} = {mask_dsn(dsn)!r}" if setting else repr(mask_dsn(dsn))
+    raise ConcurrencyConfigError(
+        f"{given} is invalid: not a PostgreSQL DSN ({reason}); "
+        "write postgresql://user:password@host:5432/dbname or "
+        "'host=... dbname=... user=...'"
     )

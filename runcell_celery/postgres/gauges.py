@@ -22,7 +22,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..errors import ConcurrencyLimiterError
-from .connection import redacted
+from .connection import redacted, scrubbed
 
 __all__ = ["LIMITER_GAUGES", "WorkloadGauges", "gauges_from_rows", "read_workload_gauges"]
 
@@ -146,7 +146,7 @@ def read_workload_gauges(pool: ConnectionPool[Any]) -> list[WorkloadGauges]:
     except (psycopg.Error, PoolTimeout) as exc:
         where = pool.conninfo if isinstance(pool.conninfo, str) else pool.name
         raise ConcurrencyLimiterError(
-            f"reading the limiters' gauges from {redacted(where)} failed: {exc}"
+            f"reading the limiters' gauges from {redacted(where)} failed: {scrubbed(exc, where)}"
         ) from exc
 
 

@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import pytest
 
+from ..redaction import MaskedDSN, dsn_secrets, mask_dsn, scrub
 from .capture import EventCapture
-from .databases import server_dsn, throwaway_database
+from .databases import SERVER_DSN_ENV, server_dsn, throwaway_database
 from .limits import BackendChoice, in_memory, on_postgres
 from .provider import FakeProvider
 
@@ -115,18 +116,35 @@ def runcell_backend() -> BackendChoice:
 @pytest.fixture(scope="session")
 def runcell_postgres_server() -> str:
     """A DSN of the PostgreSQL server where ``runcell_postgres`` creates databases:
-    ``$RUNCELL_TEST_DSN``, else ``postgresql://postgres@127.0.0.1:5432/postgres``."""
-    return server_dsn()
+    ``$RUNCELL_TEST_DSN``, else ``postgresql://postgres@127.0.0.1:5432/postgres``.
+
+    Its ``repr`` (what pytest prints of a fixture's value) masks the password."""
+    return MaskedDSN(server_dsn())
 
 
 @pytest.fixture
 def runcell_postgres(runcell_postgres_server: str) -> Iterator[str]:
     """The DSN of an empty database made for this test, dropped after it (its
-    connections ended), so leases, queues and counts never leak between tests."""
-    with throwaway_database(runcell_postgres_server) as dsn:
+    connections ended), so leases, queues and counts never leak between tests.
+
+    A server that cannot be reached fails the test with one line naming it, its
+    password masked: no traceback, whose frames would show the DSN."""
+    import psycopg
+
+    server = runcell_postgres_server
+    made = throwaway_database(server)
+    failure = None
+    try:
+        database = made.__enter__()
+    except psycopg.Error as exc:
+        failure = _unreached(server, "create", exc)
+    if failure is not None:  # raised outside the except block: no context to show
+        pytest.fail(failure, pytrace=False)
+    dsn = MaskedDSN(database)
+    try:
+        yield dsn
+    finally:
         try:
-            yield dsn
-        finally:
             if "runcell_celery.postgres" in sys.modules:
                 # This process's pool and listener for the database go with it: none
                 # keeps retrying a database that is gone (or fills the server's
@@ -134,6 +152,23 @@ def runcell_postgres(runcell_postgres_server: str) -> Iterator[str]:
                 from ..postgres import close_database
 
                 close_database(dsn)
+        finally:
+            try:
+                made.__exit__(None, None, None)
+            except psycopg.Error as exc:
+                failure = _unreached(server, "drop", exc)
+            if failure is not None:
+                pytest.fail(failure, pytrace=False)
+
+
+def _unreached(server: str, doing: str, error: Exception) -> str:
+    """One line saying the server failed, its password masked, psycopg's text scrubbed
+    (a traceback would show the DSN in its frames)."""
+    reason = scrub(" ".join(str(error).split()), dsn_secrets(server))
+    return (
+        f"runcell_postgres: could not {doing} a test database on the server "
+        f"{mask_dsn(server)!r} (${SERVER_DSN_ENV}): {reason}"
+    )
 
 
 @pytest.fixture

@@ -293,7 +293,7 @@ def test_events_never_carry_arguments_or_prompts(
         ("bad api_key=hunter2", "bad api_key=***"),
         ("bad API-KEY: hunter2", "bad API-KEY: ***"),
         ("token=hunter2 expired", "token=*** expired"),
-        ("{'password': 'hunter2', 'host': 'db'}", "{'password': *** 'host': 'db'}"),
+        ("{'password': 'hunter2', 'host': 'db'}", "{'password': ***, 'host': 'db'}"),
     ],
 )
 def test_describe_error_strips_passwords(message: str, shown: str) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from runcell_celery.metrics.exporter import main
 from tests.support.celery_fixtures import ROOT
+from tests.support.secrets import unique_secret
 
 from .conftest import TOKEN, Scrape
 
@@ -114,8 +115,8 @@ def test_an_unreachable_database_still_serves_and_says_it_is_down(exporter: Star
             "the multiprocess directory = '/nonexistent/runcell' is invalid: no such directory",
         ),
         (
-            ["--port=9464", "--database=x", "--cache-ms=-5"],
-            "argument --cache-ms: '-5' is invalid: must be 0 or more milliseconds",
+            ["--port=9464", "--database=dbname=x", "--cache-ms=-5"],
+            "argument --cache-ms: '-5' is invalid: must be 0 to 2147483647 milliseconds",
         ),
     ],
 )
@@ -131,3 +132,129 @@ def test_bad_arguments_are_refused_naming_the_value(
         main(args)  # refused before it serves anything
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def run_exporter(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the exporter to its end (it refuses its arguments before serving)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RUNCELL_", "PROMETHEUS_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "runcell_celery.metrics", *args],
+        cwd=ROOT,
+        env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("999.1.1.1", "argument --address: '999.1.1.1' is invalid: must be an IP address"),
+        ("no such host!", "argument --address: 'no such host!' is invalid"),
+        ("10.255.255.1", "argument --address/--port: cannot listen on '10.255.255.1' port 0"),
+    ],
+)
+def test_a_bad_address_is_a_one_line_usage_error(
+    address: str, message: str, tmp_path: Path
+) -> None:
+    done = run_exporter("--port=0", f"--address={address}", f"--multiprocess-dir={tmp_path}")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1].startswith("python -m runcell_celery.metrics: error: ")
+    assert message in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        ("x", "1 characters (surrounding whitespace dropped) is too short to be secret"),
+        ("short-token\n", "11 characters (surrounding whitespace dropped) is too short"),
+        ("a token with spaces in it", "it holds spaces, control or non-ASCII characters"),
+    ],
+)
+def test_a_token_the_view_would_refuse_is_refused_by_the_exporter_unseen(
+    token: str, message: str, tmp_path: Path
+) -> None:
+    done = run_exporter(
+        "--port=0", f"--multiprocess-dir={tmp_path}", env={"RUNCELL_METRICS_TOKEN": token}
+    )
+    assert done.returncode == 2
+    assert f"$RUNCELL_METRICS_TOKEN holds no valid token: {message}" in done.stderr
+    if len(token.strip()) > 1:
+        assert token.strip() not in done.stdout + done.stderr
+
+
+def test_a_token_file_with_its_trailing_newline_serves_its_bearer(
+    exporter: Started, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(f"{TOKEN}\n")
+    url = exporter(f"--multiprocess-dir={tmp_path}", f"--token-file={token_file}")
+    assert get(url, Authorization=f"Bearer {TOKEN}")[0] == 200
+    assert get(url)[0] == 401
+
+
+def test_a_token_file_that_cannot_be_read_or_is_short_is_refused_unseen(tmp_path: Path) -> None:
+    missing = run_exporter(
+        "--port=0", f"--multiprocess-dir={tmp_path}", "--token-file=/nonexistent"
+    )
+    assert missing.returncode == 2
+    assert "argument --token-file: '/nonexistent' cannot be read" in missing.stderr
+    short = tmp_path / "short"
+    short.write_text("tiny-secret\n")
+    refused = run_exporter("--port=0", f"--multiprocess-dir={tmp_path}", f"--token-file={short}")
+    assert refused.returncode == 2
+    assert "holds no valid token: 11 characters" in refused.stderr
+    assert "tiny-secret" not in refused.stderr
+    both = run_exporter(
+        "--port=0",
+        f"--multiprocess-dir={tmp_path}",
+        f"--token-file={short}",
+        env={"RUNCELL_METRICS_TOKEN": TOKEN},
+    )
+    assert "give it or set $RUNCELL_METRICS_TOKEN, not both" in both.stderr
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://app:{s}@[db/app",
+        "host=db password={s} junk",
+    ],
+)
+def test_a_malformed_database_is_refused_with_its_password_masked(dsn: str) -> None:
+    secret = unique_secret()
+    for given in ([f"--database={dsn.format(s=secret)}"], []):
+        env = {} if given else {"RUNCELL_DATABASE_URL": dsn.format(s=secret)}
+        done = run_exporter("--port=0", *given, env=env)
+        assert done.returncode == 2
+        assert "is invalid: not a PostgreSQL DSN" in done.stderr
+        assert "***" in done.stderr
+        assert secret not in done.stdout + done.stderr
+
+
+def test_a_dsn_split_by_the_shell_is_refused_without_its_password() -> None:
+    secret = unique_secret()
+    done = run_exporter("--port=0", "--database", "host=db", f"password={secret}")
+    assert done.returncode == 2
+    assert "unrecognized arguments: password=***" in done.stderr
+    assert secret not in done.stderr
+
+
+def test_an_unreachable_database_with_a_password_never_shows_it(exporter: Started) -> None:
+    secret = unique_secret()
+    url = exporter(f"--database=postgresql://postgres:{secret}@127.0.0.1:1/postgres")
+    status, text, _ = get(url)
+    assert status == 200
+    assert secret not in text
+    assert Scrape(text).values("runcell_database_up") == [0]
+
+
+def test_help_says_the_exporter_listens_on_every_interface_by_default() -> None:
+    done = run_exporter("--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "default 0.0.0.0: every interface of the host" in text
+    assert "trailing newline, is dropped" in text

@@ -120,17 +120,17 @@ def test_the_view_reads_the_workers_multiprocess_directory(client: Client, tmp_p
 @pytest.mark.parametrize(
     ("metrics", "message"),
     [
-        ("token", r'RUNCELL\["METRICS"\] = \'token\' is invalid: must be a dict'),
+        ("token", r'RUNCELL\["METRICS"\] is invalid: a str of 5 characters, must be a dict'),
         (
             {"TOKN": TOKEN},
             r'RUNCELL\["METRICS"\]\["TOKN"\] is invalid: unknown option; did you mean .TOKEN.',
         ),
         (
             {"TOKEN": "tiny-secret"},
-            r'RUNCELL\["METRICS"\]\["TOKEN"\] is invalid: 11 characters is too short to be '
-            r"secret; must be at least 16",
+            r'RUNCELL\["METRICS"\]\["TOKEN"\] is invalid: 11 characters \(surrounding '
+            r"whitespace dropped\) is too short to be secret: must be at least 16",
         ),
-        ({"TOKEN": 12345}, r'\["TOKEN"\] = 12345 is invalid'),
+        ({"TOKEN": 12345}, r'\["TOKEN"\] is invalid: a number \(int\) is not a token'),
         ({"ALLOW_STAFF": "yes"}, r'\["ALLOW_STAFF"\] = \'yes\' is invalid: must be True or False'),
         ({"CACHE_MS": -1}, r'\["CACHE_MS"\] = -1 is invalid: must be an integer of at least 0'),
         ({"MULTIPROCESS_DIR": 3}, r'\["MULTIPROCESS_DIR"\] = 3 is invalid'),

@@ -19,6 +19,7 @@ import pytest
 
 from runcell_celery.testing import pytest_plugin
 from tests.support.pg import ADMIN_DSN
+from tests.support.secrets import unique_secret
 
 pytest_plugins = ("pytester",)
 
@@ -169,6 +170,62 @@ def test_without_settings_the_failure_says_which_fixture_to_override(
     result = _run(user_project, "-k", "without_django")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*override the runcell_settings fixture*app.conf.runcell*"])
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        "postgresql://postgres:{s}@127.0.0.1:1/postgres",  # nothing listens there
+        "host=127.0.0.1 port=1 user=postgres password='{s}'",
+        "postgresql://postgres:{s}@[127.0.0.1/postgres",  # does not parse
+    ],
+)
+def test_an_unreachable_test_server_fails_in_one_line_without_its_password(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, server: str
+) -> None:
+    secret = unique_secret()
+    monkeypatch.setenv("RUNCELL_TEST_DSN", server.format(s=secret))
+    pytester.makepyfile(
+        test_unreachable="""
+def test_uses_a_database(runcell_postgres):
+    pass
+
+def test_fails_holding_the_dsns(runcell_postgres_server, runcell_postgres):
+    assert False
+"""
+    )
+    result = _run(pytester, "-p", "no:celery", "--tb=long", "-l")
+    result.assert_outcomes(errors=2)
+    output = result.stdout.str() + result.stderr.str()
+    assert secret not in output
+    result.stdout.fnmatch_lines(
+        ["runcell_postgres: could not create a test database on the server '*:***@*"]
+        if "://" in server
+        else ["runcell_postgres: could not create a test database on the server *password=****"]
+    )
+    assert "Traceback" not in output
+    assert "psycopg/connection.py" not in output
+
+
+def test_the_dsn_fixtures_show_no_password_when_a_test_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = unique_secret()
+    params = psycopg.conninfo.conninfo_to_dict(ADMIN_DSN)
+    monkeypatch.setenv(
+        "RUNCELL_TEST_DSN", psycopg.conninfo.make_conninfo(ADMIN_DSN, password=secret)
+    )
+    pytester.makepyfile(
+        test_failing="""
+def test_fails_holding_the_dsns(runcell_postgres_server, runcell_postgres):
+    assert (runcell_postgres_server, runcell_postgres) is None
+"""
+    )
+    result = _run(pytester, "-p", "no:celery", "--tb=long", "-l")
+    result.assert_outcomes(failed=1)  # trust authentication: the password is not checked
+    assert secret not in result.stdout.str() + result.stderr.str()
+    assert f"host={params.get('host', '127.0.0.1')}" in result.stdout.str()  # shown, masked
+    assert "password=***" in result.stdout.str()
 
 
 def test_loading_the_plugin_imports_neither_django_celery_nor_psycopg() -> None:
