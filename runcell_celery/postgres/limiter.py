@@ -41,6 +41,7 @@ from ..cancellation import CancellationToken
 from ..config import LimiterConfig, check_duration_ms
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
+from ..patience import current_patience
 from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
 from ..protocol import (
     AcquireRequest,
@@ -64,6 +65,8 @@ from .calls import (
     Stamp,
     call,
     lock_timeout_ms,
+    persist,
+    pool_wait_s,
 )
 from .connection import Database
 from .keyed import PURGE_BATCH, KeySet
@@ -422,13 +425,30 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         :raises ConcurrencyLimiterError: the database failed.
         """
         config = self._config
+        patience = current_patience()  # a limiter made on a run's first use: its budget
+
+        def attempt() -> tuple[LimiterConfig, str] | None:
+            try:
+                with self._db.connection(timeout=pool_wait_s(self._db, None, patience)) as conn:
+                    return store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
+            except PoolTimeout as exc:
+                raise CallFailedError(str(exc), maybe_done=False) from exc
+            except psycopg.OperationalError as exc:
+                if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+                    raise
+                # Dropped or refused: storing the limits again is safe (same hash, same row).
+                raise CallFailedError(str(exc)) from exc
+
         try:
-            with self._db.connection() as conn:
-                stored = store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
+            stored = persist(patience, attempt)
             if stored is not None:
                 self._take(StoredLimits(config=stored[0], config_hash=stored[1]), None)
         except ConcurrencyError:
             raise
+        except CallFailedError as exc:
+            raise ConcurrencyLimiterError(
+                f"limiter {self.name!r}: the database failed: {exc}", limiter=self.name
+            ) from exc.__cause__
         except psycopg.Error as exc:
             missing = psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
             if isinstance(exc, missing):
@@ -632,6 +652,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     lock_ms=lock_timeout_ms(remaining),
                     busy_ok=True,
                     stamp=sent,
+                    until=waiting.deadline,  # a dropped connection is retried while it lasts
                 )
                 break
             except RowBusyError as exc:
@@ -843,9 +864,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
         """Return the slot and hand it to the next waiters by the allocation rules."""
         params = {"limiter": self.name, "lease_id": lease.lease_id}
+        # A release has no budget of its own: a dropped connection is retried while the
+        # lease is still valid here (past that its TTL returns the slot anyway), never
+        # for the rest of the run's budget (the task's result would wait for it).
+        until = lease.valid_until or Deadline.after_ms(self._db.timeout * 1000)
         for attempt in range(RELEASE_ATTEMPTS):
             try:
-                answer = self._call(None, statements.RELEASE, params, busy_ok=True)
+                answer = self._call(None, statements.RELEASE, params, busy_ok=True, until=until)
             except RowBusyError:
                 if attempt + 1 < RELEASE_ATTEMPTS:
                     continue
@@ -948,9 +973,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         rows: bool = False,
         busy_ok: bool = False,
         stamp: Stamp | None = None,
+        until: Deadline | None = None,
     ) -> Any:
         with _failing_closed(self, request, busy_ok=busy_ok):
-            return call(self._db, query, params, lock_timeout_ms=lock_ms, rows=rows, stamp=stamp)
+            return call(
+                self._db, query, params, lock_timeout_ms=lock_ms, rows=rows, stamp=stamp,
+                until=until,
+            )  # fmt: skip
 
 
 @contextlib.contextmanager
