@@ -31,7 +31,7 @@ import pytest
 
 __all__ = ["ThrowawayCluster", "throwaway_cluster"]
 
-BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin", "/usr/lib/postgresql/17/bin")
+BIN_DIRS = tuple(f"/usr/lib/postgresql/{version}/bin" for version in (15, 16, 17))
 
 
 def _bin_dir() -> Path | None:
