@@ -54,9 +54,7 @@ def proxied(pg_dsn: str, dropper: ReplyDropper) -> Iterator[PostgresBackend]:
 @pytest.fixture
 def on_cluster(throwaway_cluster: ThrowawayCluster) -> Iterator[PostgresBackend]:
     """A backend on the throwaway cluster (schema made), which is up again afterwards."""
-    backend = PostgresBackend(
-        database=throwaway_cluster.dsn, options={"connect_timeout_ms": 1_000}
-    )
+    backend = PostgresBackend(database=throwaway_cluster.dsn, options={"connect_timeout_ms": 1_000})
     backend.create_limiter(LimiterConfig(max_concurrent=1, name=unique_name()))
     try:
         yield backend
@@ -101,7 +99,7 @@ def test_a_step_fails_closed_once_its_budget_ends_with_the_database_still_down(
         on_cluster.first_start(str(uuid.uuid4()), 2_500)
     waited = time.monotonic() - asked
     assert 2.0 <= waited < 6.0, f"gave up after {waited:.1f} s, not at its budget's end"
-    with pytest.raises(ConcurrencyLimiterError, match="terminating connection|connection"):
+    with pytest.raises(ConcurrencyLimiterError, match="connection"):
         on_cluster.revoked_among(["x"])  # no budget: fails closed, as before
 
 
