@@ -230,7 +230,10 @@ class RevocationStore(Protocol):
 class CounterStore(Protocol):
     """Fleet-wide admission counters (deliveries, deferrals, failures)."""
 
-    def add_counts(self, counts: Sequence[AdmissionCount]) -> None: ...
+    def add_counts(self, counts: Sequence[AdmissionCount], *, batch_id: str | None = None) -> None:
+        """Add ``counts``; a batch sent again with the same ``batch_id`` (a retry after
+        a lost reply) is added once."""
+        ...
 
     def admission_counts(self) -> list[AdmissionCount]: ...
 

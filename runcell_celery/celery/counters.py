@@ -28,12 +28,18 @@ Counts are kept in memory, per process, and added to the backend's
 the database for them; :func:`~runcell_celery.celery.admission_counts` reads the
 fleet-wide totals. A process killed with SIGKILL loses at most its last second of
 counts. A forked child starts with no counts: the parent's are the parent's to write.
+
+A write that fails (the database restarting) is never the task's concern: the batch is
+kept, under the id it was first sent with, and sent again at the next round (a warning
+each time) until it is written; the store adds a batch once whatever the number of
+attempts, so a retry after a lost reply counts nothing twice.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 
 from ..background import BackgroundLoop, ProcessLocal
@@ -81,6 +87,8 @@ class _ProcessCounts:
         self.lock = threading.Lock()
         self.pending: dict[Key, list[int]] = {}
         self.totals: dict[Key, list[int]] = {}
+        #: A batch whose write failed, with its id: sent again as it was.
+        self.unsent: tuple[str, dict[Key, list[int]]] | None = None
         self.flusher = BackgroundLoop("runcell-counter-flusher", owner, AdmissionCounters._step)
 
 
@@ -125,32 +133,31 @@ class AdmissionCounters:
         return [AdmissionCount(task, limiter, *values) for (task, limiter), values in items]
 
     def flush(self) -> None:
-        """Write pending counts now (also done every second in the background)."""
+        """Write pending counts now (also done every second in the background): first
+        a batch whose write failed (under its first id), then the counts since."""
         counts = self._local.peek()
         if counts is None:
             return  # nothing counted in this process
         store = self._store()
         if not isinstance(store, CounterStore):
             return
-        with counts.lock:
-            pending, counts.pending = counts.pending, {}
-        if not pending:
-            return
-        try:
-            store.add_counts(
-                [
-                    AdmissionCount(task, limiter, *values)
-                    for (task, limiter), values in pending.items()
-                ]
-            )
-        except Exception:
-            # Keep them for the next try rather than lose them.
+        for _ in range(2):
             with counts.lock:
-                for key, values in pending.items():
-                    mine = counts.pending.setdefault(key, [0] * len(FIELDS))
-                    for i, n in enumerate(values):
-                        mine[i] += n
-            raise
+                batch = counts.unsent
+                counts.unsent = None
+                if batch is None:
+                    pending, counts.pending = counts.pending, {}
+                    if not pending:
+                        return
+                    batch = (str(uuid.uuid4()), pending)
+            batch_id, items = batch
+            try:
+                written = [AdmissionCount(*key, *values) for key, values in items.items()]
+                store.add_counts(written, batch_id=batch_id)
+            except Exception:
+                with counts.lock:  # kept for the next try, under the same id
+                    counts.unsent = batch
+                raise
 
     def close(self) -> None:
         """Stop the flusher after a last flush (worker or pool process shutdown)."""

@@ -68,6 +68,7 @@ from ..errors import (
     ConcurrencyLimiterError,
     ConcurrencyNoLimiterError,
 )
+from ..patience import database_patience
 from ..ports import RunStore, SupportsSeveralParking
 from ..protocol import (
     ConcurrencyLimiter,
@@ -375,6 +376,10 @@ class RunCellTask(_Task):
                     name=parent.get("name"),
                 )
             )
+        # Until the database has said how much of the run's budget is left, its steps
+        # (limits stored on first use, the first start) retry within the budget as
+        # counted here; from then on, within the run's own deadline.
+        stack.enter_context(database_patience(self._local_budget(spec, carried)))
         key = self._delivered_key(spec, carried, args, kwargs)
         limiters = self._run_limiters(registry, spec, key)
         inherited = current_run()
@@ -400,6 +405,7 @@ class RunCellTask(_Task):
                 admission=admission,
             )
         )
+        stack.enter_context(database_patience(context.deadline))
         self._watch_revocation(request, context.cancel, admission, stack)
         return context, admission
 
@@ -450,6 +456,20 @@ class RunCellTask(_Task):
             cancel.cancel("a parent run was revoked")
             _withdraw(admission)
 
+    @staticmethod
+    def _timeout_ms(spec: TaskConcurrency, carried: headers.CarriedRun) -> float | None:
+        """The run's own budget in milliseconds: this call's selection, else the task's."""
+        selected = carried.select.timeout_ms
+        return selected if selected is not None else spec.timeout_ms
+
+    def _local_budget(self, spec: TaskConcurrency, carried: headers.CarriedRun) -> Deadline | None:
+        """The run's budget counted from now on this host's clock, with any deadline
+        header: how long its database steps may retry before the database has told
+        what is left of it (a redelivered run's is shorter, never longer)."""
+        timeout_ms = self._timeout_ms(spec, carried)
+        own = Deadline.after_ms(timeout_ms) if timeout_ms is not None else None
+        return Deadline.earliest(own, _header_bound(carried.deadline))
+
     def _budget(
         self,
         request: Any,
@@ -466,10 +486,13 @@ class RunCellTask(_Task):
         ``runcell_deadline`` header is a Unix time from another host (or from anyone
         who can publish): it is only a bound, taken with the budget, earliest first —
         it can end the run sooner, never later.
+
+        Recording the first start is retried (a dropped connection, a database not up
+        yet) within the budget counted locally (:meth:`_local_budget`, set by the
+        caller); the insert is keyed by the run id, so a retry after a lost reply gets
+        the deadline the first attempt stored.
         """
-        timeout_ms = (
-            carried.select.timeout_ms if carried.select.timeout_ms is not None else spec.timeout_ms
-        )
+        timeout_ms = self._timeout_ms(spec, carried)
         bound = _header_bound(carried.deadline)
         if timeout_ms is None:
             return _Budget(bound, kept=True)  # nothing of its own; the header stays

@@ -22,8 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, LiteralString
 
-import psycopg
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool
 
 from ..config import LimiterConfig
 from ..errors import ConcurrencyConfigError, ConcurrencyLimiterError
@@ -41,8 +40,8 @@ from ..ports import (
 )
 from ..protocol import LimiterStats, WorkloadStats
 from . import statements
-from .calls import CallFailedError, call, lock_timeout_ms
-from .connection import Database, fetch_all, redacted
+from .calls import CallFailedError, call, fetch_rows, lock_timeout_ms
+from .connection import Database, redacted
 from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
 from .waiting import get_room
@@ -203,6 +202,11 @@ class PostgresBackend:
         A redelivered or re-published run finds the deadline of its first start, so
         its budget is never restarted. The answer is computed by the database (its
         deadline minus its clock), so this host's clock does not shift it.
+
+        Keyed by the run id, so a retry after a lost reply finds the deadline the first
+        attempt stored. Within the run's
+        :func:`~runcell_celery.patience.database_patience` a dropped connection or a
+        database not up yet is retried until it ends.
         """
         params = {"run_id": run_id, "timeout_ms": timeout_ms}
         return float(self._fetch(statements.FIRST_START, params)[0][0])
@@ -228,13 +232,18 @@ class PostgresBackend:
 
     # -- CounterStore -----------------------------------------------------------------
 
-    def add_counts(self, counts: Sequence[AdmissionCount]) -> None:
-        """Add a batch of counts to the fleet-wide totals, in one statement."""
+    def add_counts(self, counts: Sequence[AdmissionCount], *, batch_id: str | None = None) -> None:
+        """Add a batch of counts to the fleet-wide totals, in one statement.
+
+        :param batch_id: a UUID naming the batch: sent again (a retry after a lost
+            reply), it is not added twice (remembered 15 minutes).
+        """
         if not counts:
             return
-        params: dict[str, list[Any]] = {
+        params: dict[str, Any] = {
             "task_names": [c.task_name for c in counts],
             "limiters": [c.limiter for c in counts],
+            "batch_id": batch_id,
         }
         for name in _COUNT_FIELDS:
             params[name] = [getattr(c, name) for c in counts]
@@ -400,11 +409,11 @@ class PostgresBackend:
     def _fetch(
         self, query: LiteralString, params: Mapping[str, Any] | None = None
     ) -> list[tuple[Any, ...]]:
-        """Run one statement on a pooled connection; fail closed on database errors."""
+        """Run one statement on a pooled connection (retried as :func:`.calls.fetch_rows`
+        says: within the run's budget, if any); fail closed on database errors."""
         try:
-            with self._database().connection() as conn:
-                return fetch_all(conn, query, params)
-        except (psycopg.Error, PoolTimeout) as exc:
+            return fetch_rows(self._database(), query, params)
+        except CallFailedError as exc:
             raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
 
 

@@ -12,19 +12,30 @@ cut off while it holds the limiter row delays the others by at most that, and th
 server ends the frozen transaction on its own. A connection the database dropped
 (restart, ``pg_terminate_backend``) is found out when used; the call is then retried
 on another connection, which is safe because every operation is idempotent.
+
+Within a budget (``until``, by default the run's :func:`~runcell_celery.patience.current_patience`)
+a transient failure — a dropped connection (``terminating connection due to
+administrator command``), connection refused, a database still starting up, no pooled
+connection within the wait — is retried with backoff (50 ms doubling to 1 s, never
+past the deadline) until the budget ends: a database restart of a few seconds is a
+blip to a run. :func:`persist` is that loop; :func:`call`, :func:`fetch_rows` and the
+limiter's registration go through it. Once the budget has ended the last failure is
+raised as before (fail closed).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any, LiteralString
+from collections.abc import Callable, Mapping
+from typing import Any, LiteralString, TypeVar
 
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .connection import Connection, Database, PoolBusy
+from ..deadline import Deadline
+from ..patience import current_patience
+from .connection import Connection, Database, PoolBusy, fetch_all
 
 __all__ = [
     "LOCK_WAIT_CAP_MS",
@@ -36,7 +47,12 @@ __all__ = [
     "RowBusyError",
     "Stamp",
     "call",
+    "fetch_rows",
+    "persist",
+    "transient",
 ]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -53,6 +69,10 @@ WITHDRAW_GRACE_MS = 100
 #: No statement runs longer than this (granting 10,000 waiters at once takes well
 #: under a second here).
 STATEMENT_TIMEOUT_MS = 60_000
+#: The first pause before a transient failure is retried within a budget, and the
+#: longest (the pause doubles from the first).
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
 
 _BOUNDS: LiteralString = (
     "SET LOCAL statement_timeout = %(statement_timeout_ms)s; "
@@ -113,9 +133,13 @@ def call(
     retry: bool = True,
     rows: bool = False,
     stamp: Stamp | None = None,
+    until: Deadline | None = None,
 ) -> Any:
     """Run one bounded function call; return its single value (or every row's first
     column with ``rows=True``).
+
+    :param until: retry transient failures until then (see :func:`persist`; default:
+        the run's :func:`~runcell_celery.patience.current_patience`).
 
     :raises RowBusyError: the limiter row stayed locked for ``lock_timeout_ms``.
     :raises LimiterMissingError: the limiter row does not exist.
@@ -127,6 +151,35 @@ def call(
         "statement_timeout_ms": STATEMENT_TIMEOUT_MS,
         "lock_timeout_ms": lock_timeout_ms,
     }
+    # An operation that may not be repeated is not repeated after a failure either.
+    patience = None if not retry else until if until is not None else current_patience()
+
+    def again(failed: CallFailedError) -> None:
+        if failed.maybe_done and "retry" in bound:
+            bound["retry"] = True  # the failed attempt may have committed
+
+    def attempt() -> Any:
+        return _call_once(
+            database, query, bound, lock_timeout_ms, retry=retry, rows=rows, stamp=stamp,
+            until=patience,
+        )  # fmt: skip
+
+    return persist(patience, attempt, on_retry=again)
+
+
+def _call_once(
+    database: Database,
+    query: LiteralString,
+    bound: dict[str, Any],
+    lock_timeout_ms: int,
+    *,
+    retry: bool,
+    rows: bool,
+    stamp: Stamp | None,
+    until: Deadline | None,
+) -> Any:
+    """One round of :func:`call`: a dropped connection retried at once on a fresh one
+    (up to the pool's size), every other failure raised."""
     attempts = database.pool_max_size + 1 if retry else 1
     lost = False
     attempt = -1
@@ -138,7 +191,7 @@ def call(
             # than its wait, both together.
             asked = time.monotonic()
             pool_wait = lock_timeout_ms / 1000 if lock_timeout_ms < LOCK_WAIT_CAP_MS else None
-            with database.connection(timeout=pool_wait) as conn:
+            with database.connection(timeout=pool_wait_s(database, pool_wait, until)) as conn:
                 waited_ms = (time.monotonic() - asked) * 1000
                 left_ms = max(1, int(lock_timeout_ms - waited_ms))
                 bound["lock_timeout_ms"] = left_ms
@@ -155,7 +208,7 @@ def call(
         except PoolTimeout as exc:  # (a psycopg.Error too: caught first)
             if lock_timeout_ms < LOCK_WAIT_CAP_MS:
                 raise RowBusyError(_describe(exc), maybe_done=lost) from exc
-            if isinstance(exc, PoolBusy):
+            if isinstance(exc, PoolBusy) and (until is None or not until.passed()):
                 # Every connection is open and in use by this process's other calls
                 # (thousands of threads asking at once) and the database answers: a
                 # caller without a deadline waits its turn instead of failing. (A pool
@@ -196,6 +249,106 @@ def call(
                 continue
             raise CallFailedError(_describe(exc)) from exc
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def persist(
+    until: Deadline | None,
+    attempt: Callable[[], T],
+    *,
+    on_retry: Callable[[CallFailedError], None] | None = None,
+) -> T:
+    """Run ``attempt`` and, while ``until`` lasts, run it again after each transient
+    failure (:func:`transient`), pausing 50 ms, doubling to 1 s, never past ``until``.
+
+    Without ``until`` it runs once. Once ``until`` has passed, the last failure is
+    raised. ``on_retry(failure)`` is called before each new attempt (to mark the next
+    one a retry of an operation that may have committed).
+    """
+    delay = FIRST_BACKOFF_S
+    retried = 0
+    while True:
+        try:
+            return attempt()
+        except CallFailedError as exc:
+            if until is None or not transient(exc) or until.passed():
+                raise
+            if retried == 0:
+                logger.info(
+                    "runcell: the database failed (%s); retrying for up to %.1f s",
+                    exc,
+                    until.remaining_s(),
+                )
+            time.sleep(min(delay, until.remaining_s()))
+            if until.passed():
+                raise
+            delay = min(delay * 2, MAX_BACKOFF_S)
+            retried += 1
+            if on_retry is not None:
+                on_retry(exc)
+
+
+def transient(exc: CallFailedError) -> bool:
+    """Whether a failure may pass by itself: the connection or the server went away or
+    is not up yet, or no connection could be had. A locked row, a missing limiter,
+    replaced limits or an error in the statement are not."""
+    if type(exc) is not CallFailedError:
+        return False
+    cause = exc.__cause__
+    if isinstance(cause, PoolTimeout):
+        return True
+    if isinstance(cause, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        return False
+    return isinstance(cause, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+def fetch_rows(
+    database: Database,
+    query: LiteralString,
+    params: Mapping[str, Any] | None = None,
+    *,
+    until: Deadline | None = None,
+) -> list[tuple[Any, ...]]:
+    """Run one plain statement (its own transaction) and return its rows: retried at
+    once on a fresh connection after a dropped one, and after any transient failure
+    while ``until`` lasts (default: the run's
+    :func:`~runcell_celery.patience.current_patience`). The statement must be safe to
+    repeat after a lost reply.
+
+    :raises CallFailedError: the database failed; ``__cause__`` says how.
+    """
+    patience = until if until is not None else current_patience()
+
+    def attempt() -> list[tuple[Any, ...]]:
+        lost = False
+        attempts = database.pool_max_size + 1
+        for number in range(attempts):
+            broken = False
+            try:
+                with database.connection(timeout=pool_wait_s(database, None, patience)) as conn:
+                    try:
+                        return fetch_all(conn, query, params)
+                    finally:
+                        broken = conn.broken
+            except PoolTimeout as exc:
+                raise CallFailedError(_describe(exc), maybe_done=lost) from exc
+            except psycopg.Error as exc:
+                if broken and number + 1 < attempts:
+                    lost = True
+                    logger.info("runcell: retrying on a fresh connection after: %s", exc)
+                    continue
+                raise CallFailedError(_describe(exc)) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return persist(patience, attempt)
+
+
+def pool_wait_s(database: Database, wait_s: float | None, until: Deadline | None) -> float | None:
+    """How long to wait for a pooled connection: ``wait_s`` (``None``: the pool's
+    timeout), never past ``until``."""
+    if until is None:
+        return wait_s
+    left = max(0.001, until.remaining_s())
+    return min(wait_s if wait_s is not None else database.timeout, left)
 
 
 def _send(conn: Connection, query: LiteralString, params: Mapping[str, Any], *, rows: bool) -> Any:

@@ -155,6 +155,11 @@ class Database:
         self._timeout = timeout
 
     @property
+    def timeout(self) -> float:
+        """How long a call waits for a pooled connection by default (seconds)."""
+        return self._timeout
+
+    @property
     def key(self) -> object:
         """What identifies this database's connections in this process: its DSN when
         the pool is ours (one per DSN and process), the caller's pool itself otherwise."""

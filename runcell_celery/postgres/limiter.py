@@ -41,6 +41,7 @@ from ..cancellation import CancellationToken
 from ..config import LimiterConfig, check_duration_ms
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
+from ..patience import current_patience
 from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
 from ..protocol import (
     AcquireRequest,
@@ -65,11 +66,13 @@ from .calls import (
     Stamp,
     call,
     lock_timeout_ms,
+    persist,
+    pool_wait_s,
 )
 from .connection import Database
 from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
-from .registration import config_hash, store_limits
+from .registration import Stored, config_hash, store_limits
 from .several import acquire_several, claim_parked_group, run_group_pass, withdraw_group
 from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
 from .waiting import Grant, Waiter, WaitRoom, get_room
@@ -423,9 +426,22 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         :raises ConcurrencyLimiterError: the database failed.
         """
         config = self._config
+        patience = current_patience()  # a limiter made on a run's first use: its budget
+
+        def attempt() -> Stored:
+            try:
+                with self._db.connection(timeout=pool_wait_s(self._db, None, patience)) as conn:
+                    return store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
+            except PoolTimeout as exc:
+                raise CallFailedError(str(exc), maybe_done=False) from exc
+            except psycopg.OperationalError as exc:
+                if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+                    raise
+                # Dropped or refused: storing the limits again is safe (same hash, same row).
+                raise CallFailedError(str(exc)) from exc
+
         try:
-            with self._db.connection() as conn:
-                stored = store_limits(conn, config, ensure=ensure, on_conflict=on_conflict)
+            stored = persist(patience, attempt)
             if stored.adopted is not None:
                 adopted, adopted_hash = stored.adopted
                 self._take(StoredLimits(config=adopted, config_hash=adopted_hash), None)
@@ -436,6 +452,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 self._run_due_groups(stored.allocated)
         except ConcurrencyError:
             raise
+        except CallFailedError as exc:
+            raise ConcurrencyLimiterError(
+                f"limiter {self.name!r}: the database failed: {exc}", limiter=self.name
+            ) from exc.__cause__
         except psycopg.Error as exc:
             missing = psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
             if isinstance(exc, missing):
@@ -639,6 +659,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     lock_ms=lock_timeout_ms(remaining),
                     busy_ok=True,
                     stamp=sent,
+                    until=waiting.deadline,  # a dropped connection is retried while it lasts
                 )
                 break
             except RowBusyError as exc:
@@ -841,9 +862,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
         """Return the slot and hand it to the next waiters by the allocation rules."""
         params = {"limiter": self.name, "lease_id": lease.lease_id}
+        # A release has no budget of its own: a dropped connection is retried while the
+        # lease is still valid here (past that its TTL returns the slot anyway), never
+        # for the rest of the run's budget (the task's result would wait for it).
+        until = lease.valid_until or Deadline.after_ms(self._db.timeout * 1000)
         for attempt in range(RELEASE_ATTEMPTS):
             try:
-                answer = self._call(None, statements.RELEASE, params, busy_ok=True)
+                answer = self._call(None, statements.RELEASE, params, busy_ok=True, until=until)
             except RowBusyError:
                 if attempt + 1 < RELEASE_ATTEMPTS:
                     continue
@@ -969,9 +994,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         rows: bool = False,
         busy_ok: bool = False,
         stamp: Stamp | None = None,
+        until: Deadline | None = None,
     ) -> Any:
         with _failing_closed(self, request, busy_ok=busy_ok):
-            return call(self._db, query, params, lock_timeout_ms=lock_ms, rows=rows, stamp=stamp)
+            return call(
+                self._db, query, params, lock_timeout_ms=lock_ms, rows=rows, stamp=stamp,
+                until=until,
+            )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -155,8 +155,16 @@ ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
 RETURNING (extract(epoch FROM deadline - clock_timestamp()) * 1000)::float8
 """
 
-#: Add a batch of counts (one row per task name and limiter) in one statement.
+#: Add a batch of counts (one row per task name and limiter) in one statement. A batch
+#: with an id (``batch_id``, recorded in runcell_operation) is added once: a retry after
+#: its reply was lost adds nothing.
 ADD_ADMISSION_COUNTS: LiteralString = """
+WITH op AS (
+    INSERT INTO runcell_operation (op_id)
+    SELECT %(batch_id)s::uuid WHERE %(batch_id)s::uuid IS NOT NULL
+    ON CONFLICT (op_id) DO NOTHING
+    RETURNING op_id
+)
 INSERT INTO runcell_admission_counter AS c (task_name, limiter, deliveries, deferrals,
     provider_attempts, provider_failures, concurrency_failures, updated_at)
 SELECT t, l, d, df, pa, pf, cf, clock_timestamp()
@@ -164,6 +172,7 @@ FROM unnest(%(task_names)s::text[], %(limiters)s::text[], %(deliveries)s::bigint
             %(deferrals)s::bigint[], %(provider_attempts)s::bigint[],
             %(provider_failures)s::bigint[], %(concurrency_failures)s::bigint[])
      AS batch(t, l, d, df, pa, pf, cf)
+WHERE %(batch_id)s::uuid IS NULL OR EXISTS (SELECT 1 FROM op)
 ON CONFLICT (task_name, limiter) DO UPDATE SET
     deliveries = c.deliveries + EXCLUDED.deliveries,
     deferrals = c.deferrals + EXCLUDED.deferrals,
