@@ -1,11 +1,12 @@
 """Every delivery is counted, including one that fails before its run starts.
 
 An operator compares deliveries with what was sent; a delivery that failed before it
-asked for a slot (its limiter could not be created) emits no event, so unless the task
-counts it, it is counted nowhere and the numbers stop adding up. Here the limiter
-cannot be created, once because its stored limits were changed to conflict with the
-running worker's and once because the database is unreachable, and each delivery must
-show as one delivery and one concurrency failure.
+asked for a slot (its limiter could not be created) is counted by the task itself, or,
+for a configuration error, through the ``config-error`` event it emits; either way
+exactly once, or the numbers stop adding up. Here the limiter cannot be created, once
+because its stored limits were changed to conflict with the running worker's and once
+because the database is unreachable, and each delivery must show as one delivery and
+one concurrency failure.
 """
 
 from __future__ import annotations
