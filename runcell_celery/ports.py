@@ -27,11 +27,13 @@ __all__ = [
     "ClaimMiss",
     "CounterStore",
     "ExpiredParked",
+    "LimitsConflict",
     "Parked",
     "ParkingStore",
     "Republish",
     "RevocationStore",
     "RunStore",
+    "StoredLimitsCheck",
     "SupportsParking",
     "SupportsSeveralParking",
     "WaitEstimate",
@@ -203,6 +205,32 @@ class ExpiredParked:
     holder_name: str | None
     payload: str
     waited_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConflict:
+    """A limiter whose limits in a worker's settings differ from those its fleet stored.
+
+    :param limiter: the limiter's name.
+    :param differences: each differing field with both values,
+        ``max_concurrent (stored 2, given 3)``.
+    """
+
+    limiter: str
+    differences: str
+
+
+@runtime_checkable
+class StoredLimitsCheck(Protocol):
+    """Compares a worker's limits with the stored ones before it serves anything."""
+
+    def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]:
+        """The limiters of ``configs`` whose stored limits differ and that this
+        backend would refuse to create (its ``on_conflict`` policy); stores nothing.
+
+        :raises ConcurrencyLimiterError: the stored limits could not be read.
+        """
+        ...
 
 
 @runtime_checkable

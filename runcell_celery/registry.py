@@ -204,6 +204,12 @@ class LimiterRegistry:
         with self._lock:
             return sorted({*self._configs, *self._factories})
 
+    def configured(self) -> list[LimiterConfig]:
+        """The limits of every limiter configured from settings, by name (not those
+        registered in code), without creating any limiter."""
+        with self._lock:
+            return [self._configs[name] for name in sorted(self._configs)]
+
     def config(self, name: str) -> LimiterConfig | None:
         """The limits of a configured limiter (``None`` for one registered in code
         whose limiter does not declare its limits)."""

@@ -17,6 +17,12 @@ consumes (``<queue>.runcell``, see :func:`~runcell_celery.celery.message.granted
 where parked tasks granted a slot are re-published: the worker takes from its queues
 in turn, so a granted task does not wait behind the backlog of its own queue.
 
+Before any of that, while the worker's blueprint is built (in the main process,
+before the pool forks and before the consumer takes a message), it checks the
+configured limits against the stored ones: a worker whose limits conflict under
+``on_conflict="error"`` refuses to start (:func:`~.conflicts.refuse_conflicting_limits`:
+one CRITICAL message, exit status 78).
+
 On stop it stops both and writes the main process's last admission counts.
 """
 
@@ -27,6 +33,7 @@ from typing import Any
 from celery import bootsteps
 from celery.worker import state as worker_state
 
+from .conflicts import refuse_conflicting_limits
 from .deferral import Sweeper
 from .message import granted_queue, has_granted_queue
 from .revocation import RevocationPublisher
@@ -63,6 +70,8 @@ class RunCellStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.sweeper: Sweeper | None = None
         self.publisher: RevocationPublisher | None = None
+        # Raises WorkerRefused (SystemExit) before anything started.
+        refuse_conflicting_limits(parent.app)
         consume_granted_queues(parent.app)
 
     def start(self, parent: Any) -> None:

@@ -74,6 +74,7 @@ from ..protocol import (
 )
 from ..registry import LimiterRegistry
 from . import headers
+from .conflicts import SaidOnce
 from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request, republish
 from .options import TaskConcurrency
 
@@ -414,6 +415,8 @@ class Sweeper:
         self._recorded: dict[tuple[str, str], ExpiredParked] = {}
         #: Rows whose ``timed-out`` event was emitted and whose failure is not stored yet.
         self._announced: set[tuple[str, str]] = set()
+        #: Limiters it could not create (their limits conflict), said once per change.
+        self._refused = SaidOnce()
 
     def start(self) -> None:
         """Start sweeping, if the registry's backend parks tasks."""
@@ -453,7 +456,7 @@ class Sweeper:
         if store is None:
             return 0
         for name in self._registry.names():
-            limiter = self._registry.get(name)
+            limiter: object = self._limiter(name)  # a limiter that may also reap
             if isinstance(limiter, SupportsReap):
                 limiter.reap()  # expired leases of dead holders go to parked runs
         # Parked requests over several limiters have no waiting process to run their
@@ -463,6 +466,23 @@ class Sweeper:
             granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
         return publish_grants(self._app, claimed)
+
+    def _limiter(self, name: str) -> ConcurrencyLimiter | None:
+        """This process's limiter ``name``; ``None`` (said once per limiter and change)
+        when it cannot be created because its limits conflict with the stored ones: the
+        other limiters' parked tasks are swept all the same."""
+        try:
+            limiter = self._registry.get(name)
+        except ConcurrencyConfigError as exc:
+            if self._refused.first(name, exc.message):
+                logger.error(
+                    "runcell sweeper: limiter %r is not swept: %s (said once per change)",
+                    name,
+                    exc.message,
+                )
+            return None
+        self._refused.forget(name)
+        return limiter
 
     def fail_expired(self) -> int:
         """Fail the parked runs whose deadline passed; return how many were failed.

@@ -79,6 +79,7 @@ from ..registry import LimiterRegistry
 from ..several import resolve_workloads
 from ..slot import preadmit, register_interrupt, slot
 from . import headers
+from .conflicts import report_start_failure
 from .counters import counter_label
 from .deferral import DuplicateDelivery, admission_for
 from .limiters import (
@@ -285,8 +286,10 @@ class RunCellTask(_Task):
         with contextlib.ExitStack() as stack:
             try:
                 context, admission = self._start_run(stack, request, spec, carried, args, kwargs)
-            except ConcurrencyError:
-                counters.add(self.name, limiter_name, "concurrency_failures")
+            except ConcurrencyError as exc:
+                # A configuration error is an event, which the counters count.
+                if not report_start_failure(exc, request, self.name, limiter_name):
+                    counters.add(self.name, limiter_name, "concurrency_failures")
                 raise
             try:
                 remaining = context.remaining_ms()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, LiteralString
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from ..config import LimiterConfig
@@ -32,6 +33,7 @@ from ..ports import (
     BackendFactory,
     CounterStore,
     ExpiredParked,
+    LimitsConflict,
     ParkingStore,
     Republish,
     RevocationStore,
@@ -44,6 +46,7 @@ from .calls import CallFailedError, call, fetch_rows, lock_timeout_ms
 from .connection import Database, redacted
 from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
+from .registration import differing_limits
 from .waiting import get_room
 
 __all__ = ["LimiterState", "PostgresBackend", "ReleasedLease"]
@@ -185,6 +188,31 @@ class PostgresBackend:
         limiter = PostgresConcurrencyLimiter(self._database(), config, self.options)
         limiter.register(ensure=self.options.ensure_schema, on_conflict=self.options.on_conflict)
         return limiter
+
+    def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]:
+        """The limiters of ``configs`` stored with other limits, which
+        :meth:`create_limiter` would refuse (``on_conflict="error"``; the other
+        policies refuse none): read on a connection of its own, closed at once, so a
+        prefork parent that checks before it forks leaves its children nothing.
+
+        :raises ConcurrencyLimiterError: the database could not be reached or read.
+        """
+        if self.options.on_conflict != "error" or not configs:
+            return []
+        database = self._database()
+        timeout_s = max(1, round(self.options.connect_timeout_ms / 1000))
+        try:
+            with database.direct_connection(
+                connect_timeout=timeout_s, prepare_threshold=None
+            ) as conn:
+                found = differing_limits(conn, configs)
+        except psycopg.errors.UndefinedTable:
+            return []  # no limiter stored on this database yet
+        except psycopg.Error as exc:
+            raise ConcurrencyLimiterError(
+                f"could not read the stored limits: the database failed: {exc}"
+            ) from exc
+        return [LimitsConflict(limiter, differences) for limiter, differences in found]
 
     def close(self) -> None:
         """Release what this backend owns in this process: nothing to close.

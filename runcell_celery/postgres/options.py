@@ -54,7 +54,8 @@ class PostgresOptions:
         applying :func:`~runcell_celery.postgres.postgres_concurrency_schema_sql` as a
         migration.
     :param on_conflict: when stored limits differ: ``"error"`` raises
-        :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the fields,
+        :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the fields (a
+        Celery worker checks at start and refuses to start, :mod:`runcell_celery.celery.conflicts`),
         ``"replace"`` stores the new limits instead, ``"use_stored"`` works on the
         stored limits (at startup, and when another worker replaces them while this
         one runs) with a warning and a ``config-error`` event

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from .connection import Connection
 from .options import OnConflict
 from .schema import ensure_schema
 
-__all__ = ["OnConflict", "Stored", "config_hash", "store_limits"]
+__all__ = ["OnConflict", "Stored", "config_hash", "differing_limits", "store_limits"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -104,6 +104,21 @@ def store_limits(
             "on_conflict='use_stored'",
             limiter=config.name,
         )
+
+
+def differing_limits(conn: Connection, configs: Sequence[LimiterConfig]) -> list[tuple[str, str]]:
+    """The limiters of ``configs`` stored with other limits, each with its differences
+    (:func:`describe_differences`), read without storing or locking anything: what
+    :func:`store_limits` would refuse under ``on_conflict="error"``. A limiter not
+    stored yet differs from nothing."""
+    found: list[tuple[str, str]] = []
+    for config in configs:
+        row = conn.execute(statements.READ_STORED_LIMITER, {"name": config.name}).fetchone()
+        if row is None or row[1] == config_hash(config):
+            continue
+        differences = describe_differences(config, row[0]) or "its stored limits differ"
+        found.append((config.name, differences))
+    return found
 
 
 def _refuse_a_keys_name(conn: Connection, config: LimiterConfig) -> None:

@@ -1,6 +1,6 @@
 """The Celery app of ``test_rolling_limit_change.py``: a worker started with the old
-limits and ``on_conflict="use_stored"``, whose tasks must keep running once the
-stored limits change under it.
+limits and ``on_conflict="use_stored"`` (or the settings' ``on_conflict``), whose tasks
+must keep running once the stored limits change under it.
 
 Built from the ``RUNCELL_TEST_ROLLING`` environment variable (JSON settings) in the
 worker subprocess, and from the same settings in the test process. Inside its slot
@@ -30,9 +30,10 @@ ENV = "RUNCELL_TEST_ROLLING"
 
 
 def create_app(settings: dict[str, Any]) -> Celery:
-    """``settings``: ``queue``, ``database``, ``limiter``, ``limits``, ``records_key``."""
+    """``settings``: ``queue``, ``database``, ``limiter``, ``limits``, ``records_key``
+    and optionally ``on_conflict`` (default ``"use_stored"``)."""
     app = configured_app("runcell_rolling", settings, {settings["limiter"]: settings["limits"]})
-    app.conf.runcell["POSTGRES"]["on_conflict"] = "use_stored"
+    app.conf.runcell["POSTGRES"]["on_conflict"] = settings.get("on_conflict", "use_stored")
     records = settings["records_key"]
     sink = per_process_redis()
     limiter = {"limiter": settings["limiter"]}

@@ -1,9 +1,10 @@
 """Every delivery is counted, including one that fails before its run starts.
 
 An operator compares deliveries with what was sent; a delivery that failed before it
-asked for a slot (its limiter could not be created) emits no event, so unless the task
-counts it, it is counted nowhere and the numbers stop adding up. Here the limiter
-cannot be created, once because its stored limits conflict with the worker's and once
+asked for a slot (its limiter could not be created) is counted by the task itself, or,
+for a configuration error, through the ``config-error`` event it emits; either way
+exactly once, or the numbers stop adding up. Here the limiter cannot be created, once
+because its stored limits were changed to conflict with the running worker's and once
 because the database is unreachable, and each delivery must show as one delivery and
 one concurrency failure.
 """
@@ -40,17 +41,19 @@ def _runcell(settings: dict[str, Any], **changes: Any) -> dict[str, Any]:
 def test_deliveries_whose_limiter_limits_conflict_are_each_counted_as_a_failure(
     make_app, worker_processes, celery_settings
 ) -> None:
-    stored = _runcell(celery_settings, LIMITERS={"llm": STORED})
-    app = make_app(**stored)
-    registry_for(app).get("llm")  # stores these limits (on_conflict "replace" here)
-    before = _counts(admission_counts(app))
-    conflicting = _runcell(
+    # A worker whose limits conflict at start refuses to start (test_conflicting_limits_
+    # at_start.py): the conflict comes once it runs, when other limits are stored.
+    worker_settings = _runcell(
         celery_settings,
         LIMITERS={"llm": CONFLICTING},
         POSTGRES={"poll_interval_ms": 50, "on_conflict": "error"},
     )
-    group = worker_processes(**conflicting)
-    group.start(concurrency=2)
+    registry_for(make_app(**_runcell(celery_settings, LIMITERS={"llm": CONFLICTING}))).get("llm")
+    group = worker_processes(**worker_settings)
+    app = make_app(**_runcell(celery_settings, LIMITERS={"llm": STORED}))
+    group.start(concurrency=2, answering=app)
+    registry_for(app).get("llm")  # stores other limits (on_conflict "replace" here)
+    before = _counts(admission_counts(app))
     results = [app.tasks["rc.wait"].delay(5) for _ in range(TASKS)]
     for result in results:
         with pytest.raises(ConcurrencyConfigError):
