@@ -87,7 +87,8 @@ class PreAdmitted:
         self.slot_request = slot_request
         #: The leases, in the order of :attr:`limiters`.
         self.leases: list[Lease] = [lease] if isinstance(lease, Lease) else list(lease)
-        #: How long the admission waited for the grant (in this delivery).
+        #: The run's whole wait for the grant: a parked run's counts from its first
+        #: delivery's ask (the claim's database time), any other this delivery's.
         self.wait_ms = wait_ms
         self._lock = threading.Lock()
         self._state: Literal["held", "adopted", "released", "lost"] = "held"

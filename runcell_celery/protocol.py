@@ -124,6 +124,10 @@ class Lease:
         made) plus the TTL minus a safety margin. A hold that starts after it, or that
         misses its renewals past it, is treated as lost. ``None``: the limiter does not
         say (the keeper then counts the TTL from when the hold began).
+    :param waited_ms: how long the request waited for this lease, when the limiter
+        knows better than the caller: a parked request's claim answers its whole wait,
+        from its first ask (its first delivery) to the claim, in database time, where
+        the claiming delivery saw only the claim. ``None``: the caller measures.
     """
 
     lease_id: str
@@ -133,6 +137,7 @@ class Lease:
     fencing_token: int
     ttl_ms: int
     valid_until: Deadline | None = None
+    waited_ms: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, NoReturn, cast
 
@@ -611,7 +611,7 @@ def preadmit(admission: Admission) -> None:
     except BaseException as exc:
         Slot._not_granted(asked, exc, started, [])
     tracing.wait_granted(asked, started, (lease,))
-    waited_ms = (time.monotonic() - started) * 1000
+    waited_ms = _whole_wait_ms((lease,), started)
     admission.hold(PreAdmitted(asked, lease, wait_ms=waited_ms), run.deadline, run.cancel)
 
 
@@ -635,8 +635,16 @@ def _preadmit_several(run: RunContext, admission: Admission) -> None:
     except BaseException as exc:
         Slot._not_granted(asked, exc, started, [])
     tracing.wait_granted(asked, started, leases)
-    waited_ms = (time.monotonic() - started) * 1000
+    waited_ms = _whole_wait_ms(leases, started)
     admission.hold(PreAdmitted(asked, leases, wait_ms=waited_ms), run.deadline, run.cancel)
+
+
+def _whole_wait_ms(leases: Sequence[Lease], started: float) -> float:
+    """How long a run's first slot was waited for: what the limiter measured when it
+    knows (a parked request's claim answers its wait since its first delivery asked, in
+    database time), else this delivery's own wait since ``started``."""
+    known = [lease.waited_ms for lease in leases if lease.waited_ms is not None]
+    return max(known) if known else (time.monotonic() - started) * 1000
 
 
 def _acquire_several(asked: SeveralRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:

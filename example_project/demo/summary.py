@@ -3,8 +3,8 @@
 * **provider's own maximum in flight** — the fake provider's ``/stats``: it counts the
   requests it is serving, whoever sent them;
 * **waits per workload** — what the workers recorded (:mod:`.waits`): the ``acquired``
-  events, each parked delivery (the ``task_deferred`` signal) and when each run was
-  sent and first asked, so a parked run's first slot counts its whole wait;
+  events (a parked run's first slot carries its whole wait, from its first ask), each
+  parked delivery (the ``task_deferred`` signal) and when each run was sent;
 * **deliveries, deferrals, provider attempts and failures** — the fleet's admission
   counters in PostgreSQL (``admission_counts``), this run's share.
 """
@@ -120,10 +120,9 @@ def read_waits(redis_url: str, run: str) -> tuple[list[Waits], dict[str, int]]:
         run_keys = keys(run)
         records = [json.loads(raw) for raw in client.lrange(run_keys["records"], 0, -1)]
         sent = _times(client.hgetall(run_keys["sent"]))
-        asked = _times(client.hgetall(run_keys["asked"]))
     finally:
         client.close()
-    return waits_by_workload(records, sent=sent, asked=asked), concurrency_failures(records)
+    return waits_by_workload(records, sent=sent), concurrency_failures(records)
 
 
 def _times(raw: Any) -> dict[str, float]:

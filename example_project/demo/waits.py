@@ -1,13 +1,13 @@
 """Per-workload waits for the demo summary, from what the workers recorded.
 
-A parked run's first slot is the wait that matters most and the one no event measures
-whole: the delivery that asked first was parked (a deferral emits no event, only
-the ``task_deferred`` signal), and the re-published delivery's ``acquired`` event
-carries only what that delivery waited, the claim of a slot already granted (a few
-milliseconds). Counting that figure alone made background work look faster than
-interactive work, as if priority did not work. So the first slot of a parked run
-counts from when the run first asked, across deferral and re-publication, to its
-slot; every other slot counts the limiter's own ``wait_ms``.
+A parked run's first slot is the wait that matters most: the delivery that asked first
+was parked (a deferral emits no event, only the ``task_deferred`` signal), and the
+re-published delivery claims a slot already granted. Its ``acquired`` event carries
+the run's whole wait all the same: the claim answers it from the first ask (before
+parking) to the slot, in database time, so each slot's wait here is the event's
+``wait_ms``, the figure the admin's p95, the dashboard and ``runcell_wait_seconds``
+read too. (Counting only the claim once made background work look faster than
+interactive work, as if priority did not work.)
 
 The records (JSON in the demo run's Redis list, written by :mod:`.worker_hooks`):
 
@@ -16,8 +16,7 @@ The records (JSON in the demo run's Redis list, written by :mod:`.worker_hooks`)
 * ``{"type": <a failure event's type>, "run_id", "workload", ...}`` — a concurrency
   failure (``timed-out``, ``queue-full``, ``limiter-error``, ``lease-lost``).
 
-And two maps of run id to Unix time: ``sent``, when the run was first published, and
-``asked``, when its first delivery started (and so asked for its first slot).
+And a map of run id to Unix time, ``sent``: when the run was first published.
 """
 
 from __future__ import annotations
@@ -42,8 +41,9 @@ class Waits:
     :param slots: slots taken.
     :param parked: of those, the first slots of parked runs (whose wait includes the
         time parked).
-    :param slot_wait_p50_ms: each slot's wait for the limiter, a parked run's first
-        slot counted from the run's first ask; ``slot_wait_p95_ms`` likewise.
+    :param slot_wait_p50_ms: each slot's wait for the limiter (the ``acquired`` event's
+        ``wait_ms``: a parked run's first slot counts from the run's first ask);
+        ``slot_wait_p95_ms`` likewise.
     """
 
     workload: str
@@ -67,15 +67,8 @@ def percentile(values: list[float], share: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def waits_by_workload(
-    records: Iterable[Record], *, sent: Mapping[str, float], asked: Mapping[str, float]
-) -> list[Waits]:
-    """Each workload's waits, in workload order (see the module's docstring).
-
-    A parked run whose first ask was not recorded keeps its slot's ``wait_ms``: the
-    slot still counts as parked, so the figures never pass off a short claim as a
-    wait without saying it was parked.
-    """
+def waits_by_workload(records: Iterable[Record], *, sent: Mapping[str, float]) -> list[Waits]:
+    """Each workload's waits, in workload order (see the module's docstring)."""
     records = list(records)
     acquired = [r for r in records if r["type"] == "acquired"]
     parked_runs = {r["run_id"] for r in records if r["type"] == "deferred"}
@@ -100,8 +93,6 @@ def waits_by_workload(
                 first_slot[workload].append(max(0.0, (record["timestamp"] - sent[run_id]) * 1000))
             if run_id in parked_runs:
                 parked[workload] += 1
-                if run_id in asked:
-                    wait_ms = max(wait_ms, (record["timestamp"] - asked[run_id]) * 1000)
         slot_waits[workload].append(wait_ms)
 
     return [

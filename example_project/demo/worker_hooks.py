@@ -5,8 +5,6 @@ Reports to Redis, under keys of this demo run:
 * ``{run}:ready`` — a set of worker hostnames that are ready;
 * ``{run}:progress`` — a hash of finished task counts (``succeeded``, ``failed``);
 * ``{run}:sent`` — when each task was first sent (task id -> Unix time);
-* ``{run}:asked`` — when each task's first delivery started, and so first asked for
-  a slot (task id -> Unix time; a re-published delivery keeps it);
 * ``{run}:records`` — a list of JSON records for the summary's waits
   (:mod:`.waits` reads them): each ``acquired`` event (run, workload, time,
   ``wait_ms``), each parked delivery (the ``task_deferred`` signal: a deferral emits
@@ -29,7 +27,6 @@ from celery import Celery
 from celery.signals import (
     before_task_publish,
     task_failure,
-    task_prerun,
     task_success,
     worker_ready,
 )
@@ -43,7 +40,7 @@ _RECORDED = {"acquired", "timed-out", "queue-full", "limiter-error", "lease-lost
 def keys(run: str) -> dict[str, str]:
     """The Redis keys of one demo run."""
     base = f"runcell-demo:{run}"
-    return {name: f"{base}:{name}" for name in ("ready", "progress", "sent", "asked", "records")}
+    return {name: f"{base}:{name}" for name in ("ready", "progress", "sent", "records")}
 
 
 def forget_run(redis_url: str, run: str, *, after_s: int) -> None:
@@ -72,10 +69,6 @@ class _Reporter:
         task_id = (headers or {}).get("id")
         if task_id:  # a re-published (deferred) task keeps its first sending time
             self.client.hsetnx(self.keys["sent"], task_id, time.time())
-
-    def on_prerun(self, task_id: str | None = None, **_: Any) -> None:
-        if task_id:  # a re-published (deferred) task keeps its first ask
-            self.client.hsetnx(self.keys["asked"], task_id, time.time())
 
     def on_deferred(
         self, task_id: str | None = None, workload: str | None = None, **_: Any
@@ -115,7 +108,6 @@ def install(app: Celery) -> None:
     reporter = _Reporter(os.environ["RUNCELL_DEMO_REDIS_URL"], os.environ["RUNCELL_DEMO_RUN"])
     add_event_listener(reporter.on_event)
     before_task_publish.connect(reporter.on_publish, weak=False)
-    task_prerun.connect(reporter.on_prerun, weak=False)
     task_deferred.connect(reporter.on_deferred, weak=False)
     worker_ready.connect(reporter.on_ready, weak=False)
     task_success.connect(reporter.on_success, weak=False)

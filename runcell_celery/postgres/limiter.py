@@ -381,10 +381,17 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._republish(lease_ids)
 
     def make_lease(
-        self, request_id: str, workload: str, lease: Sequence[Any], sent: float | None
+        self,
+        request_id: str,
+        workload: str,
+        lease: Sequence[Any],
+        sent: float | None,
+        *,
+        waited_ms: float | None = None,
     ) -> Lease:
-        """A lease the database answered with (``[lease_id, token]``)."""
-        return self._lease(request_id, workload, lease, sent)
+        """A lease the database answered with (``[lease_id, token]``); ``waited_ms``
+        the request's whole wait when the database measured it (a parked claim)."""
+        return self._lease(request_id, workload, lease, sent, waited_ms=waited_ms)
 
     def granted_lease(self, request_id: str, workload: str, grant: Grant, sent: float) -> Lease:
         """A lease a notification (or a release) granted: valid for its TTL from the
@@ -750,7 +757,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return self.granted_lease(waiting.request.request_id, waiting.workload, grant, waiting.sent)
 
     def _lease(
-        self, request_id: str, workload: str, lease: Sequence[Any], sent: float | None
+        self,
+        request_id: str,
+        workload: str,
+        lease: Sequence[Any],
+        sent: float | None,
+        *,
+        waited_ms: float | None = None,
     ) -> Lease:
         lease_id, token = lease
         return Lease(
@@ -761,6 +774,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             fencing_token=int(token),
             ttl_ms=self._config.lease_ttl_ms,
             valid_until=self._valid_until(sent) if sent is not None else None,
+            waited_ms=waited_ms,
         )
 
     def _valid_until(self, start: float) -> Deadline:
@@ -803,7 +817,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss:
         """Take the lease granted to a parked request, from its re-published message.
 
-        :returns: the lease, renewed; else ``"stale"`` when the request is still
+        :returns: the lease, renewed, whose ``waited_ms`` is the request's whole wait
+            (from its first ask, before it was parked, to this claim: database time);
+            else ``"stale"`` when the request is still
             stored for another publication (this message is an outdated copy), or
             ``"missing"`` when nothing is stored for it (another copy claimed it, or it
             was withdrawn or failed). A retry after a lost reply gets the same answer.
@@ -818,7 +834,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         answer = self._call(None, statements.CLAIM_PARKED, params)
         status = answer["s"]
         if status == "claimed":
-            return self._lease(request_id, str(answer["workload"]), answer["lease"], sent)
+            waited = answer.get("waited_ms")
+            return self._lease(
+                request_id,
+                str(answer["workload"]),
+                answer["lease"],
+                sent,
+                waited_ms=None if waited is None else float(waited),
+            )
         return "stale" if status == "stale" else "missing"
 
     # -- renew, release, withdraw, reap, stats -------------------------------------------

@@ -1612,7 +1612,9 @@ $$;
 -- leases are locked first, as a reap locks them, then the rows go and the leases are
 -- renewed to their full TTL, marked picked up. No limiter lock: no count changes.
 -- Returns {"s": "claimed", "leases": [[lease_id, token, workload], ...] in p_limiters'
--- order} | {"s": "stale"} (still stored: in line, or granted to another publication) |
+-- order, "waited_ms": the request's whole wait, from its first ask (the earliest
+-- member's enqueued_at, kept across parking) to this claim, in database time} |
+-- {"s": "stale"} (still stored: in line, or granted to another publication) |
 -- {"s": "missing"} (claimed by another copy, withdrawn or failed).
 CREATE OR REPLACE FUNCTION runcell_claim_parked_group_v5(
     p_group text, p_limiters text[], p_publication_id uuid, p_op_id uuid
@@ -1643,7 +1645,7 @@ BEGIN
     IF v_ready = v_n THEN
         WITH claimed AS (
             DELETE FROM runcell_queue WHERE request_id = ANY(v_members)
-            RETURNING granted_lease_id
+            RETURNING granted_lease_id, enqueued_at
         ), renewed AS (
             UPDATE runcell_lease x
             SET picked_up_at = v_now, renewed_at = v_now,
@@ -1653,7 +1655,9 @@ BEGIN
         )
         SELECT jsonb_build_object('s', 'claimed', 'now', extract(epoch FROM v_now),
             'leases', jsonb_agg(jsonb_build_array(r.lease_id, r.fencing_token, r.workload)
-                                ORDER BY u.o))
+                                ORDER BY u.o),
+            'waited_ms', (SELECT extract(epoch FROM v_now - min(c.enqueued_at)) * 1000
+                          FROM claimed c))
         INTO v_answer
         FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o) JOIN renewed r ON r.limiter = u.l;
     ELSIF EXISTS (SELECT 1 FROM runcell_queue WHERE request_id = ANY(v_members)) THEN
@@ -1934,6 +1938,8 @@ $$;
 -- Returns {"s": "claimed", "lease": [...], "workload"} | {"s": "stale"} (the request
 -- is still stored, in line or granted to another publication: its own publication
 -- will carry it) | {"s": "missing"} (claimed by another copy, withdrawn or failed).
+-- "waited_ms": the request's whole wait, from its first ask (the row's enqueued_at,
+-- kept across parking and re-publication) to this claim, in database time.
 CREATE OR REPLACE FUNCTION runcell_claim_parked_v4(
     p_limiter text, p_request_id text, p_publication_id uuid, p_op_id uuid
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
@@ -1941,6 +1947,7 @@ DECLARE
     v_done jsonb;
     v_now timestamptz;
     v_lease_id uuid;
+    v_asked timestamptz;
     v_lease record;
     v_answer jsonb;
 BEGIN
@@ -1954,7 +1961,7 @@ BEGIN
     WHERE q.request_id = p_request_id AND q.limiter = p_limiter AND q.parked
       AND q.publication_id = p_publication_id
       AND l.lease_id = q.granted_lease_id AND l.expires_at > v_now
-    RETURNING q.granted_lease_id INTO v_lease_id;
+    RETURNING q.granted_lease_id, q.enqueued_at INTO v_lease_id, v_asked;
     IF FOUND THEN
         UPDATE runcell_lease
         SET picked_up_at = v_now, renewed_at = v_now,
@@ -1962,7 +1969,8 @@ BEGIN
         WHERE lease_id = v_lease_id
         RETURNING lease_id, fencing_token, workload INTO v_lease;
         v_answer := runcell_answer_v3('claimed', v_now, v_lease.lease_id, v_lease.fencing_token)
-            || jsonb_build_object('workload', v_lease.workload);
+            || jsonb_build_object('workload', v_lease.workload,
+                                  'waited_ms', extract(epoch FROM v_now - v_asked) * 1000);
     ELSIF EXISTS (SELECT 1 FROM runcell_queue
                   WHERE request_id = p_request_id AND limiter = p_limiter) THEN
         v_answer := jsonb_build_object('s', 'stale', 'now', extract(epoch FROM v_now));

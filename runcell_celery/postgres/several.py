@@ -106,7 +106,8 @@ def claim_parked_group(
 ) -> tuple[Lease, ...] | ClaimMiss:
     """Take every lease granted to a parked request over ``limiters``, from its
     re-published message ``publication_id``: all of them, or none (see
-    ``runcell_claim_parked_group_v5``). A retry after a lost reply gets the same answer.
+    ``runcell_claim_parked_group_v5``), each carrying the request's whole wait
+    (``waited_ms``, from its first ask). A retry after a lost reply gets the same answer.
     """
     own = _own_limiters(first, limiters)
     ordered = sorted(own, key=lambda x: x.name)
@@ -121,8 +122,15 @@ def claim_parked_group(
     status = answer["s"]
     if status != "claimed":
         return "stale" if status == "stale" else "missing"
+    waited = answer.get("waited_ms")  # the whole wait, from the first ask (database time)
     leases = tuple(
-        limiter.make_lease(member_id(group_id, limiter.name), str(workload), (lease, token), sent)
+        limiter.make_lease(
+            member_id(group_id, limiter.name),
+            str(workload),
+            (lease, token),
+            sent,
+            waited_ms=None if waited is None else float(waited),
+        )
         for limiter, (lease, token, workload) in zip(ordered, answer["leases"], strict=True)
     )
     return _in_callers_order(own, leases)
