@@ -36,7 +36,8 @@ from .redaction import shape
 
 __all__ = ["LimiterRegistry"]
 
-_SETTINGS_KEYS = ("DATABASE", "LIMITERS", "POSTGRES", "BACKEND", "EVENTS", "METRICS")
+#: ``EVENTS``, ``METRICS`` and ``BROKER`` are the Django app's (it validates them).
+_SETTINGS_KEYS = ("DATABASE", "LIMITERS", "POSTGRES", "BACKEND", "EVENTS", "METRICS", "BROKER")
 
 LimiterFactory = Callable[[], ConcurrencyLimiter]
 

@@ -28,7 +28,9 @@ from .errors import (
     ConcurrencyCancelledError,
     ConcurrencyConfigError,
     ConcurrencyError,
+    ConcurrencyLeaseLostError,
     ConcurrencyNoLimiterError,
+    ConcurrencyQueueFullError,
     ConcurrencyTimeoutError,
 )
 from .events import ConcurrencyEvent, EventType, describe_error, emit, has_listeners
@@ -43,7 +45,15 @@ from .protocol import (
 )
 from .several import check_several, default_key, resolve_workloads
 
-__all__ = ["SeveralRequest", "SlotRequest", "build_request", "build_several", "report_refusal"]
+__all__ = [
+    "SeveralRequest",
+    "SlotRequest",
+    "build_request",
+    "build_several",
+    "failure_event_type",
+    "report_failure",
+    "report_refusal",
+]
 
 E = TypeVar("E", bound=ConcurrencyError)
 
@@ -408,6 +418,69 @@ def report_refusal(
             **extra,
         )
     )
+
+
+def failure_event_type(error: ConcurrencyError) -> EventType:
+    """The event that says a run stopped with ``error``: ``config-error``,
+    ``timed-out``, ``queue-full``, ``lease-lost``, ``wait-cancelled``, else
+    ``limiter-error`` (the limiter or its database failed)."""
+    if isinstance(error, ConcurrencyConfigError):
+        return "config-error"
+    if isinstance(error, ConcurrencyTimeoutError):
+        return "timed-out"
+    if isinstance(error, ConcurrencyQueueFullError):
+        return "queue-full"
+    if isinstance(error, ConcurrencyLeaseLostError):
+        return "lease-lost"
+    if isinstance(error, ConcurrencyCancelledError):
+        return "wait-cancelled"
+    return "limiter-error"
+
+
+def report_failure(
+    error: ConcurrencyError,
+    *,
+    limiter: str | None,
+    workload: str | None = None,
+    holder_name: str | None = None,
+    limiters: tuple[str, ...] | None = None,
+    run_id: str | None = None,
+    root_run_id: str | None = None,
+    parent_run_id: str | None = None,
+) -> EventType | None:
+    """Emit the event of a run that stopped with ``error`` *before* it asked for a slot
+    (its first start, its options, its headers): a slot's own failures emit theirs.
+
+    ``limiter``, ``workload`` and the run lineage name what the run was to use, and
+    which run it was, when the error names none (a limiter that could not be built
+    knows no run). Returns the event's type, or ``None`` when none was emitted (nobody listens,
+    or there is no limiter to report it under).
+    """
+    name = limiter or error.limiter
+    if name is None or not has_listeners():
+        return None
+    type_ = failure_event_type(error)
+    extra: dict[str, Any] = {}
+    if type_ in ("config-error", "limiter-error"):
+        extra["error"] = describe_error(error)
+    if type_ != "config-error" and type_ != "lease-lost":
+        extra["wait_ms"] = 0.0
+    emit(
+        ConcurrencyEvent(
+            type=type_,
+            limiter=name,
+            limiters=limiters if limiters and len(limiters) > 1 else None,
+            workload=error.workload or workload,
+            run_id=error.run_id or run_id,
+            root_run_id=error.root_run_id or root_run_id,
+            parent_run_id=error.parent_run_id or parent_run_id,
+            request_id=error.request_id,
+            timestamp=time.time(),
+            holder_name=holder_name,
+            **extra,
+        )
+    )
+    return type_
 
 
 # Last: tracing imports this module's classes (and asks nothing of it at import).

@@ -34,6 +34,7 @@ from django.utils.translation import ngettext
 from runcell_celery.keys import split_key_name
 
 from . import conf
+from .backlog import broker_backlog
 from .display import (
     clipped,
     count_column,
@@ -648,6 +649,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         context = getattr(response, "context_data", None)
         if isinstance(context, dict) and "cl" in context:
             context["runcell_summary"] = queue_summary(context["cl"].queryset)
+            context["runcell_backlog"] = broker_backlog()
         return response
 
     @admin.display(description=_("priority"))

@@ -53,6 +53,8 @@ class Chart:
     y_ticks: tuple[Tick, ...]
     x_ticks: tuple[Tick, ...]
     empty: bool
+    #: Said on an empty chart (the template's "no data" by default).
+    empty_text: str = ""
 
 
 def _nice_ceiling(value: float) -> float:

@@ -8,6 +8,7 @@
         "POSTGRES": {"poll_interval_ms": 100},
         "EVENTS": {"ENABLED": True, "RETENTION_DAYS": 7},
         "METRICS": {"TOKEN": os.environ["RUNCELL_METRICS_TOKEN"]},
+        "BROKER": {"URL": CELERY_BROKER_URL, "QUEUES": ["celery", "celery.runcell"]},
     }
 
 Nothing is read at import time: :func:`registry` and :func:`event_settings` read
@@ -41,8 +42,10 @@ from . import databases
 
 __all__ = [
     "SETTING",
+    "BrokerSettings",
     "EventSettings",
     "MetricsSettings",
+    "broker_settings",
     "celery_settings_provider",
     "database_alias",
     "event_settings",
@@ -187,6 +190,71 @@ def metrics_settings() -> MetricsSettings:
     return MetricsSettings(**values)
 
 
+@dataclass(frozen=True, slots=True)
+class BrokerSettings:
+    """``RUNCELL["BROKER"]``: where the queue page reads the broker's backlog.
+
+    :param url: the Celery broker's URL (``redis://``, ``amqp://``); by default
+        Django's ``CELERY_BROKER_URL`` setting. ``None``: the page shows no backlog.
+    :param queues: the queues to read; by default Celery's default queue
+        (``CELERY_TASK_DEFAULT_QUEUE``, else ``celery``) and its granted queue
+        (``celery.runcell``, where re-published parked tasks go).
+    :param timeout_ms: the connect and socket timeout of one read.
+    :param cache_ms: how long one read's answer (or failure) serves the page.
+    """
+
+    url: str | None = None
+    queues: tuple[str, ...] = ()
+    timeout_ms: int = 1_000
+    cache_ms: int = 5_000
+
+
+def broker_settings() -> BrokerSettings:
+    """Return ``RUNCELL["BROKER"]`` validated, with defaults filled in."""
+    given = runcell_settings().get("BROKER", {})
+    path = f'{SETTING}["BROKER"]'
+    if not isinstance(given, Mapping):  # never echoed: it may hold the URL's password
+        raise ConcurrencyConfigError(f"{path} is invalid: {shape(given)}, must be a dict")
+    options = {"URL": "url", "QUEUES": "queues", "TIMEOUT_MS": "timeout_ms", "CACHE_MS": "cache_ms"}
+    values: dict[str, Any] = {}
+    for key, value in given.items():
+        if key not in options:
+            raise ConcurrencyConfigError(
+                f'{path}["{key}"] is invalid: unknown option; {did_you_mean(key, options)}'
+            )
+        where = f'{path}["{key}"]'
+        if key == "URL" and value is not None and (not isinstance(value, str) or not value):
+            raise ConcurrencyConfigError(
+                f"{where} is invalid: {shape(value)}, must be a broker URL or None"
+            )
+        if key == "QUEUES":
+            if (
+                isinstance(value, str)
+                or not isinstance(value, list | tuple)
+                or not all(isinstance(q, str) and q for q in value)
+            ):
+                raise ConcurrencyConfigError(
+                    f"{where} = {value!r} is invalid: must be a list of queue names"
+                )
+            value = tuple(value)
+        if key in ("TIMEOUT_MS", "CACHE_MS"):
+            minimum = 1 if key == "TIMEOUT_MS" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConcurrencyConfigError(
+                    f"{where} = {value!r} is invalid: must be an integer of at least {minimum}"
+                )
+        values[options[key]] = value
+    if "url" not in values:
+        default = getattr(settings, "CELERY_BROKER_URL", None)
+        values["url"] = default if isinstance(default, str) and default else None
+    if "queues" not in values:
+        from runcell_celery.celery.message import granted_queue_name
+
+        queue = getattr(settings, "CELERY_TASK_DEFAULT_QUEUE", None) or "celery"
+        values["queues"] = (queue, granted_queue_name(queue))
+    return BrokerSettings(**values)
+
+
 def _database_setting() -> str | None:
     value = runcell_settings().get("DATABASE")
     return value if isinstance(value, str) and value else None
@@ -276,6 +344,7 @@ def validate() -> None:
     registry()
     event_settings()
     metrics_settings()
+    broker_settings()
     database_alias()
 
 

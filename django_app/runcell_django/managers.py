@@ -273,6 +273,12 @@ class EventManager(_RunCellManager):
         """``(limiter, bucket, most active, most queued)`` from occupancy samples."""
         return self._raw(sql.OCCUPANCY_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
 
+    def failures_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
+        """``(limiter, event type, bucket, count)``: the runs that failed, by kind
+        (``timed-out``, ``queue-full``, ``limiter-error``, ``config-error``,
+        ``lease-lost``)."""
+        return self._raw(sql.FAILURES_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
+
     def dropped_per_limiter(self, minutes: int) -> dict[str, int]:
         """Events dropped by full recorder buffers in the window, per limiter."""
         rows = self._raw(sql.DROPPED_PER_LIMITER, {"minutes": minutes})

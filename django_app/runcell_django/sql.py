@@ -170,6 +170,22 @@ FULL JOIN longest AS w ON w.limiter = a.limiter AND w.bucket = a.bucket
 ORDER BY 1, 2
 """
 
+#: Per limiter, failure kind and time bucket: how many runs failed (the failure events
+#: a slot request or a task that stopped before asking for one emits; a request over
+#: several limiters is counted under its first). Index ``runcell_event_for_type``
+#: bounds the events read to the window's failures; no join, so no JIT plan.
+FAILURES_PER_BUCKET: LiteralString = """
+SELECT limiter, type,
+       to_timestamp(floor(extract(epoch FROM occurred_at) / %(bucket_s)s) * %(bucket_s)s)
+           AS bucket,
+       count(*)
+FROM runcell_event
+WHERE type IN ('timed-out', 'queue-full', 'limiter-error', 'config-error', 'lease-lost')
+  AND occurred_at > statement_timestamp() - %(minutes)s * interval '1 minute'
+GROUP BY limiter, type, bucket
+ORDER BY limiter, type, bucket
+"""
+
 #: Per limiter: events that full recorder buffers dropped in the window.
 DROPPED_PER_LIMITER: LiteralString = """
 SELECT limiter, sum(dropped)

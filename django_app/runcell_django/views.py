@@ -1,13 +1,14 @@
 """The dashboard: per-limiter occupancy, queue and wait time, as SVG.
 
 Rendered on the server (no JavaScript, nothing from a CDN) and refreshed by the
-browser every ``REFRESH_SECONDS``. Four queries whatever the number of limiters:
-live state, occupancy samples, waits per 15 s (finished and in progress), drops.
+browser every ``REFRESH_SECONDS``. Five queries whatever the number of limiters:
+live state, occupancy samples, waits per 15 s (finished and in progress), failures
+by kind (:mod:`.failures`), drops.
 
 Each measure has its own chart and scale: slots held against the limit (a limit of
 3 next to 200 queued requests would flatten the held line onto the limit line), the
-queue, the waits. The time axis fits the data (a one-minute run fills the chart, not
-its rightmost 3 %), or a window chosen above the charts. The figures said "now" in
+queue, the waits, the failures. The time axis fits the data (a one-minute run fills
+the chart, not its rightmost 3 %), or a window chosen above the charts. The figures said "now" in
 the header and at the end of each line are one reading of the live state, so the
 header and the legends agree.
 """
@@ -28,6 +29,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from .charts import Chart, line_chart
+from .failures import failure_points, failures_chart, failures_per_limiter
 from .models import ConcurrencyEvent
 from .state import LimiterState, format_ms, live_states
 
@@ -93,6 +95,10 @@ class Panel:
     waits: Chart
     acquired: int
     dropped: int
+    #: Runs failed by kind (timeout, queue full, limiter error, config error, lease lost).
+    failures: Chart | None = None
+    #: How many runs failed in the window, all kinds together.
+    failed: int = 0
 
     @property
     def oldest_wait(self) -> str:
@@ -123,11 +129,14 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
             acquired[limiter] += int(count)
         if most_ms is not None:
             longest[limiter][at] = float(most_ms)
+    failed = failures_per_limiter(events.failures_per_bucket(minutes, bucket_s))
     dropped = events.dropped_per_limiter(minutes)
     states = live_states()
     start = end - datetime.timedelta(minutes=minutes)
     if window.fitted:
-        start = _fitted_start(start, end, bucket_s, active, queued, p50, longest)
+        start = _fitted_start(
+            start, end, bucket_s, active, queued, p50, longest, failure_points(failed)
+        )
     panels = []
     for state in states:
         name = state.name
@@ -163,6 +172,9 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
             value_format=format_ms,
             bucket_s=bucket_s,
         )
+        failures, failed_total = failures_chart(
+            failed.get(name, {}), start=start, end=end, bucket_s=bucket_s
+        )
         panels.append(
             Panel(
                 state=state,
@@ -171,6 +183,8 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
                 waits=waits,
                 acquired=acquired[name],
                 dropped=dropped.get(name, 0),
+                failures=failures,
+                failed=failed_total,
             )
         )
     return panels

@@ -17,7 +17,7 @@ to the task's own retries (a warning says the check was skipped), and ``"replace
 A conflict can still reach a running worker: another worker replaced the limits after
 this one started (or the check was skipped). A task that then cannot create its
 limiter fails with :class:`~runcell_celery.errors.ConcurrencyConfigError` and a
-``config-error`` event (:func:`report_start_failure`); the worker logs it once per
+``config-error`` event (emitted by the task); the worker logs it once per
 limiter and change, and its sweeper too (:class:`SaidOnce`), not at every task or tick.
 """
 
@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
-from typing import Any
 
 from celery import Celery
 
 from ..errors import ConcurrencyConfigError, ConcurrencyError
-from ..events import ConcurrencyEvent, describe_error, emit, has_listeners
 from ..ports import LimitsConflict, StoredLimitsCheck
 from .state import state_for
 
@@ -40,9 +37,9 @@ __all__ = [
     "EX_CONFIG",
     "SaidOnce",
     "WorkerRefused",
+    "log_start_conflict",
     "refusal_message",
     "refuse_conflicting_limits",
-    "report_start_failure",
 ]
 
 logger = logging.getLogger("runcell_celery.celery")
@@ -142,19 +139,17 @@ class SaidOnce:
 _started = SaidOnce()
 
 
-def report_start_failure(error: ConcurrencyError, request: Any, task_name: str, label: str) -> bool:
-    """Emit a ``config-error`` event for a delivery whose run failed before asking for
+def log_start_conflict(error: ConcurrencyError, task_name: str) -> None:
+    """Log, once per limiter and change, a delivery whose run failed before asking for
     a slot with a configuration error naming a limiter (typically: its limiter could
-    not be created, the stored limits having changed since the worker started), and
-    log it once per limiter and change.
+    not be created, the stored limits having changed since the worker started).
 
-    :param request: the Celery request, for the event's run lineage.
-    :param label: the limiter(s) the delivery is counted under (``"openai+tenant"``).
-    :returns: whether an event was emitted; the app's counters count it as a
-        concurrency failure, so the caller does not count it again.
+    The delivery's ``config-error`` event is the task's to emit, as for every failure
+    before a slot (:func:`runcell_celery.request.report_failure`); this only keeps the
+    log to one line per change however many tasks meet it.
     """
     if not isinstance(error, ConcurrencyConfigError) or error.limiter is None:
-        return False
+        return
     if _started.first(error.limiter, error.message):
         logger.error(
             "runcell: task %r cannot run: %s (said once per limiter and change; every "
@@ -162,22 +157,3 @@ def report_start_failure(error: ConcurrencyError, request: Any, task_name: str, 
             task_name,
             error.message,
         )
-    if not has_listeners():
-        return False
-    names = tuple(label.split("+")) if "+" in label else None
-    emit(
-        ConcurrencyEvent(
-            type="config-error",
-            limiter=error.limiter,
-            workload=error.workload,
-            run_id=request.id,
-            root_run_id=request.root_id or request.id,
-            parent_run_id=request.parent_id,
-            request_id=None,
-            timestamp=time.time(),
-            holder_name=task_name,
-            limiters=names,
-            error=describe_error(error),
-        )
-    )
-    return True

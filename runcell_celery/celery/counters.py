@@ -47,7 +47,13 @@ from ..events import ConcurrencyEvent
 from ..keys import split_key_name
 from ..ports import AdmissionCount, CounterStore
 
-__all__ = ["AdmissionCount", "AdmissionCounters", "counted_as", "counter_label"]
+__all__ = [
+    "COUNTED_FAILURES",
+    "AdmissionCount",
+    "AdmissionCounters",
+    "counted_as",
+    "counter_label",
+]
 
 logger = logging.getLogger("runcell_celery.celery.counters")
 
@@ -61,7 +67,10 @@ FIELDS = (
     "provider_failures",
     "concurrency_failures",
 )
-_CONCURRENCY_FAILURES = {"timed-out", "queue-full", "limiter-error", "config-error", "lease-lost"}
+#: The event types the listener counts as concurrency failures.
+COUNTED_FAILURES = frozenset(
+    {"timed-out", "queue-full", "limiter-error", "config-error", "lease-lost"}
+)
 
 Key = tuple[str, str]
 #: Returns where counts go (anything that is not a CounterStore keeps them in memory).
@@ -122,7 +131,7 @@ class AdmissionCounters:
             self.add(event.holder_name, counted_as(event), "provider_attempts")
         elif event.type == "released" and event.outcome == "error":
             self.add(event.holder_name, counted_as(event), "provider_failures")
-        elif event.type in _CONCURRENCY_FAILURES:
+        elif event.type in COUNTED_FAILURES:
             self.add(event.holder_name, counted_as(event), "concurrency_failures")
 
     def local(self) -> list[AdmissionCount]:

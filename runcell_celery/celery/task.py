@@ -76,11 +76,12 @@ from ..protocol import (
     SupportsWithdraw,
 )
 from ..registry import LimiterRegistry
+from ..request import report_failure
 from ..several import resolve_workloads
 from ..slot import preadmit, register_interrupt, slot
 from . import headers
-from .conflicts import report_start_failure
-from .counters import counter_label
+from .conflicts import log_start_conflict
+from .counters import COUNTED_FAILURES, counter_label
 from .deferral import DuplicateDelivery, admission_for
 from .limiters import (
     body_signature,
@@ -274,12 +275,13 @@ class RunCellTask(_Task):
                 raise self._no_limiter(exc).with_traceback(exc.__traceback__) from None
         counters = ensure_wired(self.app).counters
         # Every delivery is counted before anything can fail; a failure before the run
-        # asks for a slot emits no event, so it is counted here, not by the listener.
+        # asks for a slot (its headers, its options, its first start) is an event too,
+        # emitted here (the counters' listener counts it), since no slot request did.
         try:
             carried = headers.parse(request, task_name=self.name, keyed=self._runcell_keyed)
-        except ConcurrencyError:
+        except ConcurrencyError as exc:
             counters.add(self.name, _limiter_name(spec, None), "deliveries")
-            counters.add(self.name, _limiter_name(spec, None), "concurrency_failures")
+            self._report_failure(exc, spec, None, None)
             raise
         limiter_name = _limiter_name(spec, carried.parent)
         counters.add(self.name, limiter_name, "deliveries")
@@ -287,9 +289,8 @@ class RunCellTask(_Task):
             try:
                 context, admission = self._start_run(stack, request, spec, carried, args, kwargs)
             except ConcurrencyError as exc:
-                # A configuration error is an event, which the counters count.
-                if not report_start_failure(exc, request, self.name, limiter_name):
-                    counters.add(self.name, limiter_name, "concurrency_failures")
+                log_start_conflict(exc, self.name)
+                self._report_failure(exc, spec, carried.parent, carried.select.workload)
                 raise
             try:
                 remaining = context.remaining_ms()
@@ -319,6 +320,32 @@ class RunCellTask(_Task):
                 _log_deferral(self.name, request.id, admission, context.workload)
                 raise DeliverySetAside(request.id) from None
             return self._run_body(spec, admission, args, kwargs)
+
+    def _report_failure(
+        self,
+        error: ConcurrencyError,
+        spec: TaskConcurrency,
+        parent: headers.ParentHeader | None,
+        workload: str | None,
+    ) -> None:
+        """Emit the event of a run stopped before it asked for a slot, under the
+        limiters the delivery is counted under, and count it: by the counters' listener
+        when it counts that type, here otherwise (no listener, or a cancellation)."""
+        names = _limiter_names(spec, parent)
+        request = self.request
+        emitted = report_failure(
+            error,
+            limiter=names[0] if names else None,
+            workload=workload or spec.workload,
+            holder_name=self.name,
+            limiters=names,
+            run_id=request.id,
+            root_run_id=request.root_id or request.id,
+            parent_run_id=request.parent_id,
+        )
+        if emitted not in COUNTED_FAILURES:
+            counters = ensure_wired(self.app).counters
+            counters.add(self.name, _limiter_name(spec, parent), "concurrency_failures")
 
     def _run_body(
         self,
@@ -356,8 +383,8 @@ class RunCellTask(_Task):
         return it and its own admission (a deferrable run's; never one its context
         shares with an enclosing run).
 
-        Everything here happens before the run asks for a slot: its errors emit no
-        event, which is why the caller counts them.
+        Everything here happens before the run asks for a slot: no slot request emits
+        an event for its errors, which is why the caller reports them.
         """
         registry = ensure_wired(self.app).registry
         parent = carried.parent
@@ -598,6 +625,17 @@ def _parent_limiters(parent: headers.ParentHeader | None) -> list[str]:
         return []
     limiter = parent.get("limiter")
     return parent.get("limiters") or ([limiter] if limiter else [])
+
+
+def _limiter_names(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> tuple[str, ...]:
+    """The limiters a delivery will use (its own, else its enclosing run's, else its
+    parent's), as :func:`_limiter_name` counts it."""
+    if spec.limiters:
+        return spec.limiters
+    local = current_run()
+    if local is not None and local.limiters:
+        return tuple(limiter.name for limiter in local.limiters)
+    return tuple(_parent_limiters(parent))
 
 
 def _limiter_name(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> str:

@@ -283,10 +283,11 @@ def test_the_dashboard_charts_occupancy_and_waits_and_refreshes_itself(
     assert 'id="limiter-claude"' in html
     assert '<span class="runcell-held">3</span>/3' in html
     assert '<span class="runcell-queued">4</span>' in html
-    assert html.count("<figure") == 3  # held against the limit, queued, waits
+    assert html.count("<figure") == 4  # held against the limit, queued, waits, failures
     assert "Slots held against the limit" in html
     assert "Requests queued" in html
     assert "Wait for a slot" in html
+    assert "Runs failed, by kind" in html
     text = " ".join(re.sub(r"<[^>]+>", " ", html).split())
     assert "held: 3" in text  # each line ends at the live figure the header says
     assert "queued: 4" in text

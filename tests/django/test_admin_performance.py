@@ -83,7 +83,8 @@ SEED = [
 
 #: Page -> the most queries it may make: 2 for the session and the user, then the
 #: page's own (paginator count, total count, rows, the filters' limiter list, and
-#: the events page's dropped-events warning; the dashboard's three series; the
+#: the events page's dropped-events warning; the dashboard's series: occupancy, waits,
+#: failures, drops; the
 #: limiters' live counts: one statement on the backend's pool; the queue page's
 #: summary: its counts grouped in the database, and the limiters they wait on).
 PAGES = {
@@ -99,7 +100,7 @@ PAGES = {
     f"{ADMIN}/concurrencyevent/?q=task-1234": 6,
     f"{ADMIN}/concurrencyevent/?occurred_at__gte=2000-01-01+00%3A00%3A00%2B00%3A00": 6,
     f"{ADMIN}/admissioncount/": 6,
-    f"{ADMIN}/dashboard/": 7,
+    f"{ADMIN}/dashboard/": 8,
 }
 
 

@@ -118,6 +118,7 @@ def add_admission_counts(dsn: str, task: str, limiter: str, **counts: int) -> No
     params: dict[str, Any] = {
         "task_names": [task],
         "limiters": [limiter],
+        "batch_id": None,  # not a retried batch: added as it is
         **{name: [counts.get(name, 0)] for name in (*fields, "concurrency_failures")},
     }
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -1,0 +1,133 @@
+"""The broker's backlog: messages of the limiter's queues that no worker has taken yet.
+
+The queue page shows the database's queue (requests waiting for a slot, tasks parked);
+tasks can also pile up *before* that, in the broker — published and not yet delivered
+(a worker short of processes, a granted queue nobody consumes). Read through kombu from
+``RUNCELL["BROKER"]["URL"]`` (by default Django's ``CELERY_BROKER_URL``), for the
+queues ``RUNCELL["BROKER"]["QUEUES"]`` names (by default Celery's default queue,
+``CELERY_TASK_DEFAULT_QUEUE`` or ``celery``, and its granted queue, where re-published
+parked tasks go: ``celery.runcell``).
+
+One passive ``queue_declare`` per queue, which both transports answer with the
+message count: RabbitMQ's own, and for Redis kombu's sum of ``LLEN`` over the queue's
+list and its priority-suffixed lists. A Redis queue without messages has no key (it
+reads 0); a RabbitMQ queue nobody declared is said to be so.
+
+Bounded and never failing the page: a short connect and socket timeout
+(``TIMEOUT_MS``), the answer (or the failure) kept for ``CACHE_MS``, and any error
+shown as "unavailable" with its reason, the broker URL's password masked
+(:mod:`runcell_celery.redaction`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from runcell_celery.redaction import mask_dsn, scrub
+
+from . import conf
+
+__all__ = ["Backlog", "QueueBacklog", "broker_backlog", "forget_cached", "read_backlog"]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueBacklog:
+    """One queue: its messages waiting in the broker (``None``: not declared there)."""
+
+    queue: str
+    messages: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """What the broker said, or why it said nothing (``error``)."""
+
+    #: The broker URL with its password masked.
+    broker: str
+    queues: tuple[QueueBacklog, ...] = ()
+    error: str | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.error is None
+
+    @property
+    def total(self) -> int:
+        return sum(q.messages or 0 for q in self.queues)
+
+
+def read_backlog(url: str, queues: Sequence[str], *, timeout_ms: int = 1_000) -> Backlog:
+    """Ask the broker at ``url`` how many messages each of ``queues`` holds.
+
+    Never raises: a failure is the result's ``error`` (secrets masked).
+    """
+    from kombu import Connection
+    from kombu.exceptions import ChannelError
+    from kombu.transport.virtual import Channel as VirtualChannel
+
+    timeout_s = timeout_ms / 1000
+    broker = mask_dsn(url)
+    found: list[QueueBacklog] = []
+    try:
+        with Connection(
+            url,
+            connect_timeout=timeout_s,
+            transport_options={
+                "socket_timeout": timeout_s,
+                "socket_connect_timeout": timeout_s,
+                "max_retries": 0,
+            },
+        ) as connection:
+            connection.ensure_connection(max_retries=0, interval_start=0)
+            channel: Any = connection.channel()
+            virtual = isinstance(channel, VirtualChannel)  # Redis; else AMQP
+            try:
+                for name in queues:
+                    try:
+                        declared = channel.queue_declare(queue=name, passive=True)
+                    except ChannelError:
+                        # Redis: an empty queue has no key. AMQP: not declared, and the
+                        # broker closed the channel.
+                        found.append(QueueBacklog(name, 0 if virtual else None))
+                        if not virtual:
+                            channel = connection.channel()
+                        continue
+                    found.append(QueueBacklog(name, int(declared.message_count)))
+            finally:
+                channel.close()
+    except Exception as exc:  # the page shows why, and goes on
+        reason = scrub(f"{type(exc).__name__}: {exc}")[:300]
+        return Backlog(broker=broker, error=reason)
+    return Backlog(broker=broker, queues=tuple(found))
+
+
+_cache: dict[tuple[str, tuple[str, ...]], tuple[float, Backlog]] = {}
+_cache_lock = threading.Lock()
+
+
+def forget_cached() -> None:
+    """Forget the cached answers (the next read asks the broker)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def broker_backlog() -> Backlog | None:
+    """The backlog of the configured broker's queues, cached ``CACHE_MS``; ``None``
+    when no broker is configured (``RUNCELL["BROKER"]["URL"]``, ``CELERY_BROKER_URL``)."""
+    options = conf.broker_settings()
+    if options.url is None:
+        return None
+    key = (options.url, options.queues)
+    now = time.monotonic()
+    with _cache_lock:
+        cached = _cache.get(key)
+    if cached is not None and cached[0] > now:
+        return cached[1]
+    backlog = read_backlog(options.url, options.queues, timeout_ms=options.timeout_ms)
+    with _cache_lock:
+        _cache[key] = (time.monotonic() + options.cache_ms / 1000, backlog)
+    return backlog
