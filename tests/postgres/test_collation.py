@@ -27,6 +27,12 @@ from runcell_celery.postgres import (
     PostgresConcurrencyLimiter,
     create_postgres_concurrency_limiter,
 )
+from runcell_celery.testing.databases import (
+    COLLATION_ENV,
+    collation_from_env,
+    server_dsn,
+    throwaway_database,
+)
 from tests.support.pg import create_database, drop_database
 
 MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
@@ -293,3 +299,38 @@ def test_a_database_made_by_an_earlier_revision_gets_byte_wise_names_and_keeps_i
         assert (a.stats().active, b.stats().active) == (1, 1)
     make("OpenAI")  # current already: applying it again changes nothing
     assert _collations(en_us_dsn) == collations
+
+
+def _locale(dsn: str) -> tuple[str, str | None]:
+    """(provider, ICU locale) of the database ``dsn`` names: ``i`` ICU, ``c`` libc."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT datlocprovider::text, daticulocale FROM pg_database "
+            "WHERE datname = current_database()"
+        ).fetchone()
+    assert row is not None
+    return str(row[0]), row[1]
+
+
+def test_runcell_test_collation_makes_every_test_database_with_that_icu_locale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(COLLATION_ENV, "en-US")
+    dsn = create_database("runcell_env_collation")
+    try:
+        assert _locale(dsn) == ("i", "en-US")
+    finally:
+        drop_database(dsn)
+    with throwaway_database(server_dsn()) as made:
+        assert _locale(made) == ("i", "en-US")
+    monkeypatch.setenv(COLLATION_ENV, "C")
+    with throwaway_database(server_dsn()) as made:
+        assert _locale(made)[1] is None
+
+
+def test_a_runcell_test_collation_that_is_not_a_locale_name_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(COLLATION_ENV, "en-US' LOCALE 'x")
+    with pytest.raises(ValueError, match="RUNCELL_TEST_COLLATION must be an ICU locale"):
+        collation_from_env()
