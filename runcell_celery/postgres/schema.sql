@@ -5,6 +5,9 @@
 -- idempotent. One row per limiter (its stored limits and fencing counter), one row
 -- per held slot (a lease: who holds it and until when), one row per waiting request.
 -- Every time is database time (clock_timestamp(), never the workers' clocks).
+-- Names that order locks (limiters, keys, workloads, groups) are compared byte-wise:
+-- their columns are COLLATE "C", whatever the database's collation, so that the order
+-- of Python's sorted() (code points, which is UTF-8's byte order) is the order here.
 
 -- One row per applied revision of this file (its checksum), so that a worker with a
 -- newer file re-applies it (functions are replaced; tables only ever gain objects).
@@ -18,7 +21,7 @@ CREATE TABLE IF NOT EXISTS runcell_schema (
 -- on, and the lock that serialises it: every operation is one short transaction (one
 -- function call) that holds this row FOR UPDATE.
 CREATE TABLE IF NOT EXISTS runcell_limiter (
-    name text PRIMARY KEY,
+    name text COLLATE "C" PRIMARY KEY,
     config jsonb NOT NULL,
     config_hash text NOT NULL,
     last_fencing_token bigint NOT NULL DEFAULT 0,
@@ -30,8 +33,8 @@ CREATE TABLE IF NOT EXISTS runcell_limiter (
 -- once expires_at passes, which gives the slot back.
 CREATE TABLE IF NOT EXISTS runcell_lease (
     lease_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-    limiter text NOT NULL,
-    workload text NOT NULL,
+    limiter text COLLATE "C" NOT NULL,
+    workload text COLLATE "C" NOT NULL,
     request_id text NOT NULL,
     fencing_token bigint NOT NULL,
     run_id text,
@@ -59,8 +62,8 @@ CREATE INDEX IF NOT EXISTS runcell_lease_for_reap ON runcell_lease (limiter, exp
 CREATE SEQUENCE IF NOT EXISTS runcell_queue_position;
 CREATE TABLE IF NOT EXISTS runcell_queue (
     request_id text PRIMARY KEY,
-    limiter text NOT NULL,
-    workload text NOT NULL,
+    limiter text COLLATE "C" NOT NULL,
+    workload text COLLATE "C" NOT NULL,
     position bigint NOT NULL DEFAULT nextval('runcell_queue_position'),
     run_id text,
     root_run_id text,
@@ -169,7 +172,7 @@ CREATE INDEX IF NOT EXISTS runcell_operation_for_purge ON runcell_operation (at)
 -- The limits in array form (workloads sorted by name) and the kept counts: slots held
 -- and requests waiting (or parked, not granted) per workload. Allocation reads these,
 -- never count(*), so its cost does not grow with the queue.
-ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS workloads text[] NOT NULL DEFAULT '{}';
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS workloads text[] COLLATE "C" NOT NULL DEFAULT '{}';
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS ceilings integer[] NOT NULL DEFAULT '{}';
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS reserved integer[] NOT NULL DEFAULT '{}';
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS priorities integer[] NOT NULL DEFAULT '{}';
@@ -189,7 +192,7 @@ ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS hold_ms_avg double precisio
 -- first operation that names it (runcell_create_key_v5, copying the keyed limiter's
 -- limits) and deleted once idle (runcell_purge_idle_keys_v5), so 100,000 tenants
 -- leave no rows behind. NULL for every other limiter.
-ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS parent text;
+ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS parent text COLLATE "C";
 CREATE INDEX IF NOT EXISTS runcell_limiter_keys ON runcell_limiter (parent)
     WHERE parent IS NOT NULL;
 -- The limiters that are not keys, for operators' lists (a fleet may have 100,000
@@ -200,14 +203,14 @@ CREATE INDEX IF NOT EXISTS runcell_limiter_not_keys ON runcell_limiter (name)
 -- key (a tenant; NULL: the keyless requests, which count as one key together), and per
 -- limiter the fencing token of each key's latest grant, so that ties between keys go
 -- to the one served longest ago (runcell_celery.allocation.allocate_several).
-ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS fair_key text;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS fair_key text COLLATE "C";
 -- A request over several limiters (``slot(openai, gpt_4o, tenant.key("acme"))``) waits
 -- as one queue row per limiter, its member "<request id>|<limiter>", all with the
 -- request's id (group_id) and its limiters in lock order (group_limiters). It is
 -- granted only all together, by runcell_allocate_group_v5, which locks those limiters in
 -- that order: allocation in one of them never grants a member itself.
-ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_id text;
-ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_limiters text[];
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_id text COLLATE "C";
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_limiters text[] COLLATE "C";
 CREATE INDEX IF NOT EXISTS runcell_queue_groups ON runcell_queue (group_id)
     WHERE group_id IS NOT NULL;
 -- Parked requests over several limiters no process waits for: the sweepers run their
@@ -215,8 +218,8 @@ CREATE INDEX IF NOT EXISTS runcell_queue_groups ON runcell_queue (group_id)
 CREATE INDEX IF NOT EXISTS runcell_queue_for_parked_groups ON runcell_queue (position)
     WHERE parked AND group_id IS NOT NULL AND granted_lease_id IS NULL;
 CREATE TABLE IF NOT EXISTS runcell_fair_history (
-    limiter text NOT NULL,
-    fair_key text NOT NULL,  -- '' for the keyless requests (a key is never empty)
+    limiter text COLLATE "C" NOT NULL,
+    fair_key text COLLATE "C" NOT NULL,  -- '' for the keyless requests (a key is never empty)
     last_granted bigint NOT NULL,
     PRIMARY KEY (limiter, fair_key)
 );
@@ -224,6 +227,31 @@ CREATE TABLE IF NOT EXISTS runcell_fair_history (
 -- purged (runcell_purge_fair_history_v5): 100,000 tenants leave no rows behind.
 ALTER TABLE runcell_fair_history ADD COLUMN IF NOT EXISTS granted_at timestamptz;
 CREATE INDEX IF NOT EXISTS runcell_fair_history_for_purge ON runcell_fair_history (granted_at);
+-- A database created by an earlier revision has these columns in its own collation
+-- (en-US on most managed services, where "gpt-4o" sorts before "OpenAI"): they become
+-- COLLATE "C" once. The table is not rewritten (same type); the indexes over them are
+-- rebuilt. Columns already in "C" are left alone, so a current database does nothing.
+DO $$
+DECLARE
+    v_column record;
+BEGIN
+    FOR v_column IN
+        SELECT w.rel, w.col, format_type(a.atttypid, a.atttypmod) AS type
+        FROM (VALUES ('runcell_limiter', 'name'), ('runcell_limiter', 'parent'),
+                     ('runcell_limiter', 'workloads'), ('runcell_lease', 'limiter'),
+                     ('runcell_lease', 'workload'), ('runcell_queue', 'limiter'),
+                     ('runcell_queue', 'workload'), ('runcell_queue', 'fair_key'),
+                     ('runcell_queue', 'group_id'), ('runcell_queue', 'group_limiters'),
+                     ('runcell_fair_history', 'limiter'),
+                     ('runcell_fair_history', 'fair_key')) AS w(rel, col)
+        JOIN pg_attribute a ON a.attrelid = to_regclass(w.rel) AND a.attname = w.col
+        WHERE a.attcollation <> 'pg_catalog."C"'::regcollation
+    LOOP
+        EXECUTE format('ALTER TABLE %I ALTER COLUMN %I TYPE %s COLLATE "C"',
+                       v_column.rel, v_column.col, v_column.type);
+    END LOOP;
+END;
+$$;
 -- The limiter row is written by every operation: room on its page keeps those updates
 -- HOT (pruned in place), so it stays fast without VACUUM.
 ALTER TABLE runcell_limiter SET (fillfactor = 20);
@@ -1195,7 +1223,8 @@ DECLARE
     v_held jsonb;
 BEGIN
     FOR v_i IN 1 .. v_n LOOP
-        IF v_i > 1 AND p_limiters[v_i] <= p_limiters[v_i - 1] THEN
+        -- Byte-wise (C), as the client sorts them, whatever the database's collation.
+        IF v_i > 1 AND p_limiters[v_i] COLLATE "C" <= p_limiters[v_i - 1] THEN
             RAISE EXCEPTION 'runcell: limiters must be distinct and in lock order: %', p_limiters;
         END IF;
         v_rows := v_rows || runcell_lock_v3(p_limiters[v_i], p_hashes[v_i], p_lock_timeout_ms);
@@ -1854,7 +1883,8 @@ DECLARE
     v_names text[];
 BEGIN
     SELECT config INTO v_config FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
-    SELECT array_agg(key ORDER BY key) INTO v_names FROM jsonb_object_keys(v_config->'workloads') AS key;
+    SELECT array_agg(key ORDER BY key COLLATE "C") INTO v_names
+    FROM jsonb_object_keys(v_config->'workloads') AS key;
     UPDATE runcell_limiter l SET
         workloads = v_names,
         max_concurrent = (v_config->>'max_concurrent')::integer,
@@ -2009,7 +2039,7 @@ BEGIN
         SELECT DISTINCT q.limiter FROM runcell_queue q
         WHERE q.parked AND q.granted_lease_id IS NULL AND q.expired_at IS NULL
           AND q.deadline <= v_start
-        ORDER BY q.limiter
+        ORDER BY q.limiter  -- lock order (COLLATE "C", as every other operation's)
     LOOP
         v_row := runcell_lock_v3(v_limiter, NULL, p_lock_timeout_ms);
         v_now := clock_timestamp();
@@ -2071,7 +2101,7 @@ BEGIN
         SELECT DISTINCT limiter FROM runcell_queue
         WHERE parked AND granted_lease_id IS NULL AND expired_at IS NULL
           AND deadline <= clock_timestamp()
-        ORDER BY limiter
+        ORDER BY limiter  -- lock order (COLLATE "C", as every other operation's)
     LOOP
         v_row := runcell_lock_v3(v_limiter, NULL, p_lock_timeout_ms);
         FOR v_gone IN
@@ -2097,7 +2127,8 @@ DO $$
 DECLARE
     v_name text;
 BEGIN
-    FOR v_name IN SELECT name FROM runcell_limiter WHERE workloads = '{}' ORDER BY name LOOP
+    FOR v_name IN SELECT name FROM runcell_limiter WHERE workloads = '{}'
+                  ORDER BY name COLLATE "C" LOOP
         PERFORM runcell_set_limits_v3(v_name);
     END LOOP;
 END;

@@ -1,12 +1,14 @@
 """PostgreSQL fixtures: a database of our own per test session, dropped at the end.
 
 Reads ``RUNCELL_TEST_DSN`` (default: the local server's ``postgres`` database) to
-reach a server where it may create databases.
+reach a server where it may create databases, and ``RUNCELL_TEST_COLLATION`` (an ICU
+locale such as ``en-US``; default: the server's) for the collation of those databases.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +22,7 @@ from runcell_celery.postgres import (
     close_database,
     create_postgres_concurrency_limiter,
 )
+from runcell_celery.testing.databases import collation_from_env, create_database_statement
 
 ADMIN_DSN = os.environ.get("RUNCELL_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -30,11 +33,16 @@ def _with_dbname(dsn: str, dbname: str) -> str:
     return psycopg.conninfo.make_conninfo(**params)
 
 
-def create_database(prefix: str) -> str:
-    """Create an empty database and return its DSN."""
+def create_database(prefix: str, *, collation: str | None = None) -> str:
+    """Create an empty database and return its DSN.
+
+    :param collation: an ICU locale (``en-US``) for its collation; default:
+        ``$RUNCELL_TEST_COLLATION``, else the server's.
+    """
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    statement = create_database_statement(name, collation or collation_from_env())
     with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        conn.execute(statement)
     return _with_dbname(ADMIN_DSN, name)
 
 
@@ -70,7 +78,14 @@ def fresh_dsn() -> Iterator[str]:
 
 
 def unique_name(prefix: str = "limiter") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+    """A name no other test uses. Under ``$RUNCELL_TEST_COLLATION`` some of its letters
+    are capitals, so that about one pair of names in four sorts one way in ``C`` (and
+    Python) and the other way in the collation (``B`` before ``a``, but ``a`` before
+    ``B`` in en-US): every test over several limiters then meets both orders."""
+    suffix = uuid.uuid4().hex[:12]
+    if collation_from_env() is not None:
+        suffix = "".join(c.upper() if random.random() < 0.5 else c for c in suffix)
+    return f"{prefix}-{suffix}"
 
 
 @pytest.fixture
