@@ -17,6 +17,10 @@ consumes (``<queue>.runcell``, see :func:`~runcell_celery.celery.message.granted
 where parked tasks granted a slot are re-published: the worker takes from its queues
 in turn, so a granted task does not wait behind the backlog of its own queue.
 
+It also applies :func:`~runcell_celery.celery.redis_transport.patch_redis_transport`
+(a workaround for kombu's Redis transport, which otherwise stops a worker whose broker
+connection drops while it holds unacked messages) before the consumer connects.
+
 On stop it stops both and writes the main process's last admission counts.
 """
 
@@ -29,6 +33,7 @@ from celery.worker import state as worker_state
 
 from .deferral import Sweeper
 from .message import granted_queue, has_granted_queue
+from .redis_transport import patch_redis_transport
 from .revocation import RevocationPublisher
 from .state import state_for
 
@@ -64,11 +69,12 @@ class RunCellStep(bootsteps.StartStopStep):
         self.sweeper: Sweeper | None = None
         self.publisher: RevocationPublisher | None = None
         consume_granted_queues(parent.app)
+        patch_redis_transport()  # before the consumer connects; see .redis_transport
 
     def start(self, parent: Any) -> None:
         app = parent.app
         state = state_for(app)
-        self.sweeper = Sweeper(app, state.registry)
+        self.sweeper = Sweeper(app, state.registry, state.publisher)
         self.sweeper.start()
         store = state.revocations.store()
         if store is not None:
