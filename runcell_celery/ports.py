@@ -274,6 +274,11 @@ class ParkingStore(Protocol):
         self, lease_ids: Sequence[str] = (), *, stale_ms: int
     ) -> list[Republish]: ...
 
+    def unclaim_republish(self, items: Sequence[Republish]) -> int:
+        """Give back claimed publications that could not be sent (the broker was
+        down): the grants stay, and a later ``claim_republish`` takes them again."""
+        ...
+
     def take_expired_parked(self) -> list[ExpiredParked]:
         """Phase one of failing stale parked work: take the parked requests whose
         deadline passed out of line and hand them to this process. They stay stored;

@@ -23,6 +23,10 @@ configured limits against the stored ones: a worker whose limits conflict under
 ``on_conflict="error"`` refuses to start (:func:`~.conflicts.refuse_conflicting_limits`:
 one CRITICAL message, exit status 78).
 
+It also applies :func:`~runcell_celery.celery.redis_transport.patch_redis_transport`
+(a workaround for kombu's Redis transport, which otherwise stops a worker whose broker
+connection drops while it holds unacked messages) before the consumer connects.
+
 On stop it stops both and writes the main process's last admission counts.
 """
 
@@ -36,6 +40,7 @@ from celery.worker import state as worker_state
 from .conflicts import refuse_conflicting_limits
 from .deferral import Sweeper
 from .message import granted_queue, has_granted_queue
+from .redis_transport import patch_redis_transport
 from .revocation import RevocationPublisher
 from .state import state_for
 
@@ -73,11 +78,12 @@ class RunCellStep(bootsteps.StartStopStep):
         # Raises WorkerRefused (SystemExit) before anything started.
         refuse_conflicting_limits(parent.app)
         consume_granted_queues(parent.app)
+        patch_redis_transport()  # before the consumer connects; see .redis_transport
 
     def start(self, parent: Any) -> None:
         app = parent.app
         state = state_for(app)
-        self.sweeper = Sweeper(app, state.registry)
+        self.sweeper = Sweeper(app, state.registry, state.publisher)
         self.sweeper.start()
         store = state.revocations.store()
         if store is not None:

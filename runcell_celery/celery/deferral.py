@@ -46,6 +46,7 @@ from celery import Celery, Task, states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 from celery.signals import task_failure
+from kombu import Producer
 from kombu.exceptions import OperationalError as BrokerUnreachable
 from kombu.serialization import loads as kombu_decode
 from kombu.serialization import prepare_accept_content
@@ -77,8 +78,16 @@ from . import headers
 from .conflicts import SaidOnce
 from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request, republish
 from .options import TaskConcurrency
+from .publisher import GrantPublisher
 
-__all__ = ["DuplicateDelivery", "Sweeper", "admission_for", "publish_grants", "wire_publisher"]
+__all__ = [
+    "DuplicateDelivery",
+    "Sweeper",
+    "admission_for",
+    "publish_grants",
+    "send_grants",
+    "wire_publisher",
+]
 
 logger = logging.getLogger("runcell_celery.celery.deferral")
 
@@ -321,72 +330,71 @@ def _finished(task: Task[Any, Any], task_id: str) -> bool:
 
 
 def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
-    """Publish re-publications claimed with ``claim_republish``; return how many.
-
-    Each parked message is sent as the bytes it was delivered in, with its
-    ``runcell_publication`` header set to the claimed publication. A message that
-    cannot be sent is logged and skipped: its grant stays claimed but unclaimed by a
-    task, so its claim window ends, the slot passes on and the parked row goes back in
-    line, to be granted and published again. Nothing is lost. Once the broker is
-    unreachable (after the app's publish retries) the rest of the batch is left the
-    same way rather than tried one by one: the caller may be a task releasing its
-    slot, and would wait for each.
-    """
+    """Publish re-publications claimed with ``claim_republish`` on a producer of the
+    app's pool; return how many were sent (see :func:`send_grants`)."""
     pending = list(items)
     if not pending:
         return 0
-    published = 0
     try:
         with app.producer_or_acquire() as producer:
-            for index, item in enumerate(pending):
-                try:
-                    republish(
-                        app, producer, item.payload, {headers.PUBLICATION: item.publication_id}
-                    )
-                except BrokerUnreachable:
-                    logger.exception(
-                        "runcell: re-publishing parked task %s failed, the broker is "
-                        "unreachable; %d more left to be granted again when their leases "
-                        "expire",
-                        item.request_id,
-                        len(pending) - index - 1,
-                    )
-                    break
-                except Exception:
-                    logger.exception(
-                        "runcell: re-publishing parked task %s failed", item.request_id
-                    )
-                    continue
-                published += 1
+            unsent = send_grants(app, producer, pending)
     except Exception:  # no producer: the grants not sent wait for their leases to expire
-        logger.exception(
-            "runcell: re-publishing parked tasks failed (%d of %d sent)", published, len(pending)
-        )
-    return published
+        logger.exception("runcell: re-publishing parked tasks failed (%d to send)", len(pending))
+        return 0
+    return len(pending) - len(unsent)
 
 
-def wire_publisher(app: Celery, registry: LimiterRegistry) -> None:
-    """Make limiters created by ``registry`` re-publish the parked tasks they grant.
+def send_grants(app: Celery, producer: Producer, items: Sequence[Republish]) -> list[Republish]:
+    """Publish claimed re-publications on ``producer``; return those not sent because
+    the broker is unreachable.
 
-    The hook holds the app weakly: the registry belongs to the app's state, which
-    must not keep the app alive.
+    Each parked message is sent as the bytes it was delivered in, with its
+    ``runcell_publication`` header set to the claimed publication. Once the broker is
+    unreachable (after the app's bounded publish retries) the rest of the batch is
+    not tried one by one: all of it is returned, for the caller to give back
+    (:meth:`~runcell_celery.ports.ParkingStore.unclaim_republish`) so that it is sent
+    once the broker is back. A message that cannot be sent for another reason is
+    logged and skipped: its grant stays claimed but unclaimed by a task, so its claim
+    window ends, the slot passes on and the parked row goes back in line.
     """
-    app_ref = weakref.ref(app)
+    for index, item in enumerate(items):
+        try:
+            republish(app, producer, item.payload, {headers.PUBLICATION: item.publication_id})
+        except BrokerUnreachable as exc:
+            logger.info(
+                "runcell: re-publishing parked task %s failed, the broker is unreachable "
+                "(%d in all left to send once it is back): %s",
+                item.request_id,
+                len(items) - index,
+                exc,
+            )
+            return list(items[index:])
+        except Exception:
+            logger.exception("runcell: re-publishing parked task %s failed", item.request_id)
+    return []
+
+
+def wire_publisher(app: Celery, registry: LimiterRegistry) -> GrantPublisher:
+    """Make limiters created by ``registry`` hand the parked tasks they grant to the
+    app's :class:`~.publisher.GrantPublisher` (returned), which publishes them on
+    its own thread: a release does no broker I/O.
+
+    The publisher and the hook hold the app weakly: the registry belongs to the app's
+    state, which must not keep the app alive.
+    """
+
+    def store() -> ParkingStore | None:
+        backend: object = registry.backend  # a Backend that may also be a ParkingStore
+        return backend if isinstance(backend, ParkingStore) else None
+
+    publisher = GrantPublisher(app, store, send_grants)
 
     def on_create(limiter: ConcurrencyLimiter) -> None:
-        if not isinstance(limiter, SupportsParking):
-            return
-
-        def republish(lease_ids: list[str]) -> None:
-            app = app_ref()
-            store: object = registry.backend  # a Backend that may also be a ParkingStore
-            if app is None or not isinstance(store, ParkingStore):
-                return
-            publish_grants(app, store.claim_republish(lease_ids, stale_ms=REPUBLISH_AFTER_MS))
-
-        limiter.set_parked_granted_handler(republish)
+        if isinstance(limiter, SupportsParking):
+            limiter.set_parked_granted_handler(publisher.request)
 
     registry.on_create(on_create)
+    return publisher
 
 
 class Sweeper:
@@ -405,9 +413,13 @@ class Sweeper:
     database) is unreachable the row stays and every pass tries again.
     """
 
-    def __init__(self, app: Celery, registry: LimiterRegistry) -> None:
+    def __init__(
+        self, app: Celery, registry: LimiterRegistry, publisher: GrantPublisher | None = None
+    ) -> None:
         self._app = app
         self._registry = registry
+        #: Sends what the sweeper finds due, on its own thread (the app's, once wired).
+        self._publisher = publisher or GrantPublisher(app, self._store, send_grants)
         self._loop = BackgroundLoop("runcell-sweeper", self, Sweeper._step)
         self._failing = threading.Lock()
         #: Failures recorded whose rows are not deleted yet (the database failed): they
@@ -428,33 +440,34 @@ class Sweeper:
         def on_parked_granted(_limiter: str, _request_ids: list[str]) -> None:
             sweeper = ref()
             if sweeper is not None and sweeper._loop.running:
-                sweeper.publish_due(stale_ms=0)
+                sweeper._publisher.request(stale_ms=0)  # the listener thread does no I/O
 
         store.on_parked_granted(on_parked_granted)
         self._loop.start()
 
     def stop(self, timeout: float | None = None) -> None:
         self._loop.stop(timeout)
+        self._publisher.stop(timeout)
 
     def _store(self) -> ParkingStore | None:
         store: object = self._registry.backend  # a Backend that may also be a ParkingStore
         return store if isinstance(store, ParkingStore) else None
 
     def sweep(self, *, stale_ms: int | None = None) -> int:
-        """Publish the grants that are due and fail the stale parked runs; return how
-        many messages were published plus how many runs were failed."""
+        """Have the grants that are due published and fail the stale parked runs;
+        return how many runs were failed."""
         try:
-            published = self.publish_due(stale_ms=stale_ms)
+            self.publish_due(stale_ms=stale_ms)
         except Exception as exc:  # the stale runs are failed all the same
             logger.warning("runcell sweeper: publishing parked grants failed: %s", exc)
-            published = 0
-        return published + self.fail_expired()
+        return self.fail_expired()
 
-    def publish_due(self, *, stale_ms: int | None = None) -> int:
-        """Publish grants to parked runs nobody published; return how many."""
+    def publish_due(self, *, stale_ms: int | None = None) -> None:
+        """Hand the publisher the grants to parked runs nobody published (and those
+        granted by the group passes run here); it sends them on its own thread."""
         store = self._store()
         if store is None:
-            return 0
+            return
         for name in self._registry.names():
             limiter: object = self._limiter(name)  # a limiter that may also reap
             if isinstance(limiter, SupportsReap):
@@ -462,10 +475,9 @@ class Sweeper:
         # Parked requests over several limiters have no waiting process to run their
         # group passes: the sweepers do, and publish what those grant at once.
         granted = store.pass_parked_groups()
-        claimed = store.claim_republish(
+        self._publisher.request(
             granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
-        return publish_grants(self._app, claimed)
 
     def _limiter(self, name: str) -> ConcurrencyLimiter | None:
         """This process's limiter ``name``; ``None`` (said once per limiter and change)

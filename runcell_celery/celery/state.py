@@ -18,7 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -27,6 +27,9 @@ from ..ports import AdmissionCount, Backend, CounterStore
 from ..registry import LimiterRegistry
 from .counters import AdmissionCounters
 from .revocation import RevocationWatcher
+
+if TYPE_CHECKING:
+    from .publisher import GrantPublisher
 
 __all__ = [
     "AppState",
@@ -55,12 +58,15 @@ class AppState:
         registry's backend when it is a :class:`~runcell_celery.ports.CounterStore`.
     :param revocations: cancels this process's runs whose root or parent is revoked.
     :param wired: signals and the worker bootstep are connected (see :mod:`.wiring`).
+    :param publisher: sends the parked tasks this process's limiters grant (set when
+        wired, see :func:`~.deferral.wire_publisher`).
     """
 
     registry: LimiterRegistry
     counters: AdmissionCounters
     revocations: RevocationWatcher
     wired: bool = False
+    publisher: GrantPublisher | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod

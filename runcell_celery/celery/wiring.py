@@ -20,6 +20,7 @@ from ..events import add_event_listener
 from . import headers
 from .bootsteps import RunCellStep
 from .deferral import wire_publisher
+from .redis_transport import RestoreUnackedStep
 from .state import AppState, live_states, state_for
 
 __all__ = ["ensure_wired"]
@@ -84,6 +85,7 @@ def _wire_locked(app: Celery, state: AppState) -> None:
     if state.wired:
         return  # another thread wired it while we waited for the lock
     add_event_listener(state.counters.on_event)
-    wire_publisher(app, state.registry)
+    state.publisher = wire_publisher(app, state.registry)
     app.steps["worker"].add(RunCellStep)
+    app.steps["consumer"].add(RestoreUnackedStep)
     state.wired = True

@@ -289,6 +289,19 @@ class PostgresBackend:
         params = {"lease_ids": list(lease_ids), "stale_ms": stale_ms}
         return [Republish(*row) for row in self._fetch(statements.CLAIM_REPUBLISH, params)]
 
+    def unclaim_republish(self, items: Sequence[Republish]) -> int:
+        """Give back the right to publish grants whose publication failed, so a later
+        :meth:`claim_republish` takes them again; return how many were still granted
+        to that publication."""
+        if not items:
+            return 0
+        params = {
+            "limiters": [item.limiter for item in items],
+            "request_ids": [item.request_id for item in items],
+            "publication_ids": [item.publication_id for item in items],
+        }
+        return len(self._fetch(statements.UNCLAIM_REPUBLISH, params))
+
     def take_expired_parked(self) -> list[ExpiredParked]:
         """Take parked requests whose deadline passed out of line, for this process to
         record their tasks' failure (phase one; see :class:`~runcell_celery.ports.ParkingStore`).

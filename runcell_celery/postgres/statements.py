@@ -129,6 +129,20 @@ WHERE granted_lease_id IS NOT NULL AND published_at IS NULL
 RETURNING limiter, request_id, publication_id::text, payload::text
 """
 
+#: Give back the right to publish grants whose publication failed (the broker was
+#: unreachable): still granted, they are claimed again by the next sweep, so their
+#: tasks are sent as soon as the broker is back, within their claim window. A row
+#: claimed meanwhile by its task, or granted again, is left alone.
+UNCLAIM_REPUBLISH: LiteralString = """
+UPDATE runcell_queue AS q
+SET published_at = NULL
+FROM unnest(%(limiters)s::text[], %(request_ids)s::text[], %(publication_ids)s::uuid[])
+     AS f(limiter, request_id, publication_id)
+WHERE q.limiter = f.limiter AND q.request_id = f.request_id
+  AND q.publication_id = f.publication_id AND q.granted_lease_id IS NOT NULL
+RETURNING q.request_id
+"""
+
 #: Parked requests whose deadline passed while they waited, phase one: taken out of
 #: line and handed to ``taker`` to record their tasks' failure; they stay stored until
 #: ``COMPLETE_EXPIRED`` (another taker gets them after ``retake_after_ms``). Also purges

@@ -84,6 +84,7 @@ class RedisServer:
         if proc is None or proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
             os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout)
@@ -91,6 +92,19 @@ class RedisServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout)
+
+    def pause(self) -> None:
+        """Stop the server's process (SIGSTOP): it accepts no command, answers none,
+        and connections already open hang, as with a broker that stopped responding."""
+        assert self.proc is not None, "not started"
+        assert self.proc.poll() is None, "not running"
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused server go on (SIGCONT)."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def __enter__(self) -> Self:
         self.start()

@@ -1,0 +1,165 @@
+"""One thread per process sends granted parked tasks to the broker, on its own connection.
+
+A release that grants a parked request must not wait for the broker: the slot's exit
+would take as long as the broker takes to answer, or to fail. So nothing in
+``release()`` or a slot's exit touches the broker: the limiter's parked-granted
+handler (installed by :func:`~.deferral.wire_publisher`) only hands the lease ids to
+this process's :class:`GrantPublisher`, and returns. The sweeper and the wake-up
+channel hand it theirs the same way.
+
+The publisher's loop (``runcell-publisher``, started on first use in each process, so
+a prefork child has its own) claims those grants in the database
+(:meth:`~runcell_celery.ports.ParkingStore.claim_republish`) and publishes them on a
+broker connection of its own — never the worker consumer's, never shared with another
+thread — with the app's bounded publish retry policy. A publication that fails
+because the broker is unreachable is given back
+(:meth:`~runcell_celery.ports.ParkingStore.unclaim_republish`): the grant stays,
+unpublished in the database, and the sweeper's next pass claims it again, so the task
+is sent within a second of the broker's return rather than after a lost claim window
+or the broker's ``visibility_timeout``. The database stays the source of truth; a
+publication that did reach the broker before its error was reported is a duplicate,
+which the claim drops (``stale``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+
+from celery import Celery
+from kombu import Connection, Producer
+
+from ..background import BackgroundLoop, ProcessLocal
+from ..ports import ParkingStore, Republish
+
+__all__ = ["GrantPublisher"]
+
+logger = logging.getLogger("runcell_celery.celery.publisher")
+
+#: How long the loop waits for work before it looks again (it is woken at once).
+IDLE_WAIT_S = 1.0
+#: After the broker failed, how long the loop waits before it tries again.
+RETRY_AFTER_S = 0.5
+#: ``stale_ms`` that matches no grant: only the lease ids asked for are claimed.
+_NONE_STALE_MS = 2**31 - 1
+
+#: Publishes claimed grants on a producer; returns those it could not send because the
+#: broker was unreachable (see :func:`~.deferral.send_grants`).
+Send = Callable[[Celery, Producer, Sequence[Republish]], list[Republish]]
+
+
+class _Work:
+    """What this process's loop has been asked to do, and its broker connection."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.lease_ids: list[str] = []
+        #: The smallest ``stale_ms`` asked for since the last round (``None``: none).
+        self.stale_ms: int | None = None
+        self.connection: Connection | None = None
+        self.broker_down = False
+
+
+class GrantPublisher:
+    """Publishes one app's granted parked tasks from one thread per process.
+
+    :param app: held weakly (the publisher lives in the app's state).
+    :param store: returns the parking store (the registry's backend), or ``None``.
+    :param send: publishes a batch on a producer (see :data:`Send`).
+    """
+
+    def __init__(self, app: Celery, store: Callable[[], ParkingStore | None], send: Send) -> None:
+        self._app = weakref.ref(app)
+        self._store = store
+        self._send = send
+        self._work: ProcessLocal[_Work] = ProcessLocal(_Work)
+        self._loop: BackgroundLoop[GrantPublisher] = BackgroundLoop(
+            "runcell-publisher", self, GrantPublisher._step
+        )
+
+    def request(self, lease_ids: Sequence[str] = (), *, stale_ms: int | None = None) -> None:
+        """Ask for these grants (and, with ``stale_ms``, any left unpublished that
+        long) to be published; return at once, doing no I/O."""
+        work = self._work.get()
+        with work.lock:
+            work.lease_ids.extend(lease_ids)
+            if stale_ms is not None:
+                work.stale_ms = stale_ms if work.stale_ms is None else min(work.stale_ms, stale_ms)
+        work.wake.set()
+        if not self._loop.running:
+            self._loop.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End this process's loop and close its broker connection."""
+        self._loop.stop(timeout)
+        work = self._work.peek()
+        if work is not None:
+            work.wake.set()
+            self._close(work)
+
+    def _step(self) -> float:
+        work = self._work.get()
+        work.wake.wait(IDLE_WAIT_S)
+        if self._loop.stopping.is_set():
+            return 0
+        with work.lock:
+            work.wake.clear()
+            lease_ids, work.lease_ids = work.lease_ids, []
+            stale_ms, work.stale_ms = work.stale_ms, None
+        if not lease_ids and stale_ms is None:
+            return 0
+        return self._publish(work, lease_ids, stale_ms)
+
+    def _publish(self, work: _Work, lease_ids: list[str], stale_ms: int | None) -> float:
+        app = self._app()
+        store = self._store()
+        if app is None or store is None:
+            return 0
+        claimed = store.claim_republish(
+            lease_ids, stale_ms=_NONE_STALE_MS if stale_ms is None else stale_ms
+        )
+        if not claimed:
+            return 0
+        try:
+            unsent = self._send(app, self._producer(app, work), claimed)
+        except Exception as exc:  # no connection at all: nothing was sent
+            logger.debug("runcell publisher: no broker connection: %r", exc)
+            unsent = list(claimed)
+        if not unsent:
+            if work.broker_down:
+                work.broker_down = False
+                logger.warning("runcell: the broker is back; granted parked tasks are sent")
+            return 0
+        self._close(work)  # a new connection next time
+        try:
+            store.unclaim_republish(unsent)
+        except Exception as exc:  # their claim window ends and they are granted again
+            logger.warning("runcell: could not give back unsent publications: %s", exc)
+        if not work.broker_down:
+            work.broker_down = True
+            logger.warning(
+                "runcell: the broker is unreachable; %d granted parked task(s) stay "
+                "granted and are sent once it is back",
+                len(unsent),
+            )
+        return RETRY_AFTER_S
+
+    def _producer(self, app: Celery, work: _Work) -> Producer:
+        connection = work.connection
+        if connection is None:
+            connection = work.connection = app.connection_for_write()
+        return Producer(connection)
+
+    def _close(self, work: _Work) -> None:
+        connection, work.connection = work.connection, None
+        if connection is not None and work is self._work.peek():
+            with contextlib.suppress(Exception):  # closing a dead connection may fail
+                connection.release()
+
+    def __repr__(self) -> str:
+        return f"<GrantPublisher pid={os.getpid()} running={self._loop.running}>"
