@@ -86,8 +86,9 @@ def check_fair_key(key: object, *, argument: str) -> str:
     return key
 
 
-#: Keys up to this long are shown whole in errors; longer ones by their start.
-_SHOWN_WHOLE = 40
+#: Keys up to this long are shown whole in errors (one just past the 128-character
+#: limit too, so its author sees it); longer ones by their start and length.
+_SHOWN_WHOLE = 200
 
 
 def describe_key(key: object) -> str:
