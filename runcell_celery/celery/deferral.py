@@ -15,7 +15,9 @@ see :meth:`~runcell_celery.ports.SupportsParking.acquire_or_park`); then it is *
    channel and a sweeper in every worker do it if that process cannot (see
    :class:`~runcell_celery.ports.ParkingStore`). It goes to the granted queue of the
    queue it came from (:func:`~.message.granted_queue`), which workers consume beside
-   it, so it overtakes that queue's backlog;
+   it, so it overtakes that queue's backlog. Only processes of an app on the broker
+   it was parked from re-publish it (:mod:`.brokers`), so apps with brokers of their
+   own can share one limiter database;
 4. the re-published task (same task id) claims its granted lease, then runs its
    body, whose first ``slot()`` adopts that lease. The grant waits for the claim only
    the limiter's ``claim_window_ms``: not claimed by then, the slot passes to the
@@ -74,6 +76,7 @@ from ..protocol import (
 )
 from ..registry import LimiterRegistry
 from . import headers
+from .brokers import broker_identity
 from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request, republish
 from .options import TaskConcurrency
 
@@ -165,6 +168,7 @@ def admission_for(
     parked_as = headers.read(request, headers.ADMISSION)
     publication = headers.read(request, headers.PUBLICATION)
     republished = parked_as is not None and publication is not None
+    broker = broker_identity(task.app)  # where a parked message must be re-published
     admission: Admission
 
     def admit(
@@ -216,6 +220,7 @@ def admission_for(
             parking.claim_parked,
             lambda request_id, payload: parking.acquire_or_park(
                 dataclasses.replace(slot_request, request_id=request_id),
+                broker=broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -247,6 +252,7 @@ def admission_for(
             lambda request_id, payload: parking.acquire_several_or_park(
                 [*limiters],
                 [dataclasses.replace(r, request_id=request_id) for r in requests],
+                broker=broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -381,7 +387,11 @@ def wire_publisher(app: Celery, registry: LimiterRegistry) -> None:
             store: object = registry.backend  # a Backend that may also be a ParkingStore
             if app is None or not isinstance(store, ParkingStore):
                 return
-            publish_grants(app, store.claim_republish(lease_ids, stale_ms=REPUBLISH_AFTER_MS))
+            # Grants of tasks parked for another broker are left to its publishers.
+            claimed = store.claim_republish(
+                lease_ids, stale_ms=REPUBLISH_AFTER_MS, broker=broker_identity(app)
+            )
+            publish_grants(app, claimed)
 
         limiter.set_parked_granted_handler(republish)
 
@@ -414,6 +424,8 @@ class Sweeper:
         self._recorded: dict[tuple[str, str], ExpiredParked] = {}
         #: Rows whose ``timed-out`` event was emitted and whose failure is not stored yet.
         self._announced: set[tuple[str, str]] = set()
+        #: Other brokers whose parked tasks this sweeper met (and left), said once each.
+        self._left_to_others: set[str] = set()
 
     def start(self) -> None:
         """Start sweeping, if the registry's backend parks tasks."""
@@ -459,10 +471,27 @@ class Sweeper:
         # Parked requests over several limiters have no waiting process to run their
         # group passes: the sweepers do, and publish what those grant at once.
         granted = store.pass_parked_groups()
+        others: set[str] = set()
         claimed = store.claim_republish(
-            granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
+            granted,
+            stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms,
+            broker=broker_identity(self._app),
+            others=others,
         )
+        self._leave_to_others(others)
         return publish_grants(self._app, claimed)
+
+    def _leave_to_others(self, brokers: set[str]) -> None:
+        """Say once per broker that its parked tasks are left to its own workers."""
+        for broker in sorted(brokers - self._left_to_others):
+            self._left_to_others.add(broker)
+            logger.info(
+                "runcell sweeper: this limiter database holds tasks parked for another "
+                "broker (%s); this worker publishes to %s and leaves them to the workers "
+                "of theirs",
+                broker,
+                broker_identity(self._app),
+            )
 
     def fail_expired(self) -> int:
         """Fail the parked runs whose deadline passed; return how many were failed.
@@ -478,7 +507,7 @@ class Sweeper:
                 store.complete_expired_parked(list(self._recorded.values()))
                 self._recorded.clear()
             failed = 0
-            taken = store.take_expired_parked()
+            taken = store.take_expired_parked(broker=broker_identity(self._app))
             # Rows gone meanwhile (withdrawn, completed by another) are forgotten.
             self._announced &= {(e.limiter, e.request_id) for e in taken}
             for expired in taken:
