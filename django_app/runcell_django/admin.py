@@ -565,6 +565,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "granted_lease_id",
         "granted",
         "published",
+        "broker",
     )
     readonly_fields = fields
 
