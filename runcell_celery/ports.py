@@ -271,19 +271,30 @@ class ParkingStore(Protocol):
     """Parked tasks whose messages must be re-published (Celery admission deferral)."""
 
     def claim_republish(
-        self, lease_ids: Sequence[str] = (), *, stale_ms: int
-    ) -> list[Republish]: ...
+        self,
+        lease_ids: Sequence[str] = (),
+        *,
+        stale_ms: int,
+        broker: str | None = None,
+        others: set[str] | None = None,
+    ) -> list[Republish]:
+        """Take the right to publish grants to parked requests, exactly one caller
+        each: those of ``lease_ids`` and any nobody published within ``stale_ms``.
+        Only those parked for ``broker`` (the caller's, an identity it was given at
+        parking) or for none; the brokers of other grants due go into ``others``."""
+        ...
 
     def unclaim_republish(self, items: Sequence[Republish]) -> int:
         """Give back claimed publications that could not be sent (the broker was
         down): the grants stay, and a later ``claim_republish`` takes them again."""
         ...
 
-    def take_expired_parked(self) -> list[ExpiredParked]:
+    def take_expired_parked(self, *, broker: str | None = None) -> list[ExpiredParked]:
         """Phase one of failing stale parked work: take the parked requests whose
         deadline passed out of line and hand them to this process. They stay stored;
         the same process gets them again at its next call until it completes them, and
-        any other process once a while has passed (the taker died)."""
+        any other process once a while has passed (the taker died). With ``broker``,
+        only those parked for it (or for none): another broker's are its workers'."""
         ...
 
     def complete_expired_parked(self, expired: Sequence[ExpiredParked]) -> int:
@@ -315,10 +326,12 @@ class SupportsParking(Protocol):
     queue with ``payload``): with ``admission_wait_ms`` it waits that long first; by
     default it parks at once when the request's expected wait
     (:class:`WaitEstimate`) exceeds ``defer_after_ms``, else waits up to
-    ``defer_after_ms`` and then parks. It returns the lease, or :class:`Parked`
-    (equal to ``"parked"``), or ``"duplicate"`` when the request was already parked
-    and granted (its own publication carries it). ``claim_parked`` takes a parked grant from the
-    re-published message ``publication_id``, or says why not (:data:`ClaimMiss`).
+    ``defer_after_ms`` and then parks. ``broker`` names where the message must be
+    re-published (:meth:`ParkingStore.claim_republish`; ``None``: by anyone). It
+    returns the lease, or :class:`Parked` (equal to ``"parked"``), or ``"duplicate"``
+    when the request was already parked and granted (its own publication carries
+    it). ``claim_parked`` takes a parked grant from the re-published message
+    ``publication_id``, or says why not (:data:`ClaimMiss`).
     ``withdraw`` gives up a request's place or unclaimed grant. Parking, claiming
     and withdrawing are idempotent under lost replies (a retry gets the first
     answer). ``set_parked_granted_handler`` installs what to call, after commit, with
@@ -331,6 +344,7 @@ class SupportsParking(Protocol):
         request: AcquireRequest,
         *,
         payload: str,
+        broker: str | None = None,
         admission_wait_ms: float | None = None,
         defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
@@ -359,6 +373,7 @@ class SupportsSeveralParking(Protocol):
         requests: Sequence[AcquireRequest],
         *,
         payload: str,
+        broker: str | None = None,
         admission_wait_ms: float | None = None,
         defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,

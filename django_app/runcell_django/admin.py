@@ -566,6 +566,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "granted_lease_id",
         "granted",
         "published",
+        "broker",
     )
     readonly_fields = fields
 

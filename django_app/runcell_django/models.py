@@ -249,6 +249,14 @@ class QueueEntry(_Holder):
     granted_at = models.DateTimeField(_("granted at"), null=True)
     published_at = models.DateTimeField(_("re-published at"), null=True)
     publication_id = models.UUIDField(_("publication id"), null=True)
+    broker = models.TextField(
+        _("broker"),
+        null=True,
+        help_text=_(
+            "A parked task's broker (an identity of its URL, never its password): only "
+            "workers publishing to it re-publish the task. Empty: any worker."
+        ),
+    )
     expired_at = models.DateTimeField(
         _("budget ended at"),
         null=True,

@@ -15,7 +15,9 @@ see :meth:`~runcell_celery.ports.SupportsParking.acquire_or_park`); then it is *
    channel and a sweeper in every worker do it if that process cannot (see
    :class:`~runcell_celery.ports.ParkingStore`). It goes to the granted queue of the
    queue it came from (:func:`~.message.granted_queue`), which workers consume beside
-   it, so it overtakes that queue's backlog;
+   it, so it overtakes that queue's backlog. Only processes of an app on the broker
+   it was parked from re-publish it (:mod:`.brokers`), so apps with brokers of their
+   own can share one limiter database;
 4. the re-published task (same task id) claims its granted lease, then runs its
    body, whose first ``slot()`` adopts that lease. The grant waits for the claim only
    the limiter's ``claim_window_ms``: not claimed by then, the slot passes to the
@@ -75,6 +77,7 @@ from ..protocol import (
 )
 from ..registry import LimiterRegistry
 from . import headers
+from .brokers import broker_identity
 from .conflicts import SaidOnce
 from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request, republish
 from .options import TaskConcurrency
@@ -175,6 +178,7 @@ def admission_for(
     parked_as = headers.read(request, headers.ADMISSION)
     publication = headers.read(request, headers.PUBLICATION)
     republished = parked_as is not None and publication is not None
+    broker = broker_identity(task.app)  # where a parked message must be re-published
     admission: Admission
 
     def admit(
@@ -226,6 +230,7 @@ def admission_for(
             parking.claim_parked,
             lambda request_id, payload: parking.acquire_or_park(
                 dataclasses.replace(slot_request, request_id=request_id),
+                broker=broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -257,6 +262,7 @@ def admission_for(
             lambda request_id, payload: parking.acquire_several_or_park(
                 [*limiters],
                 [dataclasses.replace(r, request_id=request_id) for r in requests],
+                broker=broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -510,7 +516,7 @@ class Sweeper:
                 store.complete_expired_parked(list(self._recorded.values()))
                 self._recorded.clear()
             failed = 0
-            taken = store.take_expired_parked()
+            taken = store.take_expired_parked(broker=broker_identity(self._app))
             # Rows gone meanwhile (withdrawn, completed by another) are forgotten.
             self._announced &= {(e.limiter, e.request_id) for e in taken}
             for expired in taken:

@@ -35,6 +35,7 @@ from kombu import Connection, Producer
 
 from ..background import BackgroundLoop, ProcessLocal
 from ..ports import ParkingStore, Republish
+from .brokers import broker_identity
 
 __all__ = ["GrantPublisher"]
 
@@ -78,6 +79,8 @@ class GrantPublisher:
         self._store = store
         self._send = send
         self._work: ProcessLocal[_Work] = ProcessLocal(_Work)
+        #: Other brokers whose parked tasks this publisher met (and left), said once each.
+        self._left_to_others: set[str] = set()
         self._loop: BackgroundLoop[GrantPublisher] = BackgroundLoop(
             "runcell-publisher", self, GrantPublisher._step
         )
@@ -107,6 +110,13 @@ class GrantPublisher:
         work.wake.wait(IDLE_WAIT_S)
         if self._loop.stopping.is_set():
             return 0
+        return self.publish_pending()
+
+    def publish_pending(self) -> float:
+        """Publish what was asked for so far, now, on the calling thread (the loop's
+        own round; also a caller that must know it was done, such as a test); return
+        how soon to try again (0: nothing left)."""
+        work = self._work.get()
         with work.lock:
             work.wake.clear()
             lease_ids, work.lease_ids = work.lease_ids, []
@@ -115,14 +125,31 @@ class GrantPublisher:
             return 0
         return self._publish(work, lease_ids, stale_ms)
 
+    def _leave_to_others(self, app: Celery, brokers: set[str]) -> None:
+        """Say once per broker that its parked tasks are left to its own workers."""
+        for broker in sorted(brokers - self._left_to_others):
+            self._left_to_others.add(broker)
+            logger.info(
+                "runcell: this limiter database holds tasks parked for another broker "
+                "(%s); this worker publishes to %s and leaves them to the workers of theirs",
+                broker,
+                broker_identity(app),
+            )
+
     def _publish(self, work: _Work, lease_ids: list[str], stale_ms: int | None) -> float:
         app = self._app()
         store = self._store()
         if app is None or store is None:
             return 0
+        # Grants of tasks parked for another broker are left to that broker's workers.
+        others: set[str] = set()
         claimed = store.claim_republish(
-            lease_ids, stale_ms=_NONE_STALE_MS if stale_ms is None else stale_ms
+            lease_ids,
+            stale_ms=_NONE_STALE_MS if stale_ms is None else stale_ms,
+            broker=broker_identity(app),
+            others=others,
         )
+        self._leave_to_others(app, others)
         if not claimed:
             return 0
         try:

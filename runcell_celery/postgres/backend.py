@@ -283,11 +283,30 @@ class PostgresBackend:
 
     # -- ParkingStore -----------------------------------------------------------------
 
-    def claim_republish(self, lease_ids: Sequence[str] = (), *, stale_ms: int) -> list[Republish]:
+    def claim_republish(
+        self,
+        lease_ids: Sequence[str] = (),
+        *,
+        stale_ms: int,
+        broker: str | None = None,
+        others: set[str] | None = None,
+    ) -> list[Republish]:
         """Take the right to publish these grants (and any left unpublished past
-        ``stale_ms``); exactly one caller gets each (see :mod:`.parking`)."""
-        params = {"lease_ids": list(lease_ids), "stale_ms": stale_ms}
-        return [Republish(*row) for row in self._fetch(statements.CLAIM_REPUBLISH, params)]
+        ``stale_ms``); exactly one caller gets each (see :mod:`.parking`).
+
+        Only grants of tasks parked for ``broker`` (the caller's) are taken, and those
+        parked before brokers were recorded; the other brokers whose grants were due
+        are added to ``others``, their grants left to their own publishers.
+        """
+        params = {"lease_ids": list(lease_ids), "stale_ms": stale_ms, "broker": broker}
+        claimed: list[Republish] = []
+        for *row, other in self._fetch(statements.CLAIM_REPUBLISH, params):
+            if other is not None:
+                if others is not None:
+                    others.add(other)
+            else:
+                claimed.append(Republish(*row))
+        return claimed
 
     def unclaim_republish(self, items: Sequence[Republish]) -> int:
         """Give back the right to publish grants whose publication failed, so a later
@@ -302,13 +321,14 @@ class PostgresBackend:
         }
         return len(self._fetch(statements.UNCLAIM_REPUBLISH, params))
 
-    def take_expired_parked(self) -> list[ExpiredParked]:
+    def take_expired_parked(self, *, broker: str | None = None) -> list[ExpiredParked]:
         """Take parked requests whose deadline passed out of line, for this process to
         record their tasks' failure (phase one; see :class:`~runcell_celery.ports.ParkingStore`).
 
         Nothing is deleted: until :meth:`complete_expired_parked`, this process gets
         them again at every call, and any other once ``RETAKE_EXPIRED_AFTER_MS``
-        passed. Old operation records are purged on the way.
+        passed. Old operation records are purged on the way. With ``broker``, only
+        requests parked for that broker (or for none) are taken.
         """
         params = {
             # This process, whichever host: a forked child is another taker.
@@ -316,6 +336,7 @@ class PostgresBackend:
             "retake_after_ms": RETAKE_EXPIRED_AFTER_MS,
             "keep_ops_ms": KEEP_OPERATIONS_MS,
             "lock_timeout_ms": lock_timeout_ms(None),
+            "broker": broker,
         }
         taken = [ExpiredParked(*row) for row in self._fetch(statements.TAKE_EXPIRED_PARKED, params)]
         # A request over several limiters expires as one: its first member carries the

@@ -102,15 +102,25 @@ class ParkRule:
     ``until`` to now, so the request parks at once.
     """
 
-    __slots__ = ("payload", "rule_ms", "until")
+    __slots__ = ("broker", "payload", "rule_ms", "until")
 
-    def __init__(self, wait_ms: float, payload: str, *, rule_ms: float | None) -> None:
+    def __init__(
+        self, wait_ms: float, payload: str, *, rule_ms: float | None, broker: str | None = None
+    ) -> None:
         self.until = Deadline.after_ms(wait_ms)
         self.payload = payload
         self.rule_ms = rule_ms
+        #: Where the parked message must be re-published (``None``: by anyone).
+        self.broker = broker
 
     @classmethod
-    def of(cls, payload: str, admission_wait_ms: float | None, defer_after_ms: float) -> ParkRule:
+    def of(
+        cls,
+        payload: str,
+        admission_wait_ms: float | None,
+        defer_after_ms: float,
+        broker: str | None = None,
+    ) -> ParkRule:
         """The rule of an ``acquire_or_park`` call: a fixed ``admission_wait_ms``, else
         the expected-wait rule with threshold ``defer_after_ms``.
 
@@ -118,9 +128,9 @@ class ParkRule:
         """
         rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
         if admission_wait_ms is None:
-            return cls(rule_ms, payload, rule_ms=rule_ms)
+            return cls(rule_ms, payload, rule_ms=rule_ms, broker=broker)
         wait_ms = check_duration_ms(admission_wait_ms, field="admission_wait_ms", allow_zero=True)
-        return cls(wait_ms, payload, rule_ms=None)
+        return cls(wait_ms, payload, rule_ms=None, broker=broker)
 
     def estimated(self, estimate: WaitEstimate | None) -> None:
         """Apply the rule to the request's estimate (unknown: wait, then park)."""
@@ -323,6 +333,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         requests: Sequence[AcquireRequest],
         *,
         payload: str,
+        broker: str | None = None,
         admission_wait_ms: float | None = None,
         defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
@@ -338,7 +349,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         :returns: the leases, in ``limiters``' order; :class:`~runcell_celery.ports.Parked`;
             or ``"duplicate"`` (already parked and granted: its publication carries it).
         """
-        park = ParkRule.of(payload, admission_wait_ms, defer_after_ms)
+        park = ParkRule.of(payload, admission_wait_ms, defer_after_ms, broker)
         return acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait, park=park)
 
     def claim_parked_several(
@@ -499,6 +510,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         request: AcquireRequest,
         *,
         payload: str,
+        broker: str | None = None,
         admission_wait_ms: float | None = None,
         defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
@@ -517,8 +529,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         A parked request keeps its place in the queue, with ``payload`` (the task
         message to re-publish) and no process waiting for it. When allocation grants
         it, the lease is held for it and the message is re-published (see
-        :mod:`runcell_celery.postgres.parking`); the re-published task takes the lease
-        with :meth:`claim_parked`.
+        :mod:`runcell_celery.postgres.parking`) by a publisher of ``broker`` (an
+        identity of the broker it must go back to; ``None``: any publisher); the
+        re-published task takes the lease with :meth:`claim_parked`.
 
         :returns: the lease if one was granted in time; :class:`~runcell_celery.ports.Parked`
             (equal to ``"parked"``, with the place and expected wait) once the request
@@ -527,7 +540,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
             not a duration (naming which, and the bound).
         """
-        park = ParkRule.of(payload, admission_wait_ms, defer_after_ms)
+        park = ParkRule.of(payload, admission_wait_ms, defer_after_ms, broker)
         return self._acquire(request, cancel, on_wait, park=park, retry=True)
 
     def _acquire(
@@ -796,6 +809,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 "limiter": self.name,
                 "request_id": request.request_id,
                 "payload": waiting.park.payload,
+                "broker": waiting.park.broker,
                 "op_id": _op_id(),
             },
             lock_ms=lock_timeout_ms(None),

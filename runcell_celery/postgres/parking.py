@@ -11,9 +11,11 @@ it, its lease is held and its message must be re-published, exactly once per gra
 
 They all go through :meth:`~runcell_celery.postgres.PostgresBackend.claim_republish`,
 whose ``UPDATE ... WHERE published_at IS NULL`` lets exactly one of them publish each
-grant. If a grant's task does not start
-within the lease TTL (the publisher died, the broker lost it), the lease expires and
-the request is back in line in its old place, to be granted and published again: a
+grant, and only to a caller of the broker the task was parked for
+(``runcell_queue.broker``, an identity the caller gave; a row without one is
+anyone's). If a grant's task does not start within the lease TTL (the publisher
+died, the broker lost it, no process of its broker runs), the lease expires and the
+request is back in line in its old place, to be granted and published again: a
 parked task is never lost.
 
 Each parked request belongs to one delivery of its task (the Celery layer gives every

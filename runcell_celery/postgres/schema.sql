@@ -84,7 +84,10 @@ CREATE TABLE IF NOT EXISTS runcell_queue (
     granted_lease_id uuid,
     granted_at timestamptz,
     published_at timestamptz,
-    publication_id uuid
+    publication_id uuid,
+    -- The broker a parked task must be re-published to (an identity of it, never a
+    -- password): only re-publishers of that broker publish it; NULL, anyone.
+    broker text
 );
 CREATE INDEX IF NOT EXISTS runcell_queue_for_expiry_of_parked ON runcell_queue (deadline)
     WHERE parked;
@@ -147,6 +150,7 @@ ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS granted_lease_id uuid;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS granted_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS published_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS publication_id uuid;
+ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS broker text;
 
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS process_id text;
 -- A parked request whose deadline passed is taken out of line (expired_at, no longer
@@ -1592,8 +1596,11 @@ $$;
 -- request. p_op_id makes a retry after a lost reply get the first answer.
 -- Returns {"s": "parked"} | {"s": "granted", "leases": [...] in p_limiters' order} |
 -- {"s": "missing"} (not all of it waits: ask again).
+-- p_broker: the broker its message goes back to (see runcell_queue.broker).
+DROP FUNCTION IF EXISTS runcell_park_group_v5(text, text[], jsonb, uuid, integer);
 CREATE OR REPLACE FUNCTION runcell_park_group_v5(
-    p_group text, p_limiters text[], p_payload jsonb, p_op_id uuid, p_lock_timeout_ms integer
+    p_group text, p_limiters text[], p_payload jsonb, p_op_id uuid, p_lock_timeout_ms integer,
+    p_broker text DEFAULT NULL
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_done jsonb;
@@ -1619,7 +1626,8 @@ BEGIN
     IF v_waiting = v_n THEN
         UPDATE runcell_queue
         SET parked = true, process_id = NULL, expires_at = 'infinity',
-            payload = CASE WHEN request_id = v_members[1] THEN p_payload END
+            payload = CASE WHEN request_id = v_members[1] THEN p_payload END,
+            broker = p_broker
         WHERE request_id = ANY(v_members);
         v_answer := jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
     ELSE
@@ -1916,9 +1924,11 @@ $$;
 -- p_op_id makes a retry after a lost reply get the first answer (a grant made between
 -- the two attempts would otherwise read as "missing").
 -- Returns {"s": "parked"} | {"s": "granted", "lease": [...]} | {"s": "missing"}.
+-- p_broker: the broker its message goes back to (see runcell_queue.broker).
+DROP FUNCTION IF EXISTS runcell_park_v4(text, text, jsonb, uuid, integer);
 CREATE OR REPLACE FUNCTION runcell_park_v4(
     p_limiter text, p_request_id text, p_payload jsonb, p_op_id uuid,
-    p_lock_timeout_ms integer
+    p_lock_timeout_ms integer, p_broker text DEFAULT NULL
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_done jsonb;
@@ -1933,7 +1943,7 @@ BEGIN
     PERFORM runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
     v_now := clock_timestamp();
     UPDATE runcell_queue SET parked = true, payload = p_payload, process_id = NULL,
-        expires_at = 'infinity'
+        expires_at = 'infinity', broker = p_broker
     WHERE request_id = p_request_id AND limiter = p_limiter AND granted_lease_id IS NULL
       AND expired_at IS NULL;
     IF FOUND THEN
@@ -2018,9 +2028,13 @@ $$;
 -- that cannot record the failure (broker or result backend down, the process died)
 -- leaves the row, and it is handed out again: to the same taker at its next pass, to
 -- any other once p_retake_after_ms passed. Limiters are locked one at a time, in name
--- order. Also purges operation records older than p_keep_ops_ms (bounded).
+-- order. Also purges operation records older than p_keep_ops_ms (bounded). With
+-- p_broker, only requests parked for that broker (or for none) are taken: another
+-- broker's tasks are failed by its own workers, in its own result backend.
+DROP FUNCTION IF EXISTS runcell_take_expired_parked_v4(text, integer, integer, integer);
 CREATE OR REPLACE FUNCTION runcell_take_expired_parked_v4(
-    p_taker text, p_retake_after_ms integer, p_keep_ops_ms integer, p_lock_timeout_ms integer
+    p_taker text, p_retake_after_ms integer, p_keep_ops_ms integer, p_lock_timeout_ms integer,
+    p_broker text DEFAULT NULL
 ) RETURNS SETOF runcell_queue LANGUAGE plpgsql AS $$
 DECLARE
     v_start timestamptz := clock_timestamp();
@@ -2038,6 +2052,7 @@ BEGIN
     FOR v_limiter IN
         SELECT DISTINCT q.limiter FROM runcell_queue q
         WHERE q.parked AND q.granted_lease_id IS NULL AND q.expired_at IS NULL
+          AND (p_broker IS NULL OR q.broker IS NULL OR q.broker = p_broker)
           AND q.deadline <= v_start
         ORDER BY q.limiter  -- lock order (COLLATE "C", as every other operation's)
     LOOP
@@ -2048,6 +2063,7 @@ BEGIN
             SET parked = false, expired_at = v_now, failing_by = p_taker, failing_at = v_now
             WHERE q.limiter = v_limiter AND q.parked AND q.granted_lease_id IS NULL
               AND q.expired_at IS NULL AND q.deadline <= v_now
+              AND (p_broker IS NULL OR q.broker IS NULL OR q.broker = p_broker)
             RETURNING q.*
         LOOP
             v_i := array_position(v_row.workloads, v_gone.workload);
@@ -2063,6 +2079,7 @@ BEGIN
         WHERE q.expired_at IS NOT NULL AND q.failing_at < v_start
           AND (q.failing_by = p_taker
                OR q.failing_at < v_start - p_retake_after_ms * interval '1 millisecond')
+          AND (p_broker IS NULL OR q.broker IS NULL OR q.broker = p_broker)
         RETURNING q.*;
 END;
 $$;

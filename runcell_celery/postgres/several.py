@@ -427,6 +427,7 @@ class _Group:
             "group_id": self.group_id,
             "limiters": [x.name for x in self.limiters],
             "payload": park.payload,
+            "broker": park.broker,
             # Made once: a retry after a lost reply gets the first attempt's answer.
             "op_id": str(uuid.uuid4()),
         }

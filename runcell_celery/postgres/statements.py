@@ -76,7 +76,7 @@ SELECT runcell_withdraw_v4(%(limiter)s, %(request_id)s, %(give_back)s, %(op_id)s
 
 PARK: LiteralString = """
 SELECT runcell_park_v4(%(limiter)s, %(request_id)s, %(payload)s::jsonb, %(op_id)s::uuid,
-                       %(lock_timeout_ms)s)
+                       %(lock_timeout_ms)s, %(broker)s)
 """
 
 REAP: LiteralString = "SELECT runcell_reap_v3(%(limiter)s, %(lock_timeout_ms)s)"
@@ -119,14 +119,27 @@ SELECT runcell_claim_parked_v4(%(limiter)s, %(request_id)s, %(publication_id)s::
 """
 
 #: Take the right to re-publish granted parked tasks, once per grant: those just
-#: granted (by lease id), and any whose grant nobody published within ``stale_ms``.
+#: granted (by lease id), and any whose grant nobody published within ``stale_ms``;
+#: only those parked for ``broker`` (or for no broker in particular: rows parked
+#: before brokers were recorded). The other brokers with grants due are answered too,
+#: as rows with only the last column set: they are left to their own publishers.
 CLAIM_REPUBLISH: LiteralString = """
-UPDATE runcell_queue
-SET published_at = clock_timestamp(), publication_id = gen_random_uuid()
+WITH claimed AS (
+    UPDATE runcell_queue
+    SET published_at = clock_timestamp(), publication_id = gen_random_uuid()
+    WHERE granted_lease_id IS NOT NULL AND published_at IS NULL
+      AND (granted_lease_id = ANY(%(lease_ids)s::uuid[])
+           OR granted_at < clock_timestamp() - %(stale_ms)s * interval '1 millisecond')
+      AND (broker IS NULL OR broker = %(broker)s::text)
+    RETURNING limiter, request_id, publication_id::text, payload::text
+)
+SELECT limiter, request_id, publication_id, payload, NULL::text FROM claimed
+UNION ALL
+SELECT DISTINCT NULL, NULL, NULL, NULL, broker FROM runcell_queue
 WHERE granted_lease_id IS NOT NULL AND published_at IS NULL
   AND (granted_lease_id = ANY(%(lease_ids)s::uuid[])
        OR granted_at < clock_timestamp() - %(stale_ms)s * interval '1 millisecond')
-RETURNING limiter, request_id, publication_id::text, payload::text
+  AND broker IS DISTINCT FROM %(broker)s::text AND broker IS NOT NULL
 """
 
 #: Give back the right to publish grants whose publication failed (the broker was
@@ -151,7 +164,7 @@ TAKE_EXPIRED_PARKED: LiteralString = """
 SELECT limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
        payload::text, (extract(epoch FROM expired_at - enqueued_at) * 1000)::float8
 FROM runcell_take_expired_parked_v4(%(taker)s, %(retake_after_ms)s, %(keep_ops_ms)s,
-                                    %(lock_timeout_ms)s)
+                                    %(lock_timeout_ms)s, %(broker)s)
 """
 
 #: Phase two: delete expired parked requests whose failure is recorded.
@@ -386,7 +399,7 @@ SELECT runcell_withdraw_group_v5(%(group_id)s, %(limiters)s::text[], %(give_back
 #: Park a waiting request over several limiters as one (``runcell_park_group_v5``).
 PARK_GROUP: LiteralString = """
 SELECT runcell_park_group_v5(%(group_id)s, %(limiters)s::text[], %(payload)s::jsonb,
-    %(op_id)s::uuid, %(lock_timeout_ms)s)
+    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
 """
 
 #: A re-published task takes every lease of its parked request over several limiters

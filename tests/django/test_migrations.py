@@ -47,6 +47,9 @@ FROZEN = {
     "0008_limiter_schema_v3_parked_groups": (
         "64fa15ef7bfe3faf29305d71686f50ea4d37bafac207376b29e17ca675351719"
     ),
+    "0009_limiter_schema_v3_collation_and_brokers": (
+        "78250430a75bd87f5ada01bb956ca6a67e992b44f1c202ea65279094dd636dc1"
+    ),
 }
 MIGRATIONS = ROOT / "django_app" / "runcell_django" / "migrations"
 
