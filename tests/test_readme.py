@@ -2,6 +2,8 @@
 
 * ``python`` blocks: each in a fresh interpreter, with ``DATABASE_URL`` (a database of
   this test's own), ``REDIS_URL`` and ``PROVIDER_URL`` (a fake provider) set. A block
+  with ``urlpatterns`` must add to the project's (``urlpatterns += [...]``), not
+  replace them and the admin with them. A block
   that sends a Celery task (``app`` and ``result``) gets a real worker for its app, and
   the result is awaited; a block that defines ``RUNCELL`` has it validated.
 * ``sh`` blocks: each command line. ``./demo`` runs in its CI form (``--no-serve --size
@@ -55,7 +57,15 @@ REDIS_URL = os.environ.get("RUNCELL_TEST_README_REDIS", "redis://127.0.0.1:6379/
 DRIVER = """
 import sys
 namespace = {"__name__": "readme"}
-exec(compile(sys.stdin.read(), "README.md", "exec"), namespace)
+source = sys.stdin.read()
+project_urls = [object()]  # a block adding to a project's urlpatterns keeps what it had
+if "urlpatterns += " in source:
+    namespace["urlpatterns"] = list(project_urls)
+exec(compile(source, "README.md", "exec"), namespace)
+if "urlpatterns" in namespace:
+    kept = namespace["urlpatterns"][: len(project_urls)] == project_urls
+    assert kept, "the block replaces the project's urlpatterns (and the admin with them)"
+    assert len(namespace["urlpatterns"]) > len(project_urls), "the block adds no URL"
 app, result = namespace.get("app"), namespace.get("result")
 if app is not None and result is not None:
     from celery.contrib.testing.worker import start_worker
