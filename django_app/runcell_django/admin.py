@@ -191,9 +191,8 @@ class LimiterAdmin(ReadOnlyAdmin):
         queue = _("no limit") if state.max_queued is None else state.max_queued
         # Wrapped, if at all, between the parts (a narrow window keeps each whole).
         text = format_html(
-            '<span class="runcell-part">{} {}</span> · <span class="runcell-part">{} {}</span>',
-            state.limit,
-            _("slots"),
+            '<span class="runcell-part">{}</span> · <span class="runcell-part">{} {}</span>',
+            ngettext("%(n)d slot", "%(n)d slots", state.limit) % {"n": state.limit},
             _("max queued"),
             queue,
         )
@@ -703,6 +702,14 @@ class AdmissionCountAdmin(ReadOnlyAdmin):
     list_display_links = None
     list_filter = (LimiterFilter,)
     search_fields = ("task_name",)
+
+    @admin.display(description=_("task"), ordering="task_name")
+    def task_name(self, obj: AdmissionCount) -> str:
+        """The task's name, wrapped (if at all) after a dot, never inside a word."""
+        *heads, last = obj.task_name.split(".")
+        return format_html_join(
+            format_html("<wbr>"), "{}", ((p,) for p in [*[f"{h}." for h in heads], last])
+        )
 
     @admin.display(description=_("last counted at"), ordering="updated_at")
     def last_counted(self, obj: AdmissionCount) -> str:
