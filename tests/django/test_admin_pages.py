@@ -265,7 +265,7 @@ def test_the_admission_page_shows_deferrals_apart_from_failures(
     superuser: Client, scenario: Scenario
 ) -> None:
     html = _text(superuser, f"{ADMIN}/admissioncount/")
-    assert [cell.replace(". ", ".") for cell in _cells(html, "task_name")] == [TASK]
+    assert [cell.replace(". ", ".") for cell in _cells(html, "task_label")] == [TASK]
     assert _cells(html, "deliveries") == ["9"]
     assert _cells(html, "deferrals") == ["4"]
     assert _cells(html, "provider_attempts") == ["5"]
@@ -279,8 +279,10 @@ def test_the_admission_page_wraps_a_task_name_only_after_its_dots(
     superuser: Client, scenario: Scenario
 ) -> None:
     html = _text(superuser, f"{ADMIN}/admissioncount/")
-    assert TASK.replace(".", ".<wbr>") in html  # app.<wbr>tasks.<wbr>summarize
-    style = re.search(r"td\.field-task_name \{([^}]*)\}", html)
+    cell = re.search(r"<t[dh] class=\"field-task_label\">(.*?)</t[dh]>", html)
+    assert cell is not None, html
+    assert cell.group(1) == TASK.replace(".", ".<wbr>"), cell.group(1)  # app.<wbr>tasks...
+    style = re.search(r"td\.field-task_label \{([^}]*)\}", html)
     assert style is not None
     assert "anywhere" not in style.group(1)
     assert "word-break: keep-all" in style.group(1)
