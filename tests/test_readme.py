@@ -2,6 +2,8 @@
 
 * ``python`` blocks: each in a fresh interpreter, with ``DATABASE_URL`` (a database of
   this test's own), ``REDIS_URL`` and ``PROVIDER_URL`` (a fake provider) set. A block
+  with ``urlpatterns`` must add to the project's (``urlpatterns += [...]``), not
+  replace them and the admin with them. A block
   that sends a Celery task (``app`` and ``result``) gets a real worker for its app, and
   the result is awaited; a block that defines ``RUNCELL`` has it validated.
 * ``sh`` blocks: each command line. ``./demo`` runs in its CI form (``--no-serve --size
@@ -20,15 +22,21 @@ A command the test does not know fails it, so a new README block needs a way to 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +46,7 @@ import pytest
 from runcell_celery.testing import FakeProvider
 from tests.support.demo import demo_environment, run_demo, summary
 from tests.support.django_project import DjangoProject
-from tests.support.pg import create_database, drop_database
+from tests.support.pg import ADMIN_DSN, create_database, drop_database
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -49,7 +57,15 @@ REDIS_URL = os.environ.get("RUNCELL_TEST_README_REDIS", "redis://127.0.0.1:6379/
 DRIVER = """
 import sys
 namespace = {"__name__": "readme"}
-exec(compile(sys.stdin.read(), "README.md", "exec"), namespace)
+source = sys.stdin.read()
+project_urls = [object()]  # a block adding to a project's urlpatterns keeps what it had
+if "urlpatterns += " in source:
+    namespace["urlpatterns"] = list(project_urls)
+exec(compile(source, "README.md", "exec"), namespace)
+if "urlpatterns" in namespace:
+    kept = namespace["urlpatterns"][: len(project_urls)] == project_urls
+    assert kept, "the block replaces the project's urlpatterns (and the admin with them)"
+    assert len(namespace["urlpatterns"]) > len(project_urls), "the block adds no URL"
 app, result = namespace.get("app"), namespace.get("result")
 if app is not None and result is not None:
     from celery.contrib.testing.worker import start_worker
@@ -252,7 +268,10 @@ def test_readme_benchmark_runs(script: str) -> None:
 
 
 def test_readme_fake_provider_command_serves_until_stopped() -> None:
-    (command,) = [c for c in sh_commands() if "runcell_celery.testing.fake_provider" in c]
+    # The quickstart's, in the background, is run by the quickstart's test.
+    (command,) = [
+        c for c in sh_commands(quickstart=False) if "runcell_celery.testing.fake_provider" in c
+    ]
     argv = shlex.split(command)
     proc = subprocess.Popen(
         [str(ROOT / argv[0]), *argv[1:]],
@@ -278,8 +297,12 @@ def test_readme_fake_provider_command_serves_until_stopped() -> None:
 
 #: A quickstart block's first line names its file: ``# mysite/celery.py``.
 FILE_LINE = re.compile(r"# (?P<path>[\w/]+\.py)\b")
-#: The quickstart's install line (a package name and its extras).
+#: The install line (a package name and its extras), once the package is published.
 INSTALL = re.compile(r'pip install "runcell-celery\[(?P<extras>[\w,]+)\]"')
+#: The install line from a clone, which the quickstart runs until then.
+INSTALL_FROM_CLONE = re.compile(
+    r'pip install "runcell-celery\[(?P<extras>[\w,]+)\] @ file://\$RUNCELL_SRC"'
+)
 #: What the test changes in the quickstart's settings, and only this: the database
 #: and the Redis database are this test's own.
 SETTINGS_HERE = {
@@ -328,67 +351,213 @@ def test_readme_install_line_names_extras_that_exist() -> None:
     assert listed == set(declared) - {"dev"}, "the README lists every extra but dev"
 
 
-def build_quickstart(root: Path, dbname: str, python: str = sys.executable) -> DjangoProject:
-    """The quickstart's project: ``startproject``, ``startapp``, then its blocks."""
-    project = DjangoProject(root, name="mysite", python=python)
-    started = project.manage("startapp", "agents")
-    assert started.returncode == 0, started.stderr
-    files = quickstart_files()
-    settings = files.pop("mysite/settings.py")
-    for shown, here in SETTINGS_HERE.items():
-        assert shown in settings, f"the quickstart's settings no longer have {shown}"
-        settings = settings.replace(shown, here.format(dbname=dbname, redis=REDIS_URL))
-    project.add_settings(settings)
-    for path, code in files.items():
-        project.write(path, code)
-    return project
+#: The quickstart's placeholders the test replaces: the provider's port and the clone.
+PROVIDER_PORT = "8900"
+CLONE_LINE = re.compile(r"^RUNCELL_SRC=\S+$")
+#: The lines that make and fill the virtualenv: the default run uses the checkout's.
+VENV_LINES = ("python3 -m venv .venv", ". .venv/bin/activate")
 
 
-def run_quickstart(project: DjangoProject) -> tuple[dict[str, object], int]:
-    """Run the section's commands in the project (the worker stopped by PID at the end)
-    and send tasks; return what the sending script saw and the provider's maximum in
-    flight."""
-    worker: subprocess.Popen[bytes] | None = None
-    with FakeProvider(latency_ms=100) as provider:
-        env = {"PROVIDER_URL": provider.url}
+class Shell:
+    """One bash session, as the reader's terminal: commands run in it one after another
+    (``cd``, ``export`` and ``. activate`` last), each waited for; ``cmd &`` leaves a
+    process running, whose id is kept."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.background: list[int] = []
+        threading.Thread(target=self._read, name="readme-shell-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def run(self, command: str, timeout: float = 300) -> tuple[int, str]:
+        """Run ``command`` (stdin from /dev/null); return its status and what the shell
+        printed meanwhile (background processes included)."""
+        marker = f"readme-done-{uuid.uuid4().hex}"
+        assert self.proc.stdin is not None
+        script = f'{{ {command}\n}} </dev/null\necho {marker} $? "$!"\n'
+        self.proc.stdin.write(script)
+        self.proc.stdin.flush()
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"{command!r} still runs after {timeout} s:\n" + "".join(seen)
+                ) from None
+            if line is None:
+                raise AssertionError(f"the shell ended during {command!r}:\n" + "".join(seen))
+            if marker in line:  # after output that did not end its line (curl's)
+                before, after = line.split(marker, 1)
+                seen.append(before)
+                status, last = after.split(" ", 2)[1:]
+                if command.endswith("&") and last.strip():
+                    self.background.append(int(last))
+                return int(status), "".join(seen)
+            seen.append(line)
+
+    def pwd(self) -> Path:
+        code, output = self.run("pwd")
+        assert code == 0, output
+        return Path(output.splitlines()[-1])
+
+    def close(self) -> None:
+        """Stop the background processes (SIGTERM by id, the worker warm), then the shell."""
+        for pid in reversed(self.background):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in self.background:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.1)
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
         try:
-            for command in sh_commands(quickstart=True):
-                argv = shlex.split(command)
-                if argv[:2] == ["python", "manage.py"]:
-                    done = project.manage(*argv[2:], env=env)
-                    assert done.returncode == 0, f"{command}:\n{done.stdout}\n{done.stderr}"
-                elif argv[0] == "celery":
-                    assert worker is None
-                    worker = subprocess.Popen(
-                        [str(Path(project.python).parent / "celery"), *argv[1:]],
-                        cwd=project.root,
-                        env={**project.environment(), **env},
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.PIPE,
-                        start_new_session=True,
-                    )
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the session is left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+
+
+def quickstart_blocks() -> list[tuple[str, str]]:
+    """The quickstart's blocks in the order a reader meets them: ``("sh", code)`` and
+    ``("python", code)``."""
+    text = README.read_text()
+    start, end = _quickstart_span(text)
+    return [
+        (match.group(1), match.group(2))
+        for match in FENCE.finditer(text, start, end)
+        if match.group(1) in ("sh", "python")
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_quickstart(
+    tmp_path: Path, dbname: str, *, fresh_virtualenv: bool = False
+) -> tuple[dict[str, object], int, str]:
+    """Follow the quickstart in one shell from the empty directory ``tmp_path``: its
+    commands in order, each file written when its block comes. Replaced: the database's
+    name and the Redis database (this test's own), the provider's port (a free one),
+    the worker run in the background; without ``fresh_virtualenv`` the checkout's
+    virtualenv (and code) instead of the virtualenv and ``pip install`` lines.
+
+    Return what :data:`SEND_TASKS` saw, the provider's maximum in flight, and what the
+    shell printed.
+    """
+    port = str(_free_port())
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DJANGO_SETTINGS_MODULE", "VIRTUAL_ENV", "PYTHONPATH")
+        and not key.startswith("RUNCELL_DEMO_")
+    }
+    if not fresh_virtualenv:
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "django_app")])
+    shell = Shell(tmp_path, env)
+    printed: list[str] = []
+    try:
+        worker_started = False
+        for language, code in quickstart_blocks():
+            if language == "python":
+                named = FILE_LINE.match(code)
+                assert named, code
+                path = shell.pwd() / named["path"]
+                if named["path"] == "mysite/settings.py":
+                    for shown, here in SETTINGS_HERE.items():
+                        assert shown in code, f"the quickstart's settings no longer have {shown}"
+                        code = code.replace(shown, here.format(dbname=dbname, redis=REDIS_URL))
+                    with path.open("a") as file:  # "added to the end"
+                        file.write("\n" + code)
                 else:
-                    raise AssertionError(f"quickstart command the test cannot run: {command}")
-            assert worker is not None, "the quickstart starts no worker"
-            seen = project.script(SEND_TASKS, timeout=150, env=env)
-        finally:
-            if worker is not None:
-                worker.send_signal(signal.SIGTERM)
-                try:
-                    worker.communicate(timeout=30)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
-                    worker.communicate(timeout=10)
-        return seen, provider.stats().max_in_flight
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(code)
+                continue
+            for raw in code.splitlines():
+                command = raw.split(" #", 1)[0].strip()
+                if not command or command.startswith("#"):
+                    continue
+                if not fresh_virtualenv and (
+                    command in VENV_LINES or INSTALL_FROM_CLONE.fullmatch(command)
+                ):
+                    continue  # the checkout's virtualenv is on PATH already
+                if CLONE_LINE.match(command):
+                    command = f"RUNCELL_SRC={shlex.quote(str(ROOT))}"
+                elif command.startswith("createdb "):
+                    argv = shlex.split(command)
+                    assert argv[-1] == "mysite", command
+                    command = shlex.join([*argv[:-1], dbname])
+                command = command.replace(PROVIDER_PORT, port)
+                if command.startswith("celery "):
+                    assert not worker_started, "the quickstart starts a second worker"
+                    command += " &"  # the reader's first terminal
+                    worker_started = True
+                print(f"$ {command}", file=sys.stderr, flush=True)  # shown if it hangs
+                code_, output = shell.run(command, timeout=600 if fresh_virtualenv else 180)
+                print(output, file=sys.stderr, flush=True)
+                printed.append(f"$ {command}\n{output}")
+                assert code_ == 0, "".join(printed)
+        assert worker_started, "the quickstart starts no worker"
+        project = DjangoProject(shell.pwd(), name="mysite", python=_python(shell))
+        seen = project.script(
+            SEND_TASKS,
+            timeout=150,
+            env={**env, "PROVIDER_URL": f"http://127.0.0.1:{port}"},
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{port}/stats", timeout=10) as response:
+            max_in_flight = int(json.loads(response.read())["max_in_flight"])
+    finally:
+        shell.close()
+    return seen, max_in_flight, "".join(printed)
+
+
+def _python(shell: Shell) -> str:
+    """The ``python`` the reader's shell runs (the virtualenv's)."""
+    code, output = shell.run("command -v python")
+    assert code == 0, output
+    return output.splitlines()[-1]
 
 
 @pytest.fixture
 def quickstart_database() -> Iterator[str]:
-    dsn = create_database("runcell_quickstart")
+    """The name the quickstart's ``createdb`` uses here; the database is dropped after."""
+    name = f"runcell_quickstart_{uuid.uuid4().hex[:10]}"
     try:
-        yield dsn
+        yield name
     finally:
-        drop_database(dsn)
+        drop_database(psycopg.conninfo.make_conninfo(ADMIN_DSN, dbname=name))
 
 
 def quickstart_limit() -> int:
@@ -399,17 +568,22 @@ def quickstart_limit() -> int:
     return int(runcell["LIMITERS"]["openai"]["max_concurrent"])
 
 
-def test_readme_quickstart_builds_a_project_whose_worker_keeps_the_limit(
-    tmp_path: Path, quickstart_database: str
-) -> None:
-    dbname = psycopg_dbname(quickstart_database)
-    project = build_quickstart(tmp_path / "site", dbname)
-    seen, max_in_flight = run_quickstart(project)
+def _check_quickstart_run(seen: dict[str, object], max_in_flight: int, printed: str) -> None:
     assert len(seen["replies"]) == 12  # type: ignore[arg-type]
     assert seen["admin"] == 200
     assert seen["openai_in_admin"]
-    limit = quickstart_limit()
-    assert 1 <= max_in_flight <= limit == 2  # four worker processes, two slots
+    assert 1 <= max_in_flight <= quickstart_limit() == 2, printed  # four processes, two slots
+    # The README's own send line printed its replies, and its look at the provider's count.
+    assert "['fake reply to: Summarize: doc 0'" in printed, printed
+    assert re.search(r'"max_in_flight": [12]\b', printed), printed
+
+
+def test_readme_quickstart_builds_a_project_whose_worker_keeps_the_limit(
+    tmp_path: Path, quickstart_database: str
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _check_quickstart_run(*run_quickstart(empty, quickstart_database))
 
 
 @pytest.mark.stress
@@ -417,34 +591,17 @@ def test_readme_quickstart_builds_a_project_whose_worker_keeps_the_limit(
 def test_readme_quickstart_works_from_a_fresh_virtualenv_with_the_install_line(
     tmp_path: Path, quickstart_database: str
 ) -> None:
-    """The install line as written, with the checkout for the package's name, in a new
-    virtualenv: nothing of the development environment is used."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    (line,) = [c for c in sh_commands(quickstart=None) if INSTALL.search(c)]
-    extras = INSTALL.search(line)
+    """The virtualenv and install lines as written, the clone being this checkout:
+    nothing of the development environment is used. The install section's line for a
+    clone is the same line."""
+    (line,) = [c for c in sh_commands(quickstart=True) if INSTALL_FROM_CLONE.fullmatch(c)]
+    assert line in sh_commands(quickstart=False), "Install shows the quickstart's line"
+    extras = INSTALL_FROM_CLONE.fullmatch(line)
     assert extras is not None
-    installed = subprocess.run(
-        [
-            str(venv / "bin/python"),
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            f"runcell-celery[{extras['extras']}] @ file://{ROOT}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
-    project = build_quickstart(
-        tmp_path / "site", psycopg_dbname(quickstart_database), python=str(venv / "bin/python")
-    )
-    seen, max_in_flight = run_quickstart(project)
-    assert len(seen["replies"]) == 12  # type: ignore[arg-type]
-    assert 1 <= max_in_flight <= quickstart_limit()
+    assert extras["extras"] == "celery,django"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _check_quickstart_run(*run_quickstart(empty, quickstart_database, fresh_virtualenv=True))
 
 
 def psycopg_dbname(dsn: str) -> str:

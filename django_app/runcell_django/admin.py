@@ -28,6 +28,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
@@ -192,9 +193,10 @@ class LimiterAdmin(ReadOnlyAdmin):
         queue = _("no limit") if state.max_queued is None else state.max_queued
         # Wrapped, if at all, between the parts (a narrow window keeps each whole).
         text = format_html(
-            '<span class="runcell-part">{} {}</span> · <span class="runcell-part">{} {}</span>',
-            state.limit,
-            _("slots"),
+            '<span class="runcell-part">{}</span> · <span class="runcell-part">{} {}</span>',
+            _("? slots")  # no limits stored (yet)
+            if state.limit is None
+            else ngettext("%(n)d slot", "%(n)d slots", state.limit) % {"n": state.limit},
             _("max queued"),
             queue,
         )
@@ -689,7 +691,7 @@ class AdmissionCountAdmin(ReadOnlyAdmin):
     on are written 12.3k (exact in the tooltip), the time of the last count is short."""
 
     list_display = (
-        "task_name",
+        "task_label",
         "limiter",
         *(
             count_column(AdmissionCount, name)
@@ -706,6 +708,14 @@ class AdmissionCountAdmin(ReadOnlyAdmin):
     list_display_links = None
     list_filter = (LimiterFilter,)
     search_fields = ("task_name",)
+
+    @admin.display(description=_("task"), ordering="task_name")
+    def task_label(self, obj: AdmissionCount) -> str:
+        """The task's name, wrapped (if at all) after a dot, never inside a word."""
+        *heads, last = obj.task_name.split(".")
+        return format_html_join(
+            mark_safe("<wbr>"), "{}", ((p,) for p in [*[f"{h}." for h in heads], last])
+        )
 
     @admin.display(description=_("last counted at"), ordering="updated_at")
     def last_counted(self, obj: AdmissionCount) -> str:

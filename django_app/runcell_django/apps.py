@@ -14,15 +14,26 @@ class RunCellConfig(AppConfig):
         """Validate ``settings.RUNCELL``, register the system checks (``checks``), share
         the settings with Celery, start the event recorder.
 
-        :raises runcell_celery.ConcurrencyConfigError: naming the bad setting's path.
+        Invalid settings do not raise here, where Django would show a traceback: the
+        system check ``runcell_django.E004`` reports them (``manage.py check``, and every
+        command that runs the checks refuses to go on), the recorder is not started, and
+        whatever uses the limiters raises the same
+        :class:`~runcell_celery.ConcurrencyConfigError`, naming the bad setting's path.
         """
         from django.db.models.signals import post_migrate
+
+        from runcell_celery import ConcurrencyConfigError
 
         from . import checks, conf  # noqa: F401 (checks: registers the system checks)
         from .recorder import start_recorder
         from .routers import say_where_the_tables_go
 
-        conf.validate()
+        try:
+            conf.validate()
+        except ConcurrencyConfigError:
+            valid = False  # reported by checks.check_settings
+        else:
+            valid = True
         post_migrate.connect(say_where_the_tables_go, sender=self)
         try:
             from runcell_celery.celery import set_settings_provider
@@ -30,4 +41,5 @@ class RunCellConfig(AppConfig):
             pass
         else:
             set_settings_provider(conf.celery_settings_provider)
-        start_recorder()
+        if valid:
+            start_recorder()

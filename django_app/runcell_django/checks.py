@@ -12,16 +12,22 @@ asks the routers.
   ``default`` that is not PostgreSQL (they fail there) instead of the limiter's database.
 * ``runcell_django.E003`` — ``migrate --database <alias>`` would not create the tables
   in the limiter's database, where the admin and the commands read them.
+* ``runcell_django.E004`` — ``RUNCELL`` is invalid (the message names the setting's
+  path and what would be valid).
 * ``runcell_django.W001`` — ``migrate`` would create the app's tables in ``default``
   too, where nothing reads them, while the limiter's database is another one.
+* ``runcell_django.W002`` — the app is installed and settings have no ``RUNCELL``
+  (a typo such as ``RUNCEL``): no limiter is configured.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
 from django.apps import AppConfig
+from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
 from django.db import DEFAULT_DB_ALIAS, connections, router
 
@@ -31,7 +37,7 @@ from . import conf
 from .models import Limiter
 from .routers import APP_LABEL
 
-__all__ = ["check_database"]
+__all__ = ["check_database", "check_settings"]
 
 ROUTER = "runcell_django.routers.RunCellRouter"
 
@@ -42,6 +48,40 @@ def _engine(alias: str) -> str:
 
 def _is_postgresql(alias: str) -> bool:
     return connections[alias].vendor == "postgresql"
+
+
+@register()
+def check_settings(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """``RUNCELL`` is set and valid."""
+    if app_configs is not None and not any(c.label == APP_LABEL for c in app_configs):
+        return []
+    if not hasattr(settings, conf.SETTING):
+        names = [name for name in dir(settings) if name.isupper()]
+        close = difflib.get_close_matches(conf.SETTING, names, n=1, cutoff=0.7)
+        meant = f" (is {close[0]} meant to be {conf.SETTING}?)" if close else ""
+        return [
+            Warning(
+                f"runcell_django is installed but settings have no {conf.SETTING}{meant}: "
+                "no limiter is configured, and every task naming a limiter fails.",
+                hint=f'Add {conf.SETTING} = {{"DATABASE": "default", "LIMITERS": {{...}}}} '
+                "to your settings (see the README's quickstart).",
+                id="runcell_django.W002",
+            )
+        ]
+    try:
+        conf.validate()
+    except ConcurrencyConfigError as exc:
+        return [
+            Error(
+                exc.message,
+                hint=f"Correct {conf.SETTING} in your settings: the message names the "
+                "setting and what would be valid (see the README's Settings reference).",
+                id="runcell_django.E004",
+            )
+        ]
+    return []
 
 
 @register()

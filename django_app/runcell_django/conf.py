@@ -402,8 +402,6 @@ def _on_setting_changed(*, setting: str, **_: Any) -> None:
 
 def celery_settings_provider() -> tuple[Mapping[str, Any], str, Callable[[str], str]] | None:
     """Where :func:`runcell_celery.celery.registry_for` reads settings when the Celery
-    app has no ``runcell`` setting of its own: ``settings.RUNCELL``."""
-    config = runcell_settings()
-    if not config:
-        return None
-    return config, SETTING, resolve_database
+    app has no ``runcell`` setting of its own: ``settings.RUNCELL``, also when it is not
+    set (so that errors name the Django setting, not ``app.conf.runcell``)."""
+    return runcell_settings(), SETTING, resolve_database

@@ -12,6 +12,9 @@ forked and inherit none of these threads):
   (``runcell-revocation-publisher``), which shares the worker's revoked task ids, when
   the backend stores revocations.
 
+It warns, once, of each task waiting for a keyed limiter whose waiters could take every
+process of the worker (:mod:`~runcell_celery.celery.fairness`).
+
 It also makes the worker consume the **granted queue** of each task queue it
 consumes (``<queue>.runcell``, see :func:`~runcell_celery.celery.message.granted_queue`),
 where parked tasks granted a slot are re-published: the worker takes from its queues
@@ -39,6 +42,7 @@ from celery.worker import state as worker_state
 
 from .conflicts import refuse_conflicting_limits
 from .deferral import Sweeper
+from .fairness import warn_keyed_waits, worker_concurrency
 from .message import granted_queue, has_granted_queue
 from .redis_transport import patch_redis_transport
 from .revocation import RevocationPublisher
@@ -83,6 +87,7 @@ class RunCellStep(bootsteps.StartStopStep):
     def start(self, parent: Any) -> None:
         app = parent.app
         state = state_for(app)
+        warn_keyed_waits(app, worker_concurrency(parent))
         self.sweeper = Sweeper(app, state.registry, state.publisher)
         self.sweeper.start()
         store = state.revocations.store()

@@ -98,7 +98,7 @@ def test_failure_counts_errors_and_times_fit_at_1280_px(
     page.goto(f"{base}/admissioncount/")
     _shoot(page, screenshot_dir, "01-admission")
     _assert_on_screen(
-        page, "task_name", "deferrals", "provider_failures", "concurrency_failures", "last_counted"
+        page, "task_label", "deferrals", "provider_failures", "concurrency_failures", "last_counted"
     )
 
     page.goto(f"{base}/concurrencyevent/")

@@ -265,7 +265,7 @@ def test_the_admission_page_shows_deferrals_apart_from_failures(
     superuser: Client, scenario: Scenario
 ) -> None:
     html = _text(superuser, f"{ADMIN}/admissioncount/")
-    assert _cells(html, "task_name") == [TASK]
+    assert [cell.replace(". ", ".") for cell in _cells(html, "task_label")] == [TASK]
     assert _cells(html, "deliveries") == ["9"]
     assert _cells(html, "deferrals") == ["4"]
     assert _cells(html, "provider_attempts") == ["5"]
@@ -273,6 +273,30 @@ def test_the_admission_page_shows_deferrals_apart_from_failures(
     assert _cells(html, "concurrency_failures") == ["0"]
     assert "it is not a failure and does not use a retry" in html
     assert AdmissionCount.objects.get().limiter == "claude"
+
+
+def test_the_admission_page_wraps_a_task_name_only_after_its_dots(
+    superuser: Client, scenario: Scenario
+) -> None:
+    html = _text(superuser, f"{ADMIN}/admissioncount/")
+    cell = re.search(r"<t[dh] class=\"field-task_label\">(.*?)</t[dh]>", html)
+    assert cell is not None, html
+    assert cell.group(1) == TASK.replace(".", ".<wbr>"), cell.group(1)  # app.<wbr>tasks...
+    style = re.search(r"td\.field-task_label \{([^}]*)\}", html)
+    assert style is not None
+    assert "anywhere" not in style.group(1)
+    assert "word-break: keep-all" in style.group(1)
+
+
+def test_a_limiter_of_one_slot_says_1_slot(
+    superuser: Client, pg_limiter: Callable[..., Any]
+) -> None:
+    from runcell_celery import slot
+
+    with slot(pg_limiter(name="solo", max_concurrent=1)):  # stored on first use
+        html = _text(superuser, f"{ADMIN}/limiter/")
+    (limits,) = [cell for cell in _cells(html, "limits") if "max queued" in cell]
+    assert limits.startswith("1 slot ·"), limits
 
 
 def test_the_dashboard_charts_occupancy_and_waits_and_refreshes_itself(

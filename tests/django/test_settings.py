@@ -36,10 +36,18 @@ def test_a_bad_workload_setting_is_named_by_its_path_in_runcell(settings: Any) -
         conf.validate()
 
 
-def test_the_app_does_not_start_with_invalid_settings(settings: Any) -> None:
+def test_invalid_settings_are_a_check_error_and_the_limiters_refuse_to_start(
+    settings: Any,
+) -> None:
+    from runcell_django.checks import check_settings
+
     settings.RUNCELL = _runcell(LIMITERS={"claude": {"max_concurent": 8}})
+    apps.get_app_config("runcell_django").ready()  # no traceback: the check reports it
+    (error,) = check_settings()
+    assert error.id == "runcell_django.E004"
+    assert "did you mean 'max_concurrent'" in error.msg
     with pytest.raises(ConcurrencyConfigError, match="did you mean 'max_concurrent'"):
-        apps.get_app_config("runcell_django").ready()
+        get_limiter("claude")
 
 
 def test_an_unknown_setting_suggests_the_one_meant(settings: Any) -> None:
