@@ -120,7 +120,6 @@ def add_admission_counts(dsn: str, task: str, limiter: str, **counts: int) -> No
         "limiters": [limiter],
         "batch_id": None,  # not a retried batch: added as it is
         **{name: [counts.get(name, 0)] for name in (*fields, "concurrency_failures")},
-        "batch_id": None,  # a batch without an id: added as it is
     }
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(statements.ADD_ADMISSION_COUNTS, params)
