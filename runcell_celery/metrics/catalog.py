@@ -27,21 +27,40 @@ __all__ = [
 
 #: Histogram buckets for waits and holds, in seconds: from a few milliseconds (a
 #: free slot) to ten minutes (a long generation, or a batch behind a busy limit).
+#: From 0.1 s on, each bound is at most 1.5x the one below (1.25x from 1 s to 5 s,
+#: where parked waits fall): ``histogram_quantile`` interpolates inside a bucket, so
+#: a p95 read from Prometheus is only as close to the admin's exact one as its bucket
+#: is narrow.
 BUCKETS_SECONDS = (
     0.005,
     0.01,
     0.025,
     0.05,
     0.1,
+    0.15,
     0.25,
+    0.35,
     0.5,
+    0.75,
     1.0,
+    1.25,
+    1.5,
+    2.0,
     2.5,
+    3.0,
+    3.5,
+    4.0,
     5.0,
+    7.5,
     10.0,
+    15.0,
+    20.0,
     30.0,
+    45.0,
     60.0,
+    90.0,
     120.0,
+    180.0,
     300.0,
     600.0,
 )
