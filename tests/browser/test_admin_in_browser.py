@@ -135,7 +135,7 @@ def test_an_operator_sees_who_holds_the_slots_what_waits_and_deferrals_apart_fro
         panel = page.locator("#limiter-claude")
         expect(panel.locator(".runcell-held")).to_have_text("3")
         expect(panel.locator(".runcell-queued")).to_have_text("4")
-        expect(panel.locator("figure > svg")).to_have_count(3)  # held, queued, waits
+        expect(panel.locator("figure > svg")).to_have_count(4)  # held, queued, waits, failures
         assert page.locator("meta[http-equiv=refresh]").count() == 1
         _shoot(page, screenshot_dir, "08-dashboard")
 
