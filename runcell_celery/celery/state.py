@@ -128,9 +128,14 @@ def admission_counts(source: Celery | CounterStore) -> list[AdmissionCount]:
     return store.admission_counts()
 
 
+#: How long :func:`discard_state` waits for the app's grant publisher to stop.
+DISCARD_WAIT_S = 5.0
+
+
 def discard_state(app: Celery) -> None:
-    """Forget ``app``'s state: stop counting its events, write its last counts and
-    close its backend (pool, listener). Nothing happens when the app has none.
+    """Forget ``app``'s state: stop counting its events and publishing its grants,
+    write its last counts and close its backend (pool, listener). Nothing happens when
+    the app has none.
 
     For an app dropped while the process goes on, such as the one a test makes: its
     counter listener would otherwise count later apps' events, and its backend would
@@ -142,6 +147,8 @@ def discard_state(app: Celery) -> None:
     if state is None:
         return
     remove_event_listener(state.counters.on_event)
+    if state.publisher is not None:  # its thread would go on claiming later apps' grants
+        state.publisher.stop(timeout=DISCARD_WAIT_S)
     state.counters.close()
     state.registry.close()
 

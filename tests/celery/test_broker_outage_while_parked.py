@@ -30,6 +30,7 @@ from runcell_celery.celery.state import state_for
 from runcell_celery.celery.wiring import ensure_wired
 from tests.conftest import wait_until
 from tests.support.celery_app import celery_conf
+from tests.support.pg import create_database, drop_database
 from tests.support.redis_server import RedisServer
 
 LIMITS = {
@@ -49,6 +50,17 @@ DONE_WITHIN_S = 60.0
 
 
 @pytest.fixture
+def own_database() -> Iterator[str]:
+    """A limiter database of the test's own: the grants it leaves in a broker that is
+    gone would otherwise stay parked in the session's database, beside later tests'."""
+    dsn = create_database("runcell_broker_outage")
+    try:
+        yield dsn
+    finally:
+        drop_database(dsn)
+
+
+@pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path)
     server.start()
@@ -58,13 +70,19 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
-def _broker_settings(celery_settings: dict[str, Any], own_redis: RedisServer) -> dict[str, Any]:
+def _broker_settings(
+    celery_settings: dict[str, Any], own_redis: RedisServer, database: str
+) -> dict[str, Any]:
     """The test's settings with the broker on ``own_redis`` (visibility timeout one
-    hour); results stay on the shared Redis."""
+    hour) and the limiters on ``database``; results stay on the shared Redis."""
     options = celery_conf(celery_settings)["broker_transport_options"]
     return {
         **celery_settings,
-        "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": LIMITS}},
+        "runcell": {
+            **celery_settings["runcell"],
+            "DATABASE": database,
+            "LIMITERS": {"llm": LIMITS},
+        },
         "conf": {
             "broker_url": own_redis.url,
             "broker_transport_options": {**options, "visibility_timeout": VISIBILITY_TIMEOUT_S},
@@ -81,9 +99,9 @@ def _parked(pg_dsn: str) -> int:
 
 
 def test_a_worker_outlives_a_broker_outage_while_tasks_are_parked_and_runs_every_one(
-    make_app, worker_processes, pg_dsn: str, celery_settings, own_redis: RedisServer
+    make_app, worker_processes, own_database: str, celery_settings, own_redis: RedisServer
 ) -> None:
-    settings = _broker_settings(celery_settings, own_redis)
+    settings = _broker_settings(celery_settings, own_redis, own_database)
     app = make_app(**settings)
     workers = worker_processes(**settings)
     worker = workers.start(concurrency=2)
@@ -98,7 +116,7 @@ def test_a_worker_outlives_a_broker_outage_while_tasks_are_parked_and_runs_every
             interval=0.05,
         )
         parked = [app.tasks["rc.defer"].apply_async((50,)) for _ in range(7)]
-        wait_until(lambda: _parked(pg_dsn) == 7, "seven are parked", 60, interval=0.05)
+        wait_until(lambda: _parked(own_database) == 7, "seven are parked", 60, interval=0.05)
 
         # The holder's slot frees while the broker is down: its grant cannot be sent.
         own_redis.stop()
@@ -117,7 +135,7 @@ def test_a_worker_outlives_a_broker_outage_while_tasks_are_parked_and_runs_every
         took = time.monotonic() - back
         states = [AsyncResult(r.id, app=app).state for r in results]
         alive = worker.poll() is None
-        left = _parked(pg_dsn)
+        left = _parked(own_database)
     except BaseException:
         print(workers.logs())
         raise
@@ -174,14 +192,14 @@ def _published(server: RedisServer, queue: str) -> set[str]:
 
 
 def test_a_slot_exit_does_no_broker_io_and_its_grant_is_sent_once_the_broker_returns(
-    make_app, celery_settings, own_redis: RedisServer
+    make_app, celery_settings, own_redis: RedisServer, own_database: str
 ) -> None:
     """Slot exits are timed with the broker up, stopped (connections refused) and
     paused (SIGSTOP: connections hang until the transport's socket timeout), in this
     process as in a prefork child (no sweeper yet); each grant made while the broker
     is down is sent once it is back (here by the sweeper's next pass)."""
     limits = {f"llm{i}": LIMITS for i in range(3 * SAMPLES)}
-    settings = _broker_settings(celery_settings, own_redis)
+    settings = _broker_settings(celery_settings, own_redis, own_database)
     options = settings["conf"]["broker_transport_options"]
     settings["conf"]["broker_transport_options"] = {
         **options,
