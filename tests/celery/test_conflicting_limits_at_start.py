@@ -125,13 +125,15 @@ def test_the_start_check_refuses_every_conflicting_limiter_in_one_message(
                         first: stored,
                         second: stored,
                         same: stored,
+                        "llm": LIMITS,
                     }
                 ),
             )
         )
     )
-    for name in (first, second, same):
-        registry.get(name)  # stores them
+    # Stores them ("llm" too: earlier tests of the session stored it with other limits).
+    for name in (first, second, same, "llm"):
+        registry.get(name)
     given = _runcell(
         celery_settings,
         LIMITERS={
