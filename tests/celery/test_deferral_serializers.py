@@ -16,6 +16,7 @@ import json
 import logging
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -38,7 +39,8 @@ from runcell_celery.celery.message import (
 )
 from runcell_celery.ports import Republish
 from tests.conftest import wait_until
-from tests.support.celery_app import REDIS_URL, Parcel
+from tests.support.celery_app import REDIS_URL, Parcel, celery_conf
+from tests.support.redis_server import RedisServer
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -370,43 +372,61 @@ def test_a_task_too_large_to_park_fails_visibly_in_the_result_backend(
 
 
 def test_a_republication_that_finds_the_broker_down_leaves_the_task_parked_to_run_later(
-    make_app, worker_processes, pg_dsn: str, celery_settings: dict[str, Any], caplog
+    make_app,
+    worker_processes,
+    pg_dsn: str,
+    celery_settings: dict[str, Any],
+    caplog,
+    tmp_path: Path,
 ) -> None:
     limits = {**LIMITS, "lease_ttl_ms": 2_000}
+    # The fleet's broker is a Redis of the test's own, to be stopped (a parked row is
+    # re-published only through the broker it was parked for); results stay on the
+    # shared Redis.
+    broker = RedisServer(tmp_path)
+    broker.start()
     settings = {
         **celery_settings,
         "runcell": {**celery_settings["runcell"], "LIMITERS": {"llm": limits}},
+        "conf": {
+            "broker_url": broker.url,
+            "broker_transport_options": celery_conf(celery_settings)["broker_transport_options"],
+        },
     }
     app = make_app(**settings)
-    # The same fleet seen from a process whose broker is down (nothing listens there).
-    cut_off = make_app(**{**settings, "conf": {"broker_url": "redis://127.0.0.1:1/0"}})
-    assert cut_off.tasks["rc.defer_echo"]  # binds the tasks: wires the re-publisher
+    assert app.tasks["rc.defer_echo"]  # binds the tasks: wires the re-publisher
     workers = worker_processes(**settings)
     first = workers.start(concurrency=2)
-
-    unacked = redis.Redis.from_url(REDIS_URL)
-    with slot(registry_for(cut_off).get("llm")):
-        result = app.tasks["rc.defer_echo"].apply_async(({"k": [1, 2]},), {"n": 3})
-        _wait(lambda: _parked(pg_dsn) == 1, "the task parked")
-        # Acked once parked; a worker stopped before that would hand the message back.
-        _wait(lambda: unacked.hlen(f"{celery_settings['queue']}-unacked") == 0, "the ack")
-        # No other process may publish the grant this release makes.
-        workers.stop_all()
-        assert first.poll() is not None
-    _wait(lambda: "the broker is unreachable" in caplog.text, "the publication failed")
-    assert _parked(pg_dsn) == 1, "the parked row is gone with its failed publication"
-    assert unacked.llen(celery_settings["queue"]) == 0
-
-    # A worker comes back: its sweeper publishes the grant (given back unpublished), or,
-    # once its claim window ended, the grant made again, through a broker that works.
-    workers.start(concurrency=2)
+    queue = celery_settings["queue"]
     try:
-        reply = result.get(timeout=60)
-    except Exception:
-        print(workers.logs())
-        raise
-    assert reply == {"args": [{"k": [1, 2]}], "kwargs": {"n": 3}, "retries": 0}
-    assert _parked(pg_dsn) == 0
+        on_broker = redis.Redis(host="127.0.0.1", port=broker.port)
+        with slot(registry_for(app).get("llm")):
+            result = app.tasks["rc.defer_echo"].apply_async(({"k": [1, 2]},), {"n": 3})
+            _wait(lambda: _parked(pg_dsn) == 1, "the task parked")
+            # Acked once parked; a worker stopped before that would hand the message back.
+            _wait(lambda: on_broker.hlen(f"{queue}-unacked") == 0, "the ack")
+            # No other process may publish the grant this release makes.
+            workers.stop_all()
+            assert first.poll() is not None
+            broker.stop()
+        _wait(lambda: "the broker is unreachable" in caplog.text, "the publication failed")
+        assert _parked(pg_dsn) == 1, "the parked row is gone with its failed publication"
+        broker.start()
+        assert on_broker.llen(f"{queue}.runcell") == 0, "published while the broker was down"
+
+        # A worker comes back: its sweeper publishes the grant (given back unpublished),
+        # or, once its claim window ended, the grant made again.
+        workers.start(concurrency=2)
+        try:
+            reply = result.get(timeout=60)
+        except Exception:
+            print(workers.logs())
+            raise
+        assert reply == {"args": [{"k": [1, 2]}], "kwargs": {"n": 3}, "retries": 0}
+        assert _parked(pg_dsn) == 0
+    finally:
+        workers.stop_all()
+        broker.stop()
 
 
 def test_once_the_broker_is_unreachable_the_rest_of_a_batch_is_left_to_send_later(
