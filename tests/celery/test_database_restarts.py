@@ -59,6 +59,7 @@ def _keep_sending(app: Celery, sent: list[AsyncResult[Any]], stop: threading.Eve
         stop.wait(0.1)
 
 
+@pytest.mark.stress  # a whole-system run of many seconds; CI runs the stress suite too
 def test_tasks_arriving_while_the_database_restarts_and_goes_down_for_seconds_all_succeed(
     make_app: Callable[..., Celery],
     worker_processes: Any,
@@ -95,6 +96,7 @@ def test_tasks_arriving_while_the_database_restarts_and_goes_down_for_seconds_al
     assert failed == {}, workers.logs()
 
 
+@pytest.mark.stress  # a whole-system run of many seconds; CI runs the stress suite too
 def test_tasks_sent_while_the_database_is_down_at_worker_start_succeed_once_it_is_up(
     make_app: Callable[..., Celery],
     worker_processes: Any,

@@ -68,6 +68,7 @@ def _everything_in(server: RedisServer) -> bytes:
     return b"\n".join(found)
 
 
+@pytest.mark.stress  # a whole-system run of many seconds; CI runs the stress suite too
 def test_apps_on_two_brokers_sharing_a_limiter_run_every_task_none_published_to_the_other(
     make_app, worker_processes, provider: FakeProvider, pg_dsn: str, celery_settings, tmp_path: Path
 ) -> None:

@@ -98,6 +98,7 @@ def test_a_malformed_runcell_header_fails_the_task_with_a_config_error_event(eve
         discard_state(app)
 
 
+@pytest.mark.stress  # a whole-system run of many seconds; CI runs the stress suite too
 def test_a_limiter_that_cannot_reach_its_database_fails_the_task_with_a_limiter_error_event(
     events,
 ) -> None:

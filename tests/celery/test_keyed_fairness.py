@@ -67,6 +67,7 @@ def _second_place(starts: list[str], tenant: str) -> int:
     return starts.index(tenant, starts.index(tenant) + 1) + 1
 
 
+@pytest.mark.stress  # a whole-system run of many seconds; CI runs the stress suite too
 def test_with_deferral_other_tenants_get_slots_beside_the_busy_tenants_first_task(
     scenario: Scenario,
 ) -> None:
@@ -79,6 +80,7 @@ def test_with_deferral_other_tenants_get_slots_beside_the_busy_tenants_first_tas
     assert "'tenants.defer'" not in logs, logs  # a deferring task is not warned of
 
 
+@pytest.mark.stress  # a whole-system run of many seconds; CI runs the stress suite too
 def test_in_wait_mode_the_busy_tenant_takes_the_processes_and_the_worker_warns(
     scenario: Scenario,
 ) -> None:

@@ -139,6 +139,7 @@ def recorded_acquired(dsn: str, limiter: str) -> int:
     return int(row[0]) if row is not None else 0
 
 
+@pytest.mark.stress  # a whole-system run of many seconds; CI runs the stress suite too
 def test_one_defer_run_s_wait_p95_agrees_in_the_demo_summary_the_admin_and_prometheus(
     scenario: Scenario,
 ) -> None:
