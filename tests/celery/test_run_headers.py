@@ -162,9 +162,16 @@ def test_a_malformed_run_header_fails_the_task_naming_the_header_and_the_body_ne
     # No body ran: nothing reached the provider, and no run asked for a slot.
     assert provider.stats().total == calls_before
     ids = {result.id for _, _, result in sent}
-    assert not [e for e in worker_events() if e.get("run_id") in ids]
 
-    # Each delivery is counted, and so is its failure (no event ever told the counters).
+    def events() -> list[str]:
+        return sorted(e["type"] for e in worker_events() if e.get("run_id") in ids)
+
+    # Each failure is an event of its own, a config-error (every concurrency failure is
+    # one), and nothing else: no run asked for a slot.
+    wait_until(lambda: len(events()) >= len(sent), "the failures' events", 30, interval=0.2)
+    assert events() == ["config-error"] * len(sent)
+
+    # Each delivery is counted, and so is its failure: once (by its event), not twice.
     wait_until(
         lambda: _counts(app, "rc.wait").deliveries - before.deliveries >= len(sent),
         "the workers wrote their counts",
