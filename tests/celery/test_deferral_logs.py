@@ -85,8 +85,16 @@ def test_each_parking_logs_one_deferral_line_and_celery_logs_no_ignored_line(
     for result in results:
         assert result.get(timeout=60)["retries"] == 0
 
-    text = log.read_text(errors="replace")
     # Celery's tracer logs at INFO here: its success lines show, so would "ignored".
+    # It logs a success after storing the result, so the last line may follow get().
+    succeeded = re.compile(r"Task rc\.defer\[[0-9a-f-]+\] succeeded")
+    wait_until(
+        lambda: len(succeeded.findall(log.read_text(errors="replace"))) >= TASKS,
+        "every success is logged",
+        30,
+        interval=0.1,
+    )
+    text = log.read_text(errors="replace")
     assert len(re.findall(r"Task rc\.defer\[[0-9a-f-]+\] succeeded", text)) == TASKS, text
     assert not re.search(r"Task rc\.defer\[[0-9a-f-]+\] ignored", text), text
     wait_until(
