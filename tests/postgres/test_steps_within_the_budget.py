@@ -131,8 +131,9 @@ def test_a_counts_batch_whose_reply_was_lost_is_counted_once(
 ) -> None:
     task = unique_name("task")
     counters = AdmissionCounters(lambda: proxied)
-    counters.add(task, "claude", "deliveries", 2)
+    # Armed first: the counters' own flusher may write the batch as soon as it is added.
     dropper.arm(b"runcell_admission_counter", 1)
+    counters.add(task, "claude", "deliveries", 2)
     try:
         counters.flush()
     except ConcurrencyLimiterError:
