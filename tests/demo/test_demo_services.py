@@ -19,7 +19,9 @@ from tests.support.demo import (
     run_demo,
 )
 
-sys.path.insert(0, str(ROOT / "example_project"))
+# Appended, not prepended: example_project/tests would otherwise shadow this suite's
+# own `tests` namespace in every process spawned later in the run.
+sys.path.append(str(ROOT / "example_project"))
 from demo.embedded import reachable_dir  # the demo's own package
 from demo.paths import Paths
 

@@ -9,7 +9,9 @@ from pathlib import Path
 from runcell_celery.celery import AdmissionCount
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "example_project"))
+# Appended, not prepended: example_project/tests would otherwise shadow this suite's
+# own `tests` namespace in every process spawned later in the run.
+sys.path.append(str(ROOT / "example_project"))
 
 from demo.summary import Summary, render  # noqa: E402
 

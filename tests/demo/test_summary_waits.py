@@ -26,7 +26,9 @@ from runcell_celery.celery.signals import task_deferred
 from runcell_celery.events import emit
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "example_project"))
+# Appended, not prepended: example_project/tests would otherwise shadow this suite's
+# own `tests` namespace in every process spawned later in the run.
+sys.path.append(str(ROOT / "example_project"))
 
 from demo.summary import Summary, read_waits, render  # noqa: E402
 from demo.waits import Waits, waits_by_workload  # noqa: E402

@@ -39,7 +39,9 @@ from tests.support.witness_apps import REDIS_URL
 from . import waits_app
 from .conftest import TOKEN, Scrape
 
-sys.path.insert(0, str(ROOT / "example_project"))
+# Appended, not prepended: example_project/tests would otherwise shadow this suite's
+# own `tests` namespace in every process spawned later in the run.
+sys.path.append(str(ROOT / "example_project"))
 
 from demo.summary import read_waits
 from demo.waits import percentile

@@ -112,7 +112,7 @@ def _worker_app() -> Celery | None:
     install_event_metrics()
     configure_django(settings)
     app = create_app(settings)
-    sys.path[:0] = [str(ROOT / "example_project")]
+    sys.path.append(str(ROOT / "example_project"))  # never ahead of our own `tests`
     os.environ["RUNCELL_DEMO_REDIS_URL"] = settings["redis"]
     os.environ["RUNCELL_DEMO_RUN"] = settings["demo_run"]
     from demo import worker_hooks
