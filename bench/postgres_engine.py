@@ -581,7 +581,7 @@ def populate(dsn: str, name: str, parked: int, limiters: int, leases_each: int) 
             "FROM generate_series(1, %s) AS i, generate_series(1, %s) AS j",
             [limiters, leases_each],
         )
-        conn.execute("SELECT runcell_set_limits_v3(name) FROM runcell_limiter")
+        conn.execute("SELECT runcell_set_limits(name) FROM runcell_limiter")
 
 
 def bench_tables(size: str) -> dict[str, Any]:

@@ -63,7 +63,7 @@ WAITING_TOTAL: LiteralString = (
 #: limiters of the request it waits on, by name. In each of them, its member row is not
 #: first in its workload's line, or its workload has no room (at its ceiling, or the
 #: slots go to a workload of higher priority that waits), read with the functions
-#: allocation decides with (``runcell_group_member_first_v5``, ``runcell_has_room_v3``).
+#: allocation decides with (``runcell_group_member_first``, ``runcell_has_room``).
 #: Empty: the group pass grants it next. NULL on any other row (nothing is read for
 #: those). An annotation: probes by primary key, no query of its own.
 GROUP_WAITS_ON: LiteralString = """
@@ -75,12 +75,12 @@ ARRAY(
     LEFT JOIN runcell_limiter AS l ON l.name = g.limiter
     LEFT JOIN LATERAL (SELECT array_position(l.workloads, m.workload) AS i) AS w ON true
     WHERE NOT coalesce(
-        runcell_group_member_first_v5(runcell_queue.group_id, g.limiter, statement_timestamp())
-        AND runcell_has_room_v3(l.active, l.ceilings, l.reserved, l.max_concurrent, w.i)
+        runcell_group_member_first(runcell_queue.group_id, g.limiter, statement_timestamp())
+        AND runcell_has_room(l.active, l.ceilings, l.reserved, l.max_concurrent, w.i)
         AND NOT EXISTS (
             SELECT 1 FROM generate_subscripts(l.workloads, 1) AS k
             WHERE k <> w.i AND l.waiting[k] > 0 AND l.priorities[k] > l.priorities[w.i]
-              AND runcell_has_room_v3(l.active, l.ceilings, l.reserved, l.max_concurrent, k)),
+              AND runcell_has_room(l.active, l.ceilings, l.reserved, l.max_concurrent, k)),
         false)
     ORDER BY g.limiter)
 END

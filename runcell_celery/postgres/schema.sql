@@ -193,8 +193,8 @@ ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS waiting integer[] NOT NULL 
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS hold_ms_avg double precision;
 -- A key of a keyed limiter (``limiter.key("acme")``): a limiter row named
 -- "<keyed limiter>:<key>" whose parent is the keyed limiter's row. It is created by the
--- first operation that names it (runcell_create_key_v5, copying the keyed limiter's
--- limits) and deleted once idle (runcell_purge_idle_keys_v5), so 100,000 tenants
+-- first operation that names it (runcell_create_key, copying the keyed limiter's
+-- limits) and deleted once idle (runcell_purge_idle_keys), so 100,000 tenants
 -- leave no rows behind. NULL for every other limiter.
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS parent text COLLATE "C";
 CREATE INDEX IF NOT EXISTS runcell_limiter_keys ON runcell_limiter (parent)
@@ -211,7 +211,7 @@ ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS fair_key text COLLATE "C";
 -- A request over several limiters (``slot(openai, gpt_4o, tenant.key("acme"))``) waits
 -- as one queue row per limiter, its member "<request id>|<limiter>", all with the
 -- request's id (group_id) and its limiters in lock order (group_limiters). It is
--- granted only all together, by runcell_allocate_group_v5, which locks those limiters in
+-- granted only all together, by runcell_grant_request, which locks those limiters in
 -- that order: allocation in one of them never grants a member itself.
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_id text COLLATE "C";
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS group_limiters text[] COLLATE "C";
@@ -228,7 +228,7 @@ CREATE TABLE IF NOT EXISTS runcell_fair_history (
     PRIMARY KEY (limiter, fair_key)
 );
 -- When each key was last served, so that the history of keys idle for a while is
--- purged (runcell_purge_fair_history_v5): 100,000 tenants leave no rows behind.
+-- purged (runcell_purge_fair_history): 100,000 tenants leave no rows behind.
 ALTER TABLE runcell_fair_history ADD COLUMN IF NOT EXISTS granted_at timestamptz;
 CREATE INDEX IF NOT EXISTS runcell_fair_history_for_purge ON runcell_fair_history (granted_at);
 -- A database created by an earlier revision has these columns in its own collation
@@ -268,33 +268,43 @@ CREATE INDEX IF NOT EXISTS runcell_queue_for_heads ON runcell_queue
 DROP INDEX IF EXISTS runcell_queue_for_allocation;
 DROP INDEX IF EXISTS runcell_queue_for_reap;
 DROP INDEX IF EXISTS runcell_lease_for_counts;
--- Earlier revisions decided allocation in the client with these: workers of those
--- revisions must not run beside this one (they would not keep the counts), so they
--- fail closed instead (README "Upgrading").
-DROP FUNCTION IF EXISTS runcell_lock_v1(text, uuid, text, text, integer);
-DROP FUNCTION IF EXISTS runcell_apply_v1(text, jsonb, jsonb, text, integer, integer);
-DROP FUNCTION IF EXISTS runcell_lock_v2(text, uuid, text, text, integer);
-DROP FUNCTION IF EXISTS runcell_apply_v2(text, jsonb, jsonb, text, integer, integer);
-DROP FUNCTION IF EXISTS runcell_poll_v1(text, text, integer);
-DROP FUNCTION IF EXISTS runcell_park_v1(text, text, jsonb);
 
-DROP FUNCTION IF EXISTS runcell_lease_json(runcell_lease);
+
+-- The functions of the pre-release (0.1.0 development) revisions carried a version
+-- suffix (runcell_acquire_v3, runcell_allocate_group_v5, ...): they are dropped, so a
+-- worker of such a revision fails closed (README "Upgrading": stop every worker).
+DO $$
+DECLARE
+    v_old regprocedure;
+BEGIN
+    FOR v_old IN
+        SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
+        WHERE p.proname ~ '^runcell_.*_v[0-9]+$'
+          AND p.pronamespace = ANY(ARRAY(SELECT oid FROM pg_catalog.pg_namespace
+                                         WHERE nspname = ANY(current_schemas(false))))
+    LOOP
+        EXECUTE 'DROP FUNCTION ' || v_old::text;
+    END LOOP;
+END;
+$$;
 
 -- The answer of an operation that finds or makes a lease: {"s": status, "now": the
--- database's clock (epoch seconds), "lease": [lease_id, fencing_token]}. Every
--- function that answers with a lease builds it here.
-CREATE OR REPLACE FUNCTION runcell_answer_v3(
+-- database's clock (epoch seconds), "lease": [lease_id, fencing_token], "leases": the
+-- same as a list of one (the answer of a request over several members: a request over
+-- one answers in both shapes)}. Every function that answers with a lease builds it here.
+CREATE OR REPLACE FUNCTION runcell_answer(
     p_status text, p_now timestamptz, p_lease_id uuid, p_token bigint
 ) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
     SELECT jsonb_build_object('s', p_status, 'now', extract(epoch FROM p_now),
-                              'lease', jsonb_build_array(p_lease_id, p_token))
+                              'lease', jsonb_build_array(p_lease_id, p_token),
+                              'leases', jsonb_build_array(jsonb_build_array(p_lease_id, p_token)))
 $$;
 
 -- Operation ids (runcell_operation): begin returns the answer an earlier attempt of
 -- the same operation committed, or NULL after claiming the id for this transaction (an
 -- attempt still running elsewhere is waited for: the id's row is locked until it ends);
 -- end records the answer and returns it. A NULL id records nothing.
-CREATE OR REPLACE FUNCTION runcell_op_begin_v4(p_op_id uuid) RETURNS jsonb
+CREATE OR REPLACE FUNCTION runcell_op_begin(p_op_id uuid) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
     v_result jsonb;
@@ -311,7 +321,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION runcell_op_end_v4(p_op_id uuid, p_result jsonb) RETURNS jsonb
+CREATE OR REPLACE FUNCTION runcell_op_end(p_op_id uuid, p_result jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 BEGIN
     IF p_op_id IS NOT NULL THEN
@@ -324,7 +334,7 @@ $$;
 -- has_room: the rule of runcell_celery.allocation.has_room over the kept counts. A
 -- workload may take one more slot if it stays under its ceiling and the slots other
 -- workloads reserved but do not use stay free.
-CREATE OR REPLACE FUNCTION runcell_has_room_v3(
+CREATE OR REPLACE FUNCTION runcell_has_room(
     p_active integer[], p_ceilings integer[], p_reserved integer[], p_max integer, p_i integer
 ) RETURNS boolean LANGUAGE plpgsql IMMUTABLE AS $$
 DECLARE
@@ -353,7 +363,7 @@ $$;
 -- them: granting 10,000 at once reads each row once. Runs under the limiter row's lock on the row's kept counts, passed in and
 -- out so the hot row is written once per transaction. Waiters whose process stopped
 -- renewing are dropped on the way (at most 100 per call). The processes of the
--- granted waiters are told here (runcell_notify_grants_v4), except about
+-- granted waiters are told here (runcell_notify_grants), except about
 -- p_skip_request, which the caller answers itself.
 -- Grants come back in grant order as parallel arrays: request ids, lease ids, fencing
 -- tokens, and whether each went to a parked request.
@@ -363,7 +373,7 @@ $$;
 -- whose latest grant is oldest (never granted: first), then arrival. Every waiting row
 -- of the workload is ranked, so a round-robin limiter's allocation costs O(n log n)
 -- in its line (a first-come, first-served limiter's reads only the head).
-CREATE OR REPLACE FUNCTION runcell_fair_line_v5(
+CREATE OR REPLACE FUNCTION runcell_fair_line(
     p_limiter text, p_workload text, p_now timestamptz
 ) RETURNS TABLE (request_id text, "position" bigint) LANGUAGE sql STABLE AS $$
     SELECT w.request_id, w.position
@@ -381,7 +391,7 @@ CREATE OR REPLACE FUNCTION runcell_fair_line_v5(
 $$;
 
 -- Remember a round-robin limiter's grant to a key (its fencing token: increasing).
-CREATE OR REPLACE FUNCTION runcell_fair_granted_v5(
+CREATE OR REPLACE FUNCTION runcell_fair_granted(
     p_limiter text, p_key text, p_token bigint
 ) RETURNS void LANGUAGE sql AS $$
     INSERT INTO runcell_fair_history (limiter, fair_key, last_granted, granted_at)
@@ -394,7 +404,7 @@ $$;
 -- request waiting in that limiter, up to p_limit rows: such a key, back later, is
 -- served like a new one (before keys served since). Rows being written are skipped,
 -- never waited for. Returns how many went; asynchronous commit.
-CREATE OR REPLACE FUNCTION runcell_purge_fair_history_v5(p_idle_ms integer, p_limit integer)
+CREATE OR REPLACE FUNCTION runcell_purge_fair_history(p_idle_ms integer, p_limit integer)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     v_gone integer;
@@ -419,7 +429,7 @@ $$;
 
 -- The request first in a workload's line (runs in progress first, then arrival, or
 -- the round-robin order when p_fair), or NULL: what allocation would serve next there.
-CREATE OR REPLACE FUNCTION runcell_line_head_v5(
+CREATE OR REPLACE FUNCTION runcell_line_head(
     p_limiter text, p_fair boolean, p_workload text, p_now timestamptz
 ) RETURNS text LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -427,7 +437,7 @@ DECLARE
 BEGIN
     IF p_fair THEN
         SELECT f.request_id INTO v_first
-        FROM runcell_fair_line_v5(p_limiter, p_workload, p_now) f LIMIT 1;
+        FROM runcell_fair_line(p_limiter, p_workload, p_now) f LIMIT 1;
     ELSE
         SELECT q.request_id INTO v_first FROM runcell_queue q
         WHERE q.limiter = p_limiter AND q.workload = p_workload
@@ -441,7 +451,7 @@ $$;
 -- The member of request p_group waiting in limiter p_limiter, if it is first in its
 -- workload's line there (runs in progress first, then arrival or round robin). Read
 -- without the limiter's lock: used to decide what to try, never what to grant.
-CREATE OR REPLACE FUNCTION runcell_group_member_first_v5(
+CREATE OR REPLACE FUNCTION runcell_group_member_first(
     p_group text, p_limiter text, p_now timestamptz
 ) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -454,7 +464,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    v_first := runcell_line_head_v5(
+    v_first := runcell_line_head(
         p_limiter,
         (SELECT (l.config->>'fairness') IS NOT DISTINCT FROM 'round_robin'
          FROM runcell_limiter l WHERE l.name = p_limiter),
@@ -467,7 +477,7 @@ $$;
 -- other than p_here (where the caller found it first): then it is anchored, and the
 -- slot it has room for here is set aside for it (no starvation: it takes the next slot
 -- that frees wherever it still waits).
-CREATE OR REPLACE FUNCTION runcell_group_anchored_v5(
+CREATE OR REPLACE FUNCTION runcell_group_anchored(
     p_group text, p_limiters text[], p_here text, p_now timestamptz
 ) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -475,7 +485,7 @@ DECLARE
 BEGIN
     FOREACH v_limiter IN ARRAY coalesce(p_limiters, '{}') LOOP
         CONTINUE WHEN v_limiter = p_here;
-        IF NOT runcell_group_member_first_v5(p_group, v_limiter, p_now) THEN
+        IF NOT runcell_group_member_first(p_group, v_limiter, p_now) THEN
             RETURN false;
         END IF;
     END LOOP;
@@ -483,7 +493,7 @@ BEGIN
 END;
 $$;
 
-CREATE OR REPLACE FUNCTION runcell_allocate_v4(
+CREATE OR REPLACE FUNCTION runcell_allocate(
     INOUT p_row runcell_limiter,
     p_now timestamptz,
     p_skip_request text,
@@ -533,7 +543,7 @@ BEGIN
         v_best := NULL;
         FOR v_i IN 1 .. v_n LOOP
             CONTINUE WHEN p_row.waiting[v_i] <= 0;
-            CONTINUE WHEN NOT runcell_has_room_v3(v_eff, p_row.ceilings, p_row.reserved,
+            CONTINUE WHEN NOT runcell_has_room(v_eff, p_row.ceilings, p_row.reserved,
                                                   p_row.max_concurrent, v_i);
             IF NOT v_loaded[v_i] THEN
                 IF NOT v_probed[v_i] THEN
@@ -546,7 +556,7 @@ BEGIN
                         v_cursor := 'runcell_heads_' || v_i;
                         OPEN v_cursor FOR
                             SELECT f.request_id, f.position
-                            FROM runcell_fair_line_v5(p_row.name, p_row.workloads[v_i], p_now) f;
+                            FROM runcell_fair_line(p_row.name, p_row.workloads[v_i], p_now) f;
                         v_opened[v_i] := true;
                         FETCH v_cursor INTO v_request, v_position;
                     ELSE
@@ -606,14 +616,14 @@ BEGIN
         END IF;
         IF v_group IS NOT NULL THEN
             -- A member of a request over several limiters: granted only together, by
-            -- runcell_allocate_group_v5 (which locks all its limiters in order). It does
+            -- runcell_grant_request (which locks all its limiters in order). It does
             -- not hold up those behind it here, unless it is first in line in every one
             -- of its limiters: then its slot is set aside for it, and the caller is told
             -- to run its group pass (runcell.due_groups).
             IF NOT (v_group = ANY(v_seen_groups)) THEN
                 v_seen_groups := v_seen_groups || v_group;
                 IF cardinality(v_seen_groups) = 1
-                   AND runcell_group_anchored_v5(v_group, v_group_limiters, p_row.name, p_now)
+                   AND runcell_group_anchored(v_group, v_group_limiters, p_row.name, p_now)
                 THEN
                     v_eff[v_best] := v_eff[v_best] + 1;
                 END IF;
@@ -633,8 +643,8 @@ BEGIN
             -- Held for the parked task only for the claim window (the limits'
             -- claim_window_ms; 5 s, or the lease TTL if shorter, when omitted): not
             -- claimed by then, the lease expires, the next in line gets the slot and the
-            -- row goes to the back (runcell_reap_expired_v3). The claim extends it to
-            -- the full TTL (runcell_claim_parked_v4).
+            -- row goes to the back (runcell_drop_expired_leases). The claim extends it to
+            -- the full TTL (runcell_claim).
             INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
                 root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
                 acquired_at, renewed_at, expires_at, parked)
@@ -663,7 +673,7 @@ BEGIN
         p_row.active[v_best] := p_row.active[v_best] + 1;
         v_eff[v_best] := v_eff[v_best] + 1;
         IF v_fair THEN
-            PERFORM runcell_fair_granted_v5(p_row.name, v_key, p_row.last_fencing_token);
+            PERFORM runcell_fair_granted(p_row.name, v_key, p_row.last_fencing_token);
         END IF;
         requests := requests || v_request;
         leases := leases || v_lease_id;
@@ -679,7 +689,7 @@ BEGIN
         END IF;
     END LOOP;
     IF cardinality(requests) > 0 THEN
-        PERFORM runcell_notify_grants_v4(p_row.name, p_now, requests, leases, tokens, parked,
+        PERFORM runcell_notify_grants(p_row.name, p_now, requests, leases, tokens, parked,
                                          v_channels);
     END IF;
 END;
@@ -692,7 +702,7 @@ $$;
 -- grants: at most 25 grants per notification (request ids are at most 200
 -- characters), as many notifications as needed. A grant with no channel (parked, or
 -- answered by the caller) is not sent to a process.
-CREATE OR REPLACE FUNCTION runcell_notify_grants_v4(
+CREATE OR REPLACE FUNCTION runcell_notify_grants(
     p_limiter text, p_now timestamptz, p_requests text[], p_leases uuid[],
     p_tokens bigint[], p_parked boolean[], p_channels text[]
 ) RETURNS void LANGUAGE plpgsql AS $$
@@ -737,7 +747,7 @@ END;
 $$;
 
 -- The lease ids of the grants that went to parked requests (their tasks to re-publish).
-CREATE OR REPLACE FUNCTION runcell_parked_leases_v4(p_leases uuid[], p_parked boolean[])
+CREATE OR REPLACE FUNCTION runcell_parked_leases(p_leases uuid[], p_parked boolean[])
 RETURNS jsonb LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF p_parked IS NULL OR NOT (true = ANY(p_parked)) THEN
@@ -750,7 +760,7 @@ $$;
 
 -- Write the kept counts and the fencing counter back to the limiter row (once per
 -- transaction). PL/pgSQL, so its statement's plan is kept for the session.
-CREATE OR REPLACE FUNCTION runcell_store_counts_v4(p_row runcell_limiter) RETURNS void
+CREATE OR REPLACE FUNCTION runcell_store_counts(p_row runcell_limiter) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     UPDATE runcell_limiter
@@ -766,7 +776,7 @@ $$;
 -- position; a run in progress stays ahead of new runs): one message slow to arrive
 -- cannot hold the head of the line, and the parked task is granted again, and
 -- re-published, when its turn comes round.
-CREATE OR REPLACE FUNCTION runcell_reap_expired_v3(
+CREATE OR REPLACE FUNCTION runcell_drop_expired_leases(
     INOUT p_row runcell_limiter, p_now timestamptz, p_limit integer, OUT reaped integer
 ) LANGUAGE plpgsql AS $$
 DECLARE
@@ -808,7 +818,7 @@ $$;
 -- earlier rows gave: the purge raises the keyed limiter's last_fencing_token (which
 -- it never uses itself) to theirs, and a new key starts from it, read after the
 -- insert so a purge that just committed is seen.
-CREATE OR REPLACE FUNCTION runcell_create_key_v5(p_name text) RETURNS boolean
+CREATE OR REPLACE FUNCTION runcell_create_key(p_name text) RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     v_parent text := split_part(p_name, ':', 1);
@@ -842,7 +852,7 @@ $$;
 -- expired parked request left. Keys in use are skipped, never waited for (SKIP
 -- LOCKED): an operation holding a key's row is never delayed by a purge. Returns how
 -- many went. Asynchronous commit: a purge lost in a crash is simply done again.
-CREATE OR REPLACE FUNCTION runcell_purge_idle_keys_v5(p_parent text, p_limit integer)
+CREATE OR REPLACE FUNCTION runcell_purge_idle_keys(p_parent text, p_limit integer)
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     v_floor bigint;
@@ -873,13 +883,13 @@ $$;
 -- The keyed limiter's limits were stored again (registered or replaced): its keys
 -- take them too. Idle keys are simply deleted (they come back with the new limits);
 -- keys in use get the new limits and their counts recounted from their rows.
-CREATE OR REPLACE FUNCTION runcell_sync_keys_v5(p_parent text) RETURNS integer
+CREATE OR REPLACE FUNCTION runcell_sync_keys(p_parent text) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     v_name text;
     v_synced integer := 0;
 BEGIN
-    PERFORM runcell_purge_idle_keys_v5(p_parent, 2147483647);
+    PERFORM runcell_purge_idle_keys(p_parent, 2147483647);
     PERFORM set_config('synchronous_commit', 'on', true);  -- the purge's choice, not ours
     FOR v_name IN
         UPDATE runcell_limiter k SET config = p.config, config_hash = p.config_hash,
@@ -888,7 +898,7 @@ BEGIN
         WHERE p.name = p_parent AND k.parent = p_parent AND k.config_hash <> p.config_hash
         RETURNING k.name
     LOOP
-        PERFORM runcell_set_limits_v3(v_name);
+        PERFORM runcell_set_limits(v_name);
         v_synced := v_synced + 1;
     END LOOP;
     RETURN v_synced;
@@ -897,7 +907,7 @@ $$;
 
 -- Lock the limiter row, waiting at most p_lock_timeout_ms: a frozen or partitioned
 -- process that holds it delays others by at most the time they may wait anyway.
-CREATE OR REPLACE FUNCTION runcell_lock_v3(
+CREATE OR REPLACE FUNCTION runcell_lock(
     p_limiter text, p_config_hash text, p_lock_timeout_ms integer
 ) RETURNS runcell_limiter LANGUAGE plpgsql AS $$
 DECLARE
@@ -908,7 +918,7 @@ BEGIN
     IF NOT FOUND THEN
         -- A key of a keyed limiter appears on first use (IF does not reset FOUND: it
         -- stays false unless the second SELECT finds the row).
-        IF runcell_create_key_v5(p_limiter) THEN
+        IF runcell_create_key(p_limiter) THEN
             SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiter FOR UPDATE;
         END IF;
         IF NOT FOUND THEN
@@ -939,162 +949,314 @@ $$;
 -- (requests of its workload in line before it: the kept count), "hold_ms" (the mean
 -- hold, NULL before any release) and "slots" (its workload's ceiling, at most the
 -- limiter's).
-CREATE OR REPLACE FUNCTION runcell_acquire_v3(
-    p_limiter text,
-    p_config_hash text,
+-- Acquire one slot in each of several limiters, together or not at all: one round trip.
+-- p_limiters in lock order (sorted, distinct), each with its stored limits' checksum and
+-- the workload the request uses there. Granted at once when, in every limiter, nobody
+-- of its workload waits and the workload has room (one synchronous commit); otherwise
+-- one queue row per limiter (member "<request id>|<limiter>", asynchronous commit),
+-- granted later all together by runcell_grant_request. Nothing is held while it
+-- waits. Returns {"s": "granted", "leases": [[lease_id, token], ...] in p_limiters'
+-- order} | {"s": "queued", "left_ms"} | {"s": "no-wait"} | {"s": "queue-full", "limiter"}
+-- | {"s": "unknown-workload", "limiter"} | {"s": "duplicate"} (p_retry: it was parked and
+-- granted, see runcell_park), each with "now".
+CREATE OR REPLACE FUNCTION runcell_acquire(
+    p_limiters text[],
+    p_hashes text[],
+    p_workloads text[],
     p_request jsonb,
     p_wait_ms double precision,
     p_process jsonb,
     p_lock_timeout_ms integer,
     p_retry boolean
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-    v_now timestamptz;
-    v_row runcell_limiter;
-    v_request_id text := p_request->>'request_id';
-    v_workload text := p_request->>'workload';
-    v_i integer;
-    v_found record;
-    v_lease_id uuid;
-    v_result record;
-    v_requests text[] := '{}';
-    v_leases uuid[];
-    v_tokens bigint[];
-    v_parked boolean[];
-    v_mine integer;
-    v_first_expiry timestamptz;
-    v_j integer;
-    v_queued integer := 0;
-    v_ahead integer;
 BEGIN
-    v_row := runcell_lock_v3(p_limiter, p_config_hash, p_lock_timeout_ms);
-    v_now := clock_timestamp();
-    v_i := array_position(v_row.workloads, v_workload);
-    IF v_i IS NULL THEN
-        RETURN jsonb_build_object('s', 'unknown-workload', 'now', extract(epoch FROM v_now));
-    END IF;
-    IF p_retry THEN
-        SELECT lease_id, fencing_token, parked INTO v_found FROM runcell_lease
-        WHERE request_id = v_request_id AND limiter = p_limiter;
-        IF FOUND THEN
-            RETURN runcell_answer_v3(
-                CASE WHEN v_found.parked THEN 'duplicate' ELSE 'granted' END, v_now,
-                v_found.lease_id, v_found.fencing_token);
-        END IF;
-        SELECT deadline INTO v_found FROM runcell_queue
-        WHERE request_id = v_request_id AND limiter = p_limiter;
-        IF FOUND THEN
-            RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
-                'left_ms', extract(epoch FROM v_found.deadline - v_now) * 1000);
-        END IF;
-    END IF;
+    IF cardinality(p_limiters) = 1 THEN
+        -- One member: the fast path (one limiter row locked; its rows are named
+        -- by the request id itself).
+        DECLARE
+            v_limiter text := p_limiters[1];
+            v_now timestamptz;
+            v_row runcell_limiter;
+            v_request_id text := p_request->>'request_id';
+            v_workload text := coalesce(p_workloads[1], p_request->>'workload');
+            v_i integer;
+            v_found record;
+            v_lease_id uuid;
+            v_result record;
+            v_requests text[] := '{}';
+            v_leases uuid[];
+            v_tokens bigint[];
+            v_parked boolean[];
+            v_mine integer;
+            v_first_expiry timestamptz;
+            v_j integer;
+            v_queued integer := 0;
+            v_ahead integer;
+        BEGIN
+            v_row := runcell_lock(v_limiter, p_hashes[1], p_lock_timeout_ms);
+            v_now := clock_timestamp();
+            v_i := array_position(v_row.workloads, v_workload);
+            IF v_i IS NULL THEN
+                RETURN jsonb_build_object('s', 'unknown-workload', 'limiter', v_limiter, 'now', extract(epoch FROM v_now));
+            END IF;
+            IF p_retry THEN
+                SELECT lease_id, fencing_token, parked INTO v_found FROM runcell_lease
+                WHERE request_id = v_request_id AND limiter = v_limiter;
+                IF FOUND THEN
+                    RETURN runcell_answer(
+                        CASE WHEN v_found.parked THEN 'duplicate' ELSE 'granted' END, v_now,
+                        v_found.lease_id, v_found.fencing_token);
+                END IF;
+                SELECT deadline INTO v_found FROM runcell_queue
+                WHERE request_id = v_request_id AND limiter = v_limiter;
+                IF FOUND THEN
+                    RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+                        'left_ms', extract(epoch FROM v_found.deadline - v_now) * 1000);
+                END IF;
+            END IF;
 
-    IF v_row.waiting[v_i] <= 0
-       AND runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
-                               v_row.max_concurrent, v_i) THEN
-        INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
-            root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
-            acquired_at, renewed_at, expires_at)
-        VALUES (p_limiter, v_workload, v_request_id, v_row.last_fencing_token + 1,
-            p_request->>'run_id', p_request->>'root_run_id', p_request->>'parent_run_id',
-            p_request->>'holder_name', p_process->>'host', (p_process->>'pid')::integer,
-            v_row.lease_ttl_ms, v_now, v_now, v_now + v_row.lease_ttl_ms * interval '1 millisecond')
-        RETURNING lease_id INTO v_lease_id;
-        UPDATE runcell_limiter
-        SET last_fencing_token = last_fencing_token + 1, active[v_i] = active[v_i] + 1
-        WHERE name = p_limiter;
-        IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
-            PERFORM runcell_fair_granted_v5(p_limiter, p_request->>'key',
-                                            v_row.last_fencing_token + 1);
-        END IF;
-        RETURN runcell_answer_v3('granted', v_now, v_lease_id, v_row.last_fencing_token + 1);
-    END IF;
+            IF v_row.waiting[v_i] <= 0
+               AND runcell_has_room(v_row.active, v_row.ceilings, v_row.reserved,
+                                       v_row.max_concurrent, v_i) THEN
+                INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                    root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                    acquired_at, renewed_at, expires_at)
+                VALUES (v_limiter, v_workload, v_request_id, v_row.last_fencing_token + 1,
+                    p_request->>'run_id', p_request->>'root_run_id', p_request->>'parent_run_id',
+                    p_request->>'holder_name', p_process->>'host', (p_process->>'pid')::integer,
+                    v_row.lease_ttl_ms, v_now, v_now, v_now + v_row.lease_ttl_ms * interval '1 millisecond')
+                RETURNING lease_id INTO v_lease_id;
+                UPDATE runcell_limiter
+                SET last_fencing_token = last_fencing_token + 1, active[v_i] = active[v_i] + 1
+                WHERE name = v_limiter;
+                IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
+                    PERFORM runcell_fair_granted(v_limiter, p_request->>'key',
+                                                    v_row.last_fencing_token + 1);
+                END IF;
+                RETURN runcell_answer('granted', v_now, v_lease_id, v_row.last_fencing_token + 1);
+            END IF;
 
-    IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
-        RETURN jsonb_build_object('s', 'no-wait', 'now', extract(epoch FROM v_now));
+            IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
+                RETURN jsonb_build_object('s', 'no-wait', 'now', extract(epoch FROM v_now));
+            END IF;
+            IF v_row.max_queued IS NOT NULL THEN
+                FOR v_j IN 1 .. array_length(v_row.waiting, 1) LOOP
+                    v_queued := v_queued + v_row.waiting[v_j];
+                END LOOP;
+                IF v_queued >= v_row.max_queued THEN
+                    RETURN jsonb_build_object('s', 'queue-full', 'limiter', v_limiter, 'now', extract(epoch FROM v_now));
+                END IF;
+            END IF;
+
+            -- The waiting process must be known alive for its row to be granted: its row is
+            -- written when missing or past half its time (read first: a write per enqueue
+            -- would lengthen every contended acquire).
+            PERFORM 1 FROM runcell_process p
+            WHERE p.process_id = p_process->>'process_id'
+              AND p.expires_at >= v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond' / 2;
+            IF NOT FOUND THEN
+                INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
+                VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
+                        (p_process->>'pid')::integer,
+                        v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
+                ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
+            END IF;
+
+            v_ahead := v_row.waiting[v_i];
+            INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
+                parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
+                expires_at, in_progress, process_id, fair_key)
+            VALUES (v_request_id, v_limiter, v_workload, p_request->>'run_id',
+                p_request->>'root_run_id', p_request->>'parent_run_id', p_request->>'holder_name',
+                p_process->>'host', (p_process->>'pid')::integer, v_now,
+                v_now + p_wait_ms * interval '1 millisecond', 'infinity',
+                coalesce((p_request->>'in_progress')::boolean, false), p_process->>'process_id',
+                p_request->>'key');
+            v_row.waiting[v_i] := v_row.waiting[v_i] + 1;
+
+            -- When the first lease of this limiter expires unless renewed. Already passed: its
+            -- holder died, and its slot comes back here (bounded), off the uncontended path.
+            -- Still to come: the waiting process looks then.
+            SELECT l.expires_at INTO v_first_expiry FROM runcell_lease l
+            WHERE l.limiter = v_limiter ORDER BY l.expires_at LIMIT 1;
+            -- Room with others of its workload ahead: they are requests over several limiters
+            -- waiting elsewhere (which hold up nobody), so allocation runs here, now.
+            IF v_first_expiry <= v_now
+               OR runcell_has_room(v_row.active, v_row.ceilings, v_row.reserved,
+                                      v_row.max_concurrent, v_i) THEN
+                IF v_first_expiry <= v_now THEN
+                    v_result := runcell_drop_expired_leases(v_row, v_now, 100);
+                    v_row := v_result.p_row;
+                END IF;
+                v_result := runcell_allocate(v_row, v_now, v_request_id);
+                v_row := v_result.p_row;
+                v_requests := v_result.requests;
+                v_leases := v_result.leases;
+                v_tokens := v_result.tokens;
+                v_parked := v_result.parked;
+                v_mine := array_position(v_requests, v_request_id);
+                SELECT l.expires_at INTO v_first_expiry FROM runcell_lease l
+                WHERE l.limiter = v_limiter AND l.expires_at > v_now ORDER BY l.expires_at LIMIT 1;
+            END IF;
+            UPDATE runcell_limiter
+            SET active = v_row.active, waiting = v_row.waiting,
+                last_fencing_token = v_row.last_fencing_token
+            WHERE name = v_limiter;
+            IF v_mine IS NOT NULL THEN
+                RETURN runcell_due_groups(
+                    runcell_answer('granted', v_now, v_leases[v_mine], v_tokens[v_mine])
+                    || jsonb_build_object('parked', runcell_parked_leases(v_leases, v_parked)));
+            END IF;
+            IF cardinality(v_requests) = 0 THEN
+                PERFORM set_config('synchronous_commit', 'off', true);
+                RETURN runcell_due_groups(jsonb_build_object('s', 'queued',
+                    'now', extract(epoch FROM v_now),
+                    'left_ms', p_wait_ms, 'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
+                    'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
+                    'slots', least(v_row.ceilings[v_i], v_row.max_concurrent)));
+            END IF;
+            RETURN runcell_due_groups(jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+                'left_ms', p_wait_ms,
+                'parked', runcell_parked_leases(v_leases, v_parked),
+                'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
+                'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
+                'slots', least(v_row.ceilings[v_i], v_row.max_concurrent)));
+        END;
     END IF;
-    IF v_row.max_queued IS NOT NULL THEN
-        FOR v_j IN 1 .. array_length(v_row.waiting, 1) LOOP
-            v_queued := v_queued + v_row.waiting[v_j];
+    -- Several members: each waits as a row of its own, "<request id>|<limiter>".
+    DECLARE
+        v_n integer := cardinality(p_limiters);
+        v_rows runcell_limiter[] := '{}';
+        v_row runcell_limiter;
+        v_w integer[] := '{}';
+        v_now timestamptz;
+        v_group text := p_request->>'request_id';
+        v_member text;
+        v_i integer;
+        v_j integer;
+        v_all boolean := true;
+        v_leases jsonb := '[]'::jsonb;
+        v_lease_id uuid;
+        v_token bigint;
+        v_queued integer;
+        v_held jsonb;
+    BEGIN
+        FOR v_i IN 1 .. v_n LOOP
+            -- Byte-wise (C), as the client sorts them, whatever the database's collation.
+            IF v_i > 1 AND p_limiters[v_i] COLLATE "C" <= p_limiters[v_i - 1] THEN
+                RAISE EXCEPTION 'runcell: limiters must be distinct and in lock order: %', p_limiters;
+            END IF;
+            v_rows := v_rows || runcell_lock(p_limiters[v_i], p_hashes[v_i], p_lock_timeout_ms);
         END LOOP;
-        IF v_queued >= v_row.max_queued THEN
-            RETURN jsonb_build_object('s', 'queue-full', 'now', extract(epoch FROM v_now));
+        v_now := clock_timestamp();
+        FOR v_i IN 1 .. v_n LOOP
+            v_j := array_position(v_rows[v_i].workloads, p_workloads[v_i]);
+            IF v_j IS NULL THEN
+                RETURN jsonb_build_object('s', 'unknown-workload', 'limiter', p_limiters[v_i],
+                                          'now', extract(epoch FROM v_now));
+            END IF;
+            v_w := v_w || v_j;
+        END LOOP;
+        IF p_retry THEN
+            -- A grant made to the request while it was parked belongs to its parked
+            -- message's publication, never to a delivery asking again with its id.
+            IF EXISTS (SELECT 1 FROM runcell_lease x
+                       WHERE x.request_id IN (SELECT v_group || '|' || l FROM unnest(p_limiters) AS l)
+                         AND x.parked) THEN
+                RETURN jsonb_build_object('s', 'duplicate', 'now', extract(epoch FROM v_now));
+            END IF;
+            v_held := runcell_group_leases(v_group, p_limiters);
+            IF v_held IS NOT NULL THEN
+                RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+                                          'leases', v_held);
+            END IF;
+            SELECT count(*) INTO v_queued FROM runcell_queue
+            WHERE group_id = v_group AND granted_lease_id IS NULL;
+            IF v_queued = v_n THEN
+                RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+                                          'left_ms', p_wait_ms);
+            END IF;
+            -- Part of it is gone (a member dropped while its process stood still): what is
+            -- left could never be granted. Take it out and ask afresh.
+            FOR v_i IN 1 .. v_n LOOP
+                DELETE FROM runcell_queue
+                WHERE request_id = v_group || '|' || p_limiters[v_i] AND granted_lease_id IS NULL;
+                IF FOUND THEN
+                    v_row := v_rows[v_i];
+                    v_row.waiting[v_w[v_i]] := greatest(0, v_row.waiting[v_w[v_i]] - 1);
+                    v_rows[v_i] := v_row;
+                    UPDATE runcell_limiter SET waiting[v_w[v_i]] = greatest(0, waiting[v_w[v_i]] - 1)
+                    WHERE name = p_limiters[v_i];
+                END IF;
+            END LOOP;
         END IF;
-    END IF;
-
-    -- The waiting process must be known alive for its row to be granted: its row is
-    -- written when missing or past half its time (read first: a write per enqueue
-    -- would lengthen every contended acquire).
-    PERFORM 1 FROM runcell_process p
-    WHERE p.process_id = p_process->>'process_id'
-      AND p.expires_at >= v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond' / 2;
-    IF NOT FOUND THEN
+        FOR v_i IN 1 .. v_n LOOP
+            v_row := v_rows[v_i];
+            IF v_row.waiting[v_w[v_i]] > 0
+               OR NOT runcell_has_room(v_row.active, v_row.ceilings, v_row.reserved,
+                                          v_row.max_concurrent, v_w[v_i]) THEN
+                v_all := false;
+            END IF;
+        END LOOP;
+        IF v_all THEN
+            FOR v_i IN 1 .. v_n LOOP
+                v_row := v_rows[v_i];
+                v_token := v_row.last_fencing_token + 1;
+                INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
+                    root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
+                    acquired_at, renewed_at, expires_at)
+                VALUES (p_limiters[v_i], p_workloads[v_i], v_group || '|' || p_limiters[v_i],
+                    v_token, p_request->>'run_id', p_request->>'root_run_id',
+                    p_request->>'parent_run_id', p_request->>'holder_name', p_process->>'host',
+                    (p_process->>'pid')::integer, v_row.lease_ttl_ms, v_now, v_now,
+                    v_now + v_row.lease_ttl_ms * interval '1 millisecond')
+                RETURNING lease_id INTO v_lease_id;
+                UPDATE runcell_limiter
+                SET last_fencing_token = v_token, active[v_w[v_i]] = active[v_w[v_i]] + 1
+                WHERE name = p_limiters[v_i];
+                IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
+                    PERFORM runcell_fair_granted(p_limiters[v_i], p_request->>'key', v_token);
+                END IF;
+                v_leases := v_leases || jsonb_build_array(jsonb_build_array(v_lease_id, v_token));
+            END LOOP;
+            RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+                                      'leases', v_leases);
+        END IF;
+        IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
+            RETURN jsonb_build_object('s', 'no-wait', 'now', extract(epoch FROM v_now));
+        END IF;
+        FOR v_i IN 1 .. v_n LOOP
+            v_row := v_rows[v_i];
+            IF v_row.max_queued IS NOT NULL THEN
+                SELECT coalesce(sum(x), 0) INTO v_queued FROM unnest(v_row.waiting) AS x;
+                IF v_queued >= v_row.max_queued THEN
+                    RETURN jsonb_build_object('s', 'queue-full', 'limiter', p_limiters[v_i],
+                                              'now', extract(epoch FROM v_now));
+                END IF;
+            END IF;
+        END LOOP;
         INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
         VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
                 (p_process->>'pid')::integer,
                 v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
         ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
-    END IF;
-
-    v_ahead := v_row.waiting[v_i];
-    INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
-        parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
-        expires_at, in_progress, process_id, fair_key)
-    VALUES (v_request_id, p_limiter, v_workload, p_request->>'run_id',
-        p_request->>'root_run_id', p_request->>'parent_run_id', p_request->>'holder_name',
-        p_process->>'host', (p_process->>'pid')::integer, v_now,
-        v_now + p_wait_ms * interval '1 millisecond', 'infinity',
-        coalesce((p_request->>'in_progress')::boolean, false), p_process->>'process_id',
-        p_request->>'key');
-    v_row.waiting[v_i] := v_row.waiting[v_i] + 1;
-
-    -- When the first lease of this limiter expires unless renewed. Already passed: its
-    -- holder died, and its slot comes back here (bounded), off the uncontended path.
-    -- Still to come: the waiting process looks then.
-    SELECT l.expires_at INTO v_first_expiry FROM runcell_lease l
-    WHERE l.limiter = p_limiter ORDER BY l.expires_at LIMIT 1;
-    -- Room with others of its workload ahead: they are requests over several limiters
-    -- waiting elsewhere (which hold up nobody), so allocation runs here, now.
-    IF v_first_expiry <= v_now
-       OR runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
-                              v_row.max_concurrent, v_i) THEN
-        IF v_first_expiry <= v_now THEN
-            v_result := runcell_reap_expired_v3(v_row, v_now, 100);
-            v_row := v_result.p_row;
-        END IF;
-        v_result := runcell_allocate_v4(v_row, v_now, v_request_id);
-        v_row := v_result.p_row;
-        v_requests := v_result.requests;
-        v_leases := v_result.leases;
-        v_tokens := v_result.tokens;
-        v_parked := v_result.parked;
-        v_mine := array_position(v_requests, v_request_id);
-        SELECT l.expires_at INTO v_first_expiry FROM runcell_lease l
-        WHERE l.limiter = p_limiter AND l.expires_at > v_now ORDER BY l.expires_at LIMIT 1;
-    END IF;
-    UPDATE runcell_limiter
-    SET active = v_row.active, waiting = v_row.waiting,
-        last_fencing_token = v_row.last_fencing_token
-    WHERE name = p_limiter;
-    IF v_mine IS NOT NULL THEN
-        RETURN runcell_due_groups_v5(
-            runcell_answer_v3('granted', v_now, v_leases[v_mine], v_tokens[v_mine])
-            || jsonb_build_object('parked', runcell_parked_leases_v4(v_leases, v_parked)));
-    END IF;
-    IF cardinality(v_requests) = 0 THEN
+        FOR v_i IN 1 .. v_n LOOP
+            INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
+                parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
+                expires_at, in_progress, process_id, fair_key, group_id, group_limiters)
+            VALUES (v_group || '|' || p_limiters[v_i], p_limiters[v_i], p_workloads[v_i],
+                p_request->>'run_id', p_request->>'root_run_id', p_request->>'parent_run_id',
+                p_request->>'holder_name', p_process->>'host', (p_process->>'pid')::integer,
+                v_now, v_now + p_wait_ms * interval '1 millisecond', 'infinity',
+                coalesce((p_request->>'in_progress')::boolean, false),
+                p_process->>'process_id', p_request->>'key', v_group, p_limiters);
+            UPDATE runcell_limiter SET waiting[v_w[v_i]] = waiting[v_w[v_i]] + 1
+            WHERE name = p_limiters[v_i];
+        END LOOP;
         PERFORM set_config('synchronous_commit', 'off', true);
-        RETURN runcell_due_groups_v5(jsonb_build_object('s', 'queued',
-            'now', extract(epoch FROM v_now),
-            'left_ms', p_wait_ms, 'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
-            'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
-            'slots', least(v_row.ceilings[v_i], v_row.max_concurrent)));
-    END IF;
-    RETURN runcell_due_groups_v5(jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
-        'left_ms', p_wait_ms,
-        'parked', runcell_parked_leases_v4(v_leases, v_parked),
-        'expiry_ms', extract(epoch FROM v_first_expiry - v_now) * 1000,
-        'ahead', v_ahead, 'hold_ms', v_row.hold_ms_avg,
-        'slots', least(v_row.ceilings[v_i], v_row.max_concurrent)));
+        RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
+                                  'left_ms', p_wait_ms);
+    END;
 END;
 $$;
 
@@ -1108,7 +1270,7 @@ $$;
 -- The same update that writes the counts back folds this lease's hold (acquired_at
 -- to now) into the limiter's mean hold time (hold_ms_avg, weight 0.2 for the newest),
 -- which queued acquires report: no extra statement, no extra row touched.
-CREATE OR REPLACE FUNCTION runcell_release_v4(
+CREATE OR REPLACE FUNCTION runcell_release(
     p_limiter text, p_lease_id uuid, p_lock_timeout_ms integer
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
@@ -1121,7 +1283,7 @@ DECLARE
     v_acquired_at timestamptz;
     v_held_ms double precision;
 BEGIN
-    v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
+    v_row := runcell_lock(p_limiter, NULL, p_lock_timeout_ms);
     -- "limiter || ''": found by its primary key whatever the statistics say (with
     -- statistics taken while the table was empty, the planner would otherwise pick
     -- the (limiter, expires_at) index and read every lease of the limiter).
@@ -1136,7 +1298,7 @@ BEGIN
     v_now := clock_timestamp();
     v_held_ms := greatest(0, extract(epoch FROM v_now - v_acquired_at) * 1000);
     IF 0 < ANY(v_row.waiting) THEN
-        v_result := runcell_allocate_v4(v_row, v_now, NULL);
+        v_result := runcell_allocate(v_row, v_now, NULL);
         v_row := v_result.p_row;
         v_granted := cardinality(v_result.requests);
     END IF;
@@ -1148,22 +1310,22 @@ BEGIN
     WHERE name = p_limiter;
     IF v_granted = 0 THEN
         PERFORM set_config('synchronous_commit', 'off', true);
-        RETURN runcell_due_groups_v5('{}'::jsonb);
+        RETURN runcell_due_groups('{}'::jsonb);
     END IF;
-    RETURN runcell_due_groups_v5(jsonb_build_object(
+    RETURN runcell_due_groups(jsonb_build_object(
         't', extract(epoch FROM v_now),
         'g', (SELECT jsonb_agg(jsonb_build_array(r, l::text, t) ORDER BY o)
               FROM unnest(v_result.requests, v_result.leases, v_result.tokens, v_result.parked)
                    WITH ORDINALITY AS g(r, l, t, pk, o)
               WHERE NOT pk),
-        'parked', runcell_parked_leases_v4(v_result.leases, v_result.parked)));
+        'parked', runcell_parked_leases(v_result.leases, v_result.parked)));
 END;
 $$;
 
 -- p_answer with "grp": the requests over several limiters this transaction's
 -- allocation found first in line everywhere (runcell.due_groups), for the caller to run
--- their group pass (runcell_allocate_group_v5) next.
-CREATE OR REPLACE FUNCTION runcell_due_groups_v5(p_answer jsonb) RETURNS jsonb
+-- their group pass (runcell_grant_request) next.
+CREATE OR REPLACE FUNCTION runcell_due_groups(p_answer jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
     v_due text := nullif(current_setting('runcell.due_groups', true), '');
@@ -1180,7 +1342,7 @@ $$;
 
 -- The leases a request over several limiters holds, [[lease_id, token], ...] in
 -- p_limiters' order, or NULL unless it holds one in every limiter.
-CREATE OR REPLACE FUNCTION runcell_group_leases_v5(p_group text, p_limiters text[])
+CREATE OR REPLACE FUNCTION runcell_group_leases(p_group text, p_limiters text[])
 RETURNS jsonb LANGUAGE sql STABLE AS $$
     SELECT CASE WHEN count(x.lease_id) = cardinality(p_limiters)
                 THEN jsonb_agg(jsonb_build_array(x.lease_id, x.fencing_token) ORDER BY u.o)
@@ -1189,168 +1351,13 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
     LEFT JOIN runcell_lease x ON x.request_id = p_group || '|' || u.l
 $$;
 
--- Acquire one slot in each of several limiters, together or not at all: one round trip.
--- p_limiters in lock order (sorted, distinct), each with its stored limits' checksum and
--- the workload the request uses there. Granted at once when, in every limiter, nobody
--- of its workload waits and the workload has room (one synchronous commit); otherwise
--- one queue row per limiter (member "<request id>|<limiter>", asynchronous commit),
--- granted later all together by runcell_allocate_group_v5. Nothing is held while it
--- waits. Returns {"s": "granted", "leases": [[lease_id, token], ...] in p_limiters'
--- order} | {"s": "queued", "left_ms"} | {"s": "no-wait"} | {"s": "queue-full", "limiter"}
--- | {"s": "unknown-workload", "limiter"} | {"s": "duplicate"} (p_retry: it was parked and
--- granted, see runcell_park_group_v5), each with "now".
-CREATE OR REPLACE FUNCTION runcell_acquire_several_v5(
-    p_limiters text[],
-    p_hashes text[],
-    p_workloads text[],
-    p_request jsonb,
-    p_wait_ms double precision,
-    p_process jsonb,
-    p_lock_timeout_ms integer,
-    p_retry boolean
-) RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-    v_n integer := cardinality(p_limiters);
-    v_rows runcell_limiter[] := '{}';
-    v_row runcell_limiter;
-    v_w integer[] := '{}';
-    v_now timestamptz;
-    v_group text := p_request->>'request_id';
-    v_member text;
-    v_i integer;
-    v_j integer;
-    v_all boolean := true;
-    v_leases jsonb := '[]'::jsonb;
-    v_lease_id uuid;
-    v_token bigint;
-    v_queued integer;
-    v_held jsonb;
-BEGIN
-    FOR v_i IN 1 .. v_n LOOP
-        -- Byte-wise (C), as the client sorts them, whatever the database's collation.
-        IF v_i > 1 AND p_limiters[v_i] COLLATE "C" <= p_limiters[v_i - 1] THEN
-            RAISE EXCEPTION 'runcell: limiters must be distinct and in lock order: %', p_limiters;
-        END IF;
-        v_rows := v_rows || runcell_lock_v3(p_limiters[v_i], p_hashes[v_i], p_lock_timeout_ms);
-    END LOOP;
-    v_now := clock_timestamp();
-    FOR v_i IN 1 .. v_n LOOP
-        v_j := array_position(v_rows[v_i].workloads, p_workloads[v_i]);
-        IF v_j IS NULL THEN
-            RETURN jsonb_build_object('s', 'unknown-workload', 'limiter', p_limiters[v_i],
-                                      'now', extract(epoch FROM v_now));
-        END IF;
-        v_w := v_w || v_j;
-    END LOOP;
-    IF p_retry THEN
-        -- A grant made to the request while it was parked belongs to its parked
-        -- message's publication, never to a delivery asking again with its id.
-        IF EXISTS (SELECT 1 FROM runcell_lease x
-                   WHERE x.request_id IN (SELECT v_group || '|' || l FROM unnest(p_limiters) AS l)
-                     AND x.parked) THEN
-            RETURN jsonb_build_object('s', 'duplicate', 'now', extract(epoch FROM v_now));
-        END IF;
-        v_held := runcell_group_leases_v5(v_group, p_limiters);
-        IF v_held IS NOT NULL THEN
-            RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-                                      'leases', v_held);
-        END IF;
-        SELECT count(*) INTO v_queued FROM runcell_queue
-        WHERE group_id = v_group AND granted_lease_id IS NULL;
-        IF v_queued = v_n THEN
-            RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
-                                      'left_ms', p_wait_ms);
-        END IF;
-        -- Part of it is gone (a member dropped while its process stood still): what is
-        -- left could never be granted. Take it out and ask afresh.
-        FOR v_i IN 1 .. v_n LOOP
-            DELETE FROM runcell_queue
-            WHERE request_id = v_group || '|' || p_limiters[v_i] AND granted_lease_id IS NULL;
-            IF FOUND THEN
-                v_row := v_rows[v_i];
-                v_row.waiting[v_w[v_i]] := greatest(0, v_row.waiting[v_w[v_i]] - 1);
-                v_rows[v_i] := v_row;
-                UPDATE runcell_limiter SET waiting[v_w[v_i]] = greatest(0, waiting[v_w[v_i]] - 1)
-                WHERE name = p_limiters[v_i];
-            END IF;
-        END LOOP;
-    END IF;
-    FOR v_i IN 1 .. v_n LOOP
-        v_row := v_rows[v_i];
-        IF v_row.waiting[v_w[v_i]] > 0
-           OR NOT runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
-                                      v_row.max_concurrent, v_w[v_i]) THEN
-            v_all := false;
-        END IF;
-    END LOOP;
-    IF v_all THEN
-        FOR v_i IN 1 .. v_n LOOP
-            v_row := v_rows[v_i];
-            v_token := v_row.last_fencing_token + 1;
-            INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
-                root_run_id, parent_run_id, holder_name, holder_host, holder_pid, ttl_ms,
-                acquired_at, renewed_at, expires_at)
-            VALUES (p_limiters[v_i], p_workloads[v_i], v_group || '|' || p_limiters[v_i],
-                v_token, p_request->>'run_id', p_request->>'root_run_id',
-                p_request->>'parent_run_id', p_request->>'holder_name', p_process->>'host',
-                (p_process->>'pid')::integer, v_row.lease_ttl_ms, v_now, v_now,
-                v_now + v_row.lease_ttl_ms * interval '1 millisecond')
-            RETURNING lease_id INTO v_lease_id;
-            UPDATE runcell_limiter
-            SET last_fencing_token = v_token, active[v_w[v_i]] = active[v_w[v_i]] + 1
-            WHERE name = p_limiters[v_i];
-            IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
-                PERFORM runcell_fair_granted_v5(p_limiters[v_i], p_request->>'key', v_token);
-            END IF;
-            v_leases := v_leases || jsonb_build_array(jsonb_build_array(v_lease_id, v_token));
-        END LOOP;
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-                                  'leases', v_leases);
-    END IF;
-    IF p_wait_ms IS NOT NULL AND p_wait_ms <= 0 THEN
-        RETURN jsonb_build_object('s', 'no-wait', 'now', extract(epoch FROM v_now));
-    END IF;
-    FOR v_i IN 1 .. v_n LOOP
-        v_row := v_rows[v_i];
-        IF v_row.max_queued IS NOT NULL THEN
-            SELECT coalesce(sum(x), 0) INTO v_queued FROM unnest(v_row.waiting) AS x;
-            IF v_queued >= v_row.max_queued THEN
-                RETURN jsonb_build_object('s', 'queue-full', 'limiter', p_limiters[v_i],
-                                          'now', extract(epoch FROM v_now));
-            END IF;
-        END IF;
-    END LOOP;
-    INSERT INTO runcell_process AS p (process_id, channel, host, pid, expires_at)
-    VALUES (p_process->>'process_id', p_process->>'channel', p_process->>'host',
-            (p_process->>'pid')::integer,
-            v_now + (p_process->>'ttl_ms')::integer * interval '1 millisecond')
-    ON CONFLICT (process_id) DO UPDATE SET expires_at = EXCLUDED.expires_at;
-    FOR v_i IN 1 .. v_n LOOP
-        INSERT INTO runcell_queue (request_id, limiter, workload, run_id, root_run_id,
-            parent_run_id, holder_name, holder_host, holder_pid, enqueued_at, deadline,
-            expires_at, in_progress, process_id, fair_key, group_id, group_limiters)
-        VALUES (v_group || '|' || p_limiters[v_i], p_limiters[v_i], p_workloads[v_i],
-            p_request->>'run_id', p_request->>'root_run_id', p_request->>'parent_run_id',
-            p_request->>'holder_name', p_process->>'host', (p_process->>'pid')::integer,
-            v_now, v_now + p_wait_ms * interval '1 millisecond', 'infinity',
-            coalesce((p_request->>'in_progress')::boolean, false),
-            p_process->>'process_id', p_request->>'key', v_group, p_limiters);
-        UPDATE runcell_limiter SET waiting[v_w[v_i]] = waiting[v_w[v_i]] + 1
-        WHERE name = p_limiters[v_i];
-    END LOOP;
-    PERFORM set_config('synchronous_commit', 'off', true);
-    RETURN jsonb_build_object('s', 'queued', 'now', extract(epoch FROM v_now),
-                              'left_ms', p_wait_ms);
-END;
-$$;
-
 -- Whether member p_member (workload index p_j) of a request over several limiters may
 -- take a slot of limiter p_row now, as far as this limiter goes: nobody but other
 -- requests over several limiters is ahead of it in its workload's line (a single
 -- request ahead, which would be served first, is first come, first served), and its
 -- workload has room once the slot of the line's head is set aside, when that head is
 -- another such request first in line in every one of its limiters (anchored).
-CREATE OR REPLACE FUNCTION runcell_group_may_take_v5(
+CREATE OR REPLACE FUNCTION runcell_group_may_take(
     p_row runcell_limiter, p_j integer, p_member text, p_now timestamptz
 ) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -1371,21 +1378,21 @@ BEGIN
         RETURN false;
     END IF;
     SELECT q.request_id, q.group_id, q.group_limiters INTO v_head FROM runcell_queue q
-    WHERE q.request_id = runcell_line_head_v5(
+    WHERE q.request_id = runcell_line_head(
         p_row.name, (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin',
         v_workload, p_now);
     IF v_head.request_id IS DISTINCT FROM p_member AND v_head.group_id IS NOT NULL
-       AND runcell_group_anchored_v5(v_head.group_id, v_head.group_limiters, p_row.name, p_now)
+       AND runcell_group_anchored(v_head.group_id, v_head.group_limiters, p_row.name, p_now)
     THEN
         v_active[p_j] := v_active[p_j] + 1;
     END IF;
-    RETURN runcell_has_room_v3(v_active, p_row.ceilings, p_row.reserved, p_row.max_concurrent,
+    RETURN runcell_has_room(v_active, p_row.ceilings, p_row.reserved, p_row.max_concurrent,
                                p_j);
 END;
 $$;
 
 -- The group pass of a request over several limiters: lock its limiters in order, and
--- grant it a slot in each if, in every one, it may take one (runcell_group_may_take_v5)
+-- grant it a slot in each if, in every one, it may take one (runcell_group_may_take)
 -- and no workload of higher priority waits with room. Runs when
 -- an allocation found it first in line everywhere (the releaser is told, "grp"), and
 -- from the waiting process now and then (for a parked request, from the sweepers).
@@ -1393,7 +1400,7 @@ $$;
 -- process is notified. A parked request is granted as one parked request is: its
 -- answer is {"t", "g": [], "parked": [the first member's lease id]}, the message to
 -- re-publish.
-CREATE OR REPLACE FUNCTION runcell_allocate_group_v5(p_group text, p_lock_timeout_ms integer)
+CREATE OR REPLACE FUNCTION runcell_grant_request(p_group text, p_lock_timeout_ms integer)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_limiters text[];
@@ -1423,16 +1430,16 @@ BEGIN
     END IF;
     v_n := cardinality(v_limiters);
     FOR v_i IN 1 .. v_n LOOP
-        v_rows := v_rows || runcell_lock_v3(v_limiters[v_i], NULL, p_lock_timeout_ms);
+        v_rows := v_rows || runcell_lock(v_limiters[v_i], NULL, p_lock_timeout_ms);
     END LOOP;
     v_now := clock_timestamp();
     FOR v_i IN 1 .. v_n LOOP
         -- A dead holder's slot comes back here too: the waiting process's own pass
         -- then needs nobody else to reap it.
-        v_reaped := runcell_reap_expired_v3(v_rows[v_i], v_now, 100);
+        v_reaped := runcell_drop_expired_leases(v_rows[v_i], v_now, 100);
         IF v_reaped.reaped > 0 THEN
             v_rows[v_i] := v_reaped.p_row;
-            PERFORM runcell_store_counts_v4(v_rows[v_i]);
+            PERFORM runcell_store_counts(v_rows[v_i]);
         END IF;
     END LOOP;
     FOR v_i IN 1 .. v_n LOOP
@@ -1450,18 +1457,18 @@ BEGIN
         END IF;
         v_j := array_position(v_row.workloads, v_m.workload);
         IF v_j IS NULL
-           OR NOT runcell_group_may_take_v5(v_row, v_j, v_member, v_now)
+           OR NOT runcell_group_may_take(v_row, v_j, v_member, v_now)
            OR EXISTS (SELECT 1 FROM generate_subscripts(v_row.workloads, 1) AS k
                       WHERE k <> v_j AND v_row.waiting[k] > 0
                         AND v_row.priorities[k] > v_row.priorities[v_j]
-                        AND runcell_has_room_v3(v_row.active, v_row.ceilings, v_row.reserved,
+                        AND runcell_has_room(v_row.active, v_row.ceilings, v_row.reserved,
                                                 v_row.max_concurrent, k)) THEN
             PERFORM set_config('synchronous_commit', 'off', true);
             RETURN '{}'::jsonb;
         END IF;
         v_w := v_w || v_j;
         v_keys := v_keys || v_m.fair_key;
-        -- Parked (runcell_park_group_v5) as a whole: the first member says for all.
+        -- Parked (runcell_park) as a whole: the first member says for all.
         v_parked := coalesce(v_parked, v_m.parked);
         v_channel := coalesce(v_channel, v_m.channel);
     END LOOP;
@@ -1469,9 +1476,9 @@ BEGIN
         v_row := v_rows[v_i];
         v_member := p_group || '|' || v_limiters[v_i];
         IF v_parked THEN
-            -- As for one parked request (runcell_allocate_v4): each lease is held for the
+            -- As for one parked request (runcell_allocate): each lease is held for the
             -- claim window of its limiter, and the rows stay until the re-published task
-            -- claims them all (runcell_claim_parked_group_v5). Only the first member
+            -- claims them all (runcell_claim). Only the first member
             -- carries the task message; the others count as published already, so the
             -- request is re-published once.
             INSERT INTO runcell_lease (limiter, workload, request_id, fencing_token, run_id,
@@ -1506,7 +1513,7 @@ BEGIN
             waiting[v_w[v_i]] = greatest(0, waiting[v_w[v_i]] - 1)
         WHERE name = v_row.name;
         IF (v_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin' THEN
-            PERFORM runcell_fair_granted_v5(v_row.name, v_keys[v_i], v_row.last_fencing_token + 1);
+            PERFORM runcell_fair_granted(v_row.name, v_keys[v_i], v_row.last_fencing_token + 1);
         END IF;
         v_members := v_members || v_member;
         v_leases := v_leases || v_lease_id;
@@ -1515,204 +1522,17 @@ BEGIN
     END LOOP;
     IF v_parked THEN
         -- The publishers hear of the first member only: its message is the request's.
-        PERFORM runcell_notify_grants_v4(v_limiters[1], v_now, v_members[1:1],
+        PERFORM runcell_notify_grants(v_limiters[1], v_now, v_members[1:1],
             v_leases[1:1], v_tokens[1:1], ARRAY[true], ARRAY[NULL::text]);
         RETURN jsonb_build_object('t', extract(epoch FROM v_now), 'g', '[]'::jsonb,
                                   'parked', jsonb_build_array(v_leases[1]));
     END IF;
-    PERFORM runcell_notify_grants_v4(v_limiters[1], v_now, v_members, v_leases, v_tokens,
+    PERFORM runcell_notify_grants(v_limiters[1], v_now, v_members, v_leases, v_tokens,
         array_fill(false, ARRAY[v_n]), v_channels);
     RETURN jsonb_build_object('t', extract(epoch FROM v_now),
         'g', (SELECT jsonb_agg(jsonb_build_array(m, l::text, t) ORDER BY o)
               FROM unnest(v_members, v_leases, v_tokens) WITH ORDINALITY AS g(m, l, t, o)));
 END;
-$$;
-
--- Withdraw a request over several limiters (its wait ended or it was cancelled): under
--- the locks of all its limiters, in order. A grant made just before wins unless
--- p_give_back (then, and for a partial state, every lease of it is given back).
--- Allocation runs in each limiter afterwards, since the request may have had a slot set
--- aside. Returns {"s": "granted", "leases": [...] in lock order} | {"s": "withdrawn",
--- "parked": [...]}.
-CREATE OR REPLACE FUNCTION runcell_withdraw_group_v5(
-    p_group text, p_limiters text[], p_give_back boolean, p_lock_timeout_ms integer
-) RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-    v_n integer := cardinality(p_limiters);
-    v_row runcell_limiter;
-    v_now timestamptz;
-    v_i integer;
-    v_j integer;
-    v_gone record;
-    v_result record;
-    v_held jsonb;
-    v_parked jsonb := '[]'::jsonb;
-BEGIN
-    FOR v_i IN 1 .. v_n LOOP
-        PERFORM runcell_lock_v3(p_limiters[v_i], NULL, p_lock_timeout_ms);
-    END LOOP;
-    v_now := clock_timestamp();
-    v_held := runcell_group_leases_v5(p_group, p_limiters);
-    IF v_held IS NOT NULL AND NOT p_give_back THEN
-        RETURN jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-                                  'leases', v_held);
-    END IF;
-    FOR v_i IN 1 .. v_n LOOP
-        SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiters[v_i];
-        FOR v_gone IN
-            DELETE FROM runcell_queue WHERE request_id = p_group || '|' || p_limiters[v_i]
-            RETURNING workload, granted_lease_id, expired_at
-        LOOP
-            v_j := array_position(v_row.workloads, v_gone.workload);
-            IF v_j IS NOT NULL AND v_gone.granted_lease_id IS NULL
-               AND v_gone.expired_at IS NULL THEN
-                v_row.waiting[v_j] := greatest(0, v_row.waiting[v_j] - 1);
-            END IF;
-        END LOOP;
-        FOR v_gone IN
-            DELETE FROM runcell_lease WHERE request_id = p_group || '|' || p_limiters[v_i]
-            RETURNING workload
-        LOOP
-            v_j := array_position(v_row.workloads, v_gone.workload);
-            IF v_j IS NOT NULL THEN
-                v_row.active[v_j] := greatest(0, v_row.active[v_j] - 1);
-            END IF;
-        END LOOP;
-        v_result := runcell_allocate_v4(v_row, v_now, NULL);
-        v_row := v_result.p_row;
-        v_parked := v_parked || runcell_parked_leases_v4(v_result.leases, v_result.parked);
-        PERFORM runcell_store_counts_v4(v_row);
-    END LOOP;
-    PERFORM set_config('runcell.due_groups', '', true);
-    RETURN jsonb_build_object('s', 'withdrawn', 'now', extract(epoch FROM v_now),
-                              'parked', v_parked);
-END;
-$$;
-
--- Park a waiting request over several limiters (Celery admission deferral) as one
--- request: under the locks of all its limiters, in order, every member keeps its place
--- and no process waits for it any more; the first member (p_limiters[1]) carries the
--- task message. Its group pass (run by releasers and sweepers) grants it as a parked
--- request. p_op_id makes a retry after a lost reply get the first answer.
--- Returns {"s": "parked"} | {"s": "granted", "leases": [...] in p_limiters' order} |
--- {"s": "missing"} (not all of it waits: ask again).
--- p_broker: the broker its message goes back to (see runcell_queue.broker).
-DROP FUNCTION IF EXISTS runcell_park_group_v5(text, text[], jsonb, uuid, integer);
-CREATE OR REPLACE FUNCTION runcell_park_group_v5(
-    p_group text, p_limiters text[], p_payload jsonb, p_op_id uuid, p_lock_timeout_ms integer,
-    p_broker text DEFAULT NULL
-) RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-    v_done jsonb;
-    v_n integer := cardinality(p_limiters);
-    v_members text[];
-    v_i integer;
-    v_now timestamptz;
-    v_waiting integer;
-    v_held jsonb;
-    v_answer jsonb;
-BEGIN
-    v_done := runcell_op_begin_v4(p_op_id);
-    IF v_done IS NOT NULL THEN
-        RETURN v_done;
-    END IF;
-    FOR v_i IN 1 .. v_n LOOP
-        PERFORM runcell_lock_v3(p_limiters[v_i], NULL, p_lock_timeout_ms);
-    END LOOP;
-    v_now := clock_timestamp();
-    v_members := ARRAY(SELECT p_group || '|' || l FROM unnest(p_limiters) AS l);
-    SELECT count(*) INTO v_waiting FROM runcell_queue
-    WHERE request_id = ANY(v_members) AND granted_lease_id IS NULL AND expired_at IS NULL;
-    IF v_waiting = v_n THEN
-        UPDATE runcell_queue
-        SET parked = true, process_id = NULL, expires_at = 'infinity',
-            payload = CASE WHEN request_id = v_members[1] THEN p_payload END,
-            broker = p_broker
-        WHERE request_id = ANY(v_members);
-        v_answer := jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
-    ELSE
-        v_held := runcell_group_leases_v5(p_group, p_limiters);
-        IF v_held IS NOT NULL THEN
-            v_answer := jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
-                                           'leases', v_held);
-        ELSE
-            v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
-        END IF;
-    END IF;
-    RETURN runcell_op_end_v4(p_op_id, v_answer);
-END;
-$$;
-
--- A re-published task over several limiters takes the leases granted to its parked
--- request, all or none: only the publication the grant was sent as (the first
--- member's), and only while every member's lease is within its claim window. The
--- leases are locked first, as a reap locks them, then the rows go and the leases are
--- renewed to their full TTL, marked picked up. No limiter lock: no count changes.
--- Returns {"s": "claimed", "leases": [[lease_id, token, workload], ...] in p_limiters'
--- order, "waited_ms": the request's whole wait, from its first ask (the earliest
--- member's enqueued_at, kept across parking) to this claim, in database time} |
--- {"s": "stale"} (still stored: in line, or granted to another publication) |
--- {"s": "missing"} (claimed by another copy, withdrawn or failed).
-CREATE OR REPLACE FUNCTION runcell_claim_parked_group_v5(
-    p_group text, p_limiters text[], p_publication_id uuid, p_op_id uuid
-) RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-    v_done jsonb;
-    v_n integer := cardinality(p_limiters);
-    v_members text[];
-    v_now timestamptz;
-    v_ready integer;
-    v_answer jsonb;
-BEGIN
-    v_done := runcell_op_begin_v4(p_op_id);
-    IF v_done IS NOT NULL THEN
-        RETURN v_done;
-    END IF;
-    v_now := clock_timestamp();
-    v_members := ARRAY(SELECT p_group || '|' || l FROM unnest(p_limiters) AS l);
-    PERFORM 1 FROM runcell_lease l
-    WHERE l.lease_id IN (SELECT q.granted_lease_id FROM runcell_queue q
-                         WHERE q.request_id = ANY(v_members))
-    ORDER BY l.lease_id FOR UPDATE;
-    SELECT count(*) INTO v_ready
-    FROM runcell_queue q JOIN runcell_lease l ON l.lease_id = q.granted_lease_id
-    WHERE q.request_id = ANY(v_members) AND q.parked AND l.expires_at > v_now
-      AND EXISTS (SELECT 1 FROM runcell_queue f
-                  WHERE f.request_id = v_members[1] AND f.publication_id = p_publication_id);
-    IF v_ready = v_n THEN
-        WITH claimed AS (
-            DELETE FROM runcell_queue WHERE request_id = ANY(v_members)
-            RETURNING granted_lease_id, enqueued_at
-        ), renewed AS (
-            UPDATE runcell_lease x
-            SET picked_up_at = v_now, renewed_at = v_now,
-                expires_at = v_now + x.ttl_ms * interval '1 millisecond'
-            FROM claimed c WHERE x.lease_id = c.granted_lease_id
-            RETURNING x.lease_id, x.fencing_token, x.workload, x.limiter
-        )
-        SELECT jsonb_build_object('s', 'claimed', 'now', extract(epoch FROM v_now),
-            'leases', jsonb_agg(jsonb_build_array(r.lease_id, r.fencing_token, r.workload)
-                                ORDER BY u.o),
-            'waited_ms', (SELECT extract(epoch FROM v_now - min(c.enqueued_at)) * 1000
-                          FROM claimed c))
-        INTO v_answer
-        FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o) JOIN renewed r ON r.limiter = u.l;
-    ELSIF EXISTS (SELECT 1 FROM runcell_queue WHERE request_id = ANY(v_members)) THEN
-        v_answer := jsonb_build_object('s', 'stale', 'now', extract(epoch FROM v_now));
-    ELSE
-        v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
-    END IF;
-    RETURN runcell_op_end_v4(p_op_id, v_answer);
-END;
-$$;
-
--- The release of the previous revision (its answer: the parked grants' lease ids), for
--- workers of that revision still running during a rolling upgrade.
-CREATE OR REPLACE FUNCTION runcell_release_v3(
-    p_limiter text, p_lease_id uuid, p_lock_timeout_ms integer
-) RETURNS jsonb LANGUAGE sql AS $$
-    SELECT coalesce(runcell_release_v4(p_limiter, p_lease_id, p_lock_timeout_ms)->'parked',
-                    '[]'::jsonb)
 $$;
 
 -- Withdraw a waiting request (its wait ended or it was cancelled). Under the lock, so
@@ -1722,76 +1542,133 @@ $$;
 -- p_op_id (NULL: not recorded) makes a retry after a lost reply get the same answer.
 -- Returns {"s": "granted", "lease": [...]} | {"s": "withdrawn", "parked": [lease ids
 -- granted to parked requests]} | {"s": "missing"}.
-CREATE OR REPLACE FUNCTION runcell_withdraw_v4(
-    p_limiter text, p_request_id text, p_give_back boolean, p_op_id uuid,
+-- Withdraw a request over several limiters (its wait ended or it was cancelled): under
+-- the locks of all its limiters, in order. A grant made just before wins unless
+-- p_give_back (then, and for a partial state, every lease of it is given back).
+-- Allocation runs in each limiter afterwards, since the request may have had a slot set
+-- aside. Returns {"s": "granted", "leases": [...] in lock order} | {"s": "withdrawn",
+-- "parked": [...]}.
+CREATE OR REPLACE FUNCTION runcell_withdraw(
+    p_limiters text[], p_request_id text, p_give_back boolean, p_op_id uuid,
     p_lock_timeout_ms integer
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_done jsonb;
-    v_now timestamptz;
-    v_row runcell_limiter;
-    v_lease record;
-    v_queued record;
-    v_result record;
-    v_i integer;
-    v_parked jsonb := '[]'::jsonb;
-    v_status text := 'missing';
 BEGIN
-    v_done := runcell_op_begin_v4(p_op_id);
+    v_done := runcell_op_begin(p_op_id);
     IF v_done IS NOT NULL THEN
         RETURN v_done;
     END IF;
-    v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
-    v_now := clock_timestamp();
-    -- A parked grant a re-published task picked up belongs to the delivery running
-    -- with it (released by lease id), never to whoever names its request.
-    SELECT lease_id, workload, fencing_token, parked INTO v_lease FROM runcell_lease
-    WHERE request_id = p_request_id AND limiter = p_limiter AND picked_up_at IS NULL;
-    IF FOUND AND NOT p_give_back AND NOT v_lease.parked THEN
-        RETURN runcell_op_end_v4(p_op_id,
-            runcell_answer_v3('granted', v_now, v_lease.lease_id, v_lease.fencing_token));
+    IF cardinality(p_limiters) = 1 THEN
+        -- One member: the fast path (one limiter row locked; its rows are named
+        -- by the request id itself).
+        DECLARE
+            v_limiter text := p_limiters[1];
+            v_now timestamptz;
+            v_row runcell_limiter;
+            v_lease record;
+            v_queued record;
+            v_result record;
+            v_i integer;
+            v_parked jsonb := '[]'::jsonb;
+            v_status text := 'missing';
+        BEGIN
+            v_row := runcell_lock(v_limiter, NULL, p_lock_timeout_ms);
+            v_now := clock_timestamp();
+            -- A parked grant a re-published task picked up belongs to the delivery running
+            -- with it (released by lease id), never to whoever names its request.
+            SELECT lease_id, workload, fencing_token, parked INTO v_lease FROM runcell_lease
+            WHERE request_id = p_request_id AND limiter = v_limiter AND picked_up_at IS NULL;
+            IF FOUND AND NOT p_give_back AND NOT v_lease.parked THEN
+                RETURN runcell_op_end(p_op_id,
+                    runcell_answer('granted', v_now, v_lease.lease_id, v_lease.fencing_token));
+            END IF;
+            DELETE FROM runcell_queue WHERE request_id = p_request_id AND limiter = v_limiter
+            RETURNING workload, granted_lease_id, expired_at INTO v_queued;
+            IF FOUND THEN
+                v_status := 'withdrawn';
+                v_i := array_position(v_row.workloads, v_queued.workload);
+                IF v_queued.granted_lease_id IS NULL AND v_queued.expired_at IS NULL
+                   AND v_i IS NOT NULL THEN
+                    v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
+                END IF;
+            END IF;
+            IF v_lease.lease_id IS NOT NULL THEN
+                v_status := 'withdrawn';
+                DELETE FROM runcell_lease WHERE lease_id = v_lease.lease_id;
+                v_i := array_position(v_row.workloads, v_lease.workload);
+                IF v_i IS NOT NULL THEN
+                    v_row.active[v_i] := greatest(0, v_row.active[v_i] - 1);
+                END IF;
+                v_result := runcell_allocate(v_row, v_now, NULL);
+                v_row := v_result.p_row;
+                v_parked := runcell_parked_leases(v_result.leases, v_result.parked);
+            END IF;
+            PERFORM runcell_store_counts(v_row);
+            RETURN runcell_op_end(p_op_id, jsonb_build_object('s', v_status,
+                'now', extract(epoch FROM v_now), 'parked', v_parked));
+        END;
     END IF;
-    DELETE FROM runcell_queue WHERE request_id = p_request_id AND limiter = p_limiter
-    RETURNING workload, granted_lease_id, expired_at INTO v_queued;
-    IF FOUND THEN
-        v_status := 'withdrawn';
-        v_i := array_position(v_row.workloads, v_queued.workload);
-        IF v_queued.granted_lease_id IS NULL AND v_queued.expired_at IS NULL
-           AND v_i IS NOT NULL THEN
-            v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
+    -- Several members: each waits as a row of its own, "<request id>|<limiter>".
+    DECLARE
+        v_n integer := cardinality(p_limiters);
+        v_row runcell_limiter;
+        v_now timestamptz;
+        v_i integer;
+        v_j integer;
+        v_gone record;
+        v_result record;
+        v_held jsonb;
+        v_parked jsonb := '[]'::jsonb;
+    BEGIN
+        FOR v_i IN 1 .. v_n LOOP
+            PERFORM runcell_lock(p_limiters[v_i], NULL, p_lock_timeout_ms);
+        END LOOP;
+        v_now := clock_timestamp();
+        v_held := runcell_group_leases(p_request_id, p_limiters);
+        IF v_held IS NOT NULL AND NOT p_give_back THEN
+            RETURN runcell_op_end(p_op_id, jsonb_build_object('s', 'granted',
+                'now', extract(epoch FROM v_now), 'leases', v_held));
         END IF;
-    END IF;
-    IF v_lease.lease_id IS NOT NULL THEN
-        v_status := 'withdrawn';
-        DELETE FROM runcell_lease WHERE lease_id = v_lease.lease_id;
-        v_i := array_position(v_row.workloads, v_lease.workload);
-        IF v_i IS NOT NULL THEN
-            v_row.active[v_i] := greatest(0, v_row.active[v_i] - 1);
-        END IF;
-        v_result := runcell_allocate_v4(v_row, v_now, NULL);
-        v_row := v_result.p_row;
-        v_parked := runcell_parked_leases_v4(v_result.leases, v_result.parked);
-    END IF;
-    PERFORM runcell_store_counts_v4(v_row);
-    RETURN runcell_op_end_v4(p_op_id, jsonb_build_object('s', v_status,
-        'now', extract(epoch FROM v_now), 'parked', v_parked));
+        FOR v_i IN 1 .. v_n LOOP
+            SELECT * INTO v_row FROM runcell_limiter WHERE name = p_limiters[v_i];
+            FOR v_gone IN
+                DELETE FROM runcell_queue WHERE request_id = p_request_id || '|' || p_limiters[v_i]
+                RETURNING workload, granted_lease_id, expired_at
+            LOOP
+                v_j := array_position(v_row.workloads, v_gone.workload);
+                IF v_j IS NOT NULL AND v_gone.granted_lease_id IS NULL
+                   AND v_gone.expired_at IS NULL THEN
+                    v_row.waiting[v_j] := greatest(0, v_row.waiting[v_j] - 1);
+                END IF;
+            END LOOP;
+            FOR v_gone IN
+                DELETE FROM runcell_lease WHERE request_id = p_request_id || '|' || p_limiters[v_i]
+                RETURNING workload
+            LOOP
+                v_j := array_position(v_row.workloads, v_gone.workload);
+                IF v_j IS NOT NULL THEN
+                    v_row.active[v_j] := greatest(0, v_row.active[v_j] - 1);
+                END IF;
+            END LOOP;
+            v_result := runcell_allocate(v_row, v_now, NULL);
+            v_row := v_result.p_row;
+            v_parked := v_parked || runcell_parked_leases(v_result.leases, v_result.parked);
+            PERFORM runcell_store_counts(v_row);
+        END LOOP;
+        PERFORM set_config('runcell.due_groups', '', true);
+        RETURN runcell_op_end(p_op_id, jsonb_build_object('s', 'withdrawn',
+            'now', extract(epoch FROM v_now), 'parked', v_parked));
+    END;
 END;
-$$;
-
--- The withdraw of the previous revision, for workers of it still running during a
--- rolling upgrade (no operation id: nothing recorded).
-CREATE OR REPLACE FUNCTION runcell_withdraw_v3(
-    p_limiter text, p_request_id text, p_give_back boolean, p_lock_timeout_ms integer
-) RETURNS jsonb LANGUAGE sql AS $$
-    SELECT runcell_withdraw_v4(p_limiter, p_request_id, p_give_back, NULL, p_lock_timeout_ms)
 $$;
 
 -- A process's safety poll for all its waiters at once (no lock): which were granted
 -- (a notification may have been lost), which are gone (their rows were reaped while
 -- the process stalled), and which of its limiters hold expired leases (it then runs
--- runcell_reap_v3). With p_heartbeat it renews the process's liveness, which keeps
+-- runcell_reap). With p_heartbeat it renews the process's liveness, which keeps
 -- all its queue rows: one row per process, not one per waiter.
-CREATE OR REPLACE FUNCTION runcell_poll_v3(
+CREATE OR REPLACE FUNCTION runcell_poll(
     p_process jsonb, p_request_ids text[], p_limiters text[], p_heartbeat boolean
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
@@ -1831,7 +1708,7 @@ $$;
 
 -- An allocation pass on demand (safety poll, sweeper, force release): reap expired
 -- leases and the queue rows of processes that stopped renewing (bounded), then grant.
-CREATE OR REPLACE FUNCTION runcell_reap_v3(p_limiter text, p_lock_timeout_ms integer)
+CREATE OR REPLACE FUNCTION runcell_reap(p_limiter text, p_lock_timeout_ms integer)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_now timestamptz;
@@ -1840,9 +1717,9 @@ DECLARE
     v_gone record;
     v_i integer;
 BEGIN
-    v_row := runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
+    v_row := runcell_lock(p_limiter, NULL, p_lock_timeout_ms);
     v_now := clock_timestamp();
-    v_result := runcell_reap_expired_v3(v_row, v_now, 1000);
+    v_result := runcell_drop_expired_leases(v_row, v_now, 1000);
     v_row := v_result.p_row;
     FOR v_gone IN
         DELETE FROM runcell_queue WHERE request_id IN (
@@ -1858,16 +1735,16 @@ BEGIN
             v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
         END IF;
     END LOOP;
-    v_result := runcell_allocate_v4(v_row, v_now, NULL);
+    v_result := runcell_allocate(v_row, v_now, NULL);
     v_row := v_result.p_row;
-    PERFORM runcell_store_counts_v4(v_row);
-    RETURN runcell_parked_leases_v4(v_result.leases, v_result.parked);
+    PERFORM runcell_store_counts(v_row);
+    RETURN runcell_parked_leases(v_result.leases, v_result.parked);
 END;
 $$;
 
 -- Renew leases of one limiter held by one process, in one statement. Asynchronous
 -- commit: a renewal lost in a crash only makes the lease end sooner.
-CREATE OR REPLACE FUNCTION runcell_renew_v3(p_limiter text, p_lease_ids uuid[])
+CREATE OR REPLACE FUNCTION runcell_renew(p_limiter text, p_lease_ids uuid[])
 RETURNS SETOF text LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -1884,7 +1761,7 @@ $$;
 
 -- Store limits in array form from their JSON (what Python's LimiterConfig.to_dict()
 -- gives) and recount from the rows: used when a limiter is registered or replaced.
-CREATE OR REPLACE FUNCTION runcell_set_limits_v3(p_limiter text) RETURNS void
+CREATE OR REPLACE FUNCTION runcell_set_limits(p_limiter text) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     v_config jsonb;
@@ -1925,49 +1802,92 @@ $$;
 -- the two attempts would otherwise read as "missing").
 -- Returns {"s": "parked"} | {"s": "granted", "lease": [...]} | {"s": "missing"}.
 -- p_broker: the broker its message goes back to (see runcell_queue.broker).
-DROP FUNCTION IF EXISTS runcell_park_v4(text, text, jsonb, uuid, integer);
-CREATE OR REPLACE FUNCTION runcell_park_v4(
-    p_limiter text, p_request_id text, p_payload jsonb, p_op_id uuid,
-    p_lock_timeout_ms integer, p_broker text DEFAULT NULL
+-- Park a waiting request over several limiters (Celery admission deferral) as one
+-- request: under the locks of all its limiters, in order, every member keeps its place
+-- and no process waits for it any more; the first member (p_limiters[1]) carries the
+-- task message. Its group pass (run by releasers and sweepers) grants it as a parked
+-- request. p_op_id makes a retry after a lost reply get the first answer.
+-- Returns {"s": "parked"} | {"s": "granted", "leases": [...] in p_limiters' order} |
+-- {"s": "missing"} (not all of it waits: ask again).
+-- p_broker: the broker its message goes back to (see runcell_queue.broker).
+CREATE OR REPLACE FUNCTION runcell_park(
+    p_limiters text[], p_request_id text, p_payload jsonb, p_op_id uuid,
+    p_lock_timeout_ms integer, p_broker text
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_done jsonb;
-    v_now timestamptz;
-    v_lease record;
-    v_answer jsonb;
 BEGIN
-    v_done := runcell_op_begin_v4(p_op_id);
+    v_done := runcell_op_begin(p_op_id);
     IF v_done IS NOT NULL THEN
         RETURN v_done;
     END IF;
-    PERFORM runcell_lock_v3(p_limiter, NULL, p_lock_timeout_ms);
-    v_now := clock_timestamp();
-    UPDATE runcell_queue SET parked = true, payload = p_payload, process_id = NULL,
-        expires_at = 'infinity', broker = p_broker
-    WHERE request_id = p_request_id AND limiter = p_limiter AND granted_lease_id IS NULL
-      AND expired_at IS NULL;
-    IF FOUND THEN
-        v_answer := jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
-    ELSE
-        SELECT lease_id, fencing_token INTO v_lease FROM runcell_lease
-        WHERE request_id = p_request_id AND limiter = p_limiter AND expires_at > v_now
-          AND NOT parked;
-        IF FOUND THEN
-            v_answer := runcell_answer_v3('granted', v_now, v_lease.lease_id,
-                                          v_lease.fencing_token);
-        ELSE
-            v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
-        END IF;
+    IF cardinality(p_limiters) = 1 THEN
+        -- One member: the fast path (one limiter row locked; its rows are named
+        -- by the request id itself).
+        DECLARE
+            v_limiter text := p_limiters[1];
+            v_now timestamptz;
+            v_lease record;
+            v_answer jsonb;
+        BEGIN
+            PERFORM runcell_lock(v_limiter, NULL, p_lock_timeout_ms);
+            v_now := clock_timestamp();
+            UPDATE runcell_queue SET parked = true, payload = p_payload, process_id = NULL,
+                expires_at = 'infinity', broker = p_broker
+            WHERE request_id = p_request_id AND limiter = v_limiter AND granted_lease_id IS NULL
+              AND expired_at IS NULL;
+            IF FOUND THEN
+                v_answer := jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
+            ELSE
+                SELECT lease_id, fencing_token INTO v_lease FROM runcell_lease
+                WHERE request_id = p_request_id AND limiter = v_limiter AND expires_at > v_now
+                  AND NOT parked;
+                IF FOUND THEN
+                    v_answer := runcell_answer('granted', v_now, v_lease.lease_id,
+                                                  v_lease.fencing_token);
+                ELSE
+                    v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+                END IF;
+            END IF;
+            RETURN runcell_op_end(p_op_id, v_answer);
+        END;
     END IF;
-    RETURN runcell_op_end_v4(p_op_id, v_answer);
+    -- Several members: each waits as a row of its own, "<request id>|<limiter>".
+    DECLARE
+        v_n integer := cardinality(p_limiters);
+        v_members text[];
+        v_i integer;
+        v_now timestamptz;
+        v_waiting integer;
+        v_held jsonb;
+        v_answer jsonb;
+    BEGIN
+        FOR v_i IN 1 .. v_n LOOP
+            PERFORM runcell_lock(p_limiters[v_i], NULL, p_lock_timeout_ms);
+        END LOOP;
+        v_now := clock_timestamp();
+        v_members := ARRAY(SELECT p_request_id || '|' || l FROM unnest(p_limiters) AS l);
+        SELECT count(*) INTO v_waiting FROM runcell_queue
+        WHERE request_id = ANY(v_members) AND granted_lease_id IS NULL AND expired_at IS NULL;
+        IF v_waiting = v_n THEN
+            UPDATE runcell_queue
+            SET parked = true, process_id = NULL, expires_at = 'infinity',
+                payload = CASE WHEN request_id = v_members[1] THEN p_payload END,
+                broker = p_broker
+            WHERE request_id = ANY(v_members);
+            v_answer := jsonb_build_object('s', 'parked', 'now', extract(epoch FROM v_now));
+        ELSE
+            v_held := runcell_group_leases(p_request_id, p_limiters);
+            IF v_held IS NOT NULL THEN
+                v_answer := jsonb_build_object('s', 'granted', 'now', extract(epoch FROM v_now),
+                                               'leases', v_held);
+            ELSE
+                v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+            END IF;
+        END IF;
+        RETURN runcell_op_end(p_op_id, v_answer);
+    END;
 END;
-$$;
-
--- The park of the previous revision, for its workers during a rolling upgrade.
-CREATE OR REPLACE FUNCTION runcell_park_v3(
-    p_limiter text, p_request_id text, p_payload jsonb, p_lock_timeout_ms integer
-) RETURNS jsonb LANGUAGE sql AS $$
-    SELECT runcell_park_v4(p_limiter, p_request_id, p_payload, NULL, p_lock_timeout_ms)
 $$;
 
 -- A re-published parked task takes the lease granted to its delivery: the queue row
@@ -1980,59 +1900,122 @@ $$;
 -- will carry it) | {"s": "missing"} (claimed by another copy, withdrawn or failed).
 -- "waited_ms": the request's whole wait, from its first ask (the row's enqueued_at,
 -- kept across parking and re-publication) to this claim, in database time.
-CREATE OR REPLACE FUNCTION runcell_claim_parked_v4(
-    p_limiter text, p_request_id text, p_publication_id uuid, p_op_id uuid
+-- A re-published task over several limiters takes the leases granted to its parked
+-- request, all or none: only the publication the grant was sent as (the first
+-- member's), and only while every member's lease is within its claim window. The
+-- leases are locked first, as a reap locks them, then the rows go and the leases are
+-- renewed to their full TTL, marked picked up. No limiter lock: no count changes.
+-- Returns {"s": "claimed", "leases": [[lease_id, token, workload], ...] in p_limiters'
+-- order, "waited_ms": the request's whole wait, from its first ask (the earliest
+-- member's enqueued_at, kept across parking) to this claim, in database time} |
+-- {"s": "stale"} (still stored: in line, or granted to another publication) |
+-- {"s": "missing"} (claimed by another copy, withdrawn or failed).
+CREATE OR REPLACE FUNCTION runcell_claim(
+    p_limiters text[], p_request_id text, p_publication_id uuid, p_op_id uuid
 ) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_done jsonb;
-    v_now timestamptz;
-    v_lease_id uuid;
-    v_asked timestamptz;
-    v_lease record;
-    v_answer jsonb;
 BEGIN
-    v_done := runcell_op_begin_v4(p_op_id);
+    v_done := runcell_op_begin(p_op_id);
     IF v_done IS NOT NULL THEN
         RETURN v_done;
     END IF;
-    v_now := clock_timestamp();
-    DELETE FROM runcell_queue q
-    USING runcell_lease l
-    WHERE q.request_id = p_request_id AND q.limiter = p_limiter AND q.parked
-      AND q.publication_id = p_publication_id
-      AND l.lease_id = q.granted_lease_id AND l.expires_at > v_now
-    RETURNING q.granted_lease_id, q.enqueued_at INTO v_lease_id, v_asked;
-    IF FOUND THEN
-        UPDATE runcell_lease
-        SET picked_up_at = v_now, renewed_at = v_now,
-            expires_at = v_now + ttl_ms * interval '1 millisecond'
-        WHERE lease_id = v_lease_id
-        RETURNING lease_id, fencing_token, workload INTO v_lease;
-        v_answer := runcell_answer_v3('claimed', v_now, v_lease.lease_id, v_lease.fencing_token)
-            || jsonb_build_object('workload', v_lease.workload,
-                                  'waited_ms', extract(epoch FROM v_now - v_asked) * 1000);
-    ELSIF EXISTS (SELECT 1 FROM runcell_queue
-                  WHERE request_id = p_request_id AND limiter = p_limiter) THEN
-        v_answer := jsonb_build_object('s', 'stale', 'now', extract(epoch FROM v_now));
-    ELSE
-        v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+    IF cardinality(p_limiters) = 1 THEN
+        -- One member: the fast path (one limiter row locked; its rows are named
+        -- by the request id itself).
+        DECLARE
+            v_limiter text := p_limiters[1];
+            v_now timestamptz;
+            v_lease_id uuid;
+            v_asked timestamptz;
+            v_lease record;
+            v_answer jsonb;
+        BEGIN
+            v_now := clock_timestamp();
+            DELETE FROM runcell_queue q
+            USING runcell_lease l
+            WHERE q.request_id = p_request_id AND q.limiter = v_limiter AND q.parked
+              AND q.publication_id = p_publication_id
+              AND l.lease_id = q.granted_lease_id AND l.expires_at > v_now
+            RETURNING q.granted_lease_id, q.enqueued_at INTO v_lease_id, v_asked;
+            IF FOUND THEN
+                UPDATE runcell_lease
+                SET picked_up_at = v_now, renewed_at = v_now,
+                    expires_at = v_now + ttl_ms * interval '1 millisecond'
+                WHERE lease_id = v_lease_id
+                RETURNING lease_id, fencing_token, workload INTO v_lease;
+                v_answer := runcell_answer('claimed', v_now, v_lease.lease_id, v_lease.fencing_token)
+                    || jsonb_build_object('workload', v_lease.workload,
+                                          'leases', jsonb_build_array(jsonb_build_array(
+                                              v_lease.lease_id, v_lease.fencing_token, v_lease.workload)),
+                                          'waited_ms', extract(epoch FROM v_now - v_asked) * 1000);
+            ELSIF EXISTS (SELECT 1 FROM runcell_queue
+                          WHERE request_id = p_request_id AND limiter = v_limiter) THEN
+                v_answer := jsonb_build_object('s', 'stale', 'now', extract(epoch FROM v_now));
+            ELSE
+                v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+            END IF;
+            RETURN runcell_op_end(p_op_id, v_answer);
+        END;
     END IF;
-    RETURN runcell_op_end_v4(p_op_id, v_answer);
+    -- Several members: each waits as a row of its own, "<request id>|<limiter>".
+    DECLARE
+        v_n integer := cardinality(p_limiters);
+        v_members text[];
+        v_now timestamptz;
+        v_ready integer;
+        v_answer jsonb;
+    BEGIN
+        v_now := clock_timestamp();
+        v_members := ARRAY(SELECT p_request_id || '|' || l FROM unnest(p_limiters) AS l);
+        PERFORM 1 FROM runcell_lease l
+        WHERE l.lease_id IN (SELECT q.granted_lease_id FROM runcell_queue q
+                             WHERE q.request_id = ANY(v_members))
+        ORDER BY l.lease_id FOR UPDATE;
+        SELECT count(*) INTO v_ready
+        FROM runcell_queue q JOIN runcell_lease l ON l.lease_id = q.granted_lease_id
+        WHERE q.request_id = ANY(v_members) AND q.parked AND l.expires_at > v_now
+          AND EXISTS (SELECT 1 FROM runcell_queue f
+                      WHERE f.request_id = v_members[1] AND f.publication_id = p_publication_id);
+        IF v_ready = v_n THEN
+            WITH claimed AS (
+                DELETE FROM runcell_queue WHERE request_id = ANY(v_members)
+                RETURNING granted_lease_id, enqueued_at
+            ), renewed AS (
+                UPDATE runcell_lease x
+                SET picked_up_at = v_now, renewed_at = v_now,
+                    expires_at = v_now + x.ttl_ms * interval '1 millisecond'
+                FROM claimed c WHERE x.lease_id = c.granted_lease_id
+                RETURNING x.lease_id, x.fencing_token, x.workload, x.limiter
+            )
+            SELECT jsonb_build_object('s', 'claimed', 'now', extract(epoch FROM v_now),
+                'leases', jsonb_agg(jsonb_build_array(r.lease_id, r.fencing_token, r.workload)
+                                    ORDER BY u.o),
+                'waited_ms', (SELECT extract(epoch FROM v_now - min(c.enqueued_at)) * 1000
+                              FROM claimed c))
+            INTO v_answer
+            FROM unnest(p_limiters) WITH ORDINALITY AS u(l, o) JOIN renewed r ON r.limiter = u.l;
+        ELSIF EXISTS (SELECT 1 FROM runcell_queue WHERE request_id = ANY(v_members)) THEN
+            v_answer := jsonb_build_object('s', 'stale', 'now', extract(epoch FROM v_now));
+        ELSE
+            v_answer := jsonb_build_object('s', 'missing', 'now', extract(epoch FROM v_now));
+        END IF;
+        RETURN runcell_op_end(p_op_id, v_answer);
+    END;
 END;
 $$;
 
 -- Parked requests whose deadline passed before they were granted, phase one of two:
 -- each is taken out of line under its limiter's lock (expired_at; no longer counted as
 -- waiting, never granted) and handed to p_taker, which records its task's failure and
--- then deletes it with runcell_complete_expired_v4. Nothing is deleted here: a taker
+-- then deletes it with runcell_complete_expired. Nothing is deleted here: a taker
 -- that cannot record the failure (broker or result backend down, the process died)
 -- leaves the row, and it is handed out again: to the same taker at its next pass, to
 -- any other once p_retake_after_ms passed. Limiters are locked one at a time, in name
 -- order. Also purges operation records older than p_keep_ops_ms (bounded). With
 -- p_broker, only requests parked for that broker (or for none) are taken: another
 -- broker's tasks are failed by its own workers, in its own result backend.
-DROP FUNCTION IF EXISTS runcell_take_expired_parked_v4(text, integer, integer, integer);
-CREATE OR REPLACE FUNCTION runcell_take_expired_parked_v4(
+CREATE OR REPLACE FUNCTION runcell_take_expired_parked(
     p_taker text, p_retake_after_ms integer, p_keep_ops_ms integer, p_lock_timeout_ms integer,
     p_broker text DEFAULT NULL
 ) RETURNS SETOF runcell_queue LANGUAGE plpgsql AS $$
@@ -2056,7 +2039,7 @@ BEGIN
           AND q.deadline <= v_start
         ORDER BY q.limiter  -- lock order (COLLATE "C", as every other operation's)
     LOOP
-        v_row := runcell_lock_v3(v_limiter, NULL, p_lock_timeout_ms);
+        v_row := runcell_lock(v_limiter, NULL, p_lock_timeout_ms);
         v_now := clock_timestamp();
         FOR v_gone IN
             UPDATE runcell_queue q
@@ -2072,7 +2055,7 @@ BEGIN
             END IF;
             RETURN NEXT v_gone;
         END LOOP;
-        PERFORM runcell_store_counts_v4(v_row);
+        PERFORM runcell_store_counts(v_row);
     END LOOP;
     RETURN QUERY
         UPDATE runcell_queue q SET failing_by = p_taker, failing_at = clock_timestamp()
@@ -2086,13 +2069,13 @@ $$;
 
 -- Phase two: delete expired requests whose failure was recorded. p_items is
 -- [[limiter, request_id], ...]. Returns {"s": "completed", "n": rows deleted}.
-CREATE OR REPLACE FUNCTION runcell_complete_expired_v4(p_items jsonb, p_op_id uuid)
+CREATE OR REPLACE FUNCTION runcell_complete_expired(p_items jsonb, p_op_id uuid)
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_done jsonb;
     v_n integer;
 BEGIN
-    v_done := runcell_op_begin_v4(p_op_id);
+    v_done := runcell_op_begin(p_op_id);
     IF v_done IS NOT NULL THEN
         RETURN v_done;
     END IF;
@@ -2100,41 +2083,7 @@ BEGIN
     USING jsonb_array_elements(p_items) AS i(item)
     WHERE q.limiter = i.item->>0 AND q.request_id = i.item->>1 AND q.expired_at IS NOT NULL;
     GET DIAGNOSTICS v_n = ROW_COUNT;
-    RETURN runcell_op_end_v4(p_op_id, jsonb_build_object('s', 'completed', 'n', v_n));
-END;
-$$;
-
--- The one-phase take of the previous revision (its workers' sweepers during a rolling
--- upgrade): rows a current sweeper took already are left to it.
-CREATE OR REPLACE FUNCTION runcell_take_expired_parked_v3(p_lock_timeout_ms integer)
-RETURNS SETOF runcell_queue LANGUAGE plpgsql AS $$
-DECLARE
-    v_limiter text;
-    v_row runcell_limiter;
-    v_gone runcell_queue;
-    v_i integer;
-BEGIN
-    FOR v_limiter IN
-        SELECT DISTINCT limiter FROM runcell_queue
-        WHERE parked AND granted_lease_id IS NULL AND expired_at IS NULL
-          AND deadline <= clock_timestamp()
-        ORDER BY limiter  -- lock order (COLLATE "C", as every other operation's)
-    LOOP
-        v_row := runcell_lock_v3(v_limiter, NULL, p_lock_timeout_ms);
-        FOR v_gone IN
-            DELETE FROM runcell_queue
-            WHERE limiter = v_limiter AND parked AND granted_lease_id IS NULL
-              AND expired_at IS NULL AND deadline <= clock_timestamp()
-            RETURNING *
-        LOOP
-            v_i := array_position(v_row.workloads, v_gone.workload);
-            IF v_i IS NOT NULL THEN
-                v_row.waiting[v_i] := greatest(0, v_row.waiting[v_i] - 1);
-            END IF;
-            RETURN NEXT v_gone;
-        END LOOP;
-        PERFORM runcell_store_counts_v4(v_row);
-    END LOOP;
+    RETURN runcell_op_end(p_op_id, jsonb_build_object('s', 'completed', 'n', v_n));
 END;
 $$;
 
@@ -2146,13 +2095,8 @@ DECLARE
 BEGIN
     FOR v_name IN SELECT name FROM runcell_limiter WHERE workloads = '{}'
                   ORDER BY name COLLATE "C" LOOP
-        PERFORM runcell_set_limits_v3(v_name);
+        PERFORM runcell_set_limits(v_name);
     END LOOP;
 END;
 $$;
 
--- Helpers of earlier revisions of this file, replaced by the _v4 ones above.
-DROP FUNCTION IF EXISTS runcell_store_counts_v3(runcell_limiter);
-DROP FUNCTION IF EXISTS runcell_parked_grants_v3(jsonb);
-DROP FUNCTION IF EXISTS runcell_notify_grants_v3(text, timestamptz, jsonb, text);
-DROP FUNCTION IF EXISTS runcell_allocate_v3(runcell_limiter, timestamptz);

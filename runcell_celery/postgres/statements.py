@@ -59,54 +59,55 @@ WHERE name = %(name)s
 # :func:`runcell_celery.postgres.calls.call`); parameters are bound client-side.
 
 ACQUIRE: LiteralString = """
-SELECT runcell_acquire_v3(%(limiter)s, %(config_hash)s, %(request)s::jsonb, %(wait_ms)s,
-                          %(process)s::jsonb, %(lock_timeout_ms)s, %(retry)s)
+SELECT runcell_acquire(ARRAY[%(limiter)s::text], ARRAY[%(config_hash)s::text], NULL,
+                       %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
+                       %(lock_timeout_ms)s, %(retry)s)
 """
 
 RELEASE: LiteralString = """
-SELECT runcell_release_v4(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
+SELECT runcell_release(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
 """
 
 #: ``op_id`` (a client-made UUID, or NULL) makes a retry after a lost reply get the
 #: first attempt's answer (see ``runcell_operation`` in ``schema.sql``).
 WITHDRAW: LiteralString = """
-SELECT runcell_withdraw_v4(%(limiter)s, %(request_id)s, %(give_back)s, %(op_id)s::uuid,
-                           %(lock_timeout_ms)s)
+SELECT runcell_withdraw(ARRAY[%(limiter)s::text], %(request_id)s, %(give_back)s,
+                        %(op_id)s::uuid, %(lock_timeout_ms)s)
 """
 
 PARK: LiteralString = """
-SELECT runcell_park_v4(%(limiter)s, %(request_id)s, %(payload)s::jsonb, %(op_id)s::uuid,
-                       %(lock_timeout_ms)s, %(broker)s)
+SELECT runcell_park(ARRAY[%(limiter)s::text], %(request_id)s, %(payload)s::jsonb,
+                    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
 """
 
-REAP: LiteralString = "SELECT runcell_reap_v3(%(limiter)s, %(lock_timeout_ms)s)"
+REAP: LiteralString = "SELECT runcell_reap(%(limiter)s, %(lock_timeout_ms)s)"
 
-#: One process's safety poll for all its waiters (see ``runcell_poll_v3``).
+#: One process's safety poll for all its waiters (see ``runcell_poll``).
 POLL: LiteralString = """
-SELECT runcell_poll_v3(%(process)s::jsonb, %(request_ids)s::text[], %(limiters)s::text[],
+SELECT runcell_poll(%(process)s::jsonb, %(request_ids)s::text[], %(limiters)s::text[],
                        %(heartbeat)s)
 """
 
 #: Renew every lease a process holds on one limiter in one statement.
 RENEW: LiteralString = """
-SELECT runcell_renew_v3(%(limiter)s, %(lease_ids)s::uuid[])
+SELECT runcell_renew(%(limiter)s, %(lease_ids)s::uuid[])
 """
 
 #: After storing or replacing limits: their array form and the counts, from the rows.
-SET_LIMITS: LiteralString = "SELECT runcell_set_limits_v3(%(name)s)"
+SET_LIMITS: LiteralString = "SELECT runcell_set_limits(%(name)s)"
 
 #: After replacing limits, in the same transaction: an allocation pass
-#: (``runcell_reap_v3``) on the limiter and on each of its keys that has requests
+#: (``runcell_reap``) on the limiter and on each of its keys that has requests
 #: waiting, in lock (name) order, so they get raised room at once; their processes are
 #: notified as by any allocation. Answers like a release: ``{"parked": [lease ids of
 #: parked requests granted, to re-publish], "grp": [requests over several limiters due
 #: a group pass]}``.
 ALLOCATE_AFTER_NEW_LIMITS: LiteralString = """
-SELECT runcell_due_groups_v5(jsonb_build_object('parked', coalesce(jsonb_agg(p.lease), '[]')))
+SELECT runcell_due_groups(jsonb_build_object('parked', coalesce(jsonb_agg(p.lease), '[]')))
 FROM (SELECT l.name FROM runcell_limiter AS l
       WHERE (l.name = %(name)s OR l.parent = %(name)s) AND 0 < ANY(l.waiting)
       ORDER BY l.name COLLATE "C") AS changed,
-     LATERAL runcell_reap_v3(changed.name, %(lock_timeout_ms)s) AS r(parked),
+     LATERAL runcell_reap(changed.name, %(lock_timeout_ms)s) AS r(parked),
      LATERAL jsonb_array_elements(r.parked) AS p(lease)
 """
 
@@ -114,8 +115,8 @@ FROM (SELECT l.name FROM runcell_limiter AS l
 #: goes and the lease is renewed. Only the publication it was sent as can claim it;
 #: the answer says whether the request is still stored for another publication.
 CLAIM_PARKED: LiteralString = """
-SELECT runcell_claim_parked_v4(%(limiter)s, %(request_id)s, %(publication_id)s::uuid,
-                               %(op_id)s::uuid)
+SELECT runcell_claim(ARRAY[%(limiter)s::text], %(request_id)s, %(publication_id)s::uuid,
+                     %(op_id)s::uuid)
 """
 
 #: Take the right to re-publish granted parked tasks, once per grant: those just
@@ -163,13 +164,13 @@ RETURNING q.request_id
 TAKE_EXPIRED_PARKED: LiteralString = """
 SELECT limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
        payload::text, (extract(epoch FROM expired_at - enqueued_at) * 1000)::float8
-FROM runcell_take_expired_parked_v4(%(taker)s, %(retake_after_ms)s, %(keep_ops_ms)s,
+FROM runcell_take_expired_parked(%(taker)s, %(retake_after_ms)s, %(keep_ops_ms)s,
                                     %(lock_timeout_ms)s, %(broker)s)
 """
 
 #: Phase two: delete expired parked requests whose failure is recorded.
 COMPLETE_EXPIRED: LiteralString = """
-SELECT runcell_complete_expired_v4(%(items)s::jsonb, %(op_id)s::uuid)
+SELECT runcell_complete_expired(%(items)s::jsonb, %(op_id)s::uuid)
 """
 
 #: Record a run's first start (or read it back on redelivery) in database time, and
@@ -292,15 +293,15 @@ PARKED_CHANNEL = "runcell_parked"
 
 NOTIFY_SELF_CHECK: LiteralString = "SELECT pg_notify(%(channel)s, %(payload)s)"
 
-#: Delete idle keys of a keyed limiter (``runcell_purge_idle_keys_v5``).
+#: Delete idle keys of a keyed limiter (``runcell_purge_idle_keys``).
 PURGE_IDLE_KEYS: LiteralString = """
-SELECT runcell_purge_idle_keys_v5(%(parent)s, %(limit)s)
+SELECT runcell_purge_idle_keys(%(parent)s, %(limit)s)
 """
 
 #: A keyed limiter's limits were stored again: its keys take them
-#: (``runcell_sync_keys_v5``).
+#: (``runcell_sync_keys``).
 SYNC_KEYS: LiteralString = """
-SELECT runcell_sync_keys_v5(%(name)s)
+SELECT runcell_sync_keys(%(name)s)
 """
 
 #: The busiest keys of a keyed limiter in use (most held, then most waiting; idle key
@@ -355,11 +356,11 @@ WHERE l.expires_at <= clock_timestamp()
   AND left(l.limiter, length(%(parent)s) + 1) = %(parent)s || ':'
 """
 
-#: One request over several limiters of this database (``runcell_acquire_several_v5``):
+#: One request over several limiters of this database (``runcell_acquire``):
 #: ``limiters`` in lock (name) order, with their limits' checksums and the workload
 #: the request uses in each.
 ACQUIRE_SEVERAL: LiteralString = """
-SELECT runcell_acquire_several_v5(%(limiters)s::text[], %(hashes)s::text[],
+SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[],
     %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
     %(lock_timeout_ms)s, %(retry)s)
 """
@@ -367,10 +368,10 @@ SELECT runcell_acquire_several_v5(%(limiters)s::text[], %(hashes)s::text[],
 #: :data:`ACQUIRE_SEVERAL`, also saying where the request joins each line, in the same
 #: round trip (sent instead only when a tracer records the wait's place): ``"lines"``,
 #: one ``[ahead, hold_ms, slots]`` per limiter in ``limiters``' order, as
-#: ``runcell_acquire_v3``'s answer tells them. Read with the statement's snapshot, so
+#: ``runcell_acquire``'s answer tells them. Read with the statement's snapshot, so
 #: as the lines stood when it asked (before it waited for the rows' locks, if it did).
 ACQUIRE_SEVERAL_WITH_LINES: LiteralString = """
-SELECT runcell_acquire_several_v5(%(limiters)s::text[], %(hashes)s::text[],
+SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[],
     %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
     %(lock_timeout_ms)s, %(retry)s)
     || jsonb_build_object('lines', (
@@ -385,27 +386,27 @@ SELECT runcell_acquire_several_v5(%(limiters)s::text[], %(hashes)s::text[],
         JOIN runcell_limiter AS l ON l.name = u.name))
 """
 
-#: The group pass of a request over several limiters (``runcell_allocate_group_v5``).
+#: The group pass of a request over several limiters (``runcell_grant_request``).
 ALLOCATE_GROUP: LiteralString = """
-SELECT runcell_allocate_group_v5(%(group_id)s, %(lock_timeout_ms)s)
+SELECT runcell_grant_request(%(group_id)s, %(lock_timeout_ms)s)
 """
 
-#: Withdraw a request over several limiters (``runcell_withdraw_group_v5``).
+#: Withdraw a request over several limiters (``runcell_withdraw``).
 WITHDRAW_GROUP: LiteralString = """
-SELECT runcell_withdraw_group_v5(%(group_id)s, %(limiters)s::text[], %(give_back)s,
+SELECT runcell_withdraw(%(limiters)s::text[], %(group_id)s, %(give_back)s, NULL,
     %(lock_timeout_ms)s)
 """
 
-#: Park a waiting request over several limiters as one (``runcell_park_group_v5``).
+#: Park a waiting request over several limiters as one (``runcell_park``).
 PARK_GROUP: LiteralString = """
-SELECT runcell_park_group_v5(%(group_id)s, %(limiters)s::text[], %(payload)s::jsonb,
+SELECT runcell_park(%(limiters)s::text[], %(group_id)s, %(payload)s::jsonb,
     %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
 """
 
 #: A re-published task takes every lease of its parked request over several limiters
-#: (``runcell_claim_parked_group_v5``).
+#: (``runcell_claim``).
 CLAIM_PARKED_GROUP: LiteralString = """
-SELECT runcell_claim_parked_group_v5(%(group_id)s, %(limiters)s::text[],
+SELECT runcell_claim(%(limiters)s::text[], %(group_id)s,
     %(publication_id)s::uuid, %(op_id)s::uuid)
 """
 
@@ -419,7 +420,7 @@ LIMIT %(limit)s
 """
 
 #: Forget the round-robin history of keys idle for ``idle_ms`` (nothing waiting, not
-#: served since): ``runcell_purge_fair_history_v5``.
+#: served since): ``runcell_purge_fair_history``.
 PURGE_FAIR_HISTORY: LiteralString = """
-SELECT runcell_purge_fair_history_v5(%(idle_ms)s, %(limit)s)
+SELECT runcell_purge_fair_history(%(idle_ms)s, %(limit)s)
 """

@@ -32,9 +32,9 @@ LIMITS = {
     "default_workload": "background",
 }
 PARK, CLAIM, COMPLETE = (
-    b"runcell_park_v4(",
-    b"runcell_claim_parked_v4(",
-    b"runcell_complete_expired_v4(",
+    b"runcell_park(",
+    b"runcell_claim(",
+    b"runcell_complete_expired(",
 )
 
 

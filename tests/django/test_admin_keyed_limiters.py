@@ -53,10 +53,10 @@ def _waiting(dsn: str, name: str) -> list[int]:
 
 
 def _make_keys(dsn: str, keyed: str, keys: list[str]) -> None:
-    """Key rows made as a key's first operation makes them (``runcell_create_key_v5``)."""
+    """Key rows made as a key's first operation makes them (``runcell_create_key``)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
-            "SELECT runcell_create_key_v5(%s || ':' || k) FROM unnest(%s::text[]) AS k",
+            "SELECT runcell_create_key(%s || ':' || k) FROM unnest(%s::text[]) AS k",
             [keyed, keys],
         )
 

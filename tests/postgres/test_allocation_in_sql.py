@@ -1,6 +1,6 @@
 """The database's allocation agrees with the one allocation function.
 
-``runcell_allocate_v4`` carries out :func:`runcell_celery.allocation.allocate` in the
+``runcell_allocate`` carries out :func:`runcell_celery.allocation.allocate` in the
 database, so that a release grants the next waiters in one round trip. Here both are
 given the same limits, slots held and waiters (random, through hypothesis) and must
 grant the same requests in the same order.
@@ -106,9 +106,9 @@ def _granted_in_sql(
                     "1000, now(), now(), now() + interval '1 hour')",
                     [workload, f"held{held}", held],
                 )
-        conn.execute("SELECT runcell_set_limits_v3('l')")
+        conn.execute("SELECT runcell_set_limits('l')")
         row = conn.execute(
-            "SELECT (runcell_allocate_v4(l, clock_timestamp(), NULL)).requests "
+            "SELECT (runcell_allocate(l, clock_timestamp(), NULL)).requests "
             "FROM runcell_limiter AS l WHERE name = 'l'"
         ).fetchone()
     assert row is not None
@@ -148,9 +148,9 @@ def test_a_waiter_whose_process_stopped_renewing_is_passed_over(
                 "VALUES (%s, 'l', 'default', %s, now(), 'infinity', %s)",
                 [f"from-{process}", position, process],
             )
-        database.execute("SELECT runcell_set_limits_v3('l')")
+        database.execute("SELECT runcell_set_limits('l')")
         row = database.execute(
-            "SELECT (runcell_allocate_v4(l, clock_timestamp(), NULL)).requests "
+            "SELECT (runcell_allocate(l, clock_timestamp(), NULL)).requests "
             "FROM runcell_limiter AS l WHERE name = 'l'"
         ).fetchone()
         left = database.execute("SELECT request_id FROM runcell_queue").fetchall()

@@ -269,11 +269,11 @@ def test_acquire_and_release_stay_one_round_trip_each_while_keeping_the_estimate
 
     traced.mark()
     lease = limiter.acquire(_request("one"))
-    assert _operations(traced.queries_since_mark(), limiter.name) == ["runcell_acquire_v3"]
+    assert _operations(traced.queries_since_mark(), limiter.name) == ["runcell_acquire"]
 
     traced.mark()
     limiter.release(lease)  # keeps the mean hold in the same call
-    assert _operations(traced.queries_since_mark(), limiter.name) == ["runcell_release_v4"]
+    assert _operations(traced.queries_since_mark(), limiter.name) == ["runcell_release"]
     assert _mean_hold_ms(pg_dsn, limiter.name) is not None
 
     holder = limiter.acquire(_request("holder"))
@@ -287,7 +287,7 @@ def test_acquire_and_release_stay_one_round_trip_each_while_keeping_the_estimate
     assert parked.place == 1
     # The estimate came with the acquire's answer: an acquire, then the park, nothing else.
     assert _operations(traced.queries_since_mark(), limiter.name) == [
-        "runcell_acquire_v3",
-        "runcell_park_v4",
+        "runcell_acquire",
+        "runcell_park",
     ]
     limiter.release(holder)

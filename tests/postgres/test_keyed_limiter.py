@@ -126,7 +126,7 @@ def test_a_hundred_thousand_idle_keys_are_all_purged(
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         # Made the way an operation makes a key, 100,000 times in one statement.
         conn.execute(
-            "SELECT runcell_create_key_v5(%s || ':' || i) FROM generate_series(1, 100000) i",
+            "SELECT runcell_create_key(%s || ':' || i) FROM generate_series(1, 100000) i",
             [tenant.name],
         )
     assert key_rows(pg_dsn, tenant.name) == 100_000

@@ -100,14 +100,14 @@ def test_a_lost_reply_to_park_gets_its_answer_even_when_a_grant_came_in_between(
     held = direct.acquire(_request(unique_name("holder")))
     request_id = unique_name("parked")
     # The park commits; before its reply arrives, the slot frees and goes to it.
-    dropper.arm(b"runcell_park_v4(", before_cut=lambda: direct.release(held))
+    dropper.arm(b"runcell_park(", before_cut=lambda: direct.release(held))
 
     answer = _in_thread(
         lambda: proxied.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD),
         timeout=20,
     )
 
-    assert dropper.dropped[b"runcell_park_v4("] == 1, "no reply was lost; proves nothing"
+    assert dropper.dropped[b"runcell_park("] == 1, "no reply was lost; proves nothing"
     assert answer == "parked"
     parked, granted = _queue(pg_dsn, proxied.name)[request_id]
     assert parked
@@ -126,11 +126,11 @@ def test_a_lost_reply_to_claim_gives_the_claimed_lease_to_the_retry(
     direct.release(held)  # granted to the parked request
     backend = PostgresBackend(database=pg_dsn)
     (claim,) = [c for c in backend.claim_republish(stale_ms=0) if c.limiter == proxied.name]
-    dropper.arm(b"runcell_claim_parked_v4(")
+    dropper.arm(b"runcell_claim(")
 
     lease = _in_thread(lambda: proxied.claim_parked(request_id, claim.publication_id), 20)
 
-    assert dropper.dropped[b"runcell_claim_parked_v4("] == 1, "no reply was lost"
+    assert dropper.dropped[b"runcell_claim("] == 1, "no reply was lost"
     assert isinstance(lease, Lease), f"the retry read its own claim as {lease!r}"
     assert request_id not in _queue(pg_dsn, proxied.name)
     assert proxied.renew(lease) is not None, "the claimed lease is not held"
@@ -151,13 +151,13 @@ def test_a_lost_reply_to_withdraw_still_hands_its_grants_to_be_published(
     direct.release(held)  # granted to the first; the second waits behind it
     published: list[list[str]] = []
     proxied.set_parked_granted_handler(published.append)
-    dropper.arm(b"runcell_withdraw_v4(")
+    dropper.arm(b"runcell_withdraw(")
 
     # The first's run ends before it uses its grant: the slot goes to the second, whose
     # task must be re-published at once, retry or not.
     _in_thread(lambda: proxied.withdraw(first), 20)
 
-    assert dropper.dropped[b"runcell_withdraw_v4("] == 1, "no reply was lost"
+    assert dropper.dropped[b"runcell_withdraw("] == 1, "no reply was lost"
     queue = _queue(pg_dsn, proxied.name)
     assert first not in queue
     granted_to_second = queue[second][1]
@@ -181,11 +181,11 @@ def test_a_lost_reply_to_complete_reports_the_rows_it_deleted(
     backend = PostgresBackend(database=_via(dropper, pg_dsn))
     expired = [e for e in backend.take_expired_parked() if e.request_id == request_id]
     assert len(expired) == 1
-    dropper.arm(b"runcell_complete_expired_v4(")
+    dropper.arm(b"runcell_complete_expired(")
 
     deleted = _in_thread(lambda: backend.complete_expired_parked(expired), 20)
 
-    assert dropper.dropped[b"runcell_complete_expired_v4("] == 1, "no reply was lost"
+    assert dropper.dropped[b"runcell_complete_expired("] == 1, "no reply was lost"
     assert deleted == 1
     assert request_id not in _queue(pg_dsn, proxied.name)
     direct.release(held)

@@ -309,13 +309,13 @@ def test_a_lost_reply_to_a_group_park_gets_its_answer_even_when_a_grant_came_in_
     group = unique_name("parked")
     # The park commits; before its reply arrives, the slot frees and the group is
     # granted (as a parked request).
-    dropper.arm(b"runcell_park_group_v5(", before_cut=lambda: pair.direct[0].release(held))
+    dropper.arm(b"runcell_park(", before_cut=lambda: pair.direct[0].release(held))
 
     answer = pair.proxied[0].acquire_several_or_park(
         pair.proxied, _requests(group), admission_wait_ms=0, payload=PAYLOAD
     )
 
-    assert dropper.dropped[b"runcell_park_group_v5("] == 1, "no reply was lost"
+    assert dropper.dropped[b"runcell_park("] == 1, "no reply was lost"
     assert isinstance(answer, Parked), f"the retry read its own park as {answer!r}"
     assert [granted for _, _, granted, _ in _rows(pg_dsn, group)] == [True, True]
 
@@ -329,11 +329,11 @@ def test_a_lost_reply_to_a_group_claim_gives_every_claimed_lease_to_the_retry(
     assert isinstance(_park(pair.direct[0], pair.direct[1], group), Parked)
     pair.direct[0].release(held)
     (claim,) = _mine(backend.claim_republish(stale_ms=0), group)
-    dropper.arm(b"runcell_claim_parked_group_v5(")
+    dropper.arm(b"runcell_claim(")
 
     leases = pair.proxied[0].claim_parked_several(pair.proxied, group, claim.publication_id)
 
-    assert dropper.dropped[b"runcell_claim_parked_group_v5("] == 1, "no reply was lost"
+    assert dropper.dropped[b"runcell_claim("] == 1, "no reply was lost"
     assert isinstance(leases, tuple), f"the retry read its own claim as {leases!r}"
     for limiter, lease in zip(pair.direct, leases, strict=True):
         assert limiter.renew(lease) is not None, "a claimed lease is not held"

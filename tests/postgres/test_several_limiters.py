@@ -232,7 +232,7 @@ def test_a_tenants_second_call_waiting_first_in_line_does_not_hold_up_another_te
 
 # -- faults -------------------------------------------------------------------------------
 
-ACQUIRE_SEVERAL = b"runcell_acquire_several_v5("
+ACQUIRE_SEVERAL = b"runcell_acquire("
 
 
 @pytest.fixture

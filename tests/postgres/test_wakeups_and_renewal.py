@@ -102,7 +102,8 @@ def test_joining_the_queue_commits_asynchronously_and_a_grant_synchronously(
             '"in_progress": false}'
         )
         answer = conn.execute(
-            "SELECT runcell_acquire_v3(%s, %s, %s::jsonb, NULL, %s::jsonb, 5000, false)",
+            "SELECT runcell_acquire(ARRAY[%s::text], ARRAY[%s::text], NULL, %s::jsonb, NULL, "
+            "%s::jsonb, 5000, false)",
             [name, config_hash[0], request, process],
         ).fetchone()
         assert answer is not None
@@ -115,13 +116,12 @@ def test_joining_the_queue_commits_asynchronously_and_a_grant_synchronously(
         assert held is not None
         # Queue a waiter for real, then release in a transaction of our own: it grants.
         conn.execute(
-            "SELECT runcell_acquire_v3(%s, %s, %s::jsonb, NULL, %s::jsonb, 5000, false)",
+            "SELECT runcell_acquire(ARRAY[%s::text], ARRAY[%s::text], NULL, %s::jsonb, NULL, "
+            "%s::jsonb, 5000, false)",
             [name, config_hash[0], request, process],
         )
         conn.commit()
-        released = conn.execute(
-            "SELECT runcell_release_v4(%s, %s, 5000)", [name, held[0]]
-        ).fetchone()
+        released = conn.execute("SELECT runcell_release(%s, %s, 5000)", [name, held[0]]).fetchone()
         setting = conn.execute("SELECT current_setting('synchronous_commit')").fetchone()
         conn.rollback()
     assert released is not None

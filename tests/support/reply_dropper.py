@@ -3,7 +3,7 @@
 A client whose connection dies after its statement committed but before the answer
 arrives cannot tell whether it took effect: that is the case an operation id must make
 safe. :class:`ReplyDropper` (a :class:`~tests.support.tcp_proxy.TcpProxy`) watches
-what clients send; when a query contains an armed marker (say ``runcell_park_v4(``) it
+what clients send; when a query contains an armed marker (say ``runcell_park(``) it
 lets the query through, and when the server starts answering it closes both sockets
 instead of forwarding the answer. PostgreSQL sends a simple query's results together
 with ``ReadyForQuery``, after the implicit transaction committed, so the statement
