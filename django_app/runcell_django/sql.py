@@ -60,10 +60,12 @@ WAITING_TOTAL: LiteralString = (
 # -- requests over several limiters ----------------------------------------------------
 
 #: On a queue row of a request over several limiters (``group_id``), still waiting: the
-#: limiters of the request it waits on, by name. In each of them, its member row is not
-#: first in its workload's line, or its workload has no room (at its ceiling, or the
-#: slots go to a workload of higher priority that waits), read with the functions
-#: allocation decides with (``runcell_group_member_first``, ``runcell_has_room``).
+#: limiters of the request it waits on, by name. In each of them, a request over that
+#: limiter alone waits ahead of its member row, or its workload has no room (at its
+#: ceiling, with the slots set aside for requests over several limiters ahead of it that
+#: hold their place, or the slots go to a workload of higher priority that waits), read
+#: with the functions allocation decides with (``runcell_group_may_take``,
+#: ``runcell_has_room``).
 #: Empty: the group pass grants it next. NULL on any other row (nothing is read for
 #: those). An annotation: probes by primary key, no query of its own.
 GROUP_WAITS_ON: LiteralString = """
@@ -75,8 +77,8 @@ ARRAY(
     LEFT JOIN runcell_limiter AS l ON l.name = g.limiter
     LEFT JOIN LATERAL (SELECT array_position(l.workloads, m.workload) AS i) AS w ON true
     WHERE NOT coalesce(
-        runcell_group_member_first(runcell_queue.group_id, g.limiter, statement_timestamp())
-        AND runcell_has_room(l.active, l.ceilings, l.reserved, l.max_concurrent, w.i)
+        m.request_id IS NOT NULL
+        AND runcell_group_may_take(l, w.i, m.request_id, statement_timestamp())
         AND NOT EXISTS (
             SELECT 1 FROM generate_subscripts(l.workloads, 1) AS k
             WHERE k <> w.i AND l.waiting[k] > 0 AND l.priorities[k] > l.priorities[w.i]

@@ -427,70 +427,61 @@ BEGIN
 END;
 $$;
 
--- The request first in a workload's line (runs in progress first, then arrival, or
--- the round-robin order when p_fair), or NULL: what allocation would serve next there.
-CREATE OR REPLACE FUNCTION runcell_line_head(
-    p_limiter text, p_fair boolean, p_workload text, p_now timestamptz
-) RETURNS text LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    v_first text;
-BEGIN
-    IF p_fair THEN
-        SELECT f.request_id INTO v_first
-        FROM runcell_fair_line(p_limiter, p_workload, p_now) f LIMIT 1;
-    ELSE
-        SELECT q.request_id INTO v_first FROM runcell_queue q
-        WHERE q.limiter = p_limiter AND q.workload = p_workload
-          AND q.granted_lease_id IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
-        ORDER BY q.in_progress DESC, q.position LIMIT 1;
-    END IF;
-    RETURN v_first;
-END;
-$$;
-
--- The member of request p_group waiting in limiter p_limiter, if it is first in its
--- workload's line there (runs in progress first, then arrival or round robin). Read
--- without the limiter's lock: used to decide what to try, never what to grant.
-CREATE OR REPLACE FUNCTION runcell_group_member_first(
-    p_group text, p_limiter text, p_now timestamptz
-) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
-DECLARE
-    v_member text := p_group || '|' || p_limiter;
-    v_workload text;
-    v_first text;
-BEGIN
-    SELECT q.workload INTO v_workload FROM runcell_queue q
-    WHERE q.request_id = v_member AND q.granted_lease_id IS NULL;
-    IF NOT FOUND THEN
-        RETURN false;
-    END IF;
-    v_first := runcell_line_head(
-        p_limiter,
-        (SELECT (l.config->>'fairness') IS NOT DISTINCT FROM 'round_robin'
-         FROM runcell_limiter l WHERE l.name = p_limiter),
-        v_workload, p_now);
-    RETURN v_first IS NOT DISTINCT FROM v_member;
-END;
-$$;
-
--- Whether a request over several limiters is first in line in each of its limiters
--- other than p_here (where the caller found it first): then it is anchored, and the
--- slot it has room for here is set aside for it (no starvation: it takes the next slot
--- that frees wherever it still waits).
-CREATE OR REPLACE FUNCTION runcell_group_anchored(
-    p_group text, p_limiters text[], p_here text, p_now timestamptz
+-- The several-limiter waiting rule (README "Requests over several limiters"; the same
+-- rule as runcell_celery.allocation.allocate_several). A request over several limiters
+-- waits as one row per limiter, each at its arrival place in that limiter's line, and
+-- holds no capacity while it waits: allocation in a limiter passes over its row and
+-- serves those behind it, unless the row holds its place (below). It holds its place,
+-- its slot set aside as a blocking head, when
+--   * every other of its limiters has room for it: only this one lacks it, so it is
+--     served here at its place, like any waiter; or
+--   * it is aged: it has waited GROUP_AGEING_MS (runcell_celery.allocation, 2,000 ms)
+--     since it was first queued (database time): then in each of its limiters its
+--     slot is set aside as it frees, and it is granted once all are free.
+-- Read without the other limiters' locks: it decides what to set aside and try, never
+-- what to grant (runcell_grant_request decides that under every lock, in order).
+CREATE OR REPLACE FUNCTION runcell_group_holds_place(
+    p_group text, p_limiters text[], p_here text, p_enqueued_at timestamptz, p_now timestamptz
 ) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
 DECLARE
     v_limiter text;
+    v_row runcell_limiter;
+    v_j integer;
 BEGIN
+    -- 2000: GROUP_AGEING_MS of runcell_celery.allocation.
+    IF p_enqueued_at <= p_now - 2000 * interval '1 millisecond' THEN
+        RETURN true;
+    END IF;
     FOREACH v_limiter IN ARRAY coalesce(p_limiters, '{}') LOOP
         CONTINUE WHEN v_limiter = p_here;
-        IF NOT runcell_group_member_first(p_group, v_limiter, p_now) THEN
+        SELECT l.* INTO v_row FROM runcell_limiter l WHERE l.name = v_limiter;
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+        v_j := array_position(v_row.workloads,
+                              (SELECT q.workload FROM runcell_queue q
+                               WHERE q.request_id = p_group || '|' || v_limiter));
+        IF v_j IS NULL
+           OR NOT runcell_has_room(v_row.active, v_row.ceilings, v_row.reserved,
+                                   v_row.max_concurrent, v_j) THEN
             RETURN false;
         END IF;
     END LOOP;
     RETURN true;
 END;
+$$;
+
+-- Whether a request over one limiter waits ahead of member p_member in its workload's
+-- line (it would be served first: first come, first served).
+CREATE OR REPLACE FUNCTION runcell_single_ahead(p_member text, p_now timestamptz)
+RETURNS boolean LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM runcell_queue m JOIN runcell_queue q
+          ON q.limiter = m.limiter AND q.workload = m.workload
+        WHERE m.request_id = p_member
+          AND q.granted_lease_id IS NULL AND q.group_id IS NULL
+          AND (q.deadline IS NULL OR q.deadline > p_now)
+          AND q.position < m.position)
 $$;
 
 CREATE OR REPLACE FUNCTION runcell_allocate(
@@ -524,8 +515,9 @@ DECLARE
     v_fair boolean := (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin';
     v_key text;
     -- Slots held as allocation sees them in this pass: held, plus one set aside for
-    -- each request over several limiters that is first in line everywhere (anchored).
+    -- each request over several limiters that holds its place (the waiting rule).
     v_eff integer[] := p_row.active;
+    v_enqueued timestamptz;
     v_group text;
     v_group_limiters text[];
     v_seen_groups text[] := '{}';
@@ -600,8 +592,9 @@ BEGIN
         v_request := v_head_request[v_best];
         v_loaded[v_best] := false;
         SELECT q.parked, q.process_id, q.expires_at, p.channel, q.fair_key, q.group_id,
-               q.group_limiters
-        INTO v_parked, v_process, v_expires, v_channel, v_key, v_group, v_group_limiters
+               q.group_limiters, q.enqueued_at
+        INTO v_parked, v_process, v_expires, v_channel, v_key, v_group, v_group_limiters,
+             v_enqueued
         FROM runcell_queue q
         LEFT JOIN runcell_process p ON p.process_id = q.process_id AND p.expires_at > p_now
         WHERE q.request_id = v_request;
@@ -616,19 +609,20 @@ BEGIN
         END IF;
         IF v_group IS NOT NULL THEN
             -- A member of a request over several limiters: granted only together, by
-            -- runcell_grant_request (which locks all its limiters in order). It does
-            -- not hold up those behind it here, unless it is first in line in every one
-            -- of its limiters: then its slot is set aside for it, and the caller is told
-            -- to run its group pass (runcell.due_groups).
-            IF NOT (v_group = ANY(v_seen_groups)) THEN
+            -- runcell_grant_request (which locks all its limiters in order). It holds
+            -- nothing here while it waits, unless it holds its place (the waiting rule,
+            -- runcell_group_holds_place): then its slot is set aside, and the caller is
+            -- told to run its group pass (runcell.due_groups); otherwise allocation goes
+            -- on with those behind it.
+            -- (A row is met twice when the line's cursor starts at the head the first
+            -- probe read: its slot is set aside once.)
+            IF NOT (v_group = ANY(v_seen_groups))
+               AND runcell_group_holds_place(v_group, v_group_limiters, p_row.name, v_enqueued,
+                                             p_now) THEN
                 v_seen_groups := v_seen_groups || v_group;
-                IF cardinality(v_seen_groups) = 1
-                   AND runcell_group_anchored(v_group, v_group_limiters, p_row.name, p_now)
-                THEN
-                    v_eff[v_best] := v_eff[v_best] + 1;
-                END IF;
-                -- Its group pass may grant it now (at most a few per pass: the others'
-                -- own processes run theirs every second).
+                v_eff[v_best] := v_eff[v_best] + 1;
+                -- At most a few group passes per allocation (the others' own processes
+                -- run theirs every second).
                 IF cardinality(v_seen_groups) <= 4 THEN
                     PERFORM set_config('runcell.due_groups',
                         coalesce(current_setting('runcell.due_groups', true), '')
@@ -1352,49 +1346,48 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
 $$;
 
 -- Whether member p_member (workload index p_j) of a request over several limiters may
--- take a slot of limiter p_row now, as far as this limiter goes: nobody but other
--- requests over several limiters is ahead of it in its workload's line (a single
--- request ahead, which would be served first, is first come, first served), and its
--- workload has room once the slot of the line's head is set aside, when that head is
--- another such request first in line in every one of its limiters (anchored).
+-- take a slot of limiter p_row now, as far as this limiter goes (under its lock): no
+-- request over one limiter waits ahead of it in its workload's line (it would be served
+-- first), and its workload has room once the slots of the requests over several
+-- limiters ahead of it that hold their place (runcell_group_holds_place) are set aside.
 CREATE OR REPLACE FUNCTION runcell_group_may_take(
     p_row runcell_limiter, p_j integer, p_member text, p_now timestamptz
 ) RETURNS boolean LANGUAGE plpgsql STABLE AS $$
 DECLARE
-    v_workload text := p_row.workloads[p_j];
     v_position bigint;
-    v_head record;
+    v_ahead record;
+    v_k integer;
     v_active integer[] := p_row.active;
 BEGIN
     SELECT q.position INTO v_position FROM runcell_queue q WHERE q.request_id = p_member;
-    IF NOT FOUND THEN
+    IF NOT FOUND OR runcell_single_ahead(p_member, p_now) THEN
         RETURN false;
     END IF;
-    IF EXISTS (SELECT 1 FROM runcell_queue q
-               WHERE q.limiter = p_row.name AND q.workload = v_workload
-                 AND q.granted_lease_id IS NULL AND q.group_id IS NULL
-                 AND (q.deadline IS NULL OR q.deadline > p_now)
-                 AND q.position < v_position) THEN
-        RETURN false;
-    END IF;
-    SELECT q.request_id, q.group_id, q.group_limiters INTO v_head FROM runcell_queue q
-    WHERE q.request_id = runcell_line_head(
-        p_row.name, (p_row.config->>'fairness') IS NOT DISTINCT FROM 'round_robin',
-        v_workload, p_now);
-    IF v_head.request_id IS DISTINCT FROM p_member AND v_head.group_id IS NOT NULL
-       AND runcell_group_anchored(v_head.group_id, v_head.group_limiters, p_row.name, p_now)
-    THEN
-        v_active[p_j] := v_active[p_j] + 1;
-    END IF;
+    FOR v_ahead IN
+        SELECT q.workload, q.group_id, q.group_limiters, q.enqueued_at FROM runcell_queue q
+        WHERE q.limiter = p_row.name AND q.group_id IS NOT NULL
+          AND q.request_id <> p_member AND q.granted_lease_id IS NULL
+          AND q.expired_at IS NULL AND (q.deadline IS NULL OR q.deadline > p_now)
+          AND q.position < v_position
+        ORDER BY q.position
+        LIMIT 20
+    LOOP
+        v_k := array_position(p_row.workloads, v_ahead.workload);
+        IF v_k IS NOT NULL
+           AND runcell_group_holds_place(v_ahead.group_id, v_ahead.group_limiters, p_row.name,
+                                         v_ahead.enqueued_at, p_now) THEN
+            v_active[v_k] := v_active[v_k] + 1;
+        END IF;
+    END LOOP;
     RETURN runcell_has_room(v_active, p_row.ceilings, p_row.reserved, p_row.max_concurrent,
-                               p_j);
+                            p_j);
 END;
 $$;
 
 -- The group pass of a request over several limiters: lock its limiters in order, and
 -- grant it a slot in each if, in every one, it may take one (runcell_group_may_take)
--- and no workload of higher priority waits with room. Runs when
--- an allocation found it first in line everywhere (the releaser is told, "grp"), and
+-- and no workload of higher priority waits with room. Runs when an allocation set its
+-- slot aside (the releaser is told, "grp"), right after it queues, and
 -- from the waiting process now and then (for a parked request, from the sweepers).
 -- Returns {} or {"t": grant time, "g": [[member, lease_id, token], ...]}; the waiting
 -- process is notified. A parked request is granted as one parked request is: its

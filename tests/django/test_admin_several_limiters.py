@@ -196,7 +196,7 @@ def test_a_queued_request_over_several_limiters_shows_its_other_limiters_and_wha
         "b / default": "with a — waits on a, b",
     }
 
-    # a has room now: the request still waits, on b only (a's slot is set aside for it).
+    # a has room now: the request still waits, on b only.
     a_holds.close()
     shown = _by_row(_text(superuser, QUEUE), "request_group")
     assert shown == {
@@ -216,20 +216,21 @@ def test_a_member_behind_another_request_in_line_waits_there_though_that_limiter
     held.enter_context(slot(c))
     first = waiters.wait(a, b)
     second = waiters.wait(a, c)
-    # a has room (nothing held there), but the second is behind the first in its line.
+    # a has room (nothing held there); the first, ahead of the second in a's line, lacks
+    # room in b and holds nothing in a (the waiting rule): the second waits on c only.
 
     html = _text(superuser, QUEUE)
     rows = _cells(html, "limiter_workload")
     groups = _cells(html, "request_group")
     assert sorted(zip(rows, groups, strict=True)) == [
         ("a / default", "with b — waits on b"),
-        ("a / default", "with c — waits on a, c"),
+        ("a / default", "with c — waits on c"),
         ("b / default", "with a — waits on b"),
-        ("c / default", "with a — waits on a, c"),
+        ("c / default", "with a — waits on c"),
     ]
     # A row's page says it too, with the request's id.
     page = _text(superuser, f"{QUEUE}{quote(f'{second}|c')}/change/")
-    assert "with a — waits on a, c" in page
+    assert "with a — waits on c" in page
     assert f'<div class="readonly">{second}</div>' in page
     assert first != second
 
@@ -341,10 +342,7 @@ def test_the_queue_and_leases_pages_make_as_many_queries_with_five_groups_as_wit
         cell.split(" — ")[1] for cell in _cells(_text(superuser, QUEUE), "request_group")
     )
     assert waits == {
-        # (a, b): first in line in both, b is full.
-        "waits on b": 2,
-        # The first (a, b, c): behind it in a, first in c (which has room).
-        "waits on a, b": 3,
-        # The other three: behind it in a and behind the first in c too.
-        "waits on a, b, c": 9,
+        # Every row waits on b only: a and c have room, and the requests ahead of them
+        # there lack room in b, so they hold nothing (the waiting rule).
+        "waits on b": 14,
     }

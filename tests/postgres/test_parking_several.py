@@ -128,7 +128,7 @@ def test_a_parked_request_waits_its_turn_in_every_limiter(
     group = unique_name("parked")
     assert isinstance(_park(a, b, group), Parked)
 
-    a.release(held_a)  # room in a, none in b: nothing is granted, a's slot is set aside
+    a.release(held_a)  # room in a, none in b: nothing is granted
     assert [granted for _, _, granted, _ in _rows(pg_dsn, group)] == [False, False]
     assert a.stats().active == 0
     b.release(held_b)
