@@ -25,10 +25,11 @@ from .gauges import WorkloadGauges, read_workload_gauges
 from .limiter import PostgresConcurrencyLimiter
 from .options import OnConflict, PostgresOptions
 from .parking import REPUBLISH_AFTER_MS
-from .schema import ensure_schema, postgres_concurrency_schema_sql, schema_checksum
+from .schema import SCHEMA_VERSION, ensure_schema, postgres_concurrency_schema_sql
 
 __all__ = [
     "REPUBLISH_AFTER_MS",
+    "SCHEMA_VERSION",
     "LimiterState",
     "OnConflict",
     "PostgresBackend",
@@ -42,5 +43,4 @@ __all__ = [
     "ensure_schema",
     "postgres_concurrency_schema_sql",
     "read_workload_gauges",
-    "schema_checksum",
 ]

@@ -63,8 +63,7 @@ def store_limits(
     Replaced limits reach the requests already waiting at once: the same transaction
     runs allocation on the limiter and on its keys that have waiters.
     """
-    if ensure:
-        ensure_schema(conn)
+    ensure_schema(conn, create=ensure)
     params = {
         "name": config.name,
         "config": Jsonb(config.to_dict()),

@@ -1,24 +1,38 @@
-"""The limiter's tables and functions: where the DDL lives and how it is applied."""
+"""The limiter's tables and functions: where the DDL lives, its version, how it is applied.
+
+One schema version, :data:`SCHEMA_VERSION`, recorded in the database (``runcell_schema``)
+and checked by every worker at start: a database older (stale) or newer than this code
+is refused with a :class:`~runcell_celery.ConcurrencyConfigError` naming both versions,
+unless the worker may upgrade it (``ensure_schema=True``, the default).
+"""
 
 from __future__ import annotations
 
-import hashlib
 import zlib
 from importlib import resources
 from typing import Any
 
 import psycopg
 
+from ..errors import ConcurrencyConfigError
 from . import statements
 from .connection import fetch_one
 
-__all__ = ["ensure_schema", "postgres_concurrency_schema_sql", "schema_checksum"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "database_schema_version",
+    "ensure_schema",
+    "postgres_concurrency_schema_sql",
+]
 
 #: Advisory lock key for schema creation (stable across processes and versions).
 _SCHEMA_LOCK_KEY = zlib.crc32(b"runcell_celery.schema")
 
-
-SCHEMA_VERSION = 3
+#: The schema version this code works with. 4: the first released schema (function
+#: names without version suffix, one function per operation); pre-release (0.1.0
+#: development) databases recorded 3. Every later change to ``schema.sql`` raises it by
+#: one and comes with a delta migration (``scripts/new_schema_migration.py``).
+SCHEMA_VERSION = 4
 #: Tries of an upgrade that deadlocked with running operations.
 DDL_ATTEMPTS = 3
 
@@ -27,44 +41,46 @@ def _schema_file() -> str:
     return resources.files(__package__).joinpath("schema.sql").read_text(encoding="utf-8")
 
 
-def schema_checksum() -> str:
-    """The checksum of the DDL this version ships (recorded in ``runcell_schema``)."""
-    return hashlib.sha256(_schema_file().encode()).hexdigest()[:16]
-
-
 def postgres_concurrency_schema_sql() -> str:
-    """Return the DDL for the limiter's tables and functions.
+    """Return the DDL for the limiter's tables and functions, at :data:`SCHEMA_VERSION`.
 
     Apply it as a migration when the database role may not run DDL, and create the
-    limiter with ``ensure_schema=False``. It is idempotent, and records its own
-    checksum so that workers know the database is current.
+    limiter with ``ensure_schema=False``. It is idempotent, brings a database of an
+    earlier version up to this one, and records the version.
     """
-    checksum = schema_checksum()
-    # Only the revision applied last is kept: workers compare their own against it.
     record = (
-        f"DELETE FROM runcell_schema WHERE checksum IS DISTINCT FROM '{checksum}';\n"
-        "INSERT INTO runcell_schema (checksum, version) "
-        f"VALUES ('{checksum}', {SCHEMA_VERSION}) ON CONFLICT DO NOTHING;\n"
+        "DELETE FROM runcell_schema;\n"
+        f"INSERT INTO runcell_schema (version) VALUES ({int(SCHEMA_VERSION)});\n"
     )
     return _schema_file() + "\n" + record
 
 
-def ensure_schema(conn: psycopg.Connection[Any]) -> None:
-    """Create the tables and functions unless they exist and are current.
+def database_schema_version(conn: psycopg.Connection[Any]) -> int | None:
+    """The schema version recorded in the database, or ``None`` without the tables."""
+    if not fetch_one(conn, statements.SCHEMA_EXISTS)[0]:
+        return None
+    version = fetch_one(conn, statements.SCHEMA_VERSION_RECORDED)[0]
+    return None if version is None else int(version)
+
+
+def ensure_schema(conn: psycopg.Connection[Any], *, create: bool = True) -> None:
+    """Check the database's schema version; create or upgrade it when ``create``.
 
     Workers starting at the same moment on a new database take turns on an advisory
     lock, so concurrent ``CREATE`` statements never collide; whoever gets the lock
     after another worker applied the DDL finds it current and applies nothing (the
     DDL takes table locks that running operations would otherwise queue behind). An
-    upgrade that deadlocks with running operations is tried again.
+    upgrade that deadlocks with running operations is tried again. Without ``create``
+    (``ensure_schema=False``) a missing, older or newer schema raises
+    :class:`~runcell_celery.ConcurrencyConfigError`; a newer one always does.
     """
-    if _is_current(conn):
+    if _checked(conn, database_schema_version(conn), create=create):
         return
     for attempt in range(DDL_ATTEMPTS):
         try:
             with conn.transaction():
                 conn.execute(statements.LOCK_SCHEMA, {"key": _SCHEMA_LOCK_KEY})
-                if _is_current(conn):
+                if _checked(conn, database_schema_version(conn), create=create):
                     return
                 conn.execute(postgres_concurrency_schema_sql().encode())
             return
@@ -73,7 +89,28 @@ def ensure_schema(conn: psycopg.Connection[Any]) -> None:
                 raise
 
 
-def _is_current(conn: psycopg.Connection[Any]) -> bool:
-    if not fetch_one(conn, statements.SCHEMA_EXISTS)[0]:
+def _checked(conn: psycopg.Connection[Any], version: int | None, *, create: bool) -> bool:
+    """Whether the database is at :data:`SCHEMA_VERSION`; raise when it cannot be made so."""
+    if version == SCHEMA_VERSION:
+        return True
+    if version is not None and version > SCHEMA_VERSION:
+        raise ConcurrencyConfigError(
+            f"the database's runcell schema is version {version}, newer than this "
+            f"runcell_celery supports (version {SCHEMA_VERSION}): upgrade runcell_celery "
+            "on this worker"
+        )
+    if create:
         return False
-    return bool(fetch_one(conn, statements.SCHEMA_IS_CURRENT, {"checksum": schema_checksum()})[0])
+    if version is None:
+        raise ConcurrencyConfigError(
+            "the runcell tables do not exist in this database; apply "
+            "postgres_concurrency_schema_sql() as a migration (manage.py migrate with "
+            "runcell_django), or create the limiter with ensure_schema=True"
+        )
+    raise ConcurrencyConfigError(
+        f"the database's runcell schema is version {version}, older than this "
+        f"runcell_celery's (version {SCHEMA_VERSION}): the database is stale; apply the "
+        "migrations (manage.py migrate runcell_django) or postgres_concurrency_schema_sql() "
+        "(README 'Upgrading' says which upgrades need every worker stopped), or create "
+        "the limiter with ensure_schema=True"
+    )

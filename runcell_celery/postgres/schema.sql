@@ -1,21 +1,23 @@
--- runcell_celery PostgreSQL limiter schema, version 3.
+-- runcell_celery PostgreSQL limiter schema (its version: SCHEMA_VERSION in schema.py,
+-- recorded in runcell_schema by postgres_concurrency_schema_sql()).
 --
 -- Applied on first use (under an advisory lock, so workers starting together on a
 -- new database do not conflict), or as a migration with ensure_schema=False: it is
--- idempotent. One row per limiter (its stored limits and fencing counter), one row
+-- idempotent, and brings a database of an earlier version up to this one. One row per limiter (its stored limits and fencing counter), one row
 -- per held slot (a lease: who holds it and until when), one row per waiting request.
 -- Every time is database time (clock_timestamp(), never the workers' clocks).
 -- Names that order locks (limiters, keys, workloads, groups) are compared byte-wise:
 -- their columns are COLLATE "C", whatever the database's collation, so that the order
 -- of Python's sorted() (code points, which is UTF-8's byte order) is the order here.
 
--- One row per applied revision of this file (its checksum), so that a worker with a
--- newer file re-applies it (functions are replaced; tables only ever gain objects).
+-- The schema version this database has: one row, checked by every worker at start
+-- (a database older or newer than the worker's code is refused, naming both).
 CREATE TABLE IF NOT EXISTS runcell_schema (
-    checksum text PRIMARY KEY,
     version integer NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+-- Pre-release (0.1.0 development) databases kept one row per checksum of this file.
+ALTER TABLE runcell_schema DROP COLUMN IF EXISTS checksum;
 
 -- The limits every worker using this name must share, the counts allocation decides
 -- on, and the lock that serialises it: every operation is one short transaction (one
@@ -140,7 +142,6 @@ CREATE TABLE IF NOT EXISTS runcell_process (
 -- not every column. CREATE TABLE IF NOT EXISTS leaves an existing table as it is, so
 -- each column added since is added here too (a no-op on a new database). Functions
 -- below are replaced whole.
-ALTER TABLE runcell_schema ADD COLUMN IF NOT EXISTS checksum text;
 ALTER TABLE runcell_lease ADD COLUMN IF NOT EXISTS parked boolean NOT NULL DEFAULT false;
 ALTER TABLE runcell_lease ADD COLUMN IF NOT EXISTS picked_up_at timestamptz;
 ALTER TABLE runcell_queue ADD COLUMN IF NOT EXISTS in_progress boolean NOT NULL DEFAULT false;

@@ -17,9 +17,8 @@ SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables
                WHERE tablename = 'runcell_schema' AND schemaname = ANY(current_schemas(false)))
 """
 
-SCHEMA_IS_CURRENT: LiteralString = (
-    "SELECT EXISTS (SELECT 1 FROM runcell_schema WHERE checksum = %(checksum)s)"
-)
+#: The schema version the database records (``runcell_schema``; NULL: none recorded).
+SCHEMA_VERSION_RECORDED: LiteralString = "SELECT max(version) FROM runcell_schema"
 
 #: Serialises schema creation between workers that start at the same moment.
 LOCK_SCHEMA: LiteralString = "SELECT pg_advisory_xact_lock(%(key)s)"

@@ -11,7 +11,6 @@ database, whatever ``RUNCELL_TEST_COLLATION`` says.
 
 from __future__ import annotations
 
-import importlib
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from runcell_celery import AcquireRequest, RunLineage, slot
 from runcell_celery.ports import Parked
@@ -26,6 +26,7 @@ from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
     create_postgres_concurrency_limiter,
+    postgres_concurrency_schema_sql,
 )
 from runcell_celery.testing.databases import (
     COLLATION_ENV,
@@ -36,8 +37,6 @@ from runcell_celery.testing.databases import (
 from tests.support.pg import create_database, drop_database
 
 MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
-#: A revision of the schema made before its names were COLLATE "C" (frozen DDL text).
-PREVIOUS_SCHEMA = "runcell_django.migrations.0008_limiter_schema_v3_parked_groups"
 PAYLOAD = '{"task": "agents.answer", "args": ["acme"]}'
 #: Pairs of names in Python's (and C's) order, which en-US sorts the other way round.
 PAIRS = [("OpenAI", "gpt-4o"), ("claude-opus", "claude_sonnet")]
@@ -278,9 +277,24 @@ def test_every_column_holding_a_name_or_key_compares_byte_wise(
 def test_a_database_made_by_an_earlier_revision_gets_byte_wise_names_and_keeps_its_rows(
     make: MakeLimiter, en_us_dsn: str
 ) -> None:
-    previous = importlib.import_module(PREVIOUS_SCHEMA).LIMITER_SCHEMA
+    # As a database of a revision made before its names were COLLATE "C" stands: those
+    # columns in the database's collation, and an earlier schema version recorded.
     with psycopg.connect(en_us_dsn, autocommit=True) as conn:
-        conn.execute(previous.encode())
+        conn.execute(postgres_concurrency_schema_sql().encode())
+        for column in sorted(ORDERED):
+            table, name = column.split(".")
+            row = conn.execute(
+                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+                "WHERE attrelid = %s::regclass AND attname = %s",
+                [table, name],
+            ).fetchone()
+            assert row is not None
+            conn.execute(
+                sql.SQL('ALTER TABLE {} ALTER COLUMN {} TYPE {} COLLATE "default"').format(
+                    sql.Identifier(table), sql.Identifier(name), sql.SQL(row[0])
+                )
+            )
+        conn.execute("UPDATE runcell_schema SET version = version - 1")
         conn.execute(
             "INSERT INTO runcell_fair_history (limiter, fair_key, last_granted) "
             "VALUES ('tenant:acme', 'alpha', 1), ('tenant:acme', 'Beta', 2)"

@@ -86,6 +86,12 @@ class GroupWaiter:
         except BaseException as exc:  # pragma: no cover - reported by the test
             self.failures.append(exc)
 
+    def wait_granted(self) -> float:
+        """Wait until it is granted; when it was (monotonic seconds)."""
+        wait_for(lambda: self.granted_at is not None, "[a, b] granted", timeout=30)
+        assert self.granted_at is not None
+        return self.granted_at
+
     def join(self) -> None:
         self.thread.join(30)
         assert not self.thread.is_alive()
@@ -115,9 +121,7 @@ def test_a_request_on_a_alone_is_granted_at_once_and_a_b_is_granted_within_its_b
         wait_for(lambda: churn.cycles >= 6, "a churns")
         freed = time.monotonic()
         holder.__exit__(None, None, None)  # b frees while a is taken over and over
-        wait_for(lambda: group.granted_at is not None, "[a, b] granted", timeout=30)
-        assert group.granted_at is not None
-        waited = group.granted_at - freed
+        waited = group.wait_granted() - freed
         bound = GROUP_AGEING_MS / 1000 + HOLD_S + SLACK_S
         assert waited < bound, f"[a, b] waited {waited:.2f} s after b freed (bound {bound} s)"
     group.join()
@@ -135,9 +139,7 @@ def test_a_request_lacking_room_in_its_two_limiters_alternately_is_granted_once_
         wait_for(lambda: churn_a.cycles >= 4 and churn_b.cycles >= 4, "a and b churn")
         asked = time.monotonic()
         group = GroupWaiter(a, b)
-        wait_for(lambda: group.granted_at is not None, "[a, b] granted", timeout=30)
-        assert group.granted_at is not None
-        waited = group.granted_at - asked
+        waited = group.wait_granted() - asked
         bound = GROUP_AGEING_MS / 1000 + 2 * HOLD_S + SLACK_S
         assert waited < bound, f"[a, b] waited {waited:.2f} s (bound {bound} s)"
     group.join()
@@ -162,7 +164,7 @@ def test_an_aged_request_keeps_the_slot_it_has_room_for(make_limiter: MakeLimite
             assert time.monotonic() - asked >= 0.25
     finally:
         holder.__exit__(None, None, None)
-    wait_for(lambda: group.granted_at is not None, "[shared, busy] granted")
+    group.wait_granted()
     group.join()
 
 
