@@ -35,6 +35,7 @@ import argparse
 import hashlib
 import importlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -173,8 +174,11 @@ def _column(name: str, spec: tuple[str, str | None, bool, str | None]) -> str:
     return text
 
 
-def _function_name(signature: str) -> str:
-    return signature.split("(", 1)[0]
+def _unqualified(definition: str) -> str:
+    """``pg_get_functiondef``'s text without the scratch database's schema name, so the
+    migration creates the function where the database's search path says."""
+    create = "CREATE OR REPLACE FUNCTION "
+    return re.sub(rf"^{create}[^.(\s]+\.", create, definition)
 
 
 def diff(old: Catalog, new: Catalog, *, drop_removed: bool = True) -> tuple[list[str], list[str]]:
@@ -227,7 +231,7 @@ def diff(old: Catalog, new: Catalog, *, drop_removed: bool = True) -> tuple[list
             continue
         if defined is not None and defined[1] != result:  # CREATE OR REPLACE keeps the result type
             out.append(f"DROP FUNCTION {signature};")
-        out.append(definition.strip() + ";")
+        out.append(_unqualified(definition).strip() + ";")
     for signature in sorted(old.functions.keys() - new.functions.keys()):
         if drop_removed:
             out.append(f"DROP FUNCTION IF EXISTS {signature};")
@@ -258,8 +262,9 @@ def _record(version: int) -> str:
     return f"DELETE FROM runcell_schema;\nINSERT INTO runcell_schema (version) VALUES ({version});"
 
 
-def _latest_migration() -> str:
-    return sorted(p.stem for p in MIGRATIONS.glob("[0-9]*.py"))[-1]
+def _latest_migration(but: str) -> str:
+    """The latest migration other than ``but`` (the one being written again)."""
+    return sorted(p.stem for p in MIGRATIONS.glob("[0-9]*.py") if p.stem != but)[-1]
 
 
 def main() -> None:
@@ -287,7 +292,7 @@ def main() -> None:
             text=True,
         ).stdout
     current = (ROOT / SCHEMA_SQL).read_text(encoding="utf-8")
-    after = _latest_migration()
+    after = _latest_migration(but=args.name)
     latest = importlib.import_module(f"runcell_django.migrations.{after}")
     before_kept = list(getattr(latest, "KEPT", []))
     print(f"new-migration: diffing {args.previous_file or args.previous}'s schema ...")
@@ -297,7 +302,7 @@ def main() -> None:
     forward = "\n".join(p for p in (dropped, forward, _record(SCHEMA_VERSION)) if p)
     reverse = "\n".join(p for p in (reverse, _record(SCHEMA_VERSION - 1)) if p)
     summary = textwrap.fill(args.summary, 88)
-    kept_text = "".join(f"    {s!r},\n" for s in kept)
+    kept_text = "[\n" + "".join(f"    {s!r},\n" for s in kept) + "]" if kept else "[]"
     was = SCHEMA_VERSION - 1
     source = f'''"""Limiter schema version {SCHEMA_VERSION}: what changed since version {was}.
 
@@ -309,8 +314,7 @@ from django.db import migrations
 
 #: Functions the new schema no longer has, kept for workers of version
 #: {SCHEMA_VERSION - 1} during a rolling upgrade; the next delta drops them.
-KEPT = [
-{kept_text}]
+KEPT: list[str] = {kept_text}
 
 FORWARD = r"""
 {forward}
