@@ -68,7 +68,7 @@ class KeySet:
         from .limiter import PostgresConcurrencyLimiter
 
         limiter = PostgresConcurrencyLimiter(
-            parent.database,
+            parent.engines,
             config_for_key(parent.config, key),
             parent.options,
             stored_hash=parent.stored_hash,
@@ -78,6 +78,7 @@ class KeySet:
             limiter = self._cache.setdefault(key, limiter)
             while len(self._cache) > CACHED_KEYS:
                 self._cache.popitem(last=False)
+        parent.engines.engine.track(self._purger)
         self._purger.start()
         return limiter
 
