@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, LiteralString
@@ -195,6 +196,9 @@ class PostgresBackend:
                 database = self._database() if not self._inherited else self._database().fresh()
                 self._engine = Engine(database, self.options)
                 self._pid = pid
+                # A backend dropped unclosed (a script's, a test's limiter) closes as it
+                # is collected, from a thread of its own (never one of the engine's).
+                weakref.finalize(self, Engine.close_later, self._engine).atexit = False
             return self._engine
 
     @property

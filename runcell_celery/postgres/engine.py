@@ -12,6 +12,7 @@ every thread it started and closes every connection it opened, like
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ class Engine:
         self._loops: weakref.WeakSet[BackgroundLoop[Any]] = weakref.WeakSet()
         self._said: set[tuple[str, str]] = set()
         self.closed = False
+        self._pid = os.getpid()
 
     @property
     def room(self) -> WaitRoom:
@@ -102,8 +104,11 @@ class Engine:
         Leases still held are no longer renewed (they expire); waiters are not served.
         """
         with self._lock:
+            if self.closed:
+                return
             self.closed = True
             room, executor = self._room, self._executor
+            self._room = self._executor = None
         self.keeper.stop(CLOSE_TIMEOUT_S)
         for loop in list(self._loops):
             loop.stop(CLOSE_TIMEOUT_S)
@@ -112,6 +117,12 @@ class Engine:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
         self.database.close()
+
+    def close_later(self) -> None:
+        """:meth:`close` in a thread of its own, not waited for (a finalizer's); in a
+        forked child, nothing (the parent's engine is never closed there)."""
+        if not self.closed and self._pid == os.getpid():
+            threading.Thread(target=self.close, name="runcell-close", daemon=True).start()
 
 
 class HasEngine(Protocol):

@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any, Literal, LiteralString, cast
 
 import psycopg
@@ -40,6 +41,7 @@ from ..config import LimiterConfig, check_duration_ms
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
 from ..keeper import LeaseKeeper
+from ..keys import config_for_key
 from ..patience import current_patience
 from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
 from ..protocol import (
@@ -211,7 +213,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._hash = stored_hash or config_hash(config)
         self._margin_s = self._safety_margin_s(config)
         self._on_parked_granted: Callable[[list[str]], None] | None = None
-        self._keys: KeySet | None = None
+        self._keys: KeySet[PostgresConcurrencyLimiter] | None = None
 
     @property
     def options(self) -> PostgresOptions:
@@ -250,6 +252,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def keeper(self) -> LeaseKeeper:
         """The lease keeper of its backend in this process (renews its held slots)."""
         return self._engine.keeper
+
+    @property
+    def release_executor(self) -> Executor:
+        """Where an ``async with slot(...)`` exit runs its release: off the event loop."""
+        return self._engine.executor
 
     def close(self) -> None:
         """Close the backend this limiter owns (one made by
@@ -328,7 +335,15 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """How many keys hold a slot or have a request waiting."""
         return self._key_set().in_use()
 
-    def _key_set(self) -> KeySet:
+    def for_key(self, key: str) -> PostgresConcurrencyLimiter:
+        """A new limiter of ``key`` (no I/O; :meth:`key` caches them)."""
+        limiter = PostgresConcurrencyLimiter(
+            self._engines, config_for_key(self._config, key), self._options, stored_hash=self._hash
+        )
+        limiter.set_parked_granted_handler(self._on_parked_granted)
+        return limiter
+
+    def _key_set(self) -> KeySet[PostgresConcurrencyLimiter]:
         if not self._config.keyed:
             raise ConcurrencyConfigError(
                 f"limiter {self.name!r} is not keyed: declare it with keyed=True to give "

@@ -4,8 +4,10 @@ it opened closes (issue 22: one owner per backend and process)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 
 import psycopg
@@ -13,7 +15,7 @@ import pytest
 
 from runcell_celery import ConcurrencyLimiterError, slot
 from runcell_celery.config import LimiterConfig
-from runcell_celery.postgres import PostgresBackend
+from runcell_celery.postgres import PostgresBackend, create_postgres_concurrency_limiter
 from tests.support.pg import ADMIN_DSN, create_database, drop_database, unique_name
 
 THREADS = 8
@@ -108,3 +110,38 @@ def test_closing_a_backend_ends_every_thread_it_started_and_every_connection_it_
     with pytest.raises(ConcurrencyLimiterError, match="was closed"), slot(a):
         pass  # closed: it fails closed and opens nothing again
     assert _sessions(own_dsn) == 0
+
+
+def test_a_limiter_made_before_fork_gets_an_engine_of_its_own_in_the_child(
+    own_dsn: str,
+) -> None:
+    limiter = create_postgres_concurrency_limiter(own_dsn, name=unique_name("f"), max_concurrent=1)
+    with slot(limiter):  # the parent's pool, keeper and listener are in use
+        pass
+    parent_engine = limiter.engines.engine
+    parent_pool = limiter.pool
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        status = 1
+        try:
+            engine = limiter.engines.engine
+            assert engine is not parent_engine
+            assert limiter.pool is not parent_pool
+            assert limiter.keeper is engine.keeper is not parent_engine.keeper
+            with slot(limiter):
+                pass
+            limiter.close()  # closes the child's engine, never the parent's
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could not use its own engine"
+    assert limiter.engines.engine is parent_engine
+    with parent_pool.connection() as conn:  # no retry: a socket the child closed would raise
+        conn.execute("SELECT 1")
+    with slot(limiter):
+        assert limiter.stats().active == 1
+    limiter.close()
+    assert _eventually(lambda: _sessions(own_dsn) == 0, 15), "connections left open"
