@@ -97,7 +97,7 @@ class PreAdmitted:
         self._keys: list[int] = []
         self._detach: Callable[[], object] | None = None
         #: The keeper's clock and each lease's local validity on it (set by keep).
-        self._clock = get_keeper().clock
+        self._clock = get_keeper(slot_request.limiter).clock
         self._valid_until: list[float] = []
 
     @property
@@ -114,7 +114,7 @@ class PreAdmitted:
     def keep(self, deadline: Deadline | None, cancel: CancellationToken | None) -> None:
         """Hand the leases to the keeper; release them if ``deadline`` passes or
         ``cancel`` is set before a slot adopts them."""
-        keeper = self._keeper = get_keeper()
+        keeper = self._keeper = get_keeper(self.slot_request.limiter)
         self._clock = keeper.clock
         now = self._clock.monotonic()
         self._valid_until = [local_validity(lease, now).at for lease in self.leases]

@@ -124,7 +124,7 @@ class Hold:
         self._keeper: LeaseKeeper | None = None
         self._keeper_key = 0
         #: The clock the leases' local validity is read on: the lease keeper's.
-        self._clock = get_keeper().clock
+        self._clock = get_keeper(slot_request.limiter).clock
         #: Until when each lease is valid here (one per lease; the keeper tells each
         #: renewal). Past it, the hold is aborted as a lost lease, whoever looks first.
         self._valid_until = [local_validity(lease, self._clock.monotonic()).at]
@@ -138,7 +138,7 @@ class Hold:
     def keep(self, deadline: Deadline | None) -> None:
         """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""
         due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
-        self._keeper = get_keeper()
+        self._keeper = get_keeper(self.slot_request.limiter)
         valid_until = Deadline(self._valid_until[0])
         self._keeper_key = self._keeper.keep(self, self.lease.ttl_ms, due, valid_until)
 
@@ -398,7 +398,7 @@ class SeveralHold(Hold):
     def keep(self, deadline: Deadline | None) -> None:
         """Hand every lease to the keeper; the first carries the hold's deadline."""
         due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
-        keeper = self._parts_keeper = get_keeper()
+        keeper = self._parts_keeper = get_keeper(self.slot_request.limiter)
         self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
         self._part_keys = [
             keeper.keep(

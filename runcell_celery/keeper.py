@@ -1,4 +1,5 @@
-"""The lease keeper: one thread per process renews every held slot and watches deadlines.
+"""The lease keeper: one thread per backend and process renews every held slot and
+watches deadlines.
 
 A thread per lease would cost a thread per provider call; instead every held slot is
 registered here and one named loop (``runcell-lease-keeper``, a
@@ -14,8 +15,12 @@ and the holder reacts. It also tells the holder until when its lease is valid he
 that same bound when its body ends or asks whether it was aborted, so a lease whose
 validity passed is lost whichever thread looks first. It keeps only weak references,
 so a hold that is dropped without being exited simply stops being renewed and its
-lease expires. It logs instead of dying, and a forked child (Celery prefork) gets a
-keeper of its own through :class:`~runcell_celery.background.ProcessLocal`.
+lease expires. It logs instead of dying.
+
+Who owns it: a backend that has resources of its own gives its limiters its keeper
+(``limiter.keeper``: the PostgreSQL backend's engine, closed with the backend, made
+anew in a forked child); a limiter that brings none (in memory, or one written by a
+user) is kept by this process's shared keeper (:func:`get_keeper`).
 """
 
 from __future__ import annotations
@@ -304,11 +309,13 @@ def _safely(call: Callable[..., T], *args: object) -> T | None:
         return None
 
 
-#: This process's keeper: a forked child (Celery prefork) makes its own on first use,
-#: since the parent's thread does not exist there and its holds are not the child's.
+#: The keeper of limiters that bring none: a forked child (Celery prefork) makes its own
+#: on first use, since the parent's thread does not exist there.
 _keepers: ProcessLocal[LeaseKeeper] = ProcessLocal(LeaseKeeper)
 
 
-def get_keeper() -> LeaseKeeper:
-    """Return this process's keeper, creating it on first use."""
-    return _keepers.get()
+def get_keeper(limiter: object = None) -> LeaseKeeper:
+    """The keeper of ``limiter``'s leases: its backend's (``limiter.keeper``), else this
+    process's shared one, made on first use."""
+    keeper = getattr(limiter, "keeper", None)
+    return keeper if isinstance(keeper, LeaseKeeper) else _keepers.get()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import time
@@ -421,11 +422,20 @@ class Slot:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._hold is None:
+        hold = self._hold
+        if hold is None:
             return
-        error = self._hold.end(exc)
+        # A limiter whose release does I/O names the threads to run it on: the exit
+        # then never blocks the event loop (nor is the release cut short by a cancel).
+        executor = getattr(hold.slot_request.limiter, "release_executor", None)
+        if executor is None:
+            error = hold.end(exc)
+        else:
+            ending = contextvars.copy_context().run
+            future = asyncio.get_running_loop().run_in_executor(executor, ending, hold.end, exc)
+            error = await asyncio.shield(future)
         # The cancellation was ours, to stop the body; do not let it leak out.
-        self._hold.settle_task()
+        hold.settle_task()
         if error is not None:
             raise error from exc
 

@@ -18,7 +18,6 @@ Needs the ``postgres`` extra (psycopg 3 and psycopg_pool).
 """
 
 from .backend import LimiterState, PostgresBackend, ReleasedLease
-from .closing import close_database
 from .connection import check_dsn
 from .factory import create_postgres_concurrency_limiter
 from .gauges import WorkloadGauges, read_workload_gauges
@@ -38,7 +37,6 @@ __all__ = [
     "ReleasedLease",
     "WorkloadGauges",
     "check_dsn",
-    "close_database",
     "create_postgres_concurrency_limiter",
     "ensure_schema",
     "postgres_concurrency_schema_sql",

@@ -2,12 +2,15 @@
 
 A :class:`PostgresBackend` is built once per registry and process from the
 ``DATABASE`` setting and the ``RUNCELL["POSTGRES"]`` section (it validates that section
-itself into :class:`~runcell_celery.postgres.PostgresOptions`). It owns one
-:class:`~.connection.Database` (one pool per process): every limiter it creates and
-every store call shares it. Besides limiters it offers the stores of
-:mod:`runcell_celery.ports` (first starts, revocations, admission counters, parked
-tasks) and what an operator's dashboard needs (live state, stored limits, force
-release), so no other layer reads or writes the ``runcell_*`` tables itself.
+itself into :class:`~runcell_celery.postgres.PostgresOptions`). It owns, per process,
+one :class:`~.engine.Engine`: the pool, waiting room, listener, executor, lease keeper
+and key purgers that every limiter it creates and every store call share, and
+:meth:`PostgresBackend.close` ends them all. A forked child (Celery prefork) never
+uses nor closes its parent's: it makes its own engine on first use. Besides limiters
+it offers the stores of :mod:`runcell_celery.ports` (first starts, revocations,
+admission counters, parked tasks) and what an operator's dashboard needs (live
+state, stored limits, force release), so no other layer reads or writes the
+``runcell_*`` tables itself.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import json
 import logging
 import os
 import socket
+import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, LiteralString
@@ -42,12 +47,12 @@ from ..ports import (
 )
 from ..protocol import LimiterStats, WorkloadStats
 from . import statements
-from .calls import CallFailedError, call, fetch_rows, lock_timeout_ms
+from .calls import CallFailedError, fetch_rows, lock_timeout_ms
 from .connection import Database, redacted
+from .engine import Engine
 from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
 from .registration import differing_limits
-from .waiting import get_room
 
 __all__ = ["LimiterState", "PostgresBackend", "ReleasedLease"]
 
@@ -125,7 +130,7 @@ class LimiterState:
 
 
 class PostgresBackend:
-    """Limiters and stores on one PostgreSQL database, sharing one pool per process.
+    """Limiters and stores on one PostgreSQL database, sharing one engine per process.
 
     :param database: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool` the
         caller owns. ``None`` builds a backend that only checked its options: any call
@@ -149,6 +154,11 @@ class PostgresBackend:
         self.options = PostgresOptions.from_mapping(options, path=path)
         self._taker_tag = uuid.uuid4().hex[:8]
         self._db: Database | None = None
+        self._engine: Engine | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        #: Engines of the process this one was forked from: kept, never used nor closed.
+        self._inherited: list[Engine] = []
         if database is not None:
             section = '["POSTGRES"]'
             setting = path[: -len(section)] if path.endswith(section) else "RUNCELL"
@@ -171,21 +181,47 @@ class PostgresBackend:
         return f"<PostgresBackend {where}>"
 
     @property
+    def engine(self) -> Engine:
+        """This process's engine, made on first use (in a forked child: its own)."""
+        engine, pid = self._engine, os.getpid()
+        if engine is not None and self._pid == pid:
+            return engine
+        if self._pid != pid:  # forked: a parent's thread may hold the lock, not here
+            self._lock = threading.Lock()
+        with self._lock:
+            if self._engine is not None and self._pid != pid:
+                self._inherited.append(self._engine)
+                self._engine = None
+            if self._engine is None:
+                database = self._database() if not self._inherited else self._database().fresh()
+                self._engine = Engine(database, self.options)
+                self._pid = pid
+                # A backend dropped unclosed (a script's, a test's limiter) closes as it
+                # is collected, from a thread of its own (never one of the engine's).
+                weakref.finalize(self, Engine.close_later, self._engine).atexit = False
+            return self._engine
+
+    @property
     def pool(self) -> ConnectionPool[Any]:
         """This process's connection pool (every limiter and store call uses it)."""
-        return self._database().pool
+        return self.engine.database.pool
 
     # -- limiters ---------------------------------------------------------------------
 
-    def create_limiter(self, config: LimiterConfig) -> PostgresConcurrencyLimiter:
+    def create_limiter(
+        self, config: LimiterConfig, *, owns: bool = False
+    ) -> PostgresConcurrencyLimiter:
         """Build a limiter on this backend's pool; store its limits or check the stored.
+
+        :param owns: the limiter's :meth:`~PostgresConcurrencyLimiter.close` closes
+            this backend (a backend made for that one limiter).
 
         :raises ConcurrencyConfigError: the stored limits differ
             (``on_conflict="error"``), or the tables are missing and ``ensure_schema``
             is off.
         :raises ConcurrencyLimiterError: the database failed.
         """
-        limiter = PostgresConcurrencyLimiter(self._database(), config, self.options)
+        limiter = PostgresConcurrencyLimiter(self, config, self.options, owns_backend=owns)
         limiter.register(ensure=self.options.ensure_schema, on_conflict=self.options.on_conflict)
         return limiter
 
@@ -215,12 +251,14 @@ class PostgresBackend:
         return [LimitsConflict(limiter, differences) for limiter, differences in found]
 
     def close(self) -> None:
-        """Release what this backend owns in this process: nothing to close.
-
-        A pool made from a DSN is shared by every backend and limiter on that database
-        in this process (and lives as long as it); a caller's pool belongs to the
-        caller. The grant listener is per process and database too.
-        """
+        """End every thread this backend started in this process and close every
+        connection it opened (pool, listener); a caller's pool stays open (it is the
+        caller's). Its limiters must not be used afterwards: they fail closed. A
+        forked child's close leaves the parent's engine alone."""
+        with self._lock:
+            engine = self._engine if self._pid == os.getpid() else None
+        if engine is not None:
+            engine.close()
 
     # -- RunStore ---------------------------------------------------------------------
 
@@ -357,7 +395,7 @@ class PostgresBackend:
             "op_id": str(uuid.uuid4()),
         }
         try:
-            answer = call(self._database(), statements.COMPLETE_EXPIRED, params)
+            answer = self.engine.call(statements.COMPLETE_EXPIRED, params)
         except CallFailedError as exc:
             raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
         return int(answer["n"])
@@ -372,7 +410,7 @@ class PostgresBackend:
         granted: list[str] = []
         for group_id in list(dict.fromkeys(str(row[0]) for row in rows))[:limit]:
             try:
-                answer = call(self._database(), statements.ALLOCATE_GROUP, {"group_id": group_id})
+                answer = self.engine.call(statements.ALLOCATE_GROUP, {"group_id": group_id})
             except CallFailedError as exc:  # the next sweep tries again
                 logger.info("runcell: the group pass of parked %s failed: %s", group_id, exc)
                 continue
@@ -383,7 +421,7 @@ class PostgresBackend:
         """Call ``handler(limiter, request_ids)`` when any process grants parked requests:
         hooks this process's ``LISTEN`` connection (started if need be). Without
         ``listen`` the sweeper's periodic pass finds them instead."""
-        listener = get_room(self._database(), self.options).listener
+        listener = self.engine.room.listener
         if listener is not None:
             listener.add_parked_handler(handler)
 
@@ -415,11 +453,10 @@ class PostgresBackend:
         Any worker's next allocation would do it too; doing it now hands freed slots
         to waiters at once. A limiter that fails is logged and the others still run.
         """
-        database = self._database()
+        engine = self.engine
         for name in limiter_names:
             try:
-                call(
-                    database,
+                engine.call(
                     statements.REAP,
                     {"limiter": name},
                     lock_timeout_ms=lock_timeout_ms(None),
@@ -474,7 +511,7 @@ class PostgresBackend:
         """Run one statement on a pooled connection (retried as :func:`.calls.fetch_rows`
         says: within the run's budget, if any); fail closed on database errors."""
         try:
-            return fetch_rows(self._database(), query, params)
+            return fetch_rows(self.engine.database, query, params)
         except CallFailedError as exc:
             raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
 

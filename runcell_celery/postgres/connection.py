@@ -1,11 +1,8 @@
-"""Connections for the PostgreSQL limiter: a pool per process, safe across ``fork``.
+"""Connections for the PostgreSQL limiter: one pool per :class:`Database` object.
 
-Celery's prefork pool forks worker children from a parent that may already have
-created limiters. A connection (or a pool's threads) inherited through ``fork`` must
-never be used by the child, nor closed by it (closing sends a terminate message on
-the parent's socket). So pools made from a DSN live in a
-:class:`~runcell_celery.background.ProcessLocal`: a forked child leaves the parent's
-untouched and opens its own.
+A :class:`Database` made from a DSN opens its pool on first use and closes it in
+:meth:`Database.close`; the backend's engine makes one per process (a forked child
+never uses nor closes the parent's, see :class:`~.backend.PostgresBackend`).
 
 Connections are in autocommit mode with server-side prepared statements off
 (``prepare_threshold=None``): the limiter keeps no session state, so transaction-mode
@@ -26,7 +23,6 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ..background import ProcessLocal
 from ..errors import ConcurrencyConfigError
 from ..redaction import dsn_secrets, mask_dsn, scrub
 from .options import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE
@@ -52,51 +48,6 @@ class PoolBusy(PoolTimeout):
     while the database itself answers (many threads at once, not an outage)."""
 
 
-class _Pools:
-    """This process's pools, one per (DSN, size, timeout): every limiter and store on
-    the same database shares one."""
-
-    def __init__(self) -> None:
-        self.by_key: dict[tuple[str, int, float], ConnectionPool[Connection]] = {}
-        self.lock = threading.Lock()
-
-    def get(self, conninfo: str, max_size: int, timeout: float) -> ConnectionPool[Connection]:
-        key = (conninfo, max_size, timeout)
-        with self.lock:
-            pool = self.by_key.get(key)
-            if pool is None:
-                pool = self.by_key[key] = ConnectionPool(
-                    conninfo,
-                    min_size=1,
-                    max_size=max_size,
-                    timeout=timeout,
-                    kwargs={
-                        "autocommit": True,
-                        "prepare_threshold": None,
-                        "connect_timeout": max(1, int(timeout)),
-                        **KEEPALIVES,
-                    },
-                    name=f"runcell-{os.getpid()}",
-                    open=True,
-                )
-            return pool
-
-
-_pools: ProcessLocal[_Pools] = ProcessLocal(_Pools)
-
-
-def close_pools(conninfo: str) -> int:
-    """Close this process's pools for ``conninfo`` (every size and timeout); return how
-    many. Limiters still using them fail closed; a later use opens a new pool."""
-    pools = _pools.get()
-    with pools.lock:
-        keys = [key for key in pools.by_key if key[0] == conninfo]
-        closing = [pools.by_key.pop(key) for key in keys]
-    for pool in closing:
-        pool.close()
-    return len(closing)
-
-
 def fetch_all(
     conn: Connection, query: LiteralString, params: Mapping[str, Any] | None = None
 ) -> list[tuple[Any, ...]]:
@@ -116,6 +67,10 @@ def fetch_one(
 ) -> tuple[Any, ...]:
     """Run one statement that returns exactly one row (see :func:`fetch_all`)."""
     return fetch_all(conn, query, params)[0]
+
+
+#: How long one direct attempt's finding stands for the calls that fail after it.
+DIAGNOSIS_TTL_S = 1.0
 
 
 class Database:
@@ -153,6 +108,32 @@ class Database:
             )
         self.pool_max_size = pool_max_size
         self._timeout = timeout
+        self._setting = setting
+        self._pool: ConnectionPool[Connection] | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._diagnosis_lock = threading.Lock()
+        #: The latest finding of a direct attempt: (when, why no connection could be had).
+        self._diagnosis: tuple[float, str | None] | None = None
+
+    def fresh(self) -> Database:
+        """The same database with no pool of its own opened yet (for a forked child)."""
+        given = self._given_pool
+        return Database(
+            given if given is not None else str(self._dsn),
+            pool_max_size=self.pool_max_size,
+            timeout=self._timeout,
+            setting=self._setting,
+        )
+
+    def close(self) -> None:
+        """Close the pool made here (a caller's pool stays open: it is the caller's);
+        later calls fail closed (:class:`psycopg_pool.PoolClosed`), opening nothing."""
+        with self._lock:
+            self._closed = True
+            pool = self._pool
+        if pool is not None:
+            pool.close()
 
     @property
     def timeout(self) -> float:
@@ -160,17 +141,30 @@ class Database:
         return self._timeout
 
     @property
-    def key(self) -> object:
-        """What identifies this database's connections in this process: its DSN when
-        the pool is ours (one per DSN and process), the caller's pool itself otherwise."""
-        return self.conninfo if self._given_pool is None else ("pool", id(self._given_pool))
-
-    @property
     def pool(self) -> ConnectionPool[Any]:
         if self._given_pool is not None:
             return self._given_pool
-        assert self._dsn is not None
-        return _pools.get().get(self._dsn, self.pool_max_size, self._timeout)
+        pool = self._pool
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._pool is None:
+                assert self._dsn is not None
+                self._pool = ConnectionPool(
+                    self._dsn,
+                    min_size=1,
+                    max_size=self.pool_max_size,
+                    timeout=self._timeout,
+                    kwargs={
+                        "autocommit": True,
+                        "prepare_threshold": None,
+                        "connect_timeout": max(1, int(self._timeout)),
+                        **KEEPALIVES,
+                    },
+                    name=f"runcell-{os.getpid()}",
+                    open=not self._closed,
+                )
+            return self._pool
 
     @contextmanager
     def connection(self, timeout: float | None = None) -> Iterator[Connection]:
@@ -196,7 +190,7 @@ class Database:
         per database: an outage does not turn each failed call into a connection
         attempt). A pool whose connections all look lent out while the database
         answers is busy, not down: :class:`PoolBusy`."""
-        cause = _diagnoses.get().cause(self.conninfo, self._timeout)
+        cause = self._cause()
         if cause is not None:
             return PoolTimeout(f"{exc} ({cause})")
         stats = pool.get_stats()
@@ -220,37 +214,23 @@ class Database:
             failure = type(exc)(message)
         raise failure  # outside the except block: no context holds the original
 
-
-#: How long one direct attempt's finding stands for the calls that fail after it.
-DIAGNOSIS_TTL_S = 1.0
-
-
-class _Diagnoses:
-    """This process's latest finding per database: why no connection could be had."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.found: dict[str, tuple[float, str | None]] = {}
-
-    def cause(self, conninfo: str, timeout_s: float) -> str | None:
+    def _cause(self) -> str | None:
         """The error a direct connection attempt gets now (``None``: it connected, so
-        the database came back or the pool was only slow)."""
-        with self.lock:
-            found = self.found.get(conninfo)
+        the database came back or the pool was only slow); one attempt stands for
+        :data:`DIAGNOSIS_TTL_S`."""
+        with self._diagnosis_lock:
+            found = self._diagnosis
             if found is not None and time.monotonic() - found[0] < DIAGNOSIS_TTL_S:
                 return found[1]
+            conninfo = self.conninfo
             try:
-                psycopg.connect(
-                    conninfo, autocommit=True, connect_timeout=max(1, min(2, int(timeout_s)))
-                ).close()
+                timeout = max(1, min(2, int(self._timeout)))
+                psycopg.connect(conninfo, autocommit=True, connect_timeout=timeout).close()
                 cause = None
             except psycopg.Error as exc:
                 cause = " ".join(scrubbed(exc, conninfo).split()) or type(exc).__name__
-            self.found[conninfo] = (time.monotonic(), cause)
+            self._diagnosis = (time.monotonic(), cause)
             return cause
-
-
-_diagnoses: ProcessLocal[_Diagnoses] = ProcessLocal(_Diagnoses)
 
 
 def redacted(conninfo: str) -> str:

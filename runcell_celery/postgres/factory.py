@@ -57,7 +57,8 @@ def create_postgres_concurrency_limiter(
     :class:`~runcell_celery.postgres.PostgresOptions` (documented there); the others
     those of :class:`~runcell_celery.config.LimiterConfig`. With ``keyed=True`` the
     limiter is a template: ``limiter.key("acme")`` is the limiter of that key, with the
-    same limits (:mod:`runcell_celery.postgres.keyed`).
+    same limits (:mod:`runcell_celery.postgres.keyed`). The limiter owns a backend of
+    its own: ``limiter.close()`` ends its threads and closes its connections.
 
     :raises ConcurrencyConfigError: an option or limit is invalid, or the stored
         limits differ (``on_conflict="error"``).
@@ -85,4 +86,9 @@ def create_postgres_concurrency_limiter(
         keyed=keyed,
         fairness=fairness,
     )
-    return PostgresBackend.from_options(db, options).create_limiter(config)
+    backend = PostgresBackend.from_options(db, options)
+    try:
+        return backend.create_limiter(config, owns=True)
+    except BaseException:
+        backend.close()  # nothing keeps retrying a database it could not use
+        raise

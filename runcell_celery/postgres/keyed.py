@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any, Generic, LiteralString, Protocol, Self, TypeVar
 
 from ..background import BackgroundLoop
-from ..keys import check_key, config_for_key, split_key_name
+from ..config import LimiterConfig
+from ..keys import check_key, split_key_name
 from ..protocol import KeyStats, LimiterStats, WorkloadStats
 from . import statements
+from .engine import HasEngine
 
-if TYPE_CHECKING:
-    from .limiter import PostgresConcurrencyLimiter
-
-__all__ = ["PURGE_BATCH", "PURGE_INTERVAL_S", "KeySet"]
+__all__ = ["PURGE_BATCH", "PURGE_INTERVAL_S", "KeyLimiter", "KeySet"]
 
 #: How often a process that uses keys deletes the idle ones (seconds).
 PURGE_INTERVAL_S = 10.0
@@ -43,20 +43,44 @@ FAIR_HISTORY_IDLE_MS = 60_000
 CACHED_KEYS = 4_096
 
 
-class KeySet:
+class KeyLimiter(Protocol):
+    """What a key set needs of its keyed limiter (whose keys' limiters are alike)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> LimiterConfig: ...
+
+    @property
+    def engines(self) -> HasEngine: ...
+
+    def for_key(self, key: str) -> Self: ...
+
+    def reap(self) -> None: ...
+
+    def call_database(self, query: LiteralString, params: Mapping[str, Any]) -> Any: ...
+
+    def fetch(self, query: LiteralString, params: Mapping[str, Any]) -> list[tuple[Any, ...]]: ...
+
+
+L = TypeVar("L", bound=KeyLimiter)
+
+
+class KeySet(Generic[L]):
     """The keys of one keyed limiter: their limiter objects, purge and counts."""
 
-    def __init__(self, parent: PostgresConcurrencyLimiter) -> None:
+    def __init__(self, parent: L) -> None:
         self._parent = parent
-        self._cache: OrderedDict[str, PostgresConcurrencyLimiter] = OrderedDict()
+        self._cache: OrderedDict[str, L] = OrderedDict()
         self._lock = threading.Lock()
         #: Whether the purge loop has waited its first interval.
         self.purging = False
-        self._purger: BackgroundLoop[KeySet] = BackgroundLoop(
+        self._purger: BackgroundLoop[KeySet[L]] = BackgroundLoop(
             f"runcell-keys-{parent.name}", self, _purge_step, retry_s=PURGE_INTERVAL_S
         )
 
-    def get(self, key: str) -> PostgresConcurrencyLimiter:
+    def get(self, key: str) -> L:
         """The limiter of ``key`` (checked: :func:`runcell_celery.keys.check_key`)."""
         parent = self._parent
         check_key(parent.name, key, argument=f"{parent.name}.key()")
@@ -65,19 +89,12 @@ class KeySet:
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-        from .limiter import PostgresConcurrencyLimiter
-
-        limiter = PostgresConcurrencyLimiter(
-            parent.database,
-            config_for_key(parent.config, key),
-            parent.options,
-            stored_hash=parent.stored_hash,
-        )
-        limiter.set_parked_granted_handler(parent.parked_granted_handler)
+        limiter = parent.for_key(key)
         with self._lock:
             limiter = self._cache.setdefault(key, limiter)
             while len(self._cache) > CACHED_KEYS:
                 self._cache.popitem(last=False)
+        parent.engines.engine.track(self._purger)
         self._purger.start()
         return limiter
 
@@ -145,7 +162,7 @@ class KeySet:
         self._purger.stop()
 
 
-def _purge_step(keys: KeySet) -> float:
+def _purge_step(keys: KeySet[Any]) -> float:
     if not keys.purging:
         keys.purging = True  # the loop starts with the first key used: nothing is idle yet
         return PURGE_INTERVAL_S

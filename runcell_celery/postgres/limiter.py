@@ -29,18 +29,19 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any, Literal, LiteralString, cast
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ..background import ProcessLocal
 from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
 from ..config import LimiterConfig, check_duration_ms
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
+from ..keeper import LeaseKeeper
+from ..keys import config_for_key
 from ..patience import current_patience
 from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
 from ..protocol import (
@@ -70,12 +71,13 @@ from .calls import (
     pool_wait_s,
 )
 from .connection import Database
+from .engine import Engine, HasEngine
 from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
 from .registration import Stored, config_hash, store_limits
 from .several import acquire_several, claim_parked_group, run_group_pass, withdraw_group
 from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
-from .waiting import Grant, Waiter, WaitRoom, get_room
+from .waiting import Grant, Waiter, WaitRoom
 
 __all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
 
@@ -194,13 +196,15 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     def __init__(
         self,
-        database: Database,
+        engines: HasEngine,
         config: LimiterConfig,
         options: PostgresOptions = PostgresOptions(),  # noqa: B008 - frozen, shared safely
         *,
         stored_hash: str | None = None,
+        owns_backend: bool = False,
     ) -> None:
-        self._db = database
+        self._engines = engines
+        self._owns_backend = owns_backend
         super().__init__(config)
         self._options = options
         #: The limits this worker was given; ``config`` may be the stored ones instead.
@@ -209,26 +213,57 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._hash = stored_hash or config_hash(config)
         self._margin_s = self._safety_margin_s(config)
         self._on_parked_granted: Callable[[list[str]], None] | None = None
-        self._keys: KeySet | None = None
+        self._keys: KeySet[PostgresConcurrencyLimiter] | None = None
 
     @property
     def options(self) -> PostgresOptions:
         return self._options
 
     @property
+    def engines(self) -> HasEngine:
+        """Its backend: gives each process its engine."""
+        return self._engines
+
+    @property
+    def _engine(self) -> Engine:
+        """This process's engine of the limiter's backend (pool, room, executor, keeper)."""
+        return self._engines.engine
+
+    @property
+    def _db(self) -> Database:
+        return self._engine.database
+
+    @property
     def pool(self) -> ConnectionPool[Any]:
-        """The connection pool this limiter uses in this process (shared per database)."""
+        """The connection pool this limiter uses in this process (its backend's)."""
         return self._db.pool
 
     @property
     def room(self) -> WaitRoom:
-        """This process's waiting room on the limiter's database."""
-        return get_room(self._db, self._options)
+        """This process's waiting room of the limiter's backend."""
+        return self._engine.room
 
     @property
     def database(self) -> Database:
-        """The pool and listener this limiter shares with the others on its database."""
+        """The pool and listener this limiter shares with its backend's other limiters."""
         return self._db
+
+    @property
+    def keeper(self) -> LeaseKeeper:
+        """The lease keeper of its backend in this process (renews its held slots)."""
+        return self._engine.keeper
+
+    @property
+    def release_executor(self) -> Executor:
+        """Where an ``async with slot(...)`` exit runs its release: off the event loop."""
+        return self._engine.executor
+
+    def close(self) -> None:
+        """Close the backend this limiter owns (one made by
+        :func:`create_postgres_concurrency_limiter`): its threads end and its
+        connections close. A backend's limiter leaves that to ``backend.close()``."""
+        if self._owns_backend:
+            self._engines.close()
 
     @property
     def stored_hash(self) -> str:
@@ -267,7 +302,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return True
 
     def _take(self, stored: StoredLimits, request: AcquireRequest | None) -> None:
-        announce_stored_limits(self._given, stored, request=request)
+        announce_stored_limits(self._given, stored, self._engine.first_time, request=request)
         self._config = stored.config
         self._hash = stored.config_hash
         self._margin_s = self._safety_margin_s(stored.config)
@@ -300,7 +335,15 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """How many keys hold a slot or have a request waiting."""
         return self._key_set().in_use()
 
-    def _key_set(self) -> KeySet:
+    def for_key(self, key: str) -> PostgresConcurrencyLimiter:
+        """A new limiter of ``key`` (no I/O; :meth:`key` caches them)."""
+        limiter = PostgresConcurrencyLimiter(
+            self._engines, config_for_key(self._config, key), self._options, stored_hash=self._hash
+        )
+        limiter.set_parked_granted_handler(self._on_parked_granted)
+        return limiter
+
+    def _key_set(self) -> KeySet[PostgresConcurrencyLimiter]:
         if not self._config.keyed:
             raise ConcurrencyConfigError(
                 f"limiter {self.name!r} is not keyed: declare it with keyed=True to give "
@@ -585,7 +628,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         loop = asyncio.get_running_loop()
         waiting = self._begin(request, cancel, None, loop=loop)
         unlink = cancel.add_callback(waiting.waiter.wake) if cancel is not None else _nothing
-        executor = _executor(self._db)
+        executor = self._engine.executor
         try:
             result = await loop.run_in_executor(executor, self._first, waiting, on_wait, False)
             while result is None:
@@ -1084,26 +1127,6 @@ def _limiter_error(name: str, what: str) -> ConcurrencyLimiterError:
 
 def _for(error: ConcurrencyError, request: AcquireRequest | None, name: str) -> ConcurrencyError:
     return error if request is None else request.error(type(error), error.message, limiter=name)
-
-
-class _Executors:
-    def __init__(self) -> None:
-        self.by_database: dict[object, ThreadPoolExecutor] = {}
-
-
-_executors: ProcessLocal[_Executors] = ProcessLocal(_Executors)
-
-
-def _executor(database: Database) -> ThreadPoolExecutor:
-    """This process's ``runcell-db`` threads for a database (as many as its pool)."""
-    executors = _executors.get()
-    executor = executors.by_database.get(database.key)
-    if executor is None:
-        executor = executors.by_database.setdefault(
-            database.key,
-            ThreadPoolExecutor(max_workers=database.pool_max_size, thread_name_prefix="runcell-db"),
-        )
-    return executor
 
 
 def _nothing() -> None:

@@ -154,10 +154,11 @@ def _own_limiters(
 
     names = [getattr(limiter, "name", repr(limiter)) for limiter in limiters]
     own = [x for x in limiters if isinstance(x, PostgresConcurrencyLimiter)]
-    if len(own) != len(limiters) or any(x.pool is not first.pool for x in own):
+    conninfo = first.database.conninfo
+    if len(own) != len(limiters) or any(x.database.conninfo != conninfo for x in own):
         raise ConcurrencyConfigError(
             "limiters " + ", ".join(repr(n) for n in names) + " cannot be held together: "
-            "several PostgreSQL limiters in one slot must share one database (and pool)",
+            "several PostgreSQL limiters in one slot must share one database",
             limiter=first.name,
         )
     if len(set(names)) != len(names):

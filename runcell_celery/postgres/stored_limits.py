@@ -18,11 +18,10 @@ limiter count as their keyed limiter: one warning for all of them.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..background import ProcessLocal
 from ..config import LimiterConfig
 from ..events import ConcurrencyEvent, emit, has_listeners
 from ..keys import config_for_key, split_key_name
@@ -66,22 +65,18 @@ def _read(conn: Connection, name: str) -> StoredLimits | None:
     return StoredLimits(config=LimiterConfig.from_mapping(row[0]), config_hash=str(row[1]))
 
 
-class _Announced:
-    """What this process already said: (limiter, stored hash) pairs."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.said: set[tuple[str, str]] = set()
-
-
-_announced: ProcessLocal[_Announced] = ProcessLocal(_Announced)
-
-
 def announce_stored_limits(
-    given: LimiterConfig, stored: StoredLimits, *, request: AcquireRequest | None = None
+    given: LimiterConfig,
+    stored: StoredLimits,
+    first_time: Callable[[str, str], bool],
+    *,
+    request: AcquireRequest | None = None,
 ) -> str | None:
     """Warn and emit a ``config-error`` event that this process now uses ``stored``
     instead of its settings' limits ``given`` (once per limiter and stored hash).
+
+    :param first_time: says whether ``(limiter, stored hash)`` is new to its engine
+        (:meth:`~.engine.Engine.first_time`).
 
     :param request: the request that found the limits replaced, for the event's run
         lineage (``None`` at startup).
@@ -92,11 +87,8 @@ def announce_stored_limits(
         return None
     differences = describe_differences(given, stored.config.to_dict())
     limiter = split_key_name(given.name)[0]
-    announced = _announced.get()
-    with announced.lock:
-        if (limiter, stored.config_hash) in announced.said:
-            return None
-        announced.said.add((limiter, stored.config_hash))
+    if not first_time(limiter, stored.config_hash):
+        return None
     message = (
         f"limiter {limiter!r}: this worker's settings differ from the stored limits "
         f"({differences}); it uses the stored limits (on_conflict='use_stored') until "

@@ -1,4 +1,4 @@
-"""Waiting for slots: one waiting room per process and database, never a poller per request.
+"""Waiting for slots: one waiting room per engine (backend and process), never a poller per request.
 
 A request that finds no slot is queued in the database and then waits here, at no
 cost to the database: it holds no pooled connection and sends nothing. The room
@@ -36,14 +36,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..background import BackgroundLoop, ProcessLocal
+from ..background import BackgroundLoop
 from . import statements
 from .calls import Stamp, call, lock_timeout_ms
 from .connection import Database
 from .listener import GrantListener
 from .options import PostgresOptions
 
-__all__ = ["DatabaseClock", "Grant", "WaitRoom", "Waiter", "get_room"]
+__all__ = ["DatabaseClock", "Grant", "WaitRoom", "Waiter"]
 
 logger = logging.getLogger("runcell_celery.postgres.waiting")
 
@@ -173,7 +173,7 @@ class Waiter:
 class WaitRoom:
     """Every waiting request of this process on one database, and its one listener.
 
-    Made by :func:`get_room` (one per process and database).
+    Made by its :class:`~.engine.Engine` (one per backend and process).
     """
 
     def __init__(self, database: Database, options: PostgresOptions) -> None:
@@ -217,6 +217,7 @@ class WaitRoom:
         self._loop.stop(timeout=5)
         self._late_loop.stop()
         self._late_ready.set()
+        self._late_loop.stop(timeout=5)
         if self.listener is not None:
             self.listener.stop()
 
@@ -231,11 +232,6 @@ class WaitRoom:
         }
 
     # -- waiters ------------------------------------------------------------------------
-
-    def serves(self, database: Database) -> bool:
-        """Whether this room's connections are ``database``'s (a caller's pool that was
-        closed and replaced by another at the same address is not)."""
-        return self._database.key == database.key and not self._database.pool.closed
 
     @property
     def listening(self) -> bool:
@@ -453,40 +449,3 @@ class WaitRoom:
                     )
             except Exception as exc:  # the next poll tries again
                 logger.info("runcell: reaping %r failed: %s", limiter, exc)
-
-
-class _Rooms:
-    """This process's rooms, one per database."""
-
-    def __init__(self) -> None:
-        self.by_database: dict[object, WaitRoom] = {}
-        self.lock = threading.Lock()
-
-
-_rooms: ProcessLocal[_Rooms] = ProcessLocal(_Rooms)
-
-
-def close_room(key: object) -> bool:
-    """Stop the listener and safety poll of this process's room for the database
-    ``key`` (:attr:`Database.key`) and forget it; ``False`` if there was none."""
-    rooms = _rooms.get()
-    with rooms.lock:
-        room = rooms.by_database.pop(key, None)
-    if room is None:
-        return False
-    room.close()
-    return True
-
-
-def get_room(database: Database, options: PostgresOptions) -> WaitRoom:
-    """This process's waiting room for ``database``, made on first use.
-
-    The first caller's options decide how it listens and polls: every limiter of one
-    backend shares the backend's options.
-    """
-    rooms = _rooms.get()
-    with rooms.lock:
-        room = rooms.by_database.get(database.key)
-        if room is None or not room.serves(database):
-            room = rooms.by_database[database.key] = WaitRoom(database, options)
-        return room

@@ -31,6 +31,7 @@ its backend's pool and listener), so nothing of one test's app outlives it.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -144,21 +145,15 @@ def runcell_postgres(runcell_postgres_server: str) -> Iterator[str]:
     try:
         yield dsn
     finally:
+        # Backends the test dropped without closing close as they are collected: none
+        # keeps retrying a database that is gone (registries and apps close theirs).
+        gc.collect()
         try:
-            if "runcell_celery.postgres" in sys.modules:
-                # This process's pool and listener for the database go with it: none
-                # keeps retrying a database that is gone (or fills the server's
-                # connection slots over a long suite).
-                from ..postgres import close_database
-
-                close_database(dsn)
-        finally:
-            try:
-                made.__exit__(None, None, None)
-            except psycopg.Error as exc:
-                failure = _unreached(server, "drop", exc)
-            if failure is not None:
-                pytest.fail(failure, pytrace=False)
+            made.__exit__(None, None, None)
+        except psycopg.Error as exc:
+            failure = _unreached(server, "drop", exc)
+        if failure is not None:
+            pytest.fail(failure, pytrace=False)
 
 
 def _unreached(server: str, doing: str, error: Exception) -> str:

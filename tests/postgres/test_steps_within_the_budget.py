@@ -21,7 +21,7 @@ from runcell_celery.config import LimiterConfig
 from runcell_celery.deadline import Deadline
 from runcell_celery.patience import database_patience
 from runcell_celery.ports import AdmissionCount
-from runcell_celery.postgres import PostgresBackend, close_database
+from runcell_celery.postgres import PostgresBackend
 from tests.support.pg import unique_name
 from tests.support.reply_dropper import ReplyDropper
 from tests.support.throwaway_cluster import ThrowawayCluster, throwaway_cluster
@@ -48,7 +48,7 @@ def proxied(pg_dsn: str, dropper: ReplyDropper) -> Iterator[PostgresBackend]:
     try:
         yield backend
     finally:
-        close_database(dsn)
+        backend.close()
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def on_cluster(throwaway_cluster: ThrowawayCluster) -> Iterator[PostgresBackend]
     finally:
         if not throwaway_cluster.running():
             throwaway_cluster.start()
-        close_database(throwaway_cluster.dsn)
+        backend.close()
 
 
 def _start_later(cluster: ThrowawayCluster, after_s: float) -> threading.Thread:

@@ -188,10 +188,12 @@ def test_fencing_tokens_are_unique_and_increase_for_every_holder(pg_dsn: str) ->
 
 
 def _listening_sessions(dsn: str) -> int:
+    """Sessions listening on this test's channel (other tests' backends may be closing
+    theirs meanwhile, as they are collected)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND query LIKE 'LISTEN %%'"
+            "WHERE datname = current_database() AND query LIKE 'LISTEN %%runcell_w_test%%'"
         ).fetchone()
     assert row is not None
     return int(row[0])

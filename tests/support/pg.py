@@ -7,6 +7,7 @@ locale such as ``en-US``; default: the server's) for the collation of those data
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import uuid
@@ -17,11 +18,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from runcell_celery.postgres import (
-    PostgresConcurrencyLimiter,
-    close_database,
-    create_postgres_concurrency_limiter,
-)
+from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
 from runcell_celery.testing.databases import collation_from_env, create_database_statement
 
 ADMIN_DSN = os.environ.get("RUNCELL_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -47,9 +44,10 @@ def create_database(prefix: str, *, collation: str | None = None) -> str:
 
 
 def drop_database(dsn: str) -> None:
-    """Drop a database made by :func:`create_database`, ending its sessions first (this
-    process's pool and listener on it are closed, not left retrying it)."""
-    close_database(dsn)
+    """Drop a database made by :func:`create_database`, ending its sessions first (the
+    backends dropped without being closed close as they are collected, not left
+    retrying it)."""
+    gc.collect()
     name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
     with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
         conn.execute(
@@ -89,12 +87,17 @@ def unique_name(prefix: str = "limiter") -> str:
 
 
 @pytest.fixture
-def make_limiter(pg_dsn: str) -> Callable[..., PostgresConcurrencyLimiter]:
-    """Create limiters with unique names on the session database."""
+def make_limiter(pg_dsn: str) -> Iterator[Callable[..., PostgresConcurrencyLimiter]]:
+    """Create limiters with unique names on the session database (each with its own
+    backend, closed after the test)."""
+    made: list[PostgresConcurrencyLimiter] = []
 
     def make(**options: Any) -> PostgresConcurrencyLimiter:
         options.setdefault("name", unique_name())
         options.setdefault("poll_interval_ms", 20)
-        return create_postgres_concurrency_limiter(pg_dsn, **options)
+        made.append(create_postgres_concurrency_limiter(pg_dsn, **options))
+        return made[-1]
 
-    return make
+    yield make
+    for limiter in made:
+        limiter.close()

@@ -1,0 +1,134 @@
+"""The engine: what a PostgreSQL backend's limiters share in one process.
+
+One :class:`Engine` per backend and process holds the database (its pool), the
+waiting room (its listener and safety poll), the ``runcell-db`` executor of async
+calls, the lease keeper and the key purgers; the limiter, keyed and several-limiter
+code reach the database only through it (:attr:`Engine.call`, :attr:`Engine.room`,
+...), never through module state nor through each other. :meth:`Engine.close` ends
+every thread it started and closes every connection it opened, like
+:meth:`psycopg_pool.ConnectionPool.close`. The backend makes one per process
+(:attr:`~.backend.PostgresBackend.engine`): a forked child gets its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, LiteralString, Protocol
+
+from ..background import BackgroundLoop
+from ..errors import ConcurrencyLimiterError
+from ..keeper import LeaseKeeper
+from . import statements
+from .calls import call
+from .connection import Database, redacted
+from .options import PostgresOptions
+from .waiting import WaitRoom
+
+__all__ = ["Engine", "HasEngine"]
+
+#: How long :meth:`Engine.close` waits for each of its threads to end (seconds).
+CLOSE_TIMEOUT_S = 10.0
+
+
+class Engine:
+    """One backend's resources in this process; :meth:`close` ends them all."""
+
+    statements = statements
+
+    def __init__(self, database: Database, options: PostgresOptions) -> None:
+        self.database = database
+        self.options = options
+        #: Renews every lease its backend's limiters hold: one thread for all of them.
+        self.keeper = LeaseKeeper()
+        self._lock = threading.Lock()
+        self._room: WaitRoom | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loops: weakref.WeakSet[BackgroundLoop[Any]] = weakref.WeakSet()
+        self._said: set[tuple[str, str]] = set()
+        self.closed = False
+        self._pid = os.getpid()
+
+    @property
+    def room(self) -> WaitRoom:
+        """The waiting room of every waiter of this engine (made on first use)."""
+        room = self._room
+        if room is None or self.closed:
+            with self._lock:
+                self._check_open()
+                room = self._room = self._room or WaitRoom(self.database, self.options)
+        return room
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The ``runcell-db`` threads of async calls (as many as the pool's connections)."""
+        executor = self._executor
+        if executor is None or self.closed:
+            with self._lock:
+                self._check_open()
+                executor = self._executor = self._executor or ThreadPoolExecutor(
+                    max_workers=self.database.pool_max_size, thread_name_prefix="runcell-db"
+                )
+        return executor
+
+    def call(self, query: LiteralString, params: Mapping[str, Any], **options: Any) -> Any:
+        """One bounded function call (see :func:`.calls.call`)."""
+        return call(self.database, query, params, **options)
+
+    def track(self, loop: BackgroundLoop[Any]) -> None:
+        """Stop ``loop`` (a key purger) when the engine closes."""
+        with self._lock:
+            self._check_open()
+            self._loops.add(loop)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConcurrencyLimiterError(
+                f"the PostgreSQL backend on {redacted(self.database.conninfo)} was closed"
+            )
+
+    def first_time(self, limiter: str, stored_hash: str) -> bool:
+        """Whether this engine says for the first time that ``limiter`` uses the stored
+        limits of ``stored_hash`` (``on_conflict="use_stored"``)."""
+        with self._lock:
+            new = (limiter, stored_hash) not in self._said
+            self._said.add((limiter, stored_hash))
+        return new
+
+    def close(self) -> None:
+        """End every thread this engine started and close every connection it opened.
+
+        Leases still held are no longer renewed (they expire); waiters are not served.
+        """
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            room, executor = self._room, self._executor
+            self._room = self._executor = None
+        self.keeper.stop(CLOSE_TIMEOUT_S)
+        for loop in list(self._loops):
+            loop.stop(CLOSE_TIMEOUT_S)
+        if room is not None:
+            room.close()
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        self.database.close()
+
+    def close_later(self) -> None:
+        """:meth:`close` in a thread of its own, not waited for (a finalizer's); in a
+        forked child, nothing (the parent's engine is never closed there)."""
+        if not self.closed and self._pid == os.getpid():
+            threading.Thread(target=self.close, name="runcell-close", daemon=True).start()
+
+
+class HasEngine(Protocol):
+    """Whatever gives a limiter this process's engine (its backend)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    def close(self) -> None: ...
