@@ -929,7 +929,8 @@ BEGIN
 END;
 $$;
 
--- Acquire: one round trip. Grants the caller at once when nobody of its workload
+-- Acquire: one round trip, for a request over p_limiters (its members, in lock order).
+-- With one member (the fast path): grants the caller at once when nobody of its workload
 -- waits and the workload has room (allocation is settled after every transaction, so
 -- no other waiter could use that slot): one synchronous commit. Otherwise queues it
 -- for its process to be told, with an asynchronous commit (a queue row lost in a
@@ -944,7 +945,7 @@ $$;
 -- (requests of its workload in line before it: the kept count), "hold_ms" (the mean
 -- hold, NULL before any release) and "slots" (its workload's ceiling, at most the
 -- limiter's).
--- Acquire one slot in each of several limiters, together or not at all: one round trip.
+-- With several members: one slot in each of the limiters, together or not at all.
 -- p_limiters in lock order (sorted, distinct), each with its stored limits' checksum and
 -- the workload the request uses there. Granted at once when, in every limiter, nobody
 -- of its workload waits and the workload has room (one synchronous commit); otherwise
@@ -1529,14 +1530,15 @@ BEGIN
 END;
 $$;
 
--- Withdraw a waiting request (its wait ended or it was cancelled). Under the lock, so
+-- Withdraw a waiting request over p_limiters (its members; its wait ended or it was
+-- cancelled). With one member: under the lock, so
 -- an allocation that chose it has either committed or not started: when it was
 -- granted meanwhile, p_give_back decides whether the grant wins (a wait that timed
 -- out takes the slot after all) or goes back (a cancelled request never leaks a slot).
 -- p_op_id (NULL: not recorded) makes a retry after a lost reply get the same answer.
 -- Returns {"s": "granted", "lease": [...]} | {"s": "withdrawn", "parked": [lease ids
 -- granted to parked requests]} | {"s": "missing"}.
--- Withdraw a request over several limiters (its wait ended or it was cancelled): under
+-- With several members (WITHDRAW_GROUP passes no operation id: none recorded): under
 -- the locks of all its limiters, in order. A grant made just before wins unless
 -- p_give_back (then, and for a partial state, every lease of it is given back).
 -- Allocation runs in each limiter afterwards, since the request may have had a slot set
@@ -1788,7 +1790,8 @@ BEGIN
 END;
 $$;
 
--- Park a waiting request (Celery admission deferral): it keeps its place in line, but
+-- Park a waiting request over p_limiters (Celery admission deferral). With one member:
+-- it keeps its place in line, but
 -- no process waits for it any more; its row carries the task message to re-publish.
 -- Under the limiter row's lock, like every change to who waits: an allocation that
 -- read this row as waiting cannot grant it a plain lease while it is being parked.
@@ -1796,7 +1799,7 @@ $$;
 -- the two attempts would otherwise read as "missing").
 -- Returns {"s": "parked"} | {"s": "granted", "lease": [...]} | {"s": "missing"}.
 -- p_broker: the broker its message goes back to (see runcell_queue.broker).
--- Park a waiting request over several limiters (Celery admission deferral) as one
+-- With several members: park it as one
 -- request: under the locks of all its limiters, in order, every member keeps its place
 -- and no process waits for it any more; the first member (p_limiters[1]) carries the
 -- task message. Its group pass (run by releasers and sweepers) grants it as a parked
@@ -1884,7 +1887,8 @@ BEGIN
 END;
 $$;
 
--- A re-published parked task takes the lease granted to its delivery: the queue row
+-- Claim: a re-published parked task takes what was granted to its parked request over
+-- p_limiters. With one member: it takes the lease granted to its delivery: the queue row
 -- goes and the lease is renewed to the full TTL (it was held for the claim window
 -- only), marked picked up. A claim after the window ended finds the lease expired. Only the publication the grant was
 -- sent as may take it (another copy of the same message finds it gone). No limiter
@@ -1894,7 +1898,7 @@ $$;
 -- will carry it) | {"s": "missing"} (claimed by another copy, withdrawn or failed).
 -- "waited_ms": the request's whole wait, from its first ask (the row's enqueued_at,
 -- kept across parking and re-publication) to this claim, in database time.
--- A re-published task over several limiters takes the leases granted to its parked
+-- With several members: it takes the leases granted to its parked
 -- request, all or none: only the publication the grant was sent as (the first
 -- member's), and only while every member's lease is within its claim window. The
 -- leases are locked first, as a reap locks them, then the rows go and the leases are

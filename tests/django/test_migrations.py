@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: and pin it here.
 FROZEN = {
     "0001_squashed_0009_limiter_schema": (
-        "bbb40a0a6467f3b35346435c8da611dde64d8c13748c010d2b593066b6b5827c"
+        "4c13191a0410e900497d4d16a93ac16682c230d4388daf31ca7ec33dbc51a550"
     ),
     "0002_upgrade_pre_release_schema": (
         "c6de6797841c3a10f8696bc4bdf7614b3b6db5dd4f4013d2639d5bcf798f11ee"
