@@ -3,8 +3,8 @@
 One :class:`Engine` per backend and process holds the database (its pool), the
 waiting room (its listener and safety poll), the ``runcell-db`` executor of async
 calls, the lease keeper and the key purgers; the limiter, keyed and several-limiter
-code reach the database only through it (:attr:`Engine.call`, :attr:`Engine.room`,
-...), never through module state nor through each other. :meth:`Engine.close` ends
+code reach them only through it (``limiter._engine``: :meth:`Engine.call`,
+:attr:`Engine.room`, ...), never through module state. :meth:`Engine.close` ends
 every thread it started and closes every connection it opened, like
 :meth:`psycopg_pool.ConnectionPool.close`. The backend makes one per process
 (:attr:`~.backend.PostgresBackend.engine`): a forked child gets its own.
@@ -22,7 +22,6 @@ from typing import Any, LiteralString, Protocol
 from ..background import BackgroundLoop
 from ..errors import ConcurrencyLimiterError
 from ..keeper import LeaseKeeper
-from . import statements
 from .calls import call
 from .connection import Database, redacted
 from .options import PostgresOptions
@@ -36,8 +35,6 @@ CLOSE_TIMEOUT_S = 10.0
 
 class Engine:
     """One backend's resources in this process; :meth:`close` ends them all."""
-
-    statements = statements
 
     def __init__(self, database: Database, options: PostgresOptions) -> None:
         self.database = database

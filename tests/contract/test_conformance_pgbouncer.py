@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from runcell_celery import AcquireRequest, LimiterConfig, RunLineage
+from runcell_celery.config import limiter_config
 from runcell_celery.conformance import (
     concurrency_conformance_cases,
     keyed_conformance_cases,
@@ -46,13 +47,14 @@ WAITING_CASE = "waiters_are_served_in_arrival_order"
 def _factory(
     dsn: str, *, listen: bool, made: list[PostgresConcurrencyLimiter] | None = None
 ) -> Callable[..., PostgresConcurrencyLimiter]:
-    def create(**options: Any) -> PostgresConcurrencyLimiter:
-        # ensure_schema=True works through the pooler: the DDL is sent in one
-        # transaction (advisory lock, then the whole schema.sql), which transaction
-        # pooling keeps on one server connection.
-        limiter = create_postgres_concurrency_limiter(
-            dsn, name=unique_name("pgbouncer"), listen=listen, ensure_schema=True, **options
-        )
+    # ensure_schema=True works through the pooler: the DDL is sent in one transaction
+    # (advisory lock, then the whole schema.sql), which transaction pooling keeps on one
+    # server connection. A case's limiters share one backend, as a registry's do.
+    backend = PostgresBackend(database=dsn, options={"listen": listen, "ensure_schema": True})
+
+    def create(max_concurrent: int, **options: Any) -> PostgresConcurrencyLimiter:
+        config = limiter_config(max_concurrent, name=unique_name("pgbouncer"), **options)
+        limiter = backend.create_limiter(config)
         if made is not None:
             made.append(limiter)
         return limiter
