@@ -36,8 +36,8 @@ from .events import (
     remove_event_listener,
 )
 from .guard import guard
-from .memory import InMemoryConcurrencyLimiter, create_concurrency_limiter
-from .memory_keys import KeyedInMemoryConcurrencyLimiter
+from .memory import InMemoryConcurrencyLimiter
+from .memory_keys import KeyedInMemoryConcurrencyLimiter, create_concurrency_limiter
 from .protocol import (
     AcquireRequest,
     ConcurrencyLimiter,

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from opentelemetry.util.types import Attributes
 
-import runcell_celery.memory_several
+import runcell_celery.memory
 from runcell_celery import (
     CancellationToken,
     ConcurrencyTimeoutError,
@@ -335,7 +335,7 @@ def test_without_a_tracer_provider_no_line_is_counted(
     no_tracer_provider: None, line: Line, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counted: list[QueuePlace] = []
-    count_line = runcell_celery.memory_several.place_in_line
+    count_line = runcell_celery.memory.place_in_line
 
     def counting(*args: Any) -> QueuePlace:
         counted.append(count_line(*args))
