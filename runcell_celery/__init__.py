@@ -51,6 +51,7 @@ from .protocol import (
     WorkloadStats,
 )
 from .slot import Slot, slot
+from .version import __version__ as __version__
 
 __all__ = [
     "EVENT_TYPES",
@@ -90,5 +91,3 @@ __all__ = [
     "run",
     "slot",
 ]
-
-__version__ = "0.1.0"

@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from .deadline import Deadline
 from .errors import (
@@ -43,14 +43,18 @@ from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper, local_validity
 from .protocol import ConcurrencyLimiter, Lease, Outcome
 from .request import SeveralRequest, SlotRequest
 
-if TYPE_CHECKING:
-    from .tracing import HoldSpan
-
 __all__ = ["AbortReason", "Hold", "SeveralHold", "is_interrupt", "register_interrupt"]
 
 logger = logging.getLogger("runcell_celery.slot")
 
 AbortReason = Literal["lease-lost", "max-hold", "cancelled", "timed-out"]
+
+
+class HoldTrace(Protocol):
+    """What a hold tells its span (:class:`~runcell_celery.tracing.HoldSpan`): its end."""
+
+    def end(self, outcome: str) -> None: ...
+
 
 _interrupts: tuple[type[BaseException], ...] = ()
 
@@ -133,7 +137,7 @@ class Hold:
         #: Why the lease was lost, when the limiter said (``force-released by alice``).
         self._lost_why: str | None = None
         #: Its ``runcell.slot.hold`` span, when a tracer provider is set.
-        self.trace: HoldSpan | None = None
+        self.trace: HoldTrace | None = None
 
     def keep(self, deadline: Deadline | None) -> None:
         """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""

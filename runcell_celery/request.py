@@ -44,6 +44,7 @@ from .protocol import (
     supports,
 )
 from .several import check_several, default_key, resolve_workloads
+from .tracer import current_tracer
 
 __all__ = [
     "SeveralRequest",
@@ -103,7 +104,7 @@ class SlotRequest:
     def wants_place(self) -> bool:
         """Whether the limiter should find the request's place: only for a wait span
         (finding it may mean counting a line)."""
-        return _tracing.current_tracer() is not None
+        return current_tracer() is not None
 
     def placed(self, place: QueuePlace) -> None:
         """The limiter's answer to :meth:`wants_place`: where the request joined the line."""
@@ -481,7 +482,3 @@ def report_failure(
         )
     )
     return type_
-
-
-# Last: tracing imports this module's classes (and asks nothing of it at import).
-from . import tracing as _tracing  # noqa: E402

@@ -516,7 +516,7 @@ def _adopt(
     """
     run = asked.run
     admission = run.admission if run is not None else None
-    if admission is None:
+    if not isinstance(admission, Admission):
         return None
     admitted = admission.first_slot(asked.limiter, asked.request.workload)
     if admitted is None:
@@ -542,7 +542,7 @@ def _adopt_several(
     its slots while it waits for others."""
     run = asked.run
     admission = run.admission if run is not None else None
-    if admission is None:
+    if not isinstance(admission, Admission):
         return None
     admitted = admission.first_slot_several(asked.limiters, [r.workload for r in asked.requests])
     if admitted is None:

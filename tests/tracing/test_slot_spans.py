@@ -28,7 +28,7 @@ from runcell_celery import (
     create_concurrency_limiter,
     run,
     slot,
-    tracing,
+    tracer,
 )
 from runcell_celery.admission import Admission, SlotDeferred
 from runcell_celery.ports import Parked, WaitEstimate
@@ -362,8 +362,8 @@ def test_an_api_without_the_provider_global_is_asked_at_every_slot(
 ) -> None:
     """The fallback for an opentelemetry-api that renamed its private global: slower
     (get_tracer_provider() per slot), still right."""
-    monkeypatch.setattr(tracing, "_peek", trace.get_tracer_provider)
-    monkeypatch.setattr(tracing, "_cache", (object(), None))
+    monkeypatch.setattr(tracer, "_peek", trace.get_tracer_provider)
+    monkeypatch.setattr(tracer, "_cache", (object(), None))
     limiter = _limiter(1)
     with slot(limiter):
         pass
