@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, LiteralString, Protocol, TypeVar
 
 from ..background import BackgroundLoop
-from ..keys import check_key, config_for_key, split_key_name
+from ..config import LimiterConfig
+from ..keys import check_key, split_key_name
 from ..protocol import KeyStats, LimiterStats, WorkloadStats
 from . import statements
-
-if TYPE_CHECKING:
-    from .limiter import PostgresConcurrencyLimiter
 
 __all__ = ["PURGE_BATCH", "PURGE_INTERVAL_S", "KeySet"]
 
@@ -43,20 +42,47 @@ FAIR_HISTORY_IDLE_MS = 60_000
 CACHED_KEYS = 4_096
 
 
-class KeySet:
-    """The keys of one keyed limiter: their limiter objects, purge and counts."""
+class KeyLimiter(Protocol):
+    """What the key set uses of a key's limiter."""
 
-    def __init__(self, parent: PostgresConcurrencyLimiter) -> None:
+    def reap(self) -> None: ...
+
+
+class KeyedParent(Protocol):
+    """What the key set uses of its keyed limiter: its name and its database calls."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> LimiterConfig: ...
+
+    def call_database(self, query: LiteralString, params: Mapping[str, Any]) -> Any: ...
+
+    def fetch(self, query: LiteralString, params: Mapping[str, Any]) -> list[tuple[Any, ...]]: ...
+
+
+L = TypeVar("L", bound=KeyLimiter)
+
+
+class KeySet(Generic[L]):
+    """The keys of one keyed limiter: their limiter objects, purge and counts.
+
+    :param make: builds the limiter of a key (checked) the first time it is asked for.
+    """
+
+    def __init__(self, parent: KeyedParent, make: Callable[[str], L]) -> None:
         self._parent = parent
-        self._cache: OrderedDict[str, PostgresConcurrencyLimiter] = OrderedDict()
+        self._make = make
+        self._cache: OrderedDict[str, L] = OrderedDict()
         self._lock = threading.Lock()
         #: Whether the purge loop has waited its first interval.
         self.purging = False
-        self._purger: BackgroundLoop[KeySet] = BackgroundLoop(
+        self._purger: BackgroundLoop[KeySet[L]] = BackgroundLoop(
             f"runcell-keys-{parent.name}", self, _purge_step, retry_s=PURGE_INTERVAL_S
         )
 
-    def get(self, key: str) -> PostgresConcurrencyLimiter:
+    def get(self, key: str) -> L:
         """The limiter of ``key`` (checked: :func:`runcell_celery.keys.check_key`)."""
         parent = self._parent
         check_key(parent.name, key, argument=f"{parent.name}.key()")
@@ -65,15 +91,7 @@ class KeySet:
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-        from .limiter import PostgresConcurrencyLimiter
-
-        limiter = PostgresConcurrencyLimiter(
-            parent.database,
-            config_for_key(parent.config, key),
-            parent.options,
-            stored_hash=parent.stored_hash,
-        )
-        limiter.set_parked_granted_handler(parent.parked_granted_handler)
+        limiter = self._make(key)
         with self._lock:
             limiter = self._cache.setdefault(key, limiter)
             while len(self._cache) > CACHED_KEYS:
@@ -145,7 +163,7 @@ class KeySet:
         self._purger.stop()
 
 
-def _purge_step(keys: KeySet) -> float:
+def _purge_step(keys: KeySet[Any]) -> float:
     if not keys.purging:
         keys.purging = True  # the loop starts with the first key used: nothing is idle yet
         return PURGE_INTERVAL_S

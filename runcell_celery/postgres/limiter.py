@@ -38,9 +38,10 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..background import ProcessLocal
 from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
-from ..config import LimiterConfig, check_duration_ms
+from ..config import LimiterConfig
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
+from ..keys import config_for_key
 from ..patience import current_patience
 from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
 from ..protocol import (
@@ -72,6 +73,7 @@ from .calls import (
 from .connection import Database
 from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
+from .parking import ParkRule
 from .registration import Stored, config_hash, store_limits
 from .several import acquire_several, claim_parked_group, run_group_pass, withdraw_group
 from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
@@ -92,51 +94,6 @@ RELEASE_ATTEMPTS = 3
 #: An acquire takes the stored limits at most this many times (``use_stored``) before
 #: it fails: limits replaced again and again while it asks.
 ADOPT_ATTEMPTS = 3
-
-
-class ParkRule:
-    """When to park a waiting request, and the message it parks with.
-
-    It waits until ``until`` and then parks; under the expected-wait rule
-    (``rule_ms`` set) a queued answer whose expected wait exceeds ``rule_ms`` moves
-    ``until`` to now, so the request parks at once.
-    """
-
-    __slots__ = ("broker", "payload", "rule_ms", "until")
-
-    def __init__(
-        self, wait_ms: float, payload: str, *, rule_ms: float | None, broker: str | None = None
-    ) -> None:
-        self.until = Deadline.after_ms(wait_ms)
-        self.payload = payload
-        self.rule_ms = rule_ms
-        #: Where the parked message must be re-published (``None``: by anyone).
-        self.broker = broker
-
-    @classmethod
-    def of(
-        cls,
-        payload: str,
-        admission_wait_ms: float | None,
-        defer_after_ms: float,
-        broker: str | None = None,
-    ) -> ParkRule:
-        """The rule of an ``acquire_or_park`` call: a fixed ``admission_wait_ms``, else
-        the expected-wait rule with threshold ``defer_after_ms``.
-
-        :raises ConcurrencyConfigError: either is not a duration (naming which).
-        """
-        rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
-        if admission_wait_ms is None:
-            return cls(rule_ms, payload, rule_ms=rule_ms, broker=broker)
-        wait_ms = check_duration_ms(admission_wait_ms, field="admission_wait_ms", allow_zero=True)
-        return cls(wait_ms, payload, rule_ms=None, broker=broker)
-
-    def estimated(self, estimate: WaitEstimate | None) -> None:
-        """Apply the rule to the request's estimate (unknown: wait, then park)."""
-        expected = estimate.expected_ms if estimate is not None else None
-        if self.rule_ms is not None and expected is not None and expected > self.rule_ms:
-            self.until = Deadline.after_ms(0)
 
 
 class _Waiting:
@@ -209,7 +166,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._hash = stored_hash or config_hash(config)
         self._margin_s = self._safety_margin_s(config)
         self._on_parked_granted: Callable[[list[str]], None] | None = None
-        self._keys: KeySet | None = None
+        self._keys: KeySet[PostgresConcurrencyLimiter] | None = None
 
     @property
     def options(self) -> PostgresOptions:
@@ -300,7 +257,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """How many keys hold a slot or have a request waiting."""
         return self._key_set().in_use()
 
-    def _key_set(self) -> KeySet:
+    def _key_set(self) -> KeySet[PostgresConcurrencyLimiter]:
         if not self._config.keyed:
             raise ConcurrencyConfigError(
                 f"limiter {self.name!r} is not keyed: declare it with keyed=True to give "
@@ -308,8 +265,19 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 limiter=self.name,
             )
         if self._keys is None:
-            self._keys = KeySet(self)
+            self._keys = KeySet(self, self._make_key)
         return self._keys
+
+    def _make_key(self, key: str) -> PostgresConcurrencyLimiter:
+        """The limiter of one key: this limiter's settings for it, its database."""
+        limiter = PostgresConcurrencyLimiter(
+            self.database,
+            config_for_key(self.config, key),
+            self.options,
+            stored_hash=self.stored_hash,
+        )
+        limiter.set_parked_granted_handler(self.parked_granted_handler)
+        return limiter
 
     # -- several limiters in one slot (:mod:`.several`) ----------------------------------
 

@@ -26,7 +26,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, LiteralString, Protocol
 
 from ..cancellation import CancellationToken
 from ..deadline import Deadline
@@ -49,10 +49,17 @@ from .calls import (
     Stamp,
     lock_timeout_ms,
 )
-from .waiting import Waiter
+from .parking import ParkRule
+from .waiting import Grant, Waiter, WaitRoom
 
 if TYPE_CHECKING:
-    from .limiter import ParkRule, PostgresConcurrencyLimiter
+    from psycopg_pool import ConnectionPool
+
+    from ..errors import (
+        ConcurrencyCancelledError,
+        ConcurrencyQueueFullError,
+        ConcurrencyTimeoutError,
+    )
 
 __all__ = [
     "GROUP_PASS_S",
@@ -69,6 +76,65 @@ SeveralAdmission = tuple[Lease, ...] | Parked | Literal["duplicate"]
 #: How often a process waiting on several limiters runs its request's group pass
 #: itself (seconds), besides the passes releasers run when they find it first in line.
 GROUP_PASS_S = 1.0
+
+
+class PostgresConcurrencyLimiter(Protocol):
+    """What a request over several limiters uses of each of its PostgreSQL limiters
+    (:class:`~runcell_celery.postgres.limiter.PostgresConcurrencyLimiter`): its pool,
+    waiting room, calls and leases. A protocol, so this module never imports the
+    limiter's (which imports it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pool(self) -> ConnectionPool[Any]: ...
+
+    @property
+    def room(self) -> WaitRoom: ...
+
+    @property
+    def stored_hash(self) -> str: ...
+
+    def use_stored_limits(self, request: AcquireRequest | None = None) -> bool: ...
+
+    def call_request(
+        self,
+        request: AcquireRequest,
+        query: LiteralString,
+        params: Any,
+        *,
+        lock_ms: int,
+        stamp: Stamp | None = None,
+    ) -> Any: ...
+
+    def call_database(self, query: LiteralString, params: Any) -> Any: ...
+
+    def republish(self, lease_ids: Any) -> None: ...
+
+    def make_lease(
+        self,
+        request_id: str,
+        workload: str,
+        lease: Sequence[Any],
+        sent: float | None,
+        *,
+        waited_ms: float | None = None,
+    ) -> Lease: ...
+
+    def granted_lease(self, request_id: str, workload: str, grant: Grant, sent: float) -> Lease: ...
+
+    def reap(self) -> None: ...
+
+    def _cancelled(self, request: AcquireRequest) -> ConcurrencyCancelledError: ...
+
+    def _wait_ms(self, request: AcquireRequest, workload: str) -> float | None: ...
+
+    def _queue_full(self, request: AcquireRequest) -> ConcurrencyQueueFullError: ...
+
+    def _timed_out(
+        self, request: AcquireRequest, wait_ms: float | None
+    ) -> ConcurrencyTimeoutError: ...
 
 
 def member_id(group_id: str, limiter: str) -> str:
@@ -149,11 +215,10 @@ def withdraw_group(
 def _own_limiters(
     first: PostgresConcurrencyLimiter, limiters: Sequence[ConcurrencyLimiter]
 ) -> list[PostgresConcurrencyLimiter]:
-    """``limiters`` as this database's limiters, or a configuration error."""
-    from .limiter import PostgresConcurrencyLimiter
-
+    """``limiters`` as this database's limiters (of ``first``'s class), or a
+    configuration error."""
     names = [getattr(limiter, "name", repr(limiter)) for limiter in limiters]
-    own = [x for x in limiters if isinstance(x, PostgresConcurrencyLimiter)]
+    own: list[PostgresConcurrencyLimiter] = [x for x in limiters if isinstance(x, type(first))]
     if len(own) != len(limiters) or any(x.pool is not first.pool for x in own):
         raise ConcurrencyConfigError(
             "limiters " + ", ".join(repr(n) for n in names) + " cannot be held together: "
