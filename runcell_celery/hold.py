@@ -41,7 +41,7 @@ from .errors import (
 from .events import describe_error, has_listeners
 from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper, local_validity
 from .protocol import ConcurrencyLimiter, Lease, Outcome
-from .request import SeveralRequest, SlotRequest
+from .request import SlotRequest
 
 __all__ = ["AbortReason", "Hold", "SeveralHold", "is_interrupt", "register_interrupt"]
 
@@ -350,7 +350,7 @@ def abort_error(
         alice``); otherwise it "could not be renewed".
     """
     name = slot_request.limiter.name
-    if isinstance(slot_request, SeveralRequest):
+    if slot_request.several:
         name = lease.limiter  # the lease lost, of whichever limiter
     lease_id = lease.lease_id
     cls: type[ConcurrencyError]
@@ -383,7 +383,7 @@ class SeveralHold(Hold):
 
     def __init__(
         self,
-        slot_request: SeveralRequest,
+        slot_request: SlotRequest,
         leases: tuple[Lease, ...],
         *,
         max_hold: Deadline | None = None,

@@ -52,7 +52,7 @@ from .errors import (
 )
 from .events import describe_error
 from .hold import SeveralHold, is_interrupt
-from .request import SeveralRequest, SlotRequest
+from .request import SlotRequest
 from .several import default_key
 from .tracer import OTEL_AVAILABLE, current_tracer
 
@@ -223,13 +223,11 @@ def _record_wait(
 def _attributes(asked: SlotRequest) -> dict[str, AttributeValue]:
     """What identifies the request: its limiters, workloads, key, request and run."""
     request = asked.request
-    if isinstance(asked, SeveralRequest):
-        names = list(asked.names())
-        workloads = [r.workload for r in asked.requests]
+    names = list(asked.names())
+    workloads = [r.workload for r in asked.requests]
+    if asked.several:
         key = asked.key
     else:
-        names = [asked.limiter.name]
-        workloads = [request.workload]
         key = request.key if request.key is not None else default_key((asked.limiter,))
     attributes: dict[str, AttributeValue] = {
         "runcell.limiter": names[0],

@@ -42,7 +42,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from celery import Celery, Task, states
 from celery.app.task import Context
@@ -53,13 +53,14 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from kombu.serialization import loads as kombu_decode
 from kombu.serialization import prepare_accept_content
 
-from ..admission import Admission, SlotDeferred
+from ..admission import Admission, Deferred, DuplicateDelivery
 from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
 from ..ports import (
     ClaimMiss,
+    Duplicate,
     ExpiredParked,
     Parked,
     ParkingStore,
@@ -84,7 +85,6 @@ from .options import TaskConcurrency
 from .publisher import GrantPublisher
 
 __all__ = [
-    "DuplicateDelivery",
     "Sweeper",
     "admission_for",
     "publish_grants",
@@ -106,11 +106,7 @@ REPUBLISH_AFTER_MS = 1_000
 #: What an admission holds once granted: one lease, or one per limiter.
 _Held = Lease | tuple[Lease, ...]
 #: Why an admission that asked holds nothing (yet).
-AdmissionResult = Parked | Literal["duplicate"]
-
-
-class DuplicateDelivery(SlotDeferred):
-    """Another delivery of this task owns its granted lease; drop this one."""
+AdmissionResult = Parked | Duplicate
 
 
 def _payload(
@@ -186,7 +182,7 @@ def admission_for(
         limiters: Sequence[ConcurrencyLimiter],
         claim: Callable[[str, str], _Held | ClaimMiss],
         acquire_or_park: Callable[[str, str], _Held | AdmissionResult],
-    ) -> _Held:
+    ) -> _Held | Deferred | DuplicateDelivery:
         """The one admission path, for one limiter or several: a re-published copy
         claims its delivery's grant; otherwise the delivery asks, waiting or parking.
         ``claim(request_id, publication)`` and ``acquire_or_park(request_id,
@@ -200,27 +196,25 @@ def admission_for(
                 # The parked delivery is still stored (back in line, or granted to a
                 # newer publication): this copy ends, and the run stays parked (a
                 # deferral, as if it had parked again); its own publication runs it.
-                raise SlotDeferred()
+                return Deferred()
             # Nothing stored: another copy of this message claimed it (and runs), or it
             # ended. This copy is a delivery of its own.
             request_id = _delivery_id(task_id)
             admission.request_id = request_id  # what a withdrawal must name
         payload = _payload(task, request, deadline_at=deadline_at, admission_id=request_id)
         result = acquire_or_park(request_id, payload)
-        if not isinstance(result, str):
+        if not isinstance(result, Parked | Duplicate):
             return _unless_finished(task, task_id, limiters, result)
-        if result == "duplicate":  # already parked and granted: its publication runs it
-            raise DuplicateDelivery()
-        if isinstance(result, Parked):
-            admission.parked = result  # its place and expected wait, for the log line
-        raise SlotDeferred()
+        if isinstance(result, Duplicate):  # already parked and granted: its publication runs it
+            return DuplicateDelivery()
+        return Deferred(result)  # its place and expected wait, for the log line
 
     def acquire(
         limiter: ConcurrencyLimiter,
         slot_request: AcquireRequest,
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> Lease:
+    ) -> Lease | Deferred | DuplicateDelivery:
         if not isinstance(limiter, SupportsParking):
             return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
         parking: SupportsParking = limiter
@@ -238,7 +232,7 @@ def admission_for(
                 on_wait=on_wait,
             ),
         )
-        assert isinstance(held, Lease)
+        assert not isinstance(held, tuple)
         return held
 
     def acquire_several(
@@ -246,7 +240,7 @@ def admission_for(
         requests: Sequence[AcquireRequest],
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> tuple[Lease, ...]:
+    ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
         first = limiters[0]
         if not isinstance(first, SupportsSeveralParking):
             return tuple(
@@ -270,7 +264,7 @@ def admission_for(
                 on_wait=on_wait,
             ),
         )
-        assert isinstance(held, tuple)
+        assert not isinstance(held, Lease)
         return held
 
     own_id = parked_as if republished else _delivery_id(task_id)
@@ -301,7 +295,7 @@ def _delivery_id(task_id: str) -> str:
 
 def _unless_finished(
     task: Task[Any, Any], task_id: str, limiters: Sequence[ConcurrencyLimiter], held: _Held
-) -> _Held:
+) -> _Held | DuplicateDelivery:
     """Return ``held`` (a lease, or one per limiter), unless another delivery of the
     task already finished it: then the slots are given back and this delivery dropped.
 
@@ -318,7 +312,7 @@ def _unless_finished(
             limiter.release(lease, "cancelled")
         except Exception as exc:  # the slot comes back when its lease expires
             logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
-    raise DuplicateDelivery()
+    return DuplicateDelivery()
 
 
 def _finished(task: Task[Any, Any], task_id: str) -> bool:

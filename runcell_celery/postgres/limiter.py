@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, LiteralString, cast
+from typing import Any, LiteralString, cast
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -43,7 +43,7 @@ from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
 from ..keys import config_for_key
 from ..patience import current_patience
-from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
+from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Duplicate, Parked, WaitEstimate
 from ..protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -84,7 +84,7 @@ __all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
 logger = logging.getLogger("runcell_celery.postgres")
 
 #: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
-AdmissionResult = Parked | Literal["duplicate"]
+AdmissionResult = Parked | Duplicate
 
 #: A lease is taken as lost this much before its TTL would end on the database, so a
 #: pause or a slow clock never lets a body run on a lease another holder already has.
@@ -292,7 +292,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """One slot in every limiter of ``limiters`` (all of this database), granted
         together; see :class:`~runcell_celery.protocol.SupportsSeveral`."""
         result = acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait)
-        assert not isinstance(result, str)  # it parks only when asked to
+        assert isinstance(result, tuple)  # it parks only when asked to
         return result
 
     def acquire_several_or_park(
@@ -315,7 +315,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         parks (or waits ``admission_wait_ms``, when given).
 
         :returns: the leases, in ``limiters``' order; :class:`~runcell_celery.ports.Parked`;
-            or ``"duplicate"`` (already parked and granted: its publication carries it).
+            or :class:`~runcell_celery.ports.Duplicate` (already parked and granted: its
+            publication carries it).
         """
         park = ParkRule.of(payload, admission_wait_ms, defer_after_ms, broker)
         return acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait, park=park)
@@ -502,9 +503,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         re-published task takes the lease with :meth:`claim_parked`.
 
         :returns: the lease if one was granted in time; :class:`~runcell_celery.ports.Parked`
-            (equal to ``"parked"``, with the place and expected wait) once the request
-            is parked; ``"duplicate"`` if this request already had a lease granted
-            while parked (another delivery of the same task owns it).
+            (with the place and expected wait) once the request is parked;
+            :class:`~runcell_celery.ports.Duplicate` if this request already had a lease
+            granted while parked (another delivery of the same task owns it).
         :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
             not a duration (naming which, and the bound).
         """
@@ -692,7 +693,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     waiting.park.estimated(waiting.estimate)
             return None
         if status == "duplicate":
-            return "duplicate"
+            return Duplicate()
         if status in ("no-wait", "queue-full", "unknown-workload"):
             waiting.settled = True  # nothing was written
         if status == "no-wait":

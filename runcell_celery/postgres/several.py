@@ -26,12 +26,12 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, LiteralString, Protocol
+from typing import TYPE_CHECKING, Any, LiteralString, Protocol
 
 from ..cancellation import CancellationToken
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError
-from ..ports import ClaimMiss, Parked, WaitEstimate
+from ..ports import ClaimMiss, Duplicate, Parked, WaitEstimate
 from ..protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 #: What a request over several limiters that may park ends with.
-SeveralAdmission = tuple[Lease, ...] | Parked | Literal["duplicate"]
+SeveralAdmission = tuple[Lease, ...] | Parked | Duplicate
 
 #: How often a process waiting on several limiters runs its request's group pass
 #: itself (seconds), besides the passes releasers run when they find it first in line.
@@ -159,7 +159,7 @@ def acquire_several(
     order = sorted(range(len(own)), key=lambda i: own[i].name)
     group = _Group(first, [own[i] for i in order], [requests[i] for i in order], cancel)
     result = group.acquire(on_wait, park=park)
-    if isinstance(result, str):
+    if isinstance(result, Parked | Duplicate):
         return result
     return _in_callers_order(own, result)
 
@@ -381,10 +381,10 @@ class _Group:
 
     # -- round trips ----------------------------------------------------------------------
 
-    def _ask(self, *, retry: bool) -> tuple[Lease, ...] | Literal["duplicate"] | None:
+    def _ask(self, *, retry: bool) -> tuple[Lease, ...] | Duplicate | None:
         """Send the acquire; the leases when granted at once, ``None`` when it waits,
-        ``"duplicate"`` when a retry finds it parked and granted (its own re-published
-        message carries it)."""
+        :class:`~runcell_celery.ports.Duplicate` when a retry finds it parked and
+                granted (its own re-published message carries it)."""
         lead = self.lead
         lineage = lead.lineage
         # Whether the request may be in the database already: then leaving means
@@ -442,7 +442,7 @@ class _Group:
         if status == "granted":
             return self._leases(answer["leases"], sent.at)
         if status == "duplicate":
-            return "duplicate"
+            return Duplicate()
         if status == "queued":
             for waiter in self.waiters:
                 waiter.queued = True

@@ -25,7 +25,7 @@ from runcell_celery import (
     run,
     slot,
 )
-from runcell_celery.admission import Admission, SlotDeferred
+from runcell_celery.admission import Admission, Deferred
 from runcell_celery.keeper import get_keeper
 from runcell_celery.protocol import AcquireRequest, OnWait
 from runcell_celery.slot import preadmit
@@ -220,13 +220,12 @@ def test_a_deferral_reaches_the_caller_of_preadmit_and_holds_nothing(
 ) -> None:
     limiter = custom_limiter(1)
 
-    def park(*_: object) -> Lease:
-        raise SlotDeferred()
+    def park(*_: object) -> Deferred:
+        return Deferred()
 
     admission = Admission(park, limiter=limiter, request_id="delivery-9")
     with run(limiter=limiter, admission=admission):
-        with pytest.raises(SlotDeferred):
-            preadmit(admission)
+        assert preadmit(admission) == Deferred()
         assert admission.admitted is None
         with slot() as held:  # a later slot asks as usual (not via the admission)
             assert held.lease is not None

@@ -30,7 +30,7 @@ from runcell_celery import (
     slot,
     tracer,
 )
-from runcell_celery.admission import Admission, SlotDeferred
+from runcell_celery.admission import Admission, Deferred, DuplicateDelivery
 from runcell_celery.ports import Parked, WaitEstimate
 from runcell_celery.protocol import AcquireRequest, ConcurrencyLimiter, OnWait
 from runcell_celery.slot import preadmit
@@ -261,14 +261,12 @@ def _admission(limiter: ConcurrencyLimiter, parked: Parked | None = None) -> Adm
         request: AcquireRequest,
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> Lease:
+    ) -> Lease | Deferred | DuplicateDelivery:
         if parked is not None:
-            admission.parked = parked
-            raise SlotDeferred()
+            return Deferred(parked)
         return limiter.acquire(request, cancel=cancel, on_wait=on_wait)
 
-    admission = Admission(acquire, limiter=limiter, request_id="delivery-1")
-    return admission
+    return Admission(acquire, limiter=limiter, request_id="delivery-1")
 
 
 def test_a_slot_admitted_before_the_body_has_its_wait_at_admission_and_its_hold_in_the_body(
@@ -300,8 +298,8 @@ def test_a_deferred_admission_records_its_place_in_line_and_is_not_an_error(
     estimate = WaitEstimate(ahead=2, hold_ms=300.0, slots=1)
     parked = Parked(limiter=limiter.name, workload="default", estimate=estimate)
     admission = _admission(limiter, parked)
-    with run(limiter=limiter, admission=admission), pytest.raises(SlotDeferred):
-        preadmit(admission)
+    with run(limiter=limiter, admission=admission):
+        assert preadmit(admission) == Deferred(parked)
     wait = _only(spans.waits())
     assert wait.attributes is not None
     assert wait.attributes["runcell.outcome"] == "deferred"

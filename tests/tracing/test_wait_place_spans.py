@@ -28,7 +28,7 @@ from runcell_celery import (
     run,
     slot,
 )
-from runcell_celery.admission import Admission, SlotDeferred
+from runcell_celery.admission import Admission, Deferred
 from runcell_celery.ports import Parked
 from runcell_celery.protocol import (
     AcquireRequest,
@@ -277,13 +277,12 @@ def test_a_run_over_several_postgres_limiters_parked_by_deferral_records_its_pla
         requests: Sequence[AcquireRequest],
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> tuple[Lease, ...]:
+    ) -> Deferred:
         result = a.acquire_several_or_park(
             limiters, requests, payload="{}", admission_wait_ms=0, cancel=cancel, on_wait=on_wait
         )
         assert isinstance(result, Parked), result
-        admission.parked = result
-        raise SlotDeferred()
+        return Deferred(result)
 
     admission = Admission(
         _never_alone,
@@ -293,8 +292,8 @@ def test_a_run_over_several_postgres_limiters_parked_by_deferral_records_its_pla
         acquire_several=acquire_several,
     )
     try:
-        with run(limiter=[a, b], admission=admission), pytest.raises(SlotDeferred):
-            preadmit(admission)
+        with run(limiter=[a, b], admission=admission):
+            assert isinstance(preadmit(admission), Deferred)
     finally:
         a.withdraw_several([a, b], ids["run"])
     wait = _waits_by_request(spans)[ids["run"]]
