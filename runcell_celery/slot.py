@@ -29,7 +29,8 @@ Every step emits its event (see :mod:`runcell_celery.events`).
 several limiters (README, "Several limits and keys"): resolved by
 :func:`~runcell_celery.request.build_several`, acquired all together through the
 backend's :class:`~runcell_celery.protocol.SupportsSeveral`, held as one
-:class:`~runcell_celery.hold.SeveralHold`. One limiter takes the path above unchanged.
+:class:`~runcell_celery.hold.Hold`. A request over one limiter is a group of one: the
+same path, asking its limiter's ``acquire``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import EventType, describe_error, has_listeners
-from .hold import Hold, SeveralHold, abort_error, is_interrupt, register_interrupt
+from .hold import Hold, abort_error, is_interrupt, register_interrupt
 from .protocol import (
     ConcurrencyLimiter,
     Lease,
@@ -151,11 +152,7 @@ class Slot:
     def leases(self) -> tuple[Lease, ...]:
         """Every lease while held, one per limiter in the order given; ``()`` before."""
         hold = self._hold
-        if hold is None:
-            return ()
-        if isinstance(hold, SeveralHold):
-            return tuple(hold.leases)
-        return (hold.lease,)
+        return () if hold is None else tuple(hold.leases)
 
     @property
     def fencing_tokens(self) -> dict[str, int]:
@@ -163,10 +160,8 @@ class Slot:
         hold = self._hold
         if hold is None:
             return {}
-        if isinstance(hold, SeveralHold):
-            names = hold.several.names()
-            return {n: x.fencing_token for n, x in zip(names, hold.leases, strict=True)}
-        return {hold.slot_request.limiter.name: hold.lease.fencing_token}
+        names = hold.slot_request.names()
+        return {n: x.fencing_token for n, x in zip(names, hold.leases, strict=True)}
 
     @property
     def aborted(self) -> bool:
@@ -311,11 +306,7 @@ class Slot:
             given = [x for x in configured if x is not None]
             max_hold_ms = min(given) if given else None
         max_hold = Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None
-        hold = (
-            SeveralHold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
-            if asked.several
-            else Hold(asked, leases[0], max_hold=max_hold, task=task, cleanups=cleanups)
-        )
+        hold = Hold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
         return self._start_hold(hold, asked, leases[0], started, cancel, waited_ms)
 
     def _start_hold(

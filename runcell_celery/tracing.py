@@ -51,7 +51,7 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import describe_error
-from .hold import SeveralHold, is_interrupt
+from .hold import is_interrupt
 from .request import SlotRequest
 from .several import default_key
 from .tracer import OTEL_AVAILABLE, current_tracer
@@ -268,7 +268,7 @@ def _lease_attributes(leases: Sequence[Lease]) -> dict[str, AttributeValue]:
 
 
 def _leases_of(hold: Hold) -> Sequence[Lease]:
-    return tuple(hold.leases) if isinstance(hold, SeveralHold) else (hold.lease,)
+    return tuple(hold.leases)
 
 
 def _wait_outcome(exc: BaseException) -> str:

@@ -141,14 +141,14 @@ def test_a_hold_seen_lost_by_its_body_and_then_by_the_keeper_says_so_and_release
     events: EventRecorder,
 ) -> None:
     asked = build_request(None, limiter)
-    hold = Hold(asked, limiter.acquire(asked.request))
+    hold = Hold(asked, (limiter.acquire(asked.request),))
     hold.keep(None)
     fake_clock.advance(TTL_S)
     assert hold.aborted
     assert hold.abort_reason == "lease-lost"
-    hold.lease_lost(None)  # what the keeper does when it runs at last
+    hold.part_lost(0, None)  # what the keeper does when it runs at last
     assert isinstance(hold.end(None), ConcurrencyLeaseLostError)
-    hold.lease_lost(None)
+    hold.part_lost(0, None)
     lost, released = _lost_and_released(events, limiter.name)
     assert len(lost) == 1
     assert [e.outcome for e in released] == ["lease-lost"]
@@ -168,7 +168,7 @@ def test_a_renewal_the_keeper_reports_moves_the_validity_the_hold_reads(
         assert renewed is not None
         hold = held._hold
         assert hold is not None
-        hold.lease_renewed(renewed, Deadline(fake_clock.monotonic() + TTL_S))
+        hold.part_renewed(0, renewed, Deadline(fake_clock.monotonic() + TTL_S))
         fake_clock.advance(TTL_S / 2 + 1)  # past the first validity, not the renewed one
         assert not held.aborted
     assert events.of("lease-lost", limiter=limiter.name) == []
