@@ -86,7 +86,7 @@ from .publisher import GrantPublisher
 
 __all__ = [
     "Sweeper",
-    "admission_for",
+    "TaskAdmission",
     "publish_grants",
     "send_grants",
     "wire_publisher",
@@ -143,15 +143,8 @@ def _payload(
     return payload
 
 
-def admission_for(
-    task: Task[Any, Any],
-    request: Any,
-    limiters: Sequence[ConcurrencyLimiter],
-    spec: TaskConcurrency,
-    *,
-    deadline_at: float | None,
-) -> Admission:
-    """The admission of a deferrable run's first slot.
+class TaskAdmission(Admission):
+    """The admission of a deferrable run's first slot (one delivery of a task).
 
     Only a limiter that can park (:class:`~runcell_celery.ports.SupportsParking`)
     defers; with any other the first slot waits as usual. A run over several limiters
@@ -170,14 +163,39 @@ def admission_for(
     result (another delivery finished it) gives the slot back and is dropped as a
     duplicate; without stored results it runs again (Celery's at-least-once).
     """
-    task_id = request.id or str(uuid.uuid4())
-    parked_as = headers.read(request, headers.ADMISSION)
-    publication = headers.read(request, headers.PUBLICATION)
-    republished = parked_as is not None and publication is not None
-    broker = broker_identity(task.app)  # where a parked message must be re-published
-    admission: Admission
 
-    def admit(
+    def __init__(
+        self,
+        task: Task[Any, Any],
+        request: Any,
+        limiters: Sequence[ConcurrencyLimiter],
+        spec: TaskConcurrency,
+        *,
+        deadline_at: float | None,
+    ) -> None:
+        self._task = task
+        self._delivery = request
+        self._spec = spec
+        self._deadline_at = deadline_at
+        self._task_id: str = request.id or str(uuid.uuid4())
+        parked_as = headers.read(request, headers.ADMISSION)
+        self._publication = headers.read(request, headers.PUBLICATION)
+        #: A re-published copy of a parked delivery: it claims that delivery's grant.
+        self._republished = parked_as is not None and self._publication is not None
+        #: Where a parked message must be re-published.
+        self._broker = broker_identity(task.app)
+        super().__init__(
+            self._acquire_one,
+            limiter=limiters[0],
+            request_id=parked_as
+            if self._republished and parked_as
+            else _delivery_id(self._task_id),
+            limiters=limiters,
+            acquire_several=self._acquire_all if len(limiters) > 1 else None,
+        )
+
+    def _admit(
+        self,
         request_id: str,
         limiters: Sequence[ConcurrencyLimiter],
         claim: Callable[[str, str], _Held | ClaimMiss],
@@ -187,9 +205,10 @@ def admission_for(
         claims its delivery's grant; otherwise the delivery asks, waiting or parking.
         ``claim(request_id, publication)`` and ``acquire_or_park(request_id,
         payload)`` give a lease (one limiter) or leases (several), or say why not."""
-        if republished:
-            assert publication is not None
-            claimed = claim(request_id, publication)
+        task, task_id = self._task, self._task_id
+        if self._republished:
+            assert self._publication is not None
+            claimed = claim(request_id, self._publication)
             if not isinstance(claimed, str):
                 return _unless_finished(task, task_id, limiters, claimed)
             if claimed == "stale":
@@ -200,8 +219,10 @@ def admission_for(
             # Nothing stored: another copy of this message claimed it (and runs), or it
             # ended. This copy is a delivery of its own.
             request_id = _delivery_id(task_id)
-            admission.request_id = request_id  # what a withdrawal must name
-        payload = _payload(task, request, deadline_at=deadline_at, admission_id=request_id)
+            self.request_id = request_id  # what a withdrawal must name
+        payload = _payload(
+            task, self._delivery, deadline_at=self._deadline_at, admission_id=request_id
+        )
         result = acquire_or_park(request_id, payload)
         if not isinstance(result, Parked | Duplicate):
             return _unless_finished(task, task_id, limiters, result)
@@ -209,7 +230,8 @@ def admission_for(
             return DuplicateDelivery()
         return Deferred(result)  # its place and expected wait, for the log line
 
-    def acquire(
+    def _acquire_one(
+        self,
         limiter: ConcurrencyLimiter,
         slot_request: AcquireRequest,
         cancel: CancellationToken | None,
@@ -218,13 +240,14 @@ def admission_for(
         if not isinstance(limiter, SupportsParking):
             return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
         parking: SupportsParking = limiter
-        held = admit(
+        spec = self._spec
+        held = self._admit(
             slot_request.request_id,
             (limiter,),
             parking.claim_parked,
             lambda request_id, payload: parking.acquire_or_park(
                 dataclasses.replace(slot_request, request_id=request_id),
-                broker=broker,
+                broker=self._broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -235,7 +258,8 @@ def admission_for(
         assert not isinstance(held, tuple)
         return held
 
-    def acquire_several(
+    def _acquire_all(
+        self,
         limiters: Sequence[ConcurrencyLimiter],
         requests: Sequence[AcquireRequest],
         cancel: CancellationToken | None,
@@ -247,7 +271,8 @@ def admission_for(
                 _several(first).acquire_several(limiters, requests, cancel=cancel, on_wait=on_wait)
             )
         parking: SupportsSeveralParking = first
-        held = admit(
+        spec = self._spec
+        held = self._admit(
             requests[0].request_id,
             limiters,
             lambda request_id, publication_id: parking.claim_parked_several(
@@ -256,7 +281,7 @@ def admission_for(
             lambda request_id, payload: parking.acquire_several_or_park(
                 [*limiters],
                 [dataclasses.replace(r, request_id=request_id) for r in requests],
-                broker=broker,
+                broker=self._broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -266,17 +291,6 @@ def admission_for(
         )
         assert not isinstance(held, Lease)
         return held
-
-    own_id = parked_as if republished else _delivery_id(task_id)
-    several = len(limiters) > 1
-    admission = Admission(
-        acquire,
-        limiter=limiters[0],
-        request_id=own_id,
-        limiters=limiters,
-        acquire_several=acquire_several if several else None,
-    )
-    return admission
 
 
 def _several(limiter: ConcurrencyLimiter) -> SupportsSeveral:

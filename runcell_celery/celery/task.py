@@ -82,7 +82,7 @@ from ..slot import preadmit, register_interrupt, slot
 from . import headers
 from .conflicts import log_start_conflict
 from .counters import COUNTED_FAILURES, counter_label
-from .deferral import admission_for
+from .deferral import TaskAdmission
 from .limiters import (
     body_signature,
     by_name,
@@ -415,7 +415,7 @@ class RunCellTask(_Task):
         budget = self._budget(request, spec, carried, registry)
         admission = None
         if spec.admission == "defer" and effective and not request.is_eager:
-            admission = admission_for(
+            admission = TaskAdmission(
                 self, request, effective, spec, deadline_at=budget.carried_unix()
             )
         context = stack.enter_context(
