@@ -46,7 +46,7 @@ from . import tracing
 from .admission import Admission, Deferred, DuplicateDelivery, PreAdmitted
 from .arguments import check_slot_arguments
 from .cancellation import CancellationToken
-from .context import RunContext, current_run
+from .context import current_run
 from .deadline import Deadline
 from .errors import (
     ConcurrencyCancelledError,
@@ -219,12 +219,20 @@ class Slot:
             raise RuntimeError("a Slot is used once; call slot() again for the next request")
         run = current_run()
         limiter = self._limiter_arg
-        if self._several is not None or (
-            limiter is None and run is not None and len(run.limiters) > 1
-        ):
-            asked: SlotRequest = self._ask_several(run)
-        else:
-            try:
+        several = self._several
+        if several is None and limiter is None and run is not None and len(run.limiters) > 1:
+            several = run.limiters
+        try:
+            if several is not None:
+                asked = build_several(
+                    run,
+                    several,
+                    workload=self._workload_arg,
+                    key=self._key_arg,
+                    request_id=self._request_id,
+                    cancel=self._cancel_arg,
+                )
+            else:
                 asked = build_request(
                     run,
                     limiter,
@@ -233,9 +241,14 @@ class Slot:
                     cancel=self._cancel_arg,
                     key=self._key_arg,
                 )
-            except ConcurrencyError as exc:
-                report_refusal(exc, run.name if run is not None else None)
-                raise
+        except ConcurrencyError as exc:
+            holder = run.name if run is not None else None
+            if several is not None:
+                names = tuple(x.name for x in several)
+                report_refusal(exc, holder, limiters=names, key=self._key_arg)
+            else:
+                report_refusal(exc, holder)
+            raise
         cleanups: list[Callable[[], object]] = []
         own = self._cancel_arg
         inherited = asked.run.cancel if asked.run is not None else None
@@ -244,26 +257,6 @@ class Slot:
         linked = CancellationToken(own, inherited)
         cleanups.append(linked.detach)
         return asked, linked, cleanups
-
-    def _ask_several(self, run: RunContext | None) -> SlotRequest:
-        several = self._several
-        if several is None:
-            assert run is not None
-            several = run.limiters
-        try:
-            return build_several(
-                run,
-                several,
-                workload=self._workload_arg,
-                key=self._key_arg,
-                request_id=self._request_id,
-                cancel=self._cancel_arg,
-            )
-        except ConcurrencyError as exc:
-            names = tuple(x.name for x in several)
-            holder = run.name if run is not None else None
-            report_refusal(exc, holder, limiters=names, key=self._key_arg)
-            raise
 
     @staticmethod
     def _not_granted(
