@@ -46,7 +46,6 @@ from .request import SlotRequest
 __all__ = [
     "Admission",
     "AdmissionAcquire",
-    "AdmissionAcquireSeveral",
     "Deferred",
     "DuplicateDelivery",
     "PreAdmitted",
@@ -75,15 +74,17 @@ class DuplicateDelivery:
     :class:`Deferred`."""
 
 
-#: What an admission's ``acquire`` gives: a lease, or why the run does not start here.
+#: How an admission asks: ``acquire(limiters, requests, cancel, on_wait)``, one request
+#: per limiter (a run over one limiter is a group of one); the leases in that order
+#: (granted together), or why the run does not start here.
 AdmissionAcquire = Callable[
-    [ConcurrencyLimiter, AcquireRequest, CancellationToken | None, OnWait],
-    Lease | Deferred | DuplicateDelivery,
-]
-#: The same for a run over several limiters: one request each, leases in that order.
-AdmissionAcquireSeveral = Callable[
-    [Sequence[ConcurrencyLimiter], Sequence[AcquireRequest], CancellationToken | None, OnWait],
-    tuple[Lease, ...] | Deferred | DuplicateDelivery,
+    [
+        tuple[ConcurrencyLimiter, ...],
+        tuple[AcquireRequest, ...],
+        CancellationToken | None,
+        OnWait,
+    ],
+    Sequence[Lease] | Deferred | DuplicateDelivery,
 ]
 
 
@@ -236,39 +237,32 @@ class PreAdmitted:
 
 
 class Admission:
-    """A one-shot replacement for ``limiter.acquire``, for the first slot of a run.
+    """A one-shot replacement for ``acquire``, for the first slot of a run.
 
-    :param acquire: called as ``acquire(limiter, request, cancel, on_wait)``; returns
-        a lease, :class:`Deferred` (the run parked) or :class:`DuplicateDelivery`, or
-        raises a concurrency error.
-    :param limiter: the limiter it applies to (the first, for a run over several).
+    :param acquire: called as ``acquire(limiters, requests, cancel, on_wait)``
+        (:data:`AdmissionAcquire`); returns the leases, :class:`Deferred` (the run
+        parked) or :class:`DuplicateDelivery`, or raises a concurrency error.
+    :param limiters: the run's limiters, in its order (one, or several granted
+        together); ``limiter`` is the first.
     :param request_id: the request id to use, stable across deliveries of the same
         run so a re-delivered run finds the place (or the lease) it already has.
-    :param limiters: a run over several limiters: all of them, in the run's order.
-    :param acquire_several: for such a run, called as ``acquire_several(limiters,
-        requests, cancel, on_wait)``; returns their leases (granted together) or an
-        outcome as ``acquire`` does.
 
     Once granted, :attr:`admitted` holds the slot (or slots) until the run's first
-    ``slot()`` (:meth:`first_slot`) or the run's end
-    (:meth:`end`).
+    ``slot()`` (:meth:`first_slot`) or the run's end (:meth:`end`).
     """
 
     def __init__(
         self,
         acquire: AdmissionAcquire,
         *,
-        limiter: ConcurrencyLimiter,
+        limiters: Sequence[ConcurrencyLimiter],
         request_id: str,
-        limiters: Sequence[ConcurrencyLimiter] | None = None,
-        acquire_several: AdmissionAcquireSeveral | None = None,
     ) -> None:
+        if not limiters:
+            raise ValueError("an admission needs at least one limiter")
         self.acquire = acquire
-        self.limiter = limiter
-        self.limiters: tuple[ConcurrencyLimiter, ...] = tuple(limiters) if limiters else (limiter,)
-        if len(self.limiters) > 1 and acquire_several is None:
-            raise ValueError("an admission over several limiters needs acquire_several")
-        self.acquire_several = acquire_several
+        self.limiters: tuple[ConcurrencyLimiter, ...] = tuple(limiters)
+        self.limiter = self.limiters[0]
         self.request_id = request_id
         #: The granted first slot, until a slot takes it or the run ends.
         self.admitted: PreAdmitted | None = None

@@ -465,9 +465,9 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
     run = current_run()
     if run is None:
         raise RuntimeError("preadmit() needs the run whose first slot it admits")
-    several = admission.acquire_several is not None
+    several = len(admission.limiters) > 1
     asked: SlotRequest
-    answer: Lease | tuple[Lease, ...] | Deferred | DuplicateDelivery
+    answer: Sequence[Lease] | Deferred | DuplicateDelivery
     try:
         if several:
             asked = build_several(run, admission.limiters, request_id=admission.request_id)
@@ -482,16 +482,12 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
         raise
     started = time.monotonic()
     try:
-        if asked.several:
-            assert admission.acquire_several is not None
-            answer = admission.acquire_several(asked.limiters, asked.requests, run.cancel, asked)
-        else:
-            answer = admission.acquire(asked.limiter, asked.request, run.cancel, asked)
+        answer = admission.acquire(asked.limiters, asked.requests, run.cancel, asked)
         if isinstance(answer, Deferred | DuplicateDelivery):
             parked = answer.parked if isinstance(answer, Deferred) else None
             tracing.wait_deferred(asked, started, parked)
             return answer
-        leases = _check_leases(asked, (answer,) if isinstance(answer, Lease) else tuple(answer))
+        leases = _check_leases(asked, tuple(answer))
     except BaseException as exc:
         Slot._not_granted(asked, exc, started, [])
     tracing.wait_granted(asked, started, leases)

@@ -185,14 +185,26 @@ class TaskAdmission(Admission):
         #: Where a parked message must be re-published.
         self._broker = broker_identity(task.app)
         super().__init__(
-            self._acquire_one,
-            limiter=limiters[0],
+            self._acquire,
             request_id=parked_as
             if self._republished and parked_as
             else _delivery_id(self._task_id),
             limiters=limiters,
-            acquire_several=self._acquire_all if len(limiters) > 1 else None,
         )
+
+    def _acquire(
+        self,
+        limiters: tuple[ConcurrencyLimiter, ...],
+        requests: tuple[AcquireRequest, ...],
+        cancel: CancellationToken | None,
+        on_wait: OnWait,
+    ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
+        """The admission's ``acquire``: park or claim through the backend's parking of
+        one request, or of one request over several limiters."""
+        if len(limiters) > 1:
+            return self._acquire_all(limiters, requests, cancel, on_wait)
+        answer = self._acquire_one(limiters[0], requests[0], cancel, on_wait)
+        return (answer,) if isinstance(answer, Lease) else answer
 
     def _admit(
         self,

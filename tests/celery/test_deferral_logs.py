@@ -123,9 +123,7 @@ def _several_admission() -> Admission:
     def never(*_: object) -> tuple[()]:
         raise AssertionError("not asked")
 
-    return Admission(
-        never, limiter=openai, request_id="r1", limiters=[openai, tenant], acquire_several=never
-    )
+    return Admission(never, limiters=[openai, tenant], request_id="r1")
 
 
 @pytest.mark.parametrize(
@@ -167,7 +165,7 @@ def test_the_deferral_line_of_one_limiter_names_its_default_workload_not_none(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     llm = create_concurrency_limiter(1, name="llm", workloads={"batch": {}})
-    admission = Admission(lambda *_: None, limiter=llm, request_id="r1")  # type: ignore[arg-type,return-value]
+    admission = Admission(lambda *_: None, limiters=(llm,), request_id="r1")  # type: ignore[arg-type,return-value]
     parked = Parked(limiter="llm", workload="batch")
     with caplog.at_level(logging.INFO, logger="runcell_celery.celery"):
         _log_deferral("rc.one", "t-1", admission, None, parked)

@@ -32,7 +32,7 @@ from runcell_celery.admission import Admission
 from runcell_celery.background import ProcessLocal
 from runcell_celery.hold import Hold
 from runcell_celery.keeper import LeaseKeeper
-from runcell_celery.protocol import AcquireRequest, OnWait
+from runcell_celery.protocol import OnWait
 from runcell_celery.request import build_request
 from runcell_celery.slot import preadmit
 from tests.core.conftest import direct_request
@@ -287,25 +287,13 @@ def test_a_hold_over_several_limiters_ending_after_a_lease_validity_passed_raise
 
 def _admission(limiter: ConcurrencyLimiter, *, limiters: list[Any] | None = None) -> Admission:
     def acquire(
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
-    ) -> Lease:
-        return limiter.acquire(request, cancel=cancel, on_wait=on_wait)
-
-    def acquire_several(
         limiters: Any, requests: Any, cancel: CancellationToken | None, on_wait: OnWait
     ) -> tuple[Lease, ...]:
+        if len(limiters) == 1:
+            return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
         return tuple(x.acquire(r, cancel=cancel) for x, r in zip(limiters, requests, strict=True))
 
-    return Admission(
-        acquire,
-        limiter=limiter,
-        request_id="delivery-1",
-        limiters=limiters,
-        acquire_several=acquire_several if limiters else None,
-    )
+    return Admission(acquire, limiters=limiters or (limiter,), request_id="delivery-1")
 
 
 def test_a_pre_admitted_slot_past_its_validity_fails_the_first_slot_without_running_it(

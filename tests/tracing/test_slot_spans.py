@@ -257,16 +257,16 @@ def test_an_async_slot_records_both_spans(spans: RecordedSpans) -> None:
 
 def _admission(limiter: ConcurrencyLimiter, parked: Parked | None = None) -> Admission:
     def acquire(
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
+        limiters: tuple[ConcurrencyLimiter, ...],
+        requests: tuple[AcquireRequest, ...],
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> Lease | Deferred | DuplicateDelivery:
+    ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
         if parked is not None:
             return Deferred(parked)
-        return limiter.acquire(request, cancel=cancel, on_wait=on_wait)
+        return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
 
-    return Admission(acquire, limiter=limiter, request_id="delivery-1")
+    return Admission(acquire, limiters=(limiter,), request_id="delivery-1")
 
 
 def test_a_slot_admitted_before_the_body_has_its_wait_at_admission_and_its_hold_in_the_body(

@@ -284,13 +284,7 @@ def test_a_run_over_several_postgres_limiters_parked_by_deferral_records_its_pla
         assert isinstance(result, Parked), result
         return Deferred(result)
 
-    admission = Admission(
-        _never_alone,
-        limiter=a,
-        request_id=ids["run"],
-        limiters=(a, b),
-        acquire_several=acquire_several,
-    )
+    admission = Admission(acquire_several, limiters=(a, b), request_id=ids["run"])
     try:
         with run(limiter=[a, b], admission=admission):
             assert isinstance(preadmit(admission), Deferred)
@@ -300,10 +294,6 @@ def test_a_run_over_several_postgres_limiters_parked_by_deferral_records_its_pla
     assert wait is not None
     assert wait["runcell.outcome"] == "deferred"
     assert wait["runcell.queue.place"] == 2  # first in a's line, second in b's
-
-
-def _never_alone(*args: Any) -> Lease:
-    raise AssertionError("a run over several limiters is admitted over all of them")
 
 
 def test_an_async_wait_records_its_place(
