@@ -49,7 +49,13 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
     :class:`~runcell_celery.errors.ConcurrencyConfigError`: a slot names one of its keys.
     """
 
-    def __init__(self, config: LimiterConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        config: LimiterConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        coordinator: Coordinator | None = None,
+    ) -> None:
         if not config.keyed:
             raise ConcurrencyConfigError(
                 f"limiter {config.name!r} is not keyed", limiter=config.name
@@ -67,8 +73,9 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         #: continues above every token it gave (a proxy that remembers the highest one
         #: would refuse it otherwise).
         self._tokens = itertools.count(1)
-        #: Every key's coordinator (requests over several keys wait in one line).
-        self._coordinator = Coordinator()
+        #: Every key's coordinator (requests over several keys wait in one line): its
+        #: backend's, or one of its own.
+        self._coordinator = Coordinator() if coordinator is None else coordinator
 
     def __repr__(self) -> str:
         config = self._config

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import runcell_celery.memory as memory_module
 from runcell_celery import (
     CancellationToken,
     ConcurrencyCancelledError,
@@ -28,13 +29,16 @@ from runcell_celery import (
     ConcurrencyTimeoutError,
     InMemoryConcurrencyLimiter,
     Lease,
+    LimiterConfig,
     create_concurrency_limiter,
     guard,
     run,
     slot,
 )
 from runcell_celery.allocation import GROUP_AGEING_MS
+from runcell_celery.backends import MemoryBackend
 from runcell_celery.conformance import several_limiters_conformance_cases
+from runcell_celery.memory import Coordinator
 from tests.conftest import FakeClock
 from tests.core.conftest import direct_request
 
@@ -622,3 +626,22 @@ def test_async_requests_over_several_limiters_wait_without_a_thread_each() -> No
     assert threads_while_waiting <= threads_before + 2
     assert peak[0] == 1
     assert_idle(openai, gpt)
+
+
+def test_the_memory_backend_owns_the_coordinator_its_limiters_wait_in() -> None:
+    """No process-wide coordinator: the backend's limiters share the backend's, and two
+    limiters made apart merge theirs when one request names both."""
+    backend = MemoryBackend()
+    a = backend.create_limiter(LimiterConfig(name="owned-a", max_concurrent=1))
+    b = backend.create_limiter(LimiterConfig(name="owned-b", max_concurrent=1))
+    assert isinstance(a, InMemoryConcurrencyLimiter)
+    assert isinstance(b, InMemoryConcurrencyLimiter)
+    assert a._coordinator is b._coordinator is backend._coordinator
+    with slot(a, b) as held:
+        assert [lease.limiter for lease in held.leases] == ["owned-a", "owned-b"]
+    apart = create_concurrency_limiter(1, name="made-apart")
+    assert apart._root() is not a._root()
+    with slot(a, apart):
+        assert apart._root() is a._root()
+    assert not any(isinstance(value, Coordinator) for value in vars(memory_module).values())
+    assert_idle(a, b, apart)
