@@ -36,8 +36,8 @@ from .events import (
     remove_event_listener,
 )
 from .guard import guard
-from .memory import InMemoryConcurrencyLimiter, create_concurrency_limiter
-from .memory_keys import KeyedInMemoryConcurrencyLimiter
+from .memory import InMemoryConcurrencyLimiter
+from .memory_keys import KeyedInMemoryConcurrencyLimiter, create_concurrency_limiter
 from .protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -51,6 +51,7 @@ from .protocol import (
     WorkloadStats,
 )
 from .slot import Slot, slot
+from .version import __version__ as __version__
 
 __all__ = [
     "EVENT_TYPES",
@@ -90,5 +91,3 @@ __all__ = [
     "run",
     "slot",
 ]
-
-__version__ = "0.1.0"

@@ -2,9 +2,10 @@
 
 By default a slot request waits (up to its deadline) when the body asks for it. A job
 system can do better for a run's *first* slot: Celery's admission deferral decides it
-before the task body starts (:func:`runcell_celery.slot.preadmit`). Either the run is
-parked — :class:`SlotDeferred` reaches the job system, never user code, and the body
-does not run — or it is granted a slot that waits for the body as a
+before the task body starts (:func:`runcell_celery.slot.preadmit`). The outcome is a
+value: the run is parked (:class:`Deferred`: the job system sets the delivery aside,
+user code never sees it, and the body does not run), or another delivery carries it
+(:class:`DuplicateDelivery`), or it is granted a slot that waits for the body as a
 :class:`PreAdmitted` slot:
 
 * the process's lease keeper renews it like any held lease;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from .cancellation import CancellationToken
@@ -39,35 +41,51 @@ from .hold import LeasePart, outcome_of
 from .keeper import LeaseKeeper, get_keeper, local_validity
 from .ports import Parked
 from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait, Outcome
-from .request import SeveralRequest, SlotRequest
+from .request import SlotRequest
 
 __all__ = [
     "Admission",
     "AdmissionAcquire",
-    "AdmissionAcquireSeveral",
+    "Deferred",
+    "DuplicateDelivery",
     "PreAdmitted",
-    "SlotDeferred",
 ]
 
 logger = logging.getLogger("runcell_celery.admission")
 
-AdmissionAcquire = Callable[
-    [ConcurrencyLimiter, AcquireRequest, CancellationToken | None, OnWait], Lease
-]
-#: The same for a run over several limiters: one request each, leases in that order.
-AdmissionAcquireSeveral = Callable[
-    [Sequence[ConcurrencyLimiter], Sequence[AcquireRequest], CancellationToken | None, OnWait],
-    tuple[Lease, ...],
-]
 
-
-class SlotDeferred(BaseException):
+@dataclass(frozen=True)
+class Deferred:
     """The run's first slot was deferred: the run is parked, not failed.
 
-    Raised by an :class:`Admission`'s ``acquire`` into the job system that decides
-    admission before the run's body (never out of ``slot()``). A ``BaseException`` so
-    that an ``except Exception`` between the two cannot mistake it for an error.
+    An outcome of an :class:`Admission`'s ``acquire`` and of
+    :func:`~runcell_celery.slot.preadmit`, for the job system (never out of ``slot()``).
+    ``parked``: where it waits (its place and expected wait), for its log line, when the
+    limiter told.
     """
+
+    parked: Parked | None = None
+
+
+@dataclass(frozen=True)
+class DuplicateDelivery:
+    """Another delivery of this run owns its place or its granted lease (or the task
+    already has a result): the job system drops this delivery. An outcome, like
+    :class:`Deferred`."""
+
+
+#: How an admission asks: ``acquire(limiters, requests, cancel, on_wait)``, one request
+#: per limiter (a run over one limiter is a group of one); the leases in that order
+#: (granted together), or why the run does not start here.
+AdmissionAcquire = Callable[
+    [
+        tuple[ConcurrencyLimiter, ...],
+        tuple[AcquireRequest, ...],
+        CancellationToken | None,
+        OnWait,
+    ],
+    Sequence[Lease] | Deferred | DuplicateDelivery,
+]
 
 
 class PreAdmitted:
@@ -109,7 +127,7 @@ class PreAdmitted:
     def limiters(self) -> tuple[ConcurrencyLimiter, ...]:
         """The limiters its leases belong to, in order."""
         request = self.slot_request
-        return request.limiters if isinstance(request, SeveralRequest) else (request.limiter,)
+        return request.limiters
 
     def keep(self, deadline: Deadline | None, cancel: CancellationToken | None) -> None:
         """Hand the leases to the keeper; release them if ``deadline`` passes or
@@ -219,41 +237,33 @@ class PreAdmitted:
 
 
 class Admission:
-    """A one-shot replacement for ``limiter.acquire``, for the first slot of a run.
+    """A one-shot replacement for ``acquire``, for the first slot of a run.
 
-    :param acquire: called as ``acquire(limiter, request, cancel, on_wait)``; returns
-        a lease or raises (:class:`SlotDeferred` to park the run).
-    :param limiter: the limiter it applies to (the first, for a run over several).
+    :param acquire: called as ``acquire(limiters, requests, cancel, on_wait)``
+        (:data:`AdmissionAcquire`); returns the leases, :class:`Deferred` (the run
+        parked) or :class:`DuplicateDelivery`, or raises a concurrency error.
+    :param limiters: the run's limiters, in its order (one, or several granted
+        together); ``limiter`` is the first.
     :param request_id: the request id to use, stable across deliveries of the same
         run so a re-delivered run finds the place (or the lease) it already has.
-    :param limiters: a run over several limiters: all of them, in the run's order.
-    :param acquire_several: for such a run, called as ``acquire_several(limiters,
-        requests, cancel, on_wait)``; returns their leases (granted together) or raises.
 
     Once granted, :attr:`admitted` holds the slot (or slots) until the run's first
-    ``slot()`` (:meth:`first_slot`, :meth:`first_slot_several`) or the run's end
-    (:meth:`end`).
+    ``slot()`` (:meth:`first_slot`) or the run's end (:meth:`end`).
     """
 
     def __init__(
         self,
         acquire: AdmissionAcquire,
         *,
-        limiter: ConcurrencyLimiter,
+        limiters: Sequence[ConcurrencyLimiter],
         request_id: str,
-        limiters: Sequence[ConcurrencyLimiter] | None = None,
-        acquire_several: AdmissionAcquireSeveral | None = None,
     ) -> None:
+        if not limiters:
+            raise ValueError("an admission needs at least one limiter")
         self.acquire = acquire
-        self.limiter = limiter
-        self.limiters: tuple[ConcurrencyLimiter, ...] = tuple(limiters) if limiters else (limiter,)
-        if len(self.limiters) > 1 and acquire_several is None:
-            raise ValueError("an admission over several limiters needs acquire_several")
-        self.acquire_several = acquire_several
+        self.limiters: tuple[ConcurrencyLimiter, ...] = tuple(limiters)
+        self.limiter = self.limiters[0]
         self.request_id = request_id
-        #: Set by the job system when the run parked: where it waits (its place and
-        #: expected wait, see :class:`~runcell_celery.ports.Parked`), for its log line.
-        self.parked: Parked | None = None
         #: The granted first slot, until a slot takes it or the run ends.
         self.admitted: PreAdmitted | None = None
         self._consumed = False
@@ -269,38 +279,22 @@ class Admission:
         self.admitted = admitted
         admitted.keep(deadline, cancel)
 
-    def first_slot(self, limiter: ConcurrencyLimiter, workload: str) -> PreAdmitted | None:
-        """For the run's first slot request: the pre-admitted slot it adopts, or ``None``.
+    def first_slot(
+        self, limiters: Sequence[ConcurrencyLimiter], workloads: Sequence[str]
+    ) -> PreAdmitted | None:
+        """For the run's first slot request: the pre-admitted slots it adopts, or ``None``.
 
-        Only the first call after the grant sees it. If that request names another
-        limiter or workload, the pre-admitted slot is released here, before the
-        request waits for its own (outcome ``cancelled``).
+        Only the first call after the grant sees them. A request adopts slots admitted
+        over the same limiters, each with the same workload (in any order); if it names
+        anything else, the pre-admitted slots are released here, before the request
+        waits for its own (outcome ``cancelled``).
         """
         admitted = self.admitted
         if admitted is None or not self._consume():
             return None
-        if (
-            len(admitted.leases) == 1
-            and limiter is self.limiter
-            and workload == admitted.slot_request.request.workload
-        ):
-            return admitted
-        admitted.release("cancelled")
-        return None
-
-    def first_slot_several(
-        self, limiters: Sequence[ConcurrencyLimiter], workloads: Sequence[str]
-    ) -> PreAdmitted | None:
-        """:meth:`first_slot` for a request over several limiters: it adopts slots
-        admitted over the same limiters, each with the same workload (in any order);
-        anything else is released first."""
-        admitted = self.admitted
-        if admitted is None or not self._consume():
-            return None
         asked = {id(x): w for x, w in zip(limiters, workloads, strict=True)}
-        held = admitted.slot_request
-        requests = held.requests if isinstance(held, SeveralRequest) else (held.request,)
-        have = {id(x): r.workload for x, r in zip(admitted.limiters, requests, strict=True)}
+        held = admitted.slot_request.requests
+        have = {id(x): r.workload for x, r in zip(admitted.limiters, held, strict=True)}
         if len(asked) == len(limiters) and asked == have:
             return admitted
         admitted.release("cancelled")

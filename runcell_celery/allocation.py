@@ -57,13 +57,16 @@ workload applies in each limiter that has it, else that limiter's default worklo
    exactly as they would without it. Under round robin it keeps its key's place: its
    key's next request stays that key's next. (Room is a property of a limiter and a
    workload, so where it lacks room its own workload's peers lack room too.)
-4. **No starvation: anchoring.** Skipping alone could let a request that has room in one
-   limiter and waits in another be overtaken forever. So a request that is the *front*
-   (the head of the line's first workload, eligible or not) of every limiter it names is
-   *anchored*, and in each of those limiters the others are granted only if that does
-   not cost it room: a grant keeps room for the anchored request, or is a slot of
-   another workload's own unused reservation (a slot the anchored request could never
-   take, so reservations stay strict and immediate). In a limiter where the anchored
+4. **No starvation: ageing and anchoring.** Skipping alone could let a request that has
+   room in one limiter and waits in another be overtaken forever. A request over several
+   limiters is *aged* once it has waited :data:`GROUP_AGEING_MS` since it first queued (a
+   request over one limiter always counts as aged: it has no other limiter to wait
+   for). An aged request that is the *front* (the head of the line's first workload,
+   eligible or not) of every limiter it names is *anchored*, and in each of those
+   limiters the others are granted only if that does not cost it room: a grant keeps
+   room for the anchored request, or is a slot of another workload's own unused
+   reservation (a slot the anchored request could never take, so reservations stay
+   strict and immediate). In a limiter where the anchored
    request's workload is at its ceiling nothing is set aside: only a release of its own
    workload can make room, and that release always does (the workload's ceiling never
    blocks another workload). As long as it stays anchored it is thus granted at the
@@ -72,7 +75,7 @@ workload applies in each limiter that has it, else that limiter's default worklo
    everywhere, and a call never ends with an eligible request ungranted. With FIFO and
    equal priorities nothing can take its place as front, so it stays anchored until
    granted. *Priorities*: a limiter has one front, so at most one anchored request per
-   limiter sets aside there: the head of its highest- priority waiting workload (ties:
+   limiter sets aside there: the head of its highest-priority waiting workload (ties:
    the older head). A higher-priority arrival becomes the front and the anchor moves, as
    a higher priority overtakes in a single limiter. Fronts and anchors are recomputed
    after every grant. A workload that could never hold a slot (the other workloads
@@ -85,6 +88,13 @@ workload applies in each limiter that has it, else that limiter's default worklo
    limiters, each blocking the other); then the oldest of the requests that are next
    in some line goes first. Every step grants one request, so the loop ends after at
    most one step per waiter, when no request is eligible.
+
+Until it is aged a request over several limiters holds no capacity while it waits: a
+request needing only ``a`` is served at once even when the first waiter in ``a`` is
+``[a, b]`` blocked on ``b``. Once it lacks room only in one limiter it is served at its
+place in that limiter's line, like any waiter. Bound: with ``b`` freed and other
+requests churning ``a``, ``[a, b]`` is granted within :data:`GROUP_AGEING_MS` plus one
+hold of ``a`` (once aged and anchored, ``a``'s next free slot is set aside for it).
 
 With one limiter and FIFO this is exactly :func:`allocate` (the front's set-aside
 never refuses what :func:`allocate` grants: a request that has room while the front
@@ -100,7 +110,21 @@ from typing import Protocol
 
 from .config import LimiterConfig
 
-__all__ = ["LimiterId", "Waiting", "WaitingForSeveral", "allocate", "allocate_several", "has_room"]
+__all__ = [
+    "GROUP_AGEING_MS",
+    "LimiterId",
+    "Waiting",
+    "WaitingForSeveral",
+    "allocate",
+    "allocate_several",
+    "has_room",
+]
+
+#: How long a request over several limiters waits before it is *aged*: from then on it
+#: keeps its place as a blocking head in each of its limiters and its slots are set
+#: aside as they free (rule 4 of :func:`allocate_several`). The SQL allocator writes
+#: the same number literally.
+GROUP_AGEING_MS = 2000
 
 #: A limiter as allocation sees it: its name, or ``(name, key)`` for a key of a keyed
 #: limiter; any hashable value the caller uses consistently.
@@ -184,7 +208,8 @@ class WaitingForSeveral(Protocol):
     """A waiting request that needs a slot in every limiter it names.
 
     ``workload`` is the workload the run selected (``None``: each limiter's default);
-    ``key`` is the request's fairness key (``None``: the shared keyless key).
+    ``key`` is the request's fairness key (``None``: the shared keyless key); ``aged``
+    tells whether it has waited :data:`GROUP_AGEING_MS` since it first queued.
     """
 
     @property
@@ -198,6 +223,9 @@ class WaitingForSeveral(Protocol):
 
     @property
     def key(self) -> Hashable | None: ...
+
+    @property
+    def aged(self) -> bool: ...
 
 
 def allocate_several(
@@ -235,7 +263,7 @@ def allocate_several(
         fronts = {lid: line.front(done) for lid, line in lines.items()}
         for line in lines.values():
             front = line.front_seat
-            anchored = front is not None and all(fronts[m] == front[0] for m, _ in seats[front[0]])
+            anchored = front is not None and _anchored(waiting, seats, fronts, front[0])
             line.set_aside(front if anchored else None)
         eligible = partial(_eligible, lines, seats, {})
         nexts = {lid: line.next_eligible(done, eligible) for lid, line in lines.items()}
@@ -249,6 +277,20 @@ def allocate_several(
         for lid, workload in seats[chosen]:
             counts = lines[lid].counts
             counts[workload] = counts.get(workload, 0) + 1
+
+
+def _anchored(
+    waiting: Sequence[WaitingForSeveral],
+    seats: Sequence[list[tuple[LimiterId, str]]],
+    fronts: Mapping[LimiterId, int | None],
+    position: int,
+) -> bool:
+    """Tell whether the request at ``position`` sets aside room: it is aged (or over one
+    limiter) and the front of every limiter it names."""
+    places = seats[position]
+    if len(places) > 1 and not waiting[position].aged:
+        return False
+    return all(fronts[m] == position for m, _ in places)
 
 
 def _eligible(

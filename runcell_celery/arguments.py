@@ -15,17 +15,13 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from .cancellation import CancellationToken
 from .config import MAX_NAME_LENGTH, UNSTORABLE_RULE, check_duration_ms, has_unstorable
 from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .keys import check_fair_key
-from .protocol import ConcurrencyLimiter, supports
-
-if TYPE_CHECKING:
-    from .admission import Admission
+from .protocol import ConcurrencyLimiter, RunAdmission, supports
 
 __all__ = [
     "MAX_ID_LENGTH",
@@ -127,11 +123,10 @@ def check_deadline_at(value: object, *, argument: str) -> float:
     return float(value)
 
 
-def check_admission(value: object, *, argument: str) -> Admission:
-    """Return ``value`` if it is an :class:`~runcell_celery.admission.Admission`."""
-    from .admission import Admission  # the admission module imports the run's
-
-    if not isinstance(value, Admission):
+def check_admission(value: object, *, argument: str) -> RunAdmission:
+    """Return ``value`` if it is a run's admission
+    (:class:`~runcell_celery.admission.Admission`)."""
+    if not isinstance(value, RunAdmission):
         raise _invalid(argument, value, "must be an Admission")
     return value
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 from .config import LimiterConfig
 from .errors import ConcurrencyConfigError
 from .hints import did_you_mean
-from .memory import InMemoryConcurrencyLimiter
+from .memory import Coordinator, InMemoryConcurrencyLimiter
 from .memory_keys import KeyedInMemoryConcurrencyLimiter
 from .ports import BackendFactory
 
@@ -55,14 +55,17 @@ class MemoryBackend:
             raise ConcurrencyConfigError(
                 f'{path}["{key}"] is invalid: the in-memory backend takes no options'
             )
+        #: Decides for its limiters when requests over several of them wait (one line
+        #: for all of them from the start; limiters made elsewhere merge into it).
+        self._coordinator = Coordinator()
 
     def create_limiter(
         self, config: LimiterConfig
     ) -> InMemoryConcurrencyLimiter | KeyedInMemoryConcurrencyLimiter:
         """A limiter of these limits; a keyed one (``keyed: True``) gives a limit per key."""
         if config.keyed:
-            return KeyedInMemoryConcurrencyLimiter(config)
-        return InMemoryConcurrencyLimiter(config)
+            return KeyedInMemoryConcurrencyLimiter(config, coordinator=self._coordinator)
+        return InMemoryConcurrencyLimiter(config, coordinator=self._coordinator)
 
     def close(self) -> None:
         """Nothing to close: its limiters hold no connections or threads of their own."""

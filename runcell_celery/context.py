@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from .arguments import (
     check_admission,
@@ -43,11 +43,14 @@ from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .ids import new_run_id
 from .keys import check_fair_key
-from .protocol import ConcurrencyLimiter, RunLineage, SupportsValidateWorkload, supports
+from .protocol import (
+    ConcurrencyLimiter,
+    RunAdmission,
+    RunLineage,
+    SupportsValidateWorkload,
+    supports,
+)
 from .several import check_several, resolve_workloads
-
-if TYPE_CHECKING:
-    from .admission import Admission
 
 __all__ = ["RunContext", "RunOptions", "RunProgress", "current_run", "run"]
 
@@ -84,7 +87,7 @@ class RunContext:
     deadline: Deadline | None = None
     cancel: CancellationToken | None = None
     name: str | None = None
-    admission: Admission | None = None
+    admission: RunAdmission | None = None
     limiters: tuple[ConcurrencyLimiter, ...] = ()
     key: str | None = None
     progress: RunProgress = field(default_factory=RunProgress, compare=False)
@@ -142,7 +145,7 @@ class RunOptions:
     root_run_id: str | None = None
     parent_run_id: str | None = None
     name: str | None = None
-    admission: Admission | None = None
+    admission: RunAdmission | None = None
     #: Every limiter asked for (``limiter`` is the first).
     limiters: tuple[ConcurrencyLimiter, ...] = ()
     key: str | None = None
@@ -231,7 +234,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         root_run_id: str | None = None,
         parent_run_id: str | None = None,
         name: str | None = None,
-        admission: Admission | None = None,
+        admission: RunAdmission | None = None,
         key: str | None = None,
     ) -> None:
         limiters = _limiters_argument(limiter)

@@ -1,10 +1,11 @@
 """A held slot: what happens between a grant and the release.
 
-A :class:`Hold` is the lease keeper's counterpart (it implements
-:class:`~runcell_celery.keeper.LeaseHolder`): the keeper tells it that its lease was
-renewed, could not be renewed, was lost or that a deadline passed, and the hold
-reacts. It owns the abort state machine and releases the slot exactly once, with an
-outcome (README, "Errors": what each failure means for the provider call).
+A :class:`Hold` is the lease keeper's counterpart: one lease per limiter of its request
+(a request over one limiter is a group of one), each kept through a :class:`LeasePart`;
+the keeper tells it that a lease was renewed, could not be renewed, was lost or that a
+deadline passed, and the hold reacts. It owns the abort state machine and releases
+the slots exactly once, with an outcome (README, "Errors": what each failure means for
+the provider call).
 
 A lease is lost the moment its local validity has passed
 (:func:`~runcell_celery.keeper.local_validity`, on the keeper's clock), whoever looks
@@ -29,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from .deadline import Deadline
 from .errors import (
@@ -41,16 +42,20 @@ from .errors import (
 from .events import describe_error, has_listeners
 from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper, local_validity
 from .protocol import ConcurrencyLimiter, Lease, Outcome
-from .request import SeveralRequest, SlotRequest
+from .request import SlotRequest
 
-if TYPE_CHECKING:
-    from .tracing import HoldSpan
-
-__all__ = ["AbortReason", "Hold", "SeveralHold", "is_interrupt", "register_interrupt"]
+__all__ = ["AbortReason", "Hold", "is_interrupt", "register_interrupt"]
 
 logger = logging.getLogger("runcell_celery.slot")
 
 AbortReason = Literal["lease-lost", "max-hold", "cancelled", "timed-out"]
+
+
+class HoldTrace(Protocol):
+    """What a hold tells its span (:class:`~runcell_celery.tracing.HoldSpan`): its end."""
+
+    def end(self, outcome: str) -> None: ...
+
 
 _interrupts: tuple[type[BaseException], ...] = ()
 
@@ -85,35 +90,42 @@ def outcome_of(exc: BaseException | None) -> Outcome:
 
 
 class Hold:
-    """One granted lease, kept alive by the process's lease keeper until :meth:`end`.
+    """One request's leases, one per limiter, kept alive by the process's lease keeper
+    until :meth:`end` and released together.
+
+    ``lease`` is the first limiter's; ``leases`` all of them, in the order given. Each
+    lease is kept by the keeper through a :class:`LeasePart` (renewals are batched per
+    limiter as for any lease); the hold's deadline (run budget, ``max_hold_ms``) is
+    watched once, on the first. Losing any lease aborts the hold; over several limiters
+    it also releases the others at once. Ending it releases every lease.
 
     :param slot_request: what was asked (for events and errors).
-    :param lease: the granted lease.
+    :param leases: the granted leases, in the order of the request's limiters.
     :param max_hold: when the hold ends as a lost lease whatever the body does.
     :param task: the asyncio task holding the slot (``None`` for a sync body): an
         abort cancels it while it is interruptible.
     :param cleanups: called once when the hold ends (detach cancellation links).
     """
 
-    #: Release at once when the lease is lost (several leases: free the others).
-    _release_on_loss = False
-
     def __init__(
         self,
         slot_request: SlotRequest,
-        lease: Lease,
+        leases: tuple[Lease, ...],
         *,
         max_hold: Deadline | None = None,
         task: asyncio.Task[Any] | None = None,
         cleanups: list[Callable[[], object]] | None = None,
     ) -> None:
         self.slot_request = slot_request
-        self.lease = lease
+        self.leases = list(leases)
+        self.lease = leases[0]
         self.max_hold = max_hold
         self.held_since = time.monotonic()
         self._state = threading.Lock()
         self._ended = False
         self._released = False
+        #: Release at once when a lease is lost (several leases: free the others).
+        self._release_on_loss = len(leases) > 1
         self._abort_reason: AbortReason | None = None
         self._abort_callbacks: list[Callable[[], object]] = []
         self._cleanups = cleanups if cleanups is not None else []
@@ -122,25 +134,37 @@ class Hold:
         self._task_cancelled = False
         self._interruptible = True
         self._keeper: LeaseKeeper | None = None
-        self._keeper_key = 0
+        self._parts: list[LeasePart] = []
+        self._part_keys: list[int] = []
         #: The clock the leases' local validity is read on: the lease keeper's.
         self._clock = get_keeper(slot_request.limiter).clock
-        #: Until when each lease is valid here (one per lease; the keeper tells each
-        #: renewal). Past it, the hold is aborted as a lost lease, whoever looks first.
-        self._valid_until = [local_validity(lease, self._clock.monotonic()).at]
-        #: The lease whose loss aborted the hold, when not ``lease`` (several leases).
+        #: Until when each lease is valid here (the keeper tells each renewal). Past
+        #: it, the hold is aborted as a lost lease, whoever looks first.
+        now = self._clock.monotonic()
+        self._valid_until = [local_validity(lease, now).at for lease in leases]
+        #: The lease whose loss aborted the hold (any of several).
         self._lost_lease: Lease | None = None
         #: Why the lease was lost, when the limiter said (``force-released by alice``).
         self._lost_why: str | None = None
         #: Its ``runcell.slot.hold`` span, when a tracer provider is set.
-        self.trace: HoldSpan | None = None
+        self.trace: HoldTrace | None = None
 
     def keep(self, deadline: Deadline | None) -> None:
-        """Hand the lease to the keeper; it fires ``deadline`` (and ``max_hold``)."""
+        """Hand every lease to the keeper; the first carries the hold's deadline (and
+        ``max_hold``)."""
         due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
-        self._keeper = get_keeper(self.slot_request.limiter)
-        valid_until = Deadline(self._valid_until[0])
-        self._keeper_key = self._keeper.keep(self, self.lease.ttl_ms, due, valid_until)
+        keeper = self._keeper = get_keeper(self.slot_request.limiter)
+        # The keeper holds its holders weakly: the hold keeps its parts alive.
+        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
+        self._part_keys = [
+            keeper.keep(
+                part,
+                lease.ttl_ms,
+                due if part.index == 0 else None,
+                Deadline(self._valid_until[part.index]),
+            )
+            for part, lease in zip(self._parts, self.leases, strict=True)
+        ]
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
@@ -203,7 +227,8 @@ class Hold:
             already_released = self._released
             self._released = True
         if self._keeper is not None:
-            self._keeper.forget(self._keeper_key)
+            for key in self._part_keys:
+                self._keeper.forget(key)
         for cleanup in self._cleanups:
             cleanup()
         self._cleanups.clear()
@@ -227,9 +252,6 @@ class Hold:
                 self._validity_passed(index)
                 return
 
-    def _validity_passed(self, index: int) -> None:
-        self.lease_lost(None)
-
     def settle_task(self) -> None:
         """Take back the cancellation an abort sent the task to stop its body, so it
         does not leak out of the ``async with``."""
@@ -237,35 +259,46 @@ class Hold:
             self._task.uncancel()
 
     def _release(self, outcome: Outcome) -> None:
-        lease, request = self.lease, self.slot_request
+        request = self.slot_request
         hold_ms = (time.monotonic() - self.held_since) * 1000
-        try:
-            request.limiter.release(lease, outcome)
-        except Exception as exc:  # the run continues; the lease TTL returns the slot
-            logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
-            request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
-            return
-        if has_listeners():
-            request.event("released", lease_id=lease.lease_id, hold_ms=hold_ms, outcome=outcome)
+        failed = False
+        for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
+            try:
+                limiter.release(lease, outcome)
+            except Exception as exc:  # the others are still released; TTL frees this one
+                failed = True
+                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
+                request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
+        if not failed and has_listeners():
+            lease_id = self.lease.lease_id
+            request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
 
-    # -- what the keeper and a cancelling thread tell it --------------------------------
+    # -- what the keeper (through each lease's part) and a cancelling thread tell it ----
 
-    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
+    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
         if self._ended or self._released:
             return None
-        return self.slot_request.limiter, self.lease
+        return self.slot_request.limiters[index], self.leases[index]
 
-    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None:
-        self.lease = lease
-        self._valid_until[0] = valid_until.at
+    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
+        self.leases[index] = lease
+        self._valid_until[index] = valid_until.at
+        if index == 0:
+            self.lease = lease
 
-    def renewal_failed(self, error: BaseException) -> None:
+    def part_renewal_failed(self, index: int, error: BaseException) -> None:
         self.slot_request.event(
-            "renewal-failed", lease_id=self.lease.lease_id, error=describe_error(error)
+            "renewal-failed", lease_id=self.leases[index].lease_id, error=describe_error(error)
         )
 
-    def lease_lost(self, error: BaseException | None) -> None:
+    def part_lost(self, index: int, error: BaseException | None) -> None:
+        with self._state:
+            if self._lost_lease is None and self._abort_reason is None:
+                self._lost_lease = self.leases[index]
         self.abort("lease-lost", error)
+
+    def _validity_passed(self, index: int) -> None:
+        self.part_lost(index, None)
 
     def deadline_passed(self) -> Deadline | None:
         if self.max_hold is not None and self.max_hold.passed():
@@ -346,7 +379,7 @@ def abort_error(
         alice``); otherwise it "could not be renewed".
     """
     name = slot_request.limiter.name
-    if isinstance(slot_request, SeveralRequest):
+    if slot_request.several:
         name = lease.limiter  # the lease lost, of whichever limiter
     lease_id = lease.lease_id
     cls: type[ConcurrencyError]
@@ -365,104 +398,9 @@ def abort_error(
     return slot_request.error(cls, message)
 
 
-class SeveralHold(Hold):
-    """One request's leases in several limiters, held, renewed and released together.
-
-    ``lease`` is the first limiter's; ``leases`` all of them, in the order given. Each
-    lease is kept by the keeper through a :class:`LeasePart` (renewals are batched per
-    limiter as for any lease); the hold's deadline (run budget, ``max_hold_ms``) is
-    watched once, on the first. Losing any lease aborts the hold and releases the
-    others at once; ending it releases every lease.
-    """
-
-    _release_on_loss = True
-
-    def __init__(
-        self,
-        slot_request: SeveralRequest,
-        leases: tuple[Lease, ...],
-        *,
-        max_hold: Deadline | None = None,
-        task: asyncio.Task[Any] | None = None,
-        cleanups: list[Callable[[], object]] | None = None,
-    ) -> None:
-        super().__init__(slot_request, leases[0], max_hold=max_hold, task=task, cleanups=cleanups)
-        self.several = slot_request
-        self.leases = list(leases)
-        now = self._clock.monotonic()
-        self._valid_until = [local_validity(lease, now).at for lease in leases]
-        self._parts: list[LeasePart] = []
-        self._part_keys: list[int] = []
-        self._parts_keeper: LeaseKeeper | None = None
-
-    def keep(self, deadline: Deadline | None) -> None:
-        """Hand every lease to the keeper; the first carries the hold's deadline."""
-        due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
-        keeper = self._parts_keeper = get_keeper(self.slot_request.limiter)
-        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
-        self._part_keys = [
-            keeper.keep(
-                part,
-                lease.ttl_ms,
-                due if part.index == 0 else None,
-                Deadline(self._valid_until[part.index]),
-            )
-            for part, lease in zip(self._parts, self.leases, strict=True)
-        ]
-
-    def end(self, exc: BaseException | None) -> ConcurrencyError | None:
-        keeper = self._parts_keeper
-        if keeper is not None:
-            for key in self._part_keys:
-                keeper.forget(key)
-        return super().end(exc)
-
-    def _release(self, outcome: Outcome) -> None:
-        request = self.several
-        hold_ms = (time.monotonic() - self.held_since) * 1000
-        failed = False
-        for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
-            try:
-                limiter.release(lease, outcome)
-            except Exception as exc:  # the others are still released; TTL frees this one
-                failed = True
-                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
-                request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
-        if not failed and has_listeners():
-            lease_id = self.lease.lease_id
-            request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
-
-    # -- what the keeper tells each part ------------------------------------------------
-
-    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
-        if self._ended or self._released:
-            return None
-        return self.several.limiters[index], self.leases[index]
-
-    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
-        self.leases[index] = lease
-        self._valid_until[index] = valid_until.at
-        if index == 0:
-            self.lease = lease
-
-    def part_renewal_failed(self, index: int, error: BaseException) -> None:
-        self.several.event(
-            "renewal-failed", lease_id=self.leases[index].lease_id, error=describe_error(error)
-        )
-
-    def part_lost(self, index: int, error: BaseException | None) -> None:
-        with self._state:
-            if self._lost_lease is None and self._abort_reason is None:
-                self._lost_lease = self.leases[index]
-        self.abort("lease-lost", error)
-
-    def _validity_passed(self, index: int) -> None:
-        self.part_lost(index, None)
-
-
 class PartedHolder(Protocol):
     """A holder of one lease per limiter whose leases the keeper keeps one by one
-    (:class:`SeveralHold`, :class:`~runcell_celery.admission.PreAdmitted`)."""
+    (:class:`Hold`, :class:`~runcell_celery.admission.PreAdmitted`)."""
 
     def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None: ...
     def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None: ...

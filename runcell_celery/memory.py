@@ -1,25 +1,36 @@
-"""A limiter for one process: threads and asyncio tasks share its slots.
+"""Limiters for one process: threads and asyncio tasks share their slots.
 
-State lives behind one lock; every decision about who is granted goes through
-:func:`runcell_celery.allocation.allocate`. Waiting happens outside the lock: a
-thread waits on its own ``threading.Event``, a coroutine on an ``asyncio.Event`` that
+A limiter's state lives behind its own lock; every decision about who is granted goes
+through :func:`~runcell_celery.allocation.allocate` (or
+:func:`~runcell_celery.allocation.allocate_several`). Waiting happens outside the lock:
+a thread waits on its own ``threading.Event``, a coroutine on an ``asyncio.Event`` that
 is set thread-safely, so a waiting coroutine never blocks its event loop and a release
 wakes exactly the waiters it granted.
 
-The wait loops are thin: :meth:`InMemoryConcurrencyLimiter._enqueue` decides whether a
-request is granted at once, and :meth:`~InMemoryConcurrencyLimiter._settle` decides
-after each wake-up whether it was granted, cancelled or timed out.
+One acquire path serves a request over one limiter and over several
+(``slot(openai, gpt_4o, tenants.key("acme"))``): a request over one limiter is a group
+of one. :func:`_enqueue` grants at once or queues; :func:`_settle` decides after each
+wake-up whether the request was granted, cancelled or timed out; the two loops (a
+thread's, a coroutine's) only carry that out.
 
-Several limiters in one request (``slot(openai, gpt_4o, tenants.key("acme"))``) are
-decided by the process's one :mod:`coordinator <runcell_celery.memory_several>`: a
-limiter named by a waiting several-limiter request is *coordinated* until no such
-request waits for it, and meanwhile its state is guarded by the coordinator's lock
-instead of its own, and every grant in it goes through
-:func:`~runcell_celery.allocation.allocate_several`. Every other moment (the usual
-one) a limiter decides alone under its own lock; the flag is read under that lock, so
-the fast path costs one attribute read more. A limiter with ``fairness:
-"round_robin"`` allocates with :func:`~runcell_celery.allocation.allocate_several` and
-keeps, per key, when it last granted it (a bounded history).
+Several limiters in one request are decided by a :class:`Coordinator`: a limiter named
+by a waiting request over several limiters is *coordinated* until no such request
+waits for it, and meanwhile its state is guarded by the coordinator's lock instead of
+its own, its other waiters are in the coordinator's line too (in arrival order), and
+every grant in it goes through :func:`~runcell_celery.allocation.allocate_several`.
+Every other moment (the usual one) a limiter decides alone under its own lock; the flag
+is read under that lock, so the fast path costs one attribute read more. There is no
+process-wide coordinator: each limiter (a keyed limiter's keys share their owner's)
+starts with its own, and a request over limiters of different coordinators merges
+them into one (the others forward to it), so limiters created apart can still be held
+together. A limiter with ``fairness: "round_robin"`` allocates with
+:func:`~runcell_celery.allocation.allocate_several` and keeps, per key, when it last
+granted it (a bounded history).
+
+Locks: a coordinator's, then a limiter's (to switch it in or out). The flag changes
+only with both held, and a limiter's own lock holder reads it first thing, so a state
+is never guarded by two locks at once. Coordinators being merged are locked in ``id``
+order.
 """
 
 from __future__ import annotations
@@ -33,19 +44,14 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import Any, Protocol, TypeVar, cast
 
-from .allocation import Waiting, allocate, allocate_several, has_room
+from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_several, has_room
 from .base import ConfiguredLimiter
 from .cancellation import CancellationToken
 from .clock import SYSTEM_CLOCK, Clock
-from .config import (
-    DEFAULT_LEASE_TTL_MS,
-    Fairness,
-    LimiterConfig,
-    WorkloadConfig,
-    limiter_config,
-)
+from .config import LimiterConfig
+from .errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyTimeoutError
 from .protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -58,10 +64,9 @@ from .protocol import (
     announce_wait,
 )
 
-if TYPE_CHECKING:
-    from .memory_keys import KeyedInMemoryConcurrencyLimiter
+__all__ = ["HISTORY_LIMIT", "Coordinator", "InMemoryConcurrencyLimiter", "place_in_line"]
 
-__all__ = ["InMemoryConcurrencyLimiter", "create_concurrency_limiter"]
+T = TypeVar("T")
 
 #: Arrival order across every limiter of the process (a coordinated request's age).
 _arrivals = itertools.count()
@@ -81,22 +86,23 @@ class _Held:
 
 
 class _Waiter:
-    """One waiting request, of one limiter or of several (then ``limiters`` has them all).
+    """One waiting request over one limiter or several (``limiters`` has them all).
 
     What :func:`~runcell_celery.allocation.allocate` and
-    :func:`~runcell_celery.allocation.allocate_several` read: ``workload`` (for several,
-    the one the run selected; ``workloads`` has the one used in each limiter),
-    ``in_progress``, ``limiters`` and ``key``.
+    :func:`~runcell_celery.allocation.allocate_several` read: ``workload`` (the one the
+    run selected; ``workloads`` has the one used in each limiter), ``in_progress``,
+    ``limiters``, ``key`` and ``aged``.
     """
 
     __slots__ = (
+        "aged",
         "arrival",
         "deadline",
         "in_progress",
         "key",
-        "lease",
         "leases",
         "limiters",
+        "queued_at",
         "request",
         "requests",
         "wake",
@@ -106,22 +112,23 @@ class _Waiter:
 
     def __init__(
         self,
-        request: AcquireRequest,
         workload: str | None,
         limiters: tuple[InMemoryConcurrencyLimiter, ...],
-        requests: tuple[AcquireRequest, ...] | None = None,
-        workloads: tuple[str, ...] | None = None,
+        requests: tuple[AcquireRequest, ...],
+        workloads: tuple[str, ...],
+        now: float,
     ) -> None:
-        self.request = request
+        self.request = requests[0]
         self.workload = workload
-        self.in_progress = request.in_progress
-        self.key: Hashable | None = request.key
+        self.in_progress = self.request.in_progress
+        self.key: Hashable | None = self.request.key
         self.limiters = limiters
-        self.requests = (request,) if requests is None else requests
-        self.workloads: tuple[str, ...] = (request.workload,) if workloads is None else workloads
+        self.requests = requests
+        self.workloads = workloads
         self.arrival = next(_arrivals)
+        self.queued_at = now
+        self.aged = False
         self.deadline = math.inf
-        self.lease: Lease | None = None
         self.leases: tuple[Lease, ...] | None = None
         self.wake: Callable[[], None] = _nothing
 
@@ -130,18 +137,215 @@ def _nothing() -> None:
     return None
 
 
+class Coordinator:
+    """Decides grants for the limiters that requests over several limiters wait for."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: Every waiting request of the coordinated limiters, oldest first.
+        self.waiting: list[_Waiter] = []
+        self.members: dict[int, InMemoryConcurrencyLimiter] = {}
+        #: The coordinator this one was merged into (its state moved there).
+        self.merged_into: Coordinator | None = None
+
+    def root(self) -> Coordinator:
+        """The coordinator that decides now (the end of the merges)."""
+        root = self
+        while root.merged_into is not None:
+            root = root.merged_into
+        return root
+
+    def join_locked(self, limiter: InMemoryConcurrencyLimiter) -> None:
+        """Make ``limiter`` coordinated: its waiters move into the coordinator's line."""
+        if limiter._coordinated:
+            return
+        with limiter._lock:
+            moved = limiter._waiting
+            limiter._waiting = []
+            limiter._coordinated = True
+            limiter._coordinated_waiting += len(moved)
+            self.members[id(limiter)] = limiter
+        if moved:
+            self.waiting.extend(moved)
+            self.waiting.sort(key=lambda w: w.arrival)
+
+    def _leave_idle_locked(self, limiters: Sequence[InMemoryConcurrencyLimiter]) -> None:
+        """Hand limiters no coordinated request waits for back to their own lock."""
+        for limiter in limiters:
+            if limiter._coordinated and not limiter._coordinated_waiting:
+                with limiter._lock:
+                    limiter._coordinated = False
+                    self.members.pop(id(limiter), None)
+                    limiter._idle_locked()
+
+    def enqueue_locked(self, waiter: _Waiter, now: float) -> None:
+        """Queue ``waiter``, grant what the rules allow, and raise queue-full or
+        timed-out if it cannot wait."""
+        for limiter in waiter.limiters:
+            self.join_locked(limiter)
+            limiter._reap_locked(now)
+        self.waiting.append(waiter)
+        for limiter in waiter.limiters:
+            limiter._coordinated_waiting += 1
+            limiter._busy_locked()
+        self.allocate_locked(now)
+        if waiter.leases is not None:
+            return
+        for limiter, request in zip(waiter.limiters, waiter.requests, strict=True):
+            max_queued = limiter.config.max_queued
+            if max_queued is not None and limiter._coordinated_waiting > max_queued:
+                self.remove_locked(waiter, now)
+                raise limiter._queue_full(request)
+        _start_clock(waiter, now, lambda: self.remove_locked(waiter, now))
+
+    def remove_locked(self, waiter: _Waiter, now: float) -> None:
+        """Take a waiter that was not granted out of line; grant what that frees."""
+        if waiter not in self.waiting:
+            return
+        self.waiting.remove(waiter)
+        for limiter in waiter.limiters:
+            limiter._coordinated_waiting -= 1
+        # It may have been anchored (rule 4 of allocate_several), keeping room.
+        self.allocate_locked(now)
+        self._leave_idle_locked(waiter.limiters)
+
+    def allocate_locked(self, now: float) -> None:
+        """Grant every request the rules allow now, in the order they say."""
+        waiting = self.waiting
+        if not waiting:
+            return
+        limits: dict[Hashable, Any] = {}
+        active: dict[Hashable, Mapping[str, int]] = {}
+        history: dict[Hashable, Mapping[Hashable | None, int]] = {}
+        ageing_s = GROUP_AGEING_MS / 1000
+        for waiter in waiting:
+            waiter.aged = now - waiter.queued_at >= ageing_s
+            for limiter in waiter.limiters:
+                if limiter not in limits:
+                    limits[limiter] = limiter.config
+                    active[limiter] = limiter._active
+                    if limiter._history is not None:
+                        history[limiter] = limiter._history
+        granted = allocate_several(limits, active, waiting, last_granted=history)
+        if not granted:
+            return
+        touched: dict[int, InMemoryConcurrencyLimiter] = {}
+        for position in granted:
+            waiter = waiting[position]
+            waiter.leases = tuple(
+                limiter._grant_locked(request, workload, now)
+                for limiter, request, workload in zip(
+                    waiter.limiters, waiter.requests, waiter.workloads, strict=True
+                )
+            )
+            for limiter in waiter.limiters:
+                limiter._coordinated_waiting -= 1
+                touched[id(limiter)] = limiter
+        chosen = set(granted)
+        woken = [waiting[p] for p in granted]
+        self.waiting = [w for p, w in enumerate(waiting) if p not in chosen]
+        for waiter in woken:
+            waiter.wake()
+        self._leave_idle_locked(list(touched.values()))
+
+    def workloads_waiting_locked(self, limiter: InMemoryConcurrencyLimiter) -> list[str]:
+        """The workload in ``limiter`` of every coordinated request waiting for it."""
+        return [
+            workload
+            for waiter in self.waiting
+            for member, workload in zip(waiter.limiters, waiter.workloads, strict=True)
+            if member is limiter
+        ]
+
+
+def _lock_root(limiter: InMemoryConcurrencyLimiter) -> Coordinator:
+    """Lock and return the coordinator that decides for ``limiter`` now."""
+    while True:
+        root = limiter._coordinator.root()
+        root.lock.acquire()
+        if root.merged_into is None:
+            limiter._coordinator = root
+            return root
+        root.lock.release()
+
+
+def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` under ``limiter``'s coordinator's lock (and its own, if it left)."""
+    root = _lock_root(limiter)
+    try:
+        if limiter._coordinated:
+            return fn(*args)
+        with limiter._lock:
+            return fn(*args)
+    finally:
+        root.lock.release()
+
+
+def _merge_and_lock(limiters: Sequence[InMemoryConcurrencyLimiter]) -> Coordinator:
+    """Lock one coordinator deciding for every limiter of ``limiters``, merging theirs."""
+    while True:
+        roots = sorted(
+            {id(r): r for r in (x._coordinator.root() for x in limiters)}.values(), key=id
+        )
+        for root in roots:
+            root.lock.acquire()
+        if any(root.merged_into is not None for root in roots):
+            for root in roots:
+                root.lock.release()
+            continue
+        keep = max(roots, key=lambda r: len(r.members))
+        for other in roots:
+            if other is keep:
+                continue
+            other.merged_into = keep
+            keep.members.update(other.members)
+            keep.waiting = sorted([*keep.waiting, *other.waiting], key=lambda w: w.arrival)
+            other.members, other.waiting = {}, []
+            other.lock.release()
+        for limiter in limiters:
+            limiter._coordinator = keep
+        return keep
+
+
+def _start_clock(waiter: _Waiter, now: float, remove: Callable[[], None]) -> None:
+    """Give a queued waiter its deadline, or time it out now if it may not wait."""
+    wait_ms = _wait_ms(waiter)
+    if wait_ms is not None and wait_ms <= 0:
+        remove()
+        raise _timed_out(waiter, wait_ms)
+    if wait_ms is not None:
+        waiter.deadline = now + wait_ms / 1000
+
+
+class _KeyOwner(Protocol):
+    """The keyed limiter a key's limiter tells when it becomes busy or idle."""
+
+    def _key_busy(self, limiter: InMemoryConcurrencyLimiter) -> None: ...
+
+    def _key_idle(self, limiter: InMemoryConcurrencyLimiter) -> None: ...
+
+
 class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     """Slots shared by the threads and coroutines of one process.
 
-    Create it with :func:`create_concurrency_limiter`. For several processes or hosts
-    use :func:`runcell_celery.postgres.create_postgres_concurrency_limiter`.
+    Create it with :func:`~runcell_celery.create_concurrency_limiter`. For several
+    processes or hosts use
+    :func:`runcell_celery.postgres.create_postgres_concurrency_limiter`.
 
     :param config: the limits.
     :param clock: monotonic and wall clocks; tests pass a fake one to expire leases
         without waiting.
+    :param coordinator: decides when requests over several limiters wait here (a keyed
+        limiter's keys share one); by default one of its own.
     """
 
-    def __init__(self, config: LimiterConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        config: LimiterConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        coordinator: Coordinator | None = None,
+    ) -> None:
         super().__init__(config)
         self._clock = clock
         self._lock = threading.Lock()
@@ -151,7 +355,8 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         self._tokens = itertools.count(1)
         self._id_prefix = f"{config.name}:{uuid.uuid4().hex[:12]}:"
         self._next_expiry = math.inf
-        #: True while the coordinator decides for this limiter (memory_several).
+        self._coordinator = Coordinator() if coordinator is None else coordinator
+        #: True while the coordinator decides for this limiter.
         self._coordinated = False
         #: Coordinated requests waiting for a slot here.
         self._coordinated_waiting = 0
@@ -160,13 +365,24 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             OrderedDict() if config.fairness == "round_robin" else None
         )
         #: The keyed limiter this is a key of (told when this key is busy or idle).
-        self._owner: KeyedInMemoryConcurrencyLimiter | None = None
+        self._owner: _KeyOwner | None = None
         self._key: str | None = None
         self._busy = False
         #: Something to do on each grant: round-robin history or telling the owner.
         self._watch_grants = self._history is not None
 
-    # -- acquire --------------------------------------------------------------------
+    def _root(self) -> Coordinator:
+        return self._coordinator.root()
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` under the lock that guards this limiter's state now: its own, or
+        its coordinator's while it is coordinated."""
+        with self._lock:
+            if not self._coordinated:
+                return fn(*args)
+        return _call_coordinated(self, fn, *args)
+
+    # -- acquire: one limiter is a group of one -----------------------------------------
 
     def acquire(
         self,
@@ -176,25 +392,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         on_wait: OnWait | None = None,
     ) -> Lease:
         """Wait (blocking this thread) for a slot; see :class:`ConcurrencyLimiter`."""
-        waiter = self._enqueue(request, cancel)
-        if isinstance(waiter, Lease):
-            return waiter
-        event = threading.Event()
-        waiter.wake = event.set
-        unlink = cancel.add_callback(event.set) if cancel is not None else _nothing
-        try:
-            self._announce(waiter, on_wait)
-            while True:
-                lease = self._settle(waiter, cancel)
-                if lease is not None:
-                    return lease
-                event.wait(self._sleep_seconds(waiter))
-                event.clear()
-        except BaseException:
-            self._abandon(waiter)
-            raise
-        finally:
-            unlink()
+        return self.acquire_several((self,), (request,), cancel=cancel, on_wait=on_wait)[0]
 
     async def acquire_async(
         self,
@@ -204,8 +402,55 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         on_wait: OnWait | None = None,
     ) -> Lease:
         """Wait for a slot without blocking the event loop; asyncio-cancellation safe."""
-        waiter = self._enqueue(request, cancel)
-        if isinstance(waiter, Lease):
+        leases = await self.acquire_several_async(
+            (self,), (request,), cancel=cancel, on_wait=on_wait
+        )
+        return leases[0]
+
+    def acquire_several(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...]:
+        """Wait (blocking this thread) for one slot in each of ``limiters``, granted
+        together; see :class:`~runcell_celery.protocol.SupportsSeveral`. Nothing is held
+        while waiting, and slots granted at the moment of a cancel or timeout are given
+        back."""
+        waiter = _enqueue(limiters, requests, cancel)
+        if isinstance(waiter, tuple):
+            return waiter
+        event = threading.Event()
+        waiter.wake = event.set
+        unlink = cancel.add_callback(event.set) if cancel is not None else _nothing
+        try:
+            _announce(waiter, on_wait)
+            while True:
+                leases = _settle(waiter, cancel)
+                if leases is not None:
+                    return leases
+                event.wait(_sleep_seconds(waiter))
+                event.clear()
+        except BaseException:
+            _abandon(waiter)
+            raise
+        finally:
+            unlink()
+
+    async def acquire_several_async(
+        self,
+        limiters: Sequence[ConcurrencyLimiter],
+        requests: Sequence[AcquireRequest],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...]:
+        """As :meth:`acquire_several`, waiting without blocking the event loop (and
+        without a thread); asyncio-cancellation safe."""
+        waiter = _enqueue(limiters, requests, cancel)
+        if isinstance(waiter, tuple):
             return waiter
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
@@ -217,173 +462,64 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         waiter.wake = wake
         unlink = cancel.add_callback(wake) if cancel is not None else _nothing
         try:
-            self._announce(waiter, on_wait)
+            _announce(waiter, on_wait)
             while True:
-                lease = self._settle(waiter, cancel)
-                if lease is not None:
-                    return lease
+                leases = _settle(waiter, cancel)
+                if leases is not None:
+                    return leases
                 # Not ``wait_for``: on Python 3.11 it swallows a cancellation that
                 # arrives as the event is set, and the cancelled task would get a slot.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._sleep_seconds(waiter)):
+                    async with asyncio.timeout(_sleep_seconds(waiter)):
                         await event.wait()
                 event.clear()
         except BaseException:
-            self._abandon(waiter)
+            _abandon(waiter)
             raise
         finally:
             unlink()
 
-    def acquire_several(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> tuple[Lease, ...]:
-        """Wait for one slot in each of ``limiters`` (this one among them), granted
-        together; see :class:`~runcell_celery.protocol.SupportsSeveral`."""
-        from .memory_several import acquire_several
-
-        return acquire_several(limiters, requests, cancel=cancel, on_wait=on_wait)
-
-    async def acquire_several_async(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> tuple[Lease, ...]:
-        """As :meth:`acquire_several`, without blocking the event loop or a thread."""
-        from .memory_several import acquire_several_async
-
-        return await acquire_several_async(limiters, requests, cancel=cancel, on_wait=on_wait)
-
-    def _enqueue(
-        self, request: AcquireRequest, cancel: CancellationToken | None
-    ) -> Lease | _Waiter:
-        """Grant at once if the rules allow; otherwise queue the request or refuse it."""
-        workload = self._resolve(request)
-        if cancel is not None and cancel.is_set():
-            raise self._cancelled(request)
-        now = self._clock.monotonic()
-        with self._lock:
-            if not self._coordinated:
-                self._reap_locked(now)
-                if not self._waiting and has_room(self._config, self._active, workload):
-                    return self._grant_locked(request, workload, now)
-                return self._queue_locked(request, workload, now)
-        return COORDINATOR.call(self, self._queue_locked, request, workload, now)
-
-    def _queue_locked(self, request: AcquireRequest, workload: str, now: float) -> Lease | _Waiter:
-        waiter = _Waiter(request, workload, (self,))
+    def _queue_locked(self, waiter: _Waiter, now: float) -> tuple[Lease, ...] | _Waiter:
+        """Queue a request over this limiter alone (under the lock guarding it now)."""
         if self._coordinated:
-            return COORDINATOR.enqueue_locked(waiter, now)
+            self._root().enqueue_locked(waiter, now)
+            return waiter if waiter.leases is None else waiter.leases
         self._reap_locked(now)
+        if not self._waiting and has_room(self._config, self._active, waiter.workloads[0]):
+            return (self._grant_locked(waiter.request, waiter.workloads[0], now),)
         self._waiting.append(waiter)
         self._busy_locked()
         self._allocate_locked(now)
-        if waiter.lease is not None:
-            return waiter.lease
+        if waiter.leases is not None:
+            return waiter.leases
         max_queued = self._config.max_queued
         if max_queued is not None and len(self._waiting) > max_queued:
-            self._waiting.remove(waiter)
-            self._idle_locked()
-            raise self._queue_full(request)
-        wait_ms = self._wait_ms(request, workload)
-        if wait_ms is not None and wait_ms <= 0:
-            self._waiting.remove(waiter)
-            self._idle_locked()
-            raise self._timed_out(request, wait_ms)
-        if wait_ms is not None:
-            waiter.deadline = now + wait_ms / 1000
+            self._drop_locked(waiter, now)
+            raise self._queue_full(waiter.request)
+        _start_clock(waiter, now, lambda: self._drop_locked(waiter, now))
         return waiter
 
-    def _announce(self, waiter: _Waiter, on_wait: OnWait | None) -> None:
-        if on_wait is None:
-            return
-        deadline = waiter.deadline
-        clock = self._clock
-        at = None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic())
-        announce_wait(on_wait, at, functools.partial(self._place, waiter))
-
-    def _place(self, waiter: _Waiter) -> QueuePlace:
-        """The waiter's place in its workload's line here (counted only when asked)."""
-        with self._lock:
-            if not self._coordinated:
-                return place_in_line(waiter, self._waiting)
-        return COORDINATOR.call(self, self._place_locked, waiter)
-
-    def _place_locked(self, waiter: _Waiter) -> QueuePlace:
-        return place_in_line(waiter, COORDINATOR.waiting if self._coordinated else self._waiting)
-
-    def _settle(self, waiter: _Waiter, cancel: CancellationToken | None) -> Lease | None:
-        """After a wake-up: return the lease, raise cancel/timeout, or ``None`` to wait on."""
-        now = self._clock.monotonic()
-        with self._lock:
-            if not self._coordinated:
-                return self._settle_locked(waiter, cancel, now)
-        return COORDINATOR.call(self, self._settle_locked, waiter, cancel, now)
-
-    def _settle_locked(
-        self, waiter: _Waiter, cancel: CancellationToken | None, now: float
-    ) -> Lease | None:
-        if cancel is not None and cancel.is_set():
-            self._drop_locked(waiter, now)
-            raise self._cancelled(waiter.request)
-        if waiter.lease is None:
-            self._reap_locked(now)
-        if waiter.lease is not None:
-            return waiter.lease
-        if now >= waiter.deadline:
-            self._drop_locked(waiter, now)
-            assert waiter.workload is not None
-            waited = self._wait_ms(waiter.request, waiter.workload)
-            raise self._timed_out(waiter.request, waited)
-        return None
-
-    def _abandon(self, waiter: _Waiter) -> None:
-        """Leave the queue after an unexpected exit, returning a slot granted meanwhile."""
-        now = self._clock.monotonic()
-        with self._lock:
-            if not self._coordinated:
-                self._drop_locked(waiter, now)
-                return
-        COORDINATOR.call(self, self._drop_locked, waiter, now)
-
     def _drop_locked(self, waiter: _Waiter, now: float) -> None:
-        if waiter.lease is not None:
-            # Granted at the same moment as the cancel or timeout: give it back.
-            self._release_locked(waiter.lease.lease_id, now)
-        elif self._coordinated:
-            COORDINATOR.remove_locked(waiter, now)
+        """Take a waiter not granted out of this limiter's line (or its coordinator's)."""
+        if self._coordinated:
+            self._root().remove_locked(waiter, now)
         elif waiter in self._waiting:
             self._waiting.remove(waiter)
             self._allocate_locked(now)
             self._idle_locked()
 
-    def _sleep_seconds(self, waiter: _Waiter) -> float | None:
-        now = self._clock.monotonic()
-        wake_at = min(waiter.deadline, self._next_expiry)
-        return None if math.isinf(wake_at) else max(0.0, wake_at - now)
+    def _place_locked(self, waiter: _Waiter) -> QueuePlace:
+        return place_in_line(waiter, self._root().waiting if self._coordinated else self._waiting)
 
     # -- renew and release ----------------------------------------------------------
 
     def renew(self, lease: Lease) -> Lease | None:
         """Extend ``lease`` by its TTL; ``None`` if it expired or was released."""
-        with self._lock:
-            if not self._coordinated:
-                return self._renew_locked(lease, self._clock.monotonic())
-        return COORDINATOR.call(self, self._renew_locked, lease, self._clock.monotonic())
+        return self._call(self._renew_locked, lease, self._clock.monotonic())
 
     def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
         """Renew several leases under one lock acquisition."""
-        with self._lock:
-            if not self._coordinated:
-                return self._renew_many_locked(leases)
-        return COORDINATOR.call(self, self._renew_many_locked, leases)
+        return self._call(self._renew_many_locked, leases)
 
     def _renew_many_locked(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
         now = self._clock.monotonic()
@@ -391,18 +527,11 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
         """Return the slot; releasing twice or after expiry does nothing."""
-        with self._lock:
-            if not self._coordinated:
-                self._release_locked(lease.lease_id, self._clock.monotonic())
-                return
-        COORDINATOR.call(self, self._release_locked, lease.lease_id, self._clock.monotonic())
+        self._call(self._release_locked, lease.lease_id, self._clock.monotonic())
 
     def stats(self) -> LimiterStats:
         """Return active and queued counts, in total and per workload."""
-        with self._lock:
-            if not self._coordinated:
-                return self._stats_locked()
-        return COORDINATOR.call(self, self._stats_locked)
+        return self._call(self._stats_locked)
 
     def _stats_locked(self) -> LimiterStats:
         self._reap_locked(self._clock.monotonic())
@@ -421,16 +550,12 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     def _waiting_workloads_locked(self) -> list[str]:
         """The workload here of every request waiting for a slot here."""
         if self._coordinated:
-            return COORDINATOR.workloads_waiting_locked(self)
+            return self._root().workloads_waiting_locked(self)
         return [waiter.workloads[0] for waiter in self._waiting]
 
     def reap(self) -> int:
         """Drop expired leases now (normally done lazily); return how many."""
-        with self._lock:
-            if not self._coordinated:
-                self._next_expiry = -math.inf
-                return self._reap_locked(self._clock.monotonic())
-        return COORDINATOR.call(self, self._reap_now_locked)
+        return self._call(self._reap_now_locked)
 
     def _reap_now_locked(self) -> int:
         self._next_expiry = -math.inf
@@ -468,7 +593,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
 
     def _allocate_locked(self, now: float) -> None:
         if self._coordinated:
-            COORDINATOR.allocate_locked(now)
+            self._root().allocate_locked(now)
             return
         if not self._waiting:
             return
@@ -485,7 +610,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             return
         for position in granted:
             waiter = self._waiting[position]
-            waiter.lease = self._grant_locked(waiter.request, waiter.workloads[0], now)
+            waiter.leases = (self._grant_locked(waiter.request, waiter.workloads[0], now),)
         chosen = set(granted)
         woken = [self._waiting[p] for p in granted]
         self._waiting = [w for p, w in enumerate(self._waiting) if p not in chosen]
@@ -541,80 +666,174 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             self._owner._key_idle(self)
 
 
-@overload
-def create_concurrency_limiter(
-    max_concurrent: int,
-    *,
-    max_queued: int | None = ...,
-    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = ...,
-    default_workload: str | None = ...,
-    name: str = ...,
-    lease_ttl_ms: int = ...,
-    max_hold_ms: int | None = ...,
-    fairness: Fairness = ...,
-    keyed: Literal[False] = ...,
-    clock: Clock = ...,
-) -> InMemoryConcurrencyLimiter: ...
+# -- the one acquire path, over the limiters of one request ----------------------------
 
 
-@overload
-def create_concurrency_limiter(
-    max_concurrent: int,
-    *,
-    max_queued: int | None = ...,
-    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = ...,
-    default_workload: str | None = ...,
-    name: str = ...,
-    lease_ttl_ms: int = ...,
-    max_hold_ms: int | None = ...,
-    fairness: Fairness = ...,
-    keyed: Literal[True],
-    clock: Clock = ...,
-) -> KeyedInMemoryConcurrencyLimiter: ...
+def _enqueue(
+    limiters: Sequence[ConcurrencyLimiter],
+    requests: Sequence[AcquireRequest],
+    cancel: CancellationToken | None,
+) -> tuple[Lease, ...] | _Waiter:
+    """Check the request, then grant it at once or queue it (or refuse it)."""
+    members: list[InMemoryConcurrencyLimiter] = []
+    for limiter in limiters:
+        if not isinstance(limiter, InMemoryConcurrencyLimiter):
+            names = ", ".join(repr(x.name) for x in limiters)
+            raise ConcurrencyConfigError(
+                f"limiters {names} cannot be held together: {limiter.name!r} is not an "
+                "in-memory limiter of this process",
+                limiter=limiter.name,
+            )
+        members.append(limiter)
+    if len(members) != len(requests) or not members:
+        raise ValueError("acquire_several needs one request per limiter")
+    if len({id(x) for x in members}) != len(members):
+        raise ConcurrencyConfigError(
+            "a request names the same limiter twice", limiter=members[0].name
+        )
+    workloads = tuple(x._resolve(r) for x, r in zip(members, requests, strict=True))
+    first = members[0]
+    if cancel is not None and cancel.is_set():
+        raise first._cancelled(requests[0])
+    now = first._clock.monotonic()
+    selected = workloads[0] if len(members) == 1 else _selected(members, workloads)
+    waiter = _Waiter(selected, tuple(members), tuple(requests), workloads, now)
+    if len(members) == 1:
+        return first._call(first._queue_locked, waiter, now)
+    root = _merge_and_lock(members)
+    try:
+        root.enqueue_locked(waiter, now)
+    finally:
+        root.lock.release()
+    return waiter if waiter.leases is None else waiter.leases
 
 
-def create_concurrency_limiter(
-    max_concurrent: int,
-    *,
-    max_queued: int | None = None,
-    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = None,
-    default_workload: str | None = None,
-    name: str = "default",
-    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
-    max_hold_ms: int | None = None,
-    fairness: Fairness = "fifo",
-    keyed: bool = False,
-    clock: Clock = SYSTEM_CLOCK,
-) -> InMemoryConcurrencyLimiter | KeyedInMemoryConcurrencyLimiter:
-    """Create a limiter shared by the threads and coroutines of this process.
-
-    The options are those of :class:`~runcell_celery.config.LimiterConfig`; workloads
-    may be given as dicts. Invalid settings raise
-    :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the field.
-    ``keyed=True`` gives each key its own limit with these settings: it returns a
-    :class:`~runcell_celery.memory_keys.KeyedInMemoryConcurrencyLimiter`, whose
-    ``key("acme")`` is the limiter of that key.
-
-    >>> claude = create_concurrency_limiter(
-    ...     8, name="claude", workloads={"interactive": {"reserved": 2}, "background": {}}
-    ... )
-    """
-    config = limiter_config(
-        max_concurrent,
-        max_queued=max_queued,
-        workloads=workloads,
-        default_workload=default_workload,
-        name=name,
-        lease_ttl_ms=lease_ttl_ms,
-        max_hold_ms=max_hold_ms,
-        fairness=fairness,
-        keyed=keyed,
+def _selected(
+    limiters: Sequence[InMemoryConcurrencyLimiter], workloads: Sequence[str]
+) -> str | None:
+    """The one workload a run selected that resolves to ``workloads``: in each limiter
+    that workload where it exists, else that limiter's default (allocation's rule)."""
+    for candidate in (None, *dict.fromkeys(workloads)):
+        resolved = [
+            candidate
+            if candidate is not None and candidate in limiter.config.workloads
+            else limiter.config.default_workload
+            for limiter in limiters
+        ]
+        if resolved == list(workloads):
+            return candidate
+    raise ConcurrencyConfigError(
+        f"workloads {list(workloads)!r} are not one selection: a request uses the workload "
+        "it selects in every limiter that has it, and the default in the others",
+        limiter=limiters[0].name,
     )
-    if config.keyed:
-        from .memory_keys import KeyedInMemoryConcurrencyLimiter
-
-        return KeyedInMemoryConcurrencyLimiter(config, clock=clock)
-    return InMemoryConcurrencyLimiter(config, clock=clock)
 
 
-from .memory_several import COORDINATOR, place_in_line  # noqa: E402 - it needs the classes above
+def _announce(waiter: _Waiter, on_wait: OnWait | None) -> None:
+    if on_wait is None:
+        return
+    first = waiter.limiters[0]
+    clock, deadline = first._clock, waiter.deadline
+    at = None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic())
+    announce_wait(on_wait, at, functools.partial(first._call, first._place_locked, waiter))
+
+
+def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
+    """Where ``waiter`` stands in ``line`` (a limiter's, or its coordinator's): in each
+    of its limiters, one more than the requests of its workload there that joined
+    before it and still wait; over several limiters the largest (it is granted when
+    every line lets it through). Allocation may serve some later arrivals first (a run
+    in progress, a round-robin key): like the PostgreSQL limiter's, it is the place by
+    arrival. The in-memory limiter knows no mean hold time: no expected wait."""
+    ahead = [0] * len(waiter.limiters)
+    for other in line:
+        if other.arrival >= waiter.arrival:
+            continue
+        for member, workload in zip(other.limiters, other.workloads, strict=True):
+            for i, (mine, wanted) in enumerate(zip(waiter.limiters, waiter.workloads, strict=True)):
+                if member is mine and workload == wanted:
+                    ahead[i] += 1
+    return QueuePlace(place=max(ahead) + 1)
+
+
+def _settle(waiter: _Waiter, cancel: CancellationToken | None) -> tuple[Lease, ...] | None:
+    """After a wake-up: the leases, a cancel or timeout raised, or ``None`` to wait on."""
+    first = waiter.limiters[0]
+    # Every limiter of a waiting request over several is coordinated by one
+    # coordinator, so the first one's lock guards them all.
+    leases, error = first._call(_settle_locked, waiter, cancel, first._clock.monotonic())
+    if error is None:
+        return leases
+    _release_all(waiter, leases)  # granted at the same moment as the cancel: give back
+    raise error
+
+
+def _settle_locked(
+    waiter: _Waiter, cancel: CancellationToken | None, now: float
+) -> tuple[tuple[Lease, ...] | None, ConcurrencyError | None]:
+    cancelled = cancel is not None and cancel.is_set()
+    if waiter.leases is None and not cancelled:
+        for limiter in waiter.limiters:
+            limiter._reap_locked(now)
+    first, leases = waiter.limiters[0], waiter.leases
+    if cancelled:
+        first._drop_locked(waiter, now)
+        return leases, first._cancelled(waiter.request)
+    if leases is not None:
+        return leases, None
+    if now >= waiter.deadline:
+        first._drop_locked(waiter, now)
+        return None, _timed_out(waiter, _wait_ms(waiter))
+    return None, None
+
+
+def _abandon(waiter: _Waiter) -> None:
+    """Leave the line after an unexpected exit, returning slots granted meanwhile."""
+    first = waiter.limiters[0]
+    first._call(first._drop_locked, waiter, first._clock.monotonic())
+    _release_all(waiter, waiter.leases)
+
+
+def _release_all(waiter: _Waiter, leases: tuple[Lease, ...] | None) -> None:
+    if leases is None:
+        return
+    for limiter, lease in zip(waiter.limiters, leases, strict=True):
+        limiter.release(lease, "cancelled")
+
+
+def _wait_ms(waiter: _Waiter) -> float | None:
+    """The longest a request may wait: the shortest of its limiters' limits."""
+    limits = [
+        limiter._wait_ms(request, workload)
+        for limiter, request, workload in zip(
+            waiter.limiters, waiter.requests, waiter.workloads, strict=True
+        )
+    ]
+    given = [x for x in limits if x is not None]
+    return min(given) if given else None
+
+
+def _timed_out(waiter: _Waiter, wait_ms: float | None) -> ConcurrencyTimeoutError:
+    """No slot in time: the error names the limiters that had no room."""
+    if len(waiter.limiters) == 1:
+        return waiter.limiters[0]._timed_out(waiter.request, wait_ms)
+    full = [
+        limiter.name
+        for limiter, workload in zip(waiter.limiters, waiter.workloads, strict=True)
+        if not has_room(limiter.config, limiter._active, workload)
+    ]
+    shown = "no time" if wait_ms is None else f"{wait_ms:g} ms"
+    names = ", ".join(repr(limiter.name) for limiter in waiter.limiters)
+    lacking = ", ".join(repr(name) for name in full) or "none (others were served first)"
+    return waiter.request.error(
+        ConcurrencyTimeoutError,
+        f"no slots in limiters {names} together within {shown} (no room in: {lacking})",
+        limiter=waiter.limiters[0].name,
+    )
+
+
+def _sleep_seconds(waiter: _Waiter) -> float | None:
+    """Until the deadline or the next lease expiry in one of its limiters."""
+    now = waiter.limiters[0]._clock.monotonic()
+    wake_at = min([waiter.deadline, *(x._next_expiry for x in waiter.limiters)])
+    return None if math.isinf(wake_at) else max(0.0, wake_at - now)

@@ -19,15 +19,16 @@ import heapq
 import itertools
 import threading
 import weakref
-from typing import NoReturn
+from collections.abc import Mapping
+from typing import Any, Literal, NoReturn, overload
 
 from .base import ConfiguredLimiter
 from .cancellation import CancellationToken
 from .clock import SYSTEM_CLOCK, Clock
-from .config import LimiterConfig
+from .config import DEFAULT_LEASE_TTL_MS, Fairness, LimiterConfig, WorkloadConfig, limiter_config
 from .errors import ConcurrencyConfigError
 from .keys import check_key, config_for_key
-from .memory import InMemoryConcurrencyLimiter
+from .memory import Coordinator, InMemoryConcurrencyLimiter
 from .protocol import (
     AcquireRequest,
     KeyStats,
@@ -38,7 +39,7 @@ from .protocol import (
     WorkloadStats,
 )
 
-__all__ = ["KeyedInMemoryConcurrencyLimiter"]
+__all__ = ["KeyedInMemoryConcurrencyLimiter", "create_concurrency_limiter"]
 
 
 class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
@@ -48,7 +49,13 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
     :class:`~runcell_celery.errors.ConcurrencyConfigError`: a slot names one of its keys.
     """
 
-    def __init__(self, config: LimiterConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        config: LimiterConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        coordinator: Coordinator | None = None,
+    ) -> None:
         if not config.keyed:
             raise ConcurrencyConfigError(
                 f"limiter {config.name!r} is not keyed", limiter=config.name
@@ -66,6 +73,9 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         #: continues above every token it gave (a proxy that remembers the highest one
         #: would refuse it otherwise).
         self._tokens = itertools.count(1)
+        #: Every key's coordinator (requests over several keys wait in one line): its
+        #: backend's, or one of its own.
+        self._coordinator = Coordinator() if coordinator is None else coordinator
 
     def __repr__(self) -> str:
         config = self._config
@@ -82,7 +92,9 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
             limiter = self._live.get(key)
             if limiter is None:
                 limiter = InMemoryConcurrencyLimiter(
-                    config_for_key(self._config, key), clock=self._clock
+                    config_for_key(self._config, key),
+                    clock=self._clock,
+                    coordinator=self._coordinator,
                 )
                 limiter._owner = self
                 limiter._key = key
@@ -179,3 +191,77 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
         """It grants no leases: nothing to release."""
+
+
+@overload
+def create_concurrency_limiter(
+    max_concurrent: int,
+    *,
+    max_queued: int | None = ...,
+    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = ...,
+    default_workload: str | None = ...,
+    name: str = ...,
+    lease_ttl_ms: int = ...,
+    max_hold_ms: int | None = ...,
+    fairness: Fairness = ...,
+    keyed: Literal[False] = ...,
+    clock: Clock = ...,
+) -> InMemoryConcurrencyLimiter: ...
+
+
+@overload
+def create_concurrency_limiter(
+    max_concurrent: int,
+    *,
+    max_queued: int | None = ...,
+    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = ...,
+    default_workload: str | None = ...,
+    name: str = ...,
+    lease_ttl_ms: int = ...,
+    max_hold_ms: int | None = ...,
+    fairness: Fairness = ...,
+    keyed: Literal[True],
+    clock: Clock = ...,
+) -> KeyedInMemoryConcurrencyLimiter: ...
+
+
+def create_concurrency_limiter(
+    max_concurrent: int,
+    *,
+    max_queued: int | None = None,
+    workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = None,
+    default_workload: str | None = None,
+    name: str = "default",
+    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
+    max_hold_ms: int | None = None,
+    fairness: Fairness = "fifo",
+    keyed: bool = False,
+    clock: Clock = SYSTEM_CLOCK,
+) -> InMemoryConcurrencyLimiter | KeyedInMemoryConcurrencyLimiter:
+    """Create a limiter shared by the threads and coroutines of this process.
+
+    The options are those of :class:`~runcell_celery.config.LimiterConfig`; workloads
+    may be given as dicts. Invalid settings raise
+    :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the field.
+    ``keyed=True`` gives each key its own limit with these settings: it returns a
+    :class:`KeyedInMemoryConcurrencyLimiter`, whose
+    ``key("acme")`` is the limiter of that key.
+
+    >>> claude = create_concurrency_limiter(
+    ...     8, name="claude", workloads={"interactive": {"reserved": 2}, "background": {}}
+    ... )
+    """
+    config = limiter_config(
+        max_concurrent,
+        max_queued=max_queued,
+        workloads=workloads,
+        default_workload=default_workload,
+        name=name,
+        lease_ttl_ms=lease_ttl_ms,
+        max_hold_ms=max_hold_ms,
+        fairness=fairness,
+        keyed=keyed,
+    )
+    if config.keyed:
+        return KeyedInMemoryConcurrencyLimiter(config, clock=clock)
+    return InMemoryConcurrencyLimiter(config, clock=clock)

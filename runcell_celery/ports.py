@@ -26,6 +26,7 @@ __all__ = [
     "BackendFactory",
     "ClaimMiss",
     "CounterStore",
+    "Duplicate",
     "ExpiredParked",
     "LimitsConflict",
     "Parked",
@@ -127,36 +128,27 @@ class WaitEstimate:
         return self.place * self.hold_ms / self.slots
 
 
-class Parked(str):
-    """The answer ``"parked"`` of :meth:`SupportsParking.acquire_or_park`, with where
-    the request waits, for a deferral's log line.
+@dataclass(frozen=True)
+class Duplicate:
+    """An outcome of :meth:`SupportsParking.acquire_or_park`: this request was already
+    parked and granted; the publication of its grant carries it, so this delivery ends."""
 
-    It equals the string ``"parked"`` (callers that only compare keep working) and
-    also carries: ``limiter`` and ``workload``; ``estimate`` (:class:`WaitEstimate`
-    when the limiter gave one: ``place`` and ``expected_wait_ms`` read it); and
-    ``waited_ms``, how long the request waited before it was parked (about ``0`` when
-    it parked at once because its expected wait was long).
+
+@dataclass(frozen=True, kw_only=True)
+class Parked:
+    """An outcome of :meth:`SupportsParking.acquire_or_park`: the request was parked,
+    and where it waits, for a deferral's log line.
+
+    ``limiter`` and ``workload``; ``estimate`` (:class:`WaitEstimate` when the limiter
+    gave one: ``place`` and ``expected_wait_ms`` read it); and ``waited_ms``, how long
+    the request waited before it was parked (about ``0`` when it parked at once because
+    its expected wait was long).
     """
 
     limiter: str
     workload: str
-    estimate: WaitEstimate | None
-    waited_ms: float
-
-    def __new__(
-        cls,
-        *,
-        limiter: str,
-        workload: str,
-        estimate: WaitEstimate | None = None,
-        waited_ms: float = 0.0,
-    ) -> Parked:
-        self = super().__new__(cls, "parked")
-        self.limiter = limiter
-        self.workload = workload
-        self.estimate = estimate
-        self.waited_ms = waited_ms
-        return self
+    estimate: WaitEstimate | None = None
+    waited_ms: float = 0.0
 
     @property
     def place(self) -> int | None:
@@ -328,7 +320,7 @@ class SupportsParking(Protocol):
     (:class:`WaitEstimate`) exceeds ``defer_after_ms``, else waits up to
     ``defer_after_ms`` and then parks. ``broker`` names where the message must be
     re-published (:meth:`ParkingStore.claim_republish`; ``None``: by anyone). It
-    returns the lease, or :class:`Parked` (equal to ``"parked"``), or ``"duplicate"``
+    returns the lease, or :class:`Parked`, or :class:`Duplicate`
     when the request was already parked and granted (its own publication carries
     it). ``claim_parked`` takes a parked grant from the re-published message
     ``publication_id``, or says why not (:data:`ClaimMiss`).
@@ -349,7 +341,7 @@ class SupportsParking(Protocol):
         defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
-    ) -> Lease | Parked | Literal["duplicate"]: ...
+    ) -> Lease | Parked | Duplicate: ...
 
     def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss: ...
 
@@ -378,7 +370,7 @@ class SupportsSeveralParking(Protocol):
         defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
-    ) -> tuple[Lease, ...] | Parked | Literal["duplicate"]: ...
+    ) -> tuple[Lease, ...] | Parked | Duplicate: ...
 
     def claim_parked_several(
         self, limiters: Sequence[ConcurrencyLimiter], request_id: str, publication_id: str

@@ -34,6 +34,7 @@ __all__ = [
     "OnWaitWithPlace",
     "Outcome",
     "QueuePlace",
+    "RunAdmission",
     "RunLineage",
     "SupportsAsyncAcquire",
     "SupportsConfig",
@@ -422,3 +423,13 @@ def wants_place(on_wait: OnWait | None) -> bool:
         and supports(on_wait, OnWaitWithPlace)
         and cast(OnWaitWithPlace, on_wait).wants_place()
     )
+
+
+@runtime_checkable
+class RunAdmission(Protocol):
+    """What a run carries to admit its first slot before its body runs, as the run sees
+    it (:class:`~runcell_celery.admission.Admission` is the one implementation): the
+    run only hands it to its child runs and ends it."""
+
+    def end(self, exc: BaseException | None) -> None:
+        """The run ended (``exc``: what its body raised)."""

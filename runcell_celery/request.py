@@ -11,13 +11,15 @@ It touches no state: a run's first slot, admitted before the run's body
 after the request is resolved.
 
 A request over several limiters (``slot(openai, gpt_4o, tenants.key("acme"))``) is
-resolved by :func:`build_several` into a :class:`SeveralRequest`: one request id and
+resolved by :func:`build_several` into a :class:`SlotRequest` over all of them (a
+request over one limiter is a group of one): one request id and
 run, one :class:`~runcell_celery.protocol.AcquireRequest` per limiter with the workload
 it uses there (:func:`~runcell_celery.several.resolve_workloads`), and the fairness key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, TypeVar, cast
 
@@ -44,9 +46,9 @@ from .protocol import (
     supports,
 )
 from .several import check_several, default_key, resolve_workloads
+from .tracer import current_tracer
 
 __all__ = [
-    "SeveralRequest",
     "SlotRequest",
     "build_request",
     "build_several",
@@ -59,12 +61,17 @@ E = TypeVar("E", bound=ConcurrencyError)
 
 
 class SlotRequest:
-    """One resolved slot request: what to ask, of which limiter, for which run.
+    """One resolved slot request: what to ask, of which limiters, for which run.
+
+    A request over one limiter is a request over a group of one: ``limiters`` and
+    ``requests`` are all of them, in the order given (one request per limiter, all with
+    one request id, run and key), granted all together or not at all; ``limiter`` and
+    ``request`` are the first one's (what errors and one-limiter listeners read).
 
     :param run: the run the slot belongs to; ``None`` outside any run (the slot is
         then a one-slot run of its own: its run id is its request id).
-    :param limiter: the limiter to ask.
-    :param request: the request to send it.
+    :param limiters: the limiters to ask.
+    :param requests: the request to send each.
 
     It is also the limiter's ``on_wait`` for its request (an
     :class:`~runcell_celery.protocol.OnWaitWithPlace`): called, it emits
@@ -75,19 +82,45 @@ class SlotRequest:
     the hot path, and a frozen dataclass pays an ``object.__setattr__`` per field.
     """
 
-    __slots__ = ("limiter", "place", "request", "run")
+    __slots__ = ("limiter", "limiters", "place", "request", "requests", "run")
 
     def __init__(
-        self, run: RunContext | None, limiter: ConcurrencyLimiter, request: AcquireRequest
+        self,
+        run: RunContext | None,
+        limiters: tuple[ConcurrencyLimiter, ...],
+        requests: tuple[AcquireRequest, ...],
     ) -> None:
         self.run = run
-        self.limiter = limiter
-        self.request = request
+        self.limiters = limiters
+        self.requests = requests
+        self.limiter = limiters[0]
+        self.request = requests[0]
         #: Where the request joined the line, when its limiter told (and a tracer asked).
         self.place: QueuePlace | None = None
 
     def __repr__(self) -> str:
-        return f"SlotRequest({self.limiter.name!r}, {self.request!r})"
+        names = [limiter.name for limiter in self.limiters]
+        return f"SlotRequest({names!r}, {self.request!r})"
+
+    @property
+    def key(self) -> str | None:
+        """The request's fairness key."""
+        return self.request.key
+
+    @property
+    def several(self) -> bool:
+        """Whether it names more than one limiter."""
+        return len(self.limiters) > 1
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(limiter.name for limiter in self.limiters)
+
+    def with_request_id(self, request_id: str) -> SlotRequest:
+        """The same request under another request id (a pre-admitted lease's)."""
+        if request_id == self.request.request_id:
+            return self
+        requests = tuple(dataclasses.replace(r, request_id=request_id) for r in self.requests)
+        return SlotRequest(self.run, self.limiters, requests)
 
     def error(self, cls: type[E], message: str) -> E:
         """Build an error that names this request, its limiter and its run."""
@@ -103,14 +136,15 @@ class SlotRequest:
     def wants_place(self) -> bool:
         """Whether the limiter should find the request's place: only for a wait span
         (finding it may mean counting a line)."""
-        return _tracing.current_tracer() is not None
+        return current_tracer() is not None
 
     def placed(self, place: QueuePlace) -> None:
         """The limiter's answer to :meth:`wants_place`: where the request joined the line."""
         self.place = place
 
     def event(self, type_: EventType, **extra: Any) -> None:
-        """Emit an event about this request (nothing to build when nobody listens)."""
+        """Emit an event about this request (nothing to build when nobody listens);
+        one over several limiters names them all (``limiters``)."""
         if not has_listeners():
             return
         request = self.request
@@ -119,6 +153,7 @@ class SlotRequest:
             ConcurrencyEvent(
                 type=type_,
                 limiter=self.limiter.name,
+                limiters=self.names() if len(self.limiters) > 1 else None,
                 workload=request.workload,
                 run_id=lineage.run_id,
                 root_run_id=lineage.root_run_id,
@@ -132,58 +167,6 @@ class SlotRequest:
         )
 
 
-class SeveralRequest(SlotRequest):
-    """One request over several limiters, granted all together or not at all.
-
-    ``limiter`` and ``request`` are the first limiter's (what errors and one-limiter
-    listeners read); ``limiters`` and ``requests`` are all of them, in the order given.
-    """
-
-    __slots__ = ("key", "limiters", "requests")
-
-    def __init__(
-        self,
-        run: RunContext | None,
-        limiters: tuple[ConcurrencyLimiter, ...],
-        requests: tuple[AcquireRequest, ...],
-        key: str | None,
-    ) -> None:
-        super().__init__(run, limiters[0], requests[0])
-        self.limiters = limiters
-        self.requests = requests
-        self.key = key
-
-    def __repr__(self) -> str:
-        names = [limiter.name for limiter in self.limiters]
-        return f"SeveralRequest({names!r}, {self.request!r})"
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(limiter.name for limiter in self.limiters)
-
-    def event(self, type_: EventType, **extra: Any) -> None:
-        """Emit an event about the whole request: every limiter and the key."""
-        if not has_listeners():
-            return
-        request = self.request
-        lineage = request.lineage
-        emit(
-            ConcurrencyEvent(
-                type=type_,
-                limiter=self.limiter.name,
-                limiters=self.names(),
-                key=self.key,
-                workload=request.workload,
-                run_id=lineage.run_id,
-                root_run_id=lineage.root_run_id,
-                parent_run_id=lineage.parent_run_id,
-                request_id=request.request_id,
-                timestamp=time.time(),
-                holder_name=request.holder_name,
-                **extra,
-            )
-        )
-
-
 def build_several(
     run: RunContext | None,
     limiters: tuple[ConcurrencyLimiter, ...],
@@ -192,7 +175,7 @@ def build_several(
     key: str | None = None,
     request_id: str | None = None,
     cancel: CancellationToken | None = None,
-) -> SeveralRequest:
+) -> SlotRequest:
     """Resolve ``slot(a, b, ...)`` made in ``run`` into one request over the limiters.
 
     :param limiters: at least two limiters, in the order given.
@@ -239,7 +222,7 @@ def build_several(
         )
         for name in workloads
     )
-    resolved = SeveralRequest(run, limiters, requests, key)
+    resolved = SlotRequest(run, limiters, requests)
     run_cancel = run.cancel if run is not None else None
     if (cancel is not None and cancel.is_set()) or (run_cancel is not None and run_cancel.is_set()):
         raise resolved.error(
@@ -311,7 +294,7 @@ def build_request(
         in_progress=run.progress.slots_taken > 0,
         key=key if key is not None else run.key,
     )
-    resolved = SlotRequest(run, limiter, request)
+    resolved = SlotRequest(run, (limiter,), (request,))
     if (cancel is not None and cancel.is_set()) or (run.cancel is not None and run.cancel.is_set()):
         raise resolved.error(
             ConcurrencyCancelledError, "the run was cancelled before it asked for a slot"
@@ -347,7 +330,7 @@ def _outside_any_run(
         request = AcquireRequest(resolved_id, workload, lineage)
     else:
         request = AcquireRequest(resolved_id, workload, lineage, key=key)
-    resolved = SlotRequest(None, limiter, request)
+    resolved = SlotRequest(None, (limiter,), (request,))
     if cancel is not None and cancel.is_set():
         raise resolved.error(
             ConcurrencyCancelledError, "the run was cancelled before it asked for a slot"
@@ -481,7 +464,3 @@ def report_failure(
         )
     )
     return type_
-
-
-# Last: tracing imports this module's classes (and asks nothing of it at import).
-from . import tracing as _tracing  # noqa: E402

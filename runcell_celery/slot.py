@@ -29,7 +29,8 @@ Every step emits its event (see :mod:`runcell_celery.events`).
 several limiters (README, "Several limits and keys"): resolved by
 :func:`~runcell_celery.request.build_several`, acquired all together through the
 backend's :class:`~runcell_celery.protocol.SupportsSeveral`, held as one
-:class:`~runcell_celery.hold.SeveralHold`. One limiter takes the path above unchanged.
+:class:`~runcell_celery.hold.Hold`. A request over one limiter is a group of one: the
+same path, asking its limiter's ``acquire``.
 """
 
 from __future__ import annotations
@@ -37,18 +38,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, NoReturn, cast
 
 from . import tracing
-from .admission import Admission, PreAdmitted, SlotDeferred
+from .admission import Admission, Deferred, DuplicateDelivery, PreAdmitted
 from .arguments import check_slot_arguments
 from .cancellation import CancellationToken
-from .context import RunContext, current_run
+from .context import current_run
 from .deadline import Deadline
 from .errors import (
     ConcurrencyCancelledError,
@@ -60,7 +59,7 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import EventType, describe_error, has_listeners
-from .hold import Hold, SeveralHold, abort_error, is_interrupt, register_interrupt
+from .hold import Hold, abort_error, is_interrupt, register_interrupt
 from .protocol import (
     ConcurrencyLimiter,
     Lease,
@@ -70,7 +69,7 @@ from .protocol import (
     SupportsSeveralAsync,
     supports,
 )
-from .request import SeveralRequest, SlotRequest, build_request, build_several, report_refusal
+from .request import SlotRequest, build_request, build_several, report_refusal
 
 __all__ = ["Slot", "is_interrupt", "preadmit", "register_interrupt", "slot"]
 
@@ -154,11 +153,7 @@ class Slot:
     def leases(self) -> tuple[Lease, ...]:
         """Every lease while held, one per limiter in the order given; ``()`` before."""
         hold = self._hold
-        if hold is None:
-            return ()
-        if isinstance(hold, SeveralHold):
-            return tuple(hold.leases)
-        return (hold.lease,)
+        return () if hold is None else tuple(hold.leases)
 
     @property
     def fencing_tokens(self) -> dict[str, int]:
@@ -166,10 +161,8 @@ class Slot:
         hold = self._hold
         if hold is None:
             return {}
-        if isinstance(hold, SeveralHold):
-            names = hold.several.names()
-            return {n: x.fencing_token for n, x in zip(names, hold.leases, strict=True)}
-        return {hold.slot_request.limiter.name: hold.lease.fencing_token}
+        names = hold.slot_request.names()
+        return {n: x.fencing_token for n, x in zip(names, hold.leases, strict=True)}
 
     @property
     def aborted(self) -> bool:
@@ -196,53 +189,29 @@ class Slot:
     def __enter__(self) -> Slot:
         asked, cancel, cleanups = self._ask()
         started = time.monotonic()
-        if isinstance(asked, SeveralRequest):
-            adopted_several = _adopt_several(asked, cleanups)
-            if adopted_several is not None:
-                asked, leases, waited_ms = adopted_several
-                return self._granted_several(
-                    asked, leases, started, cancel, cleanups, None, waited_ms
-                )
-            try:
-                leases = _acquire_several(asked, cancel)
-            except BaseException as exc:
-                self._not_granted(asked, exc, started, cleanups)
-            return self._granted_several(asked, leases, started, cancel, cleanups, None)
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
-            asked, lease, waited_ms = adopted
-            return self._granted(asked, lease, started, cancel, cleanups, None, waited_ms)
+            asked, leases, waited_ms = adopted
+            return self._granted(asked, leases, started, cancel, cleanups, None, waited_ms)
         try:
-            lease = _acquire(asked, cancel)
+            leases = _acquire(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
-        return self._granted(asked, lease, started, cancel, cleanups, None)
+        return self._granted(asked, leases, started, cancel, cleanups, None)
 
     async def __aenter__(self) -> Slot:
         asked, cancel, cleanups = self._ask()
         started = time.monotonic()
         task = asyncio.current_task()
-        if isinstance(asked, SeveralRequest):
-            adopted_several = _adopt_several(asked, cleanups)
-            if adopted_several is not None:
-                asked, leases, waited_ms = adopted_several
-                return self._granted_several(
-                    asked, leases, started, cancel, cleanups, task, waited_ms
-                )
-            try:
-                leases = await _acquire_several_async(asked, cancel)
-            except BaseException as exc:
-                self._not_granted(asked, exc, started, cleanups)
-            return self._granted_several(asked, leases, started, cancel, cleanups, task)
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
-            asked, lease, waited_ms = adopted
-            return self._granted(asked, lease, started, cancel, cleanups, task, waited_ms)
+            asked, leases, waited_ms = adopted
+            return self._granted(asked, leases, started, cancel, cleanups, task, waited_ms)
         try:
-            lease = await _acquire_async(asked, cancel)
+            leases = await _acquire_async(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
-        return self._granted(asked, lease, started, cancel, cleanups, task)
+        return self._granted(asked, leases, started, cancel, cleanups, task)
 
     def _ask(
         self,
@@ -251,12 +220,20 @@ class Slot:
             raise RuntimeError("a Slot is used once; call slot() again for the next request")
         run = current_run()
         limiter = self._limiter_arg
-        if self._several is not None or (
-            limiter is None and run is not None and len(run.limiters) > 1
-        ):
-            asked: SlotRequest = self._ask_several(run)
-        else:
-            try:
+        several = self._several
+        if several is None and limiter is None and run is not None and len(run.limiters) > 1:
+            several = run.limiters
+        try:
+            if several is not None:
+                asked = build_several(
+                    run,
+                    several,
+                    workload=self._workload_arg,
+                    key=self._key_arg,
+                    request_id=self._request_id,
+                    cancel=self._cancel_arg,
+                )
+            else:
                 asked = build_request(
                     run,
                     limiter,
@@ -265,9 +242,14 @@ class Slot:
                     cancel=self._cancel_arg,
                     key=self._key_arg,
                 )
-            except ConcurrencyError as exc:
-                report_refusal(exc, run.name if run is not None else None)
-                raise
+        except ConcurrencyError as exc:
+            holder = run.name if run is not None else None
+            if several is not None:
+                names = tuple(x.name for x in several)
+                report_refusal(exc, holder, limiters=names, key=self._key_arg)
+            else:
+                report_refusal(exc, holder)
+            raise
         cleanups: list[Callable[[], object]] = []
         own = self._cancel_arg
         inherited = asked.run.cancel if asked.run is not None else None
@@ -276,26 +258,6 @@ class Slot:
         linked = CancellationToken(own, inherited)
         cleanups.append(linked.detach)
         return asked, linked, cleanups
-
-    def _ask_several(self, run: RunContext | None) -> SeveralRequest:
-        several = self._several
-        if several is None:
-            assert run is not None
-            several = run.limiters
-        try:
-            return build_several(
-                run,
-                several,
-                workload=self._workload_arg,
-                key=self._key_arg,
-                request_id=self._request_id,
-                cancel=self._cancel_arg,
-            )
-        except ConcurrencyError as exc:
-            names = tuple(x.name for x in several)
-            holder = run.name if run is not None else None
-            report_refusal(exc, holder, limiters=names, key=self._key_arg)
-            raise
 
     @staticmethod
     def _not_granted(
@@ -315,33 +277,6 @@ class Slot:
     def _granted(
         self,
         asked: SlotRequest,
-        lease: Lease,
-        started: float,
-        cancel: CancellationToken | None,
-        cleanups: list[Callable[[], object]],
-        task: asyncio.Task[Any] | None,
-        waited_ms: float | None = None,
-    ) -> Slot:
-        if lease.valid_until is not None and lease.valid_until.passed():
-            # The process stood still between the grant and here (a pause, a swapped
-            # out host) for longer than the lease lives: another holder may have the
-            # slot by now. The body must not start on it.
-            _lease_expired_before_start(asked, lease, started, cleanups)
-        max_hold_ms = self._max_hold_ms
-        if max_hold_ms is None and supports(asked.limiter, SupportsConfig):
-            max_hold_ms = cast(SupportsConfig, asked.limiter).config.max_hold_ms
-        hold = Hold(
-            asked,
-            lease,
-            max_hold=Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None,
-            task=task,
-            cleanups=cleanups,
-        )
-        return self._start_hold(hold, asked, lease, started, cancel, waited_ms)
-
-    def _granted_several(
-        self,
-        asked: SeveralRequest,
         leases: tuple[Lease, ...],
         started: float,
         cancel: CancellationToken | None,
@@ -349,12 +284,14 @@ class Slot:
         task: asyncio.Task[Any] | None,
         waited_ms: float | None = None,
     ) -> Slot:
-        """As :meth:`_granted`, for one lease in each of several limiters."""
         for lease in leases:
             if lease.valid_until is not None and lease.valid_until.passed():
-                _several_expired_before_start(asked, leases, lease, started, cleanups)
+                # The process stood still between the grant and here (a pause, a
+                # swapped out host) for longer than the lease lives: another holder may
+                # have the slot by now. The body must not start on it.
+                _expired_before_start(asked, leases, lease, started, cleanups)
         max_hold_ms = self._max_hold_ms
-        if max_hold_ms is None:
+        if max_hold_ms is None:  # the smallest of the limiters'
             configured = [
                 cast(SupportsConfig, x).config.max_hold_ms
                 for x in asked.limiters
@@ -362,13 +299,8 @@ class Slot:
             ]
             given = [x for x in configured if x is not None]
             max_hold_ms = min(given) if given else None
-        hold = SeveralHold(
-            asked,
-            leases,
-            max_hold=Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None,
-            task=task,
-            cleanups=cleanups,
-        )
+        max_hold = Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None
+        hold = Hold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
         return self._start_hold(hold, asked, leases[0], started, cancel, waited_ms)
 
     def _start_hold(
@@ -440,34 +372,8 @@ class Slot:
             raise error from exc
 
 
-def _lease_expired_before_start(
-    asked: SlotRequest, lease: Lease, started: float, cleanups: list[Callable[[], object]]
-) -> NoReturn:
-    for cleanup in cleanups:
-        cleanup()
-    tracing.wait_ended(asked, started, "expired-before-start")
-    name = asked.limiter.name
-    asked.event(
-        "lease-lost",
-        lease_id=lease.lease_id,
-        hold_ms=0.0,
-        reason="expired-before-start",
-        error=None,
-    )
-    with contextlib.suppress(Exception):  # expired already: the limiter may know it
-        asked.limiter.release(lease, "lease-lost")
-    waited_ms = (time.monotonic() - started) * 1000
-    raise asked.request.error(
-        ConcurrencyLeaseLostError,
-        f"slot {lease.lease_id} of limiter {name!r} expired before its body could start "
-        f"({waited_ms:.0f} ms after asking; the process was paused longer than the lease "
-        "lives), so the body did not run",
-        limiter=name,
-    )
-
-
-def _several_expired_before_start(
-    asked: SeveralRequest,
+def _expired_before_start(
+    asked: SlotRequest,
     leases: tuple[Lease, ...],
     expired: Lease,
     started: float,
@@ -487,11 +393,12 @@ def _several_expired_before_start(
         with contextlib.suppress(Exception):  # expired already: the limiter may know it
             limiter.release(lease, "lease-lost")
     waited_ms = (time.monotonic() - started) * 1000
-    raise asked.error(
+    raise asked.request.error(
         ConcurrencyLeaseLostError,
         f"slot {expired.lease_id} of limiter {expired.limiter!r} expired before its body "
         f"could start ({waited_ms:.0f} ms after asking; the process was paused longer "
         "than the lease lives), so the body did not run",
+        limiter=asked.limiter.name,
     )
 
 
@@ -517,44 +424,20 @@ def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> Base
 
 def _adopt(
     asked: SlotRequest, cleanups: list[Callable[[], object]]
-) -> tuple[SlotRequest, Lease, float] | None:
+) -> tuple[SlotRequest, tuple[Lease, ...], float] | None:
     """The run's pre-admitted first slot, when this request is the run's first and
-    names its limiter and workload: the request (with the lease's request id), the
-    lease and how long its admission waited. ``None``: acquire as usual.
+    names its limiters with the same workloads (in any order): the request (with the
+    leases' request id), the leases in ``asked``'s order and how long its admission
+    waited. ``None``: acquire as usual. Slots admitted for anything else are given back
+    first: a run never holds part of its slots while it waits for others.
 
-    :raises ConcurrencyLeaseLostError: the pre-admitted lease was lost before now.
+    :raises ConcurrencyLeaseLostError: a pre-admitted lease was lost before now.
     """
     run = asked.run
     admission = run.admission if run is not None else None
-    if admission is None:
+    if not isinstance(admission, Admission):
         return None
-    admitted = admission.first_slot(asked.limiter, asked.request.workload)
-    if admitted is None:
-        return None
-    kept = admitted.hand_over()
-    if kept is None:  # released meanwhile (cancelled, budget ended): ask as usual
-        return None
-    lease = admitted.lease
-    if asked.request.request_id != lease.request_id:
-        request = dataclasses.replace(asked.request, request_id=lease.request_id)
-        asked = SlotRequest(run, asked.limiter, request)
-    if kept == "lost":
-        _pre_admitted_lost(asked, lease, cleanups)
-    return asked, lease, admitted.wait_ms
-
-
-def _adopt_several(
-    asked: SeveralRequest, cleanups: list[Callable[[], object]]
-) -> tuple[SeveralRequest, tuple[Lease, ...], float] | None:
-    """:func:`_adopt` for a request over several limiters: the slots admitted before
-    the body over the same limiters and workloads, their leases in ``asked``'s order.
-    Slots admitted for anything else are given back first: a run never holds part of
-    its slots while it waits for others."""
-    run = asked.run
-    admission = run.admission if run is not None else None
-    if admission is None:
-        return None
-    admitted = admission.first_slot_several(asked.limiters, [r.workload for r in asked.requests])
+    admitted = admission.first_slot(asked.limiters, [r.workload for r in asked.requests])
     if admitted is None:
         return None
     kept = admitted.hand_over()
@@ -562,10 +445,7 @@ def _adopt_several(
         return None
     by_limiter = {id(x): lease for x, lease in zip(admitted.limiters, admitted.leases, strict=True)}
     leases = tuple(by_limiter[id(x)] for x in asked.limiters)
-    request_id = admitted.slot_request.request.request_id
-    if asked.request.request_id != request_id:
-        requests = tuple(dataclasses.replace(r, request_id=request_id) for r in asked.requests)
-        asked = SeveralRequest(run, asked.limiters, requests, asked.key)
+    asked = asked.with_request_id(admitted.slot_request.request.request_id)
     if kept == "lost":
         for cleanup in cleanups:
             cleanup()
@@ -578,18 +458,7 @@ def _adopt_several(
     return asked, leases, admitted.wait_ms
 
 
-def _pre_admitted_lost(
-    asked: SlotRequest, lease: Lease, cleanups: list[Callable[[], object]]
-) -> NoReturn:
-    for cleanup in cleanups:
-        cleanup()
-    asked.event("lease-lost", lease_id=lease.lease_id, hold_ms=0.0, reason="renewal", error=None)
-    with contextlib.suppress(Exception):  # lost already: the limiter may know it
-        asked.limiter.release(lease, "lease-lost")
-    raise abort_error(asked, lease, "lease-lost")
-
-
-def preadmit(admission: Admission) -> None:
+def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery:
     """Decide the current run's first slot before its body runs.
 
     Asks through ``admission`` (which may park the run) for the slot the run's first
@@ -598,55 +467,44 @@ def preadmit(admission: Admission) -> None:
     budget) as ``admission.admitted`` until a slot adopts it or the run ends
     (:meth:`~runcell_celery.admission.Admission.end`).
 
-    :raises SlotDeferred: the run was parked (no event: it is not a failure).
+    :returns: the slot admitted; or :class:`~runcell_celery.admission.Deferred` (the
+        run was parked; no event: it is not a failure) or
+        :class:`~runcell_celery.admission.DuplicateDelivery`.
     :raises ConcurrencyError: as entering a slot would, with the same events.
     """
     run = current_run()
     if run is None:
         raise RuntimeError("preadmit() needs the run whose first slot it admits")
-    if admission.acquire_several is not None:
-        _preadmit_several(run, admission)
-        return
+    several = len(admission.limiters) > 1
+    asked: SlotRequest
+    answer: Sequence[Lease] | Deferred | DuplicateDelivery
     try:
-        asked = build_request(run, admission.limiter, request_id=admission.request_id)
+        if several:
+            asked = build_several(run, admission.limiters, request_id=admission.request_id)
+        else:
+            asked = build_request(run, admission.limiter, request_id=admission.request_id)
     except ConcurrencyError as exc:
-        report_refusal(exc, run.name)
+        if several:
+            names = tuple(x.name for x in admission.limiters)
+            report_refusal(exc, run.name, limiters=names, key=run.key)
+        else:
+            report_refusal(exc, run.name)
         raise
     started = time.monotonic()
     try:
-        lease = admission.acquire(asked.limiter, asked.request, run.cancel, asked)
-    except SlotDeferred:
-        tracing.wait_deferred(asked, started, admission.parked)
-        raise
-    except BaseException as exc:
-        Slot._not_granted(asked, exc, started, [])
-    tracing.wait_granted(asked, started, (lease,))
-    waited_ms = _whole_wait_ms((lease,), started)
-    admission.hold(PreAdmitted(asked, lease, wait_ms=waited_ms), run.deadline, run.cancel)
-
-
-def _preadmit_several(run: RunContext, admission: Admission) -> None:
-    """:func:`preadmit` for a run over several limiters: one request over all of them
-    (granted together, or parked as one)."""
-    assert admission.acquire_several is not None
-    try:
-        asked = build_several(run, admission.limiters, request_id=admission.request_id)
-    except ConcurrencyError as exc:
-        names = tuple(x.name for x in admission.limiters)
-        report_refusal(exc, run.name, limiters=names, key=run.key)
-        raise
-    started = time.monotonic()
-    try:
-        leases = admission.acquire_several(asked.limiters, asked.requests, run.cancel, asked)
-        leases = _check_leases(asked, tuple(leases))
-    except SlotDeferred:
-        tracing.wait_deferred(asked, started, admission.parked)
-        raise
+        answer = admission.acquire(asked.limiters, asked.requests, run.cancel, asked)
+        if isinstance(answer, Deferred | DuplicateDelivery):
+            parked = answer.parked if isinstance(answer, Deferred) else None
+            tracing.wait_deferred(asked, started, parked)
+            return answer
+        leases = _check_leases(asked, tuple(answer))
     except BaseException as exc:
         Slot._not_granted(asked, exc, started, [])
     tracing.wait_granted(asked, started, leases)
     waited_ms = _whole_wait_ms(leases, started)
-    admission.hold(PreAdmitted(asked, leases, wait_ms=waited_ms), run.deadline, run.cancel)
+    admitted = PreAdmitted(asked, leases if several else leases[0], wait_ms=waited_ms)
+    admission.hold(admitted, run.deadline, run.cancel)
+    return admitted
 
 
 def _whole_wait_ms(leases: Sequence[Lease], started: float) -> float:
@@ -657,15 +515,16 @@ def _whole_wait_ms(leases: Sequence[Lease], started: float) -> float:
     return max(known) if known else (time.monotonic() - started) * 1000
 
 
-def _acquire_several(asked: SeveralRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
-    first = cast(SupportsSeveral, asked.limiters[0])
-    leases = tuple(
-        first.acquire_several(asked.limiters, asked.requests, cancel=cancel, on_wait=asked)
-    )
-    return _check_leases(asked, leases)
+def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
+    # The request is its own on_wait (it emits wait-started and keeps its place).
+    if not asked.several:
+        return (asked.limiter.acquire(asked.request, cancel=cancel, on_wait=asked),)
+    first = cast(SupportsSeveral, asked.limiter)
+    leases = first.acquire_several(asked.limiters, asked.requests, cancel=cancel, on_wait=asked)
+    return _check_leases(asked, tuple(leases))
 
 
-def _check_leases(asked: SeveralRequest, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
+def _check_leases(asked: SlotRequest, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
     """One lease per limiter, or none kept (a backend's bug fails closed)."""
     if len(leases) != len(asked.limiters):
         for limiter, lease in zip(asked.limiters, leases, strict=False):
@@ -679,23 +538,22 @@ def _check_leases(asked: SeveralRequest, leases: tuple[Lease, ...]) -> tuple[Lea
     return leases
 
 
-async def _acquire_several_async(
-    asked: SeveralRequest, cancel: CancellationToken | None
-) -> tuple[Lease, ...]:
-    """Use the backend's ``acquire_several_async``, or wait in a thread: then an asyncio
-    cancellation cancels the wait through a token, and slots granted meanwhile are
-    released, not leaked."""
-    first = asked.limiters[0]
-    if supports(first, SupportsSeveralAsync):
-        native = cast(SupportsSeveralAsync, first)
-        leases = tuple(
-            await native.acquire_several_async(
-                asked.limiters, asked.requests, cancel=cancel, on_wait=asked
-            )
+async def _acquire_async(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
+    """Use the backend's ``acquire_async`` (``acquire_several_async``), or run a
+    blocking acquire in a thread: then an asyncio cancellation cancels the thread's
+    wait through a token, and slots granted meanwhile are released, not leaked."""
+    first = asked.limiter
+    if not asked.several and supports(first, SupportsAsyncAcquire):
+        native = cast(SupportsAsyncAcquire, first)
+        return (await native.acquire_async(asked.request, cancel=cancel, on_wait=asked),)
+    if asked.several and supports(first, SupportsSeveralAsync):
+        several = cast(SupportsSeveralAsync, first)
+        leases = await several.acquire_several_async(
+            asked.limiters, asked.requests, cancel=cancel, on_wait=asked
         )
-        return _check_leases(asked, leases)
+        return _check_leases(asked, tuple(leases))
     stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
-    waiting = asyncio.ensure_future(asyncio.to_thread(_acquire_several, asked, stop))
+    waiting = asyncio.ensure_future(asyncio.to_thread(_acquire, asked, stop))
     try:
         return await asyncio.shield(waiting)
     except asyncio.CancelledError:
@@ -707,39 +565,6 @@ async def _acquire_several_async(
         else:
             for limiter, lease in zip(asked.limiters, granted, strict=True):
                 limiter.release(lease, "cancelled")
-        raise
-    finally:
-        stop.detach()
-
-
-def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> Lease:
-    # The request is its own on_wait (it emits wait-started and keeps its place).
-    return asked.limiter.acquire(asked.request, cancel=cancel, on_wait=asked)
-
-
-async def _acquire_async(asked: SlotRequest, cancel: CancellationToken | None) -> Lease:
-    """Use the limiter's ``acquire_async``, or run a blocking acquire in a thread.
-
-    In the thread case an asyncio cancellation cancels the thread's wait through a
-    token, and a slot the thread was granted meanwhile is released, not leaked.
-    """
-    limiter, request = asked.limiter, asked.request
-    if supports(limiter, SupportsAsyncAcquire):
-        native = cast(SupportsAsyncAcquire, limiter)
-        return await native.acquire_async(request, cancel=cancel, on_wait=asked)
-    stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
-    blocking = functools.partial(_acquire, asked, stop)
-    waiting = asyncio.ensure_future(asyncio.to_thread(blocking))
-    try:
-        return await asyncio.shield(waiting)
-    except asyncio.CancelledError:
-        stop.cancel("the asyncio task was cancelled")
-        try:
-            granted = await waiting
-        except ConcurrencyError:
-            pass
-        else:
-            limiter.release(granted, "cancelled")
         raise
     finally:
         stop.detach()

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .errors import (
@@ -51,16 +51,13 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import describe_error
-from .hold import SeveralHold, is_interrupt
-from .request import SeveralRequest, SlotRequest
+from .hold import is_interrupt
+from .request import SlotRequest
 from .several import default_key
+from .tracer import OTEL_AVAILABLE, current_tracer
 
-try:
+if OTEL_AVAILABLE:
     from opentelemetry import trace as otel_trace
-
-    OTEL_AVAILABLE = True
-except ImportError:  # the "otel" extra is not installed: no spans, ever
-    OTEL_AVAILABLE = False
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -99,59 +96,6 @@ _FAILED_HOLDS = {
     "max-hold": "the slot was held past max_hold_ms",
     "lease-lost": "the slot's lease was lost",
 }
-
-# -- is anyone tracing? ------------------------------------------------------------------
-
-_NOT_LOOKED = object()
-
-
-def _no_provider() -> object:
-    return None
-
-
-def _global_provider() -> object:
-    # The API's own "is a provider set" global: None until set_tracer_provider(). Read
-    # instead of get_tracer_provider(), which pays a failed os.environ lookup (about
-    # half a microsecond) on every call while none is set.
-    return otel_trace._TRACER_PROVIDER
-
-
-if not OTEL_AVAILABLE:
-    _peek: Callable[[], object] = _no_provider
-elif hasattr(otel_trace, "_TRACER_PROVIDER"):
-    _peek = _global_provider
-else:  # an API that renamed its global: ask it every time (right, a little slower)
-    _peek = otel_trace.get_tracer_provider
-
-#: (what _peek() returned, the tracer chosen then), replaced as one value.
-_cache: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_LOOKED, None)
-
-
-def current_tracer() -> Tracer | None:
-    """The tracer for runcell's spans, or ``None`` when nobody traces (no spans at all).
-
-    ``None`` without ``opentelemetry-api``, and while the global tracer provider is the
-    API's default proxy or a no-op provider. The answer is cached and looked at again
-    when the API's provider changes.
-    """
-    seen, tracer = _cache
-    if _peek() is seen:
-        return tracer
-    return _choose()
-
-
-def _choose() -> Tracer | None:
-    global _cache
-    from . import __version__
-
-    # get_tracer_provider() also loads a provider named by OTEL_PYTHON_TRACER_PROVIDER.
-    provider = otel_trace.get_tracer_provider()
-    tracer: Tracer | None = None
-    if not isinstance(provider, otel_trace.ProxyTracerProvider | otel_trace.NoOpTracerProvider):
-        tracer = provider.get_tracer("runcell_celery", __version__)
-    _cache = (_peek(), tracer)
-    return tracer
-
 
 # -- the hooks the slot runtime calls ------------------------------------------------------
 
@@ -279,13 +223,11 @@ def _record_wait(
 def _attributes(asked: SlotRequest) -> dict[str, AttributeValue]:
     """What identifies the request: its limiters, workloads, key, request and run."""
     request = asked.request
-    if isinstance(asked, SeveralRequest):
-        names = list(asked.names())
-        workloads = [r.workload for r in asked.requests]
+    names = list(asked.names())
+    workloads = [r.workload for r in asked.requests]
+    if asked.several:
         key = asked.key
     else:
-        names = [asked.limiter.name]
-        workloads = [request.workload]
         key = request.key if request.key is not None else default_key((asked.limiter,))
     attributes: dict[str, AttributeValue] = {
         "runcell.limiter": names[0],
@@ -326,7 +268,7 @@ def _lease_attributes(leases: Sequence[Lease]) -> dict[str, AttributeValue]:
 
 
 def _leases_of(hold: Hold) -> Sequence[Lease]:
-    return tuple(hold.leases) if isinstance(hold, SeveralHold) else (hold.lease,)
+    return tuple(hold.leases)
 
 
 def _wait_outcome(exc: BaseException) -> str:

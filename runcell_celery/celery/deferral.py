@@ -42,7 +42,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from celery import Celery, Task, states
 from celery.app.task import Context
@@ -53,13 +53,14 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 from kombu.serialization import loads as kombu_decode
 from kombu.serialization import prepare_accept_content
 
-from ..admission import Admission, SlotDeferred
+from ..admission import Admission, Deferred, DuplicateDelivery
 from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
 from ..ports import (
     ClaimMiss,
+    Duplicate,
     ExpiredParked,
     Parked,
     ParkingStore,
@@ -84,9 +85,8 @@ from .options import TaskConcurrency
 from .publisher import GrantPublisher
 
 __all__ = [
-    "DuplicateDelivery",
     "Sweeper",
-    "admission_for",
+    "TaskAdmission",
     "publish_grants",
     "send_grants",
     "wire_publisher",
@@ -106,11 +106,7 @@ REPUBLISH_AFTER_MS = 1_000
 #: What an admission holds once granted: one lease, or one per limiter.
 _Held = Lease | tuple[Lease, ...]
 #: Why an admission that asked holds nothing (yet).
-AdmissionResult = Parked | Literal["duplicate"]
-
-
-class DuplicateDelivery(SlotDeferred):
-    """Another delivery of this task owns its granted lease; drop this one."""
+AdmissionResult = Parked | Duplicate
 
 
 def _payload(
@@ -147,15 +143,8 @@ def _payload(
     return payload
 
 
-def admission_for(
-    task: Task[Any, Any],
-    request: Any,
-    limiters: Sequence[ConcurrencyLimiter],
-    spec: TaskConcurrency,
-    *,
-    deadline_at: float | None,
-) -> Admission:
-    """The admission of a deferrable run's first slot.
+class TaskAdmission(Admission):
+    """The admission of a deferrable run's first slot (one delivery of a task).
 
     Only a limiter that can park (:class:`~runcell_celery.ports.SupportsParking`)
     defers; with any other the first slot waits as usual. A run over several limiters
@@ -174,63 +163,103 @@ def admission_for(
     result (another delivery finished it) gives the slot back and is dropped as a
     duplicate; without stored results it runs again (Celery's at-least-once).
     """
-    task_id = request.id or str(uuid.uuid4())
-    parked_as = headers.read(request, headers.ADMISSION)
-    publication = headers.read(request, headers.PUBLICATION)
-    republished = parked_as is not None and publication is not None
-    broker = broker_identity(task.app)  # where a parked message must be re-published
-    admission: Admission
 
-    def admit(
+    def __init__(
+        self,
+        task: Task[Any, Any],
+        request: Any,
+        limiters: Sequence[ConcurrencyLimiter],
+        spec: TaskConcurrency,
+        *,
+        deadline_at: float | None,
+    ) -> None:
+        self._task = task
+        self._delivery = request
+        self._spec = spec
+        self._deadline_at = deadline_at
+        self._task_id: str = request.id or str(uuid.uuid4())
+        parked_as = headers.read(request, headers.ADMISSION)
+        self._publication = headers.read(request, headers.PUBLICATION)
+        #: A re-published copy of a parked delivery: it claims that delivery's grant.
+        self._republished = parked_as is not None and self._publication is not None
+        #: Where a parked message must be re-published.
+        self._broker = broker_identity(task.app)
+        super().__init__(
+            self._acquire,
+            request_id=parked_as
+            if self._republished and parked_as
+            else _delivery_id(self._task_id),
+            limiters=limiters,
+        )
+
+    def _acquire(
+        self,
+        limiters: tuple[ConcurrencyLimiter, ...],
+        requests: tuple[AcquireRequest, ...],
+        cancel: CancellationToken | None,
+        on_wait: OnWait,
+    ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
+        """The admission's ``acquire``: park or claim through the backend's parking of
+        one request, or of one request over several limiters."""
+        if len(limiters) > 1:
+            return self._acquire_all(limiters, requests, cancel, on_wait)
+        answer = self._acquire_one(limiters[0], requests[0], cancel, on_wait)
+        return (answer,) if isinstance(answer, Lease) else answer
+
+    def _admit(
+        self,
         request_id: str,
         limiters: Sequence[ConcurrencyLimiter],
         claim: Callable[[str, str], _Held | ClaimMiss],
         acquire_or_park: Callable[[str, str], _Held | AdmissionResult],
-    ) -> _Held:
+    ) -> _Held | Deferred | DuplicateDelivery:
         """The one admission path, for one limiter or several: a re-published copy
         claims its delivery's grant; otherwise the delivery asks, waiting or parking.
         ``claim(request_id, publication)`` and ``acquire_or_park(request_id,
         payload)`` give a lease (one limiter) or leases (several), or say why not."""
-        if republished:
-            assert publication is not None
-            claimed = claim(request_id, publication)
+        task, task_id = self._task, self._task_id
+        if self._republished:
+            assert self._publication is not None
+            claimed = claim(request_id, self._publication)
             if not isinstance(claimed, str):
                 return _unless_finished(task, task_id, limiters, claimed)
             if claimed == "stale":
                 # The parked delivery is still stored (back in line, or granted to a
                 # newer publication): this copy ends, and the run stays parked (a
                 # deferral, as if it had parked again); its own publication runs it.
-                raise SlotDeferred()
+                return Deferred()
             # Nothing stored: another copy of this message claimed it (and runs), or it
             # ended. This copy is a delivery of its own.
             request_id = _delivery_id(task_id)
-            admission.request_id = request_id  # what a withdrawal must name
-        payload = _payload(task, request, deadline_at=deadline_at, admission_id=request_id)
+            self.request_id = request_id  # what a withdrawal must name
+        payload = _payload(
+            task, self._delivery, deadline_at=self._deadline_at, admission_id=request_id
+        )
         result = acquire_or_park(request_id, payload)
-        if not isinstance(result, str):
+        if not isinstance(result, Parked | Duplicate):
             return _unless_finished(task, task_id, limiters, result)
-        if result == "duplicate":  # already parked and granted: its publication runs it
-            raise DuplicateDelivery()
-        if isinstance(result, Parked):
-            admission.parked = result  # its place and expected wait, for the log line
-        raise SlotDeferred()
+        if isinstance(result, Duplicate):  # already parked and granted: its publication runs it
+            return DuplicateDelivery()
+        return Deferred(result)  # its place and expected wait, for the log line
 
-    def acquire(
+    def _acquire_one(
+        self,
         limiter: ConcurrencyLimiter,
         slot_request: AcquireRequest,
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> Lease:
+    ) -> Lease | Deferred | DuplicateDelivery:
         if not isinstance(limiter, SupportsParking):
             return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
         parking: SupportsParking = limiter
-        held = admit(
+        spec = self._spec
+        held = self._admit(
             slot_request.request_id,
             (limiter,),
             parking.claim_parked,
             lambda request_id, payload: parking.acquire_or_park(
                 dataclasses.replace(slot_request, request_id=request_id),
-                broker=broker,
+                broker=self._broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -238,22 +267,24 @@ def admission_for(
                 on_wait=on_wait,
             ),
         )
-        assert isinstance(held, Lease)
+        assert not isinstance(held, tuple)
         return held
 
-    def acquire_several(
+    def _acquire_all(
+        self,
         limiters: Sequence[ConcurrencyLimiter],
         requests: Sequence[AcquireRequest],
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> tuple[Lease, ...]:
+    ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
         first = limiters[0]
         if not isinstance(first, SupportsSeveralParking):
             return tuple(
                 _several(first).acquire_several(limiters, requests, cancel=cancel, on_wait=on_wait)
             )
         parking: SupportsSeveralParking = first
-        held = admit(
+        spec = self._spec
+        held = self._admit(
             requests[0].request_id,
             limiters,
             lambda request_id, publication_id: parking.claim_parked_several(
@@ -262,7 +293,7 @@ def admission_for(
             lambda request_id, payload: parking.acquire_several_or_park(
                 [*limiters],
                 [dataclasses.replace(r, request_id=request_id) for r in requests],
-                broker=broker,
+                broker=self._broker,
                 admission_wait_ms=spec.admission_wait_ms,
                 defer_after_ms=spec.defer_after_ms,
                 payload=payload,
@@ -270,19 +301,8 @@ def admission_for(
                 on_wait=on_wait,
             ),
         )
-        assert isinstance(held, tuple)
+        assert not isinstance(held, Lease)
         return held
-
-    own_id = parked_as if republished else _delivery_id(task_id)
-    several = len(limiters) > 1
-    admission = Admission(
-        acquire,
-        limiter=limiters[0],
-        request_id=own_id,
-        limiters=limiters,
-        acquire_several=acquire_several if several else None,
-    )
-    return admission
 
 
 def _several(limiter: ConcurrencyLimiter) -> SupportsSeveral:
@@ -301,7 +321,7 @@ def _delivery_id(task_id: str) -> str:
 
 def _unless_finished(
     task: Task[Any, Any], task_id: str, limiters: Sequence[ConcurrencyLimiter], held: _Held
-) -> _Held:
+) -> _Held | DuplicateDelivery:
     """Return ``held`` (a lease, or one per limiter), unless another delivery of the
     task already finished it: then the slots are given back and this delivery dropped.
 
@@ -318,7 +338,7 @@ def _unless_finished(
             limiter.release(lease, "cancelled")
         except Exception as exc:  # the slot comes back when its lease expires
             logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
-    raise DuplicateDelivery()
+    return DuplicateDelivery()
 
 
 def _finished(task: Task[Any, Any], task_id: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 from celery import Celery
 
 from ..errors import ConcurrencyConfigError
+from .options import TaskConcurrency
 from .state import registry_for
 
 __all__ = ["keyed_wait_warnings", "warn_keyed_waits", "worker_concurrency"]
@@ -31,16 +32,17 @@ def keyed_wait_warnings(app: Celery, concurrency: int) -> list[str]:
     """One message per (task, keyed limiter) whose waiters can take all ``concurrency``
     processes: the task waits for its slot and the worker runs more tasks at once than
     the limiter gives one key."""
-    from .task import RunCellTask  # the task module imports the wiring, which imports us
-
     registry = registry_for(app)
     messages = []
     for name in sorted(app.tasks):
         task = app.tasks[name]
+        # A RunCellTask's concurrency option (read by attribute: the task module
+        # imports the wiring, which imports this module).
         spec = getattr(task, "_runcell", None)
-        if not isinstance(task, RunCellTask) or spec is None or spec.admission != "wait":
+        if not isinstance(spec, TaskConcurrency) or spec.admission != "wait":
             continue
-        for limiter in task._runcell_keyed:
+        keyed: tuple[str, ...] = getattr(task, "_runcell_keyed", ())
+        for limiter in keyed:
             try:
                 config = registry.config(limiter)
             except ConcurrencyConfigError:

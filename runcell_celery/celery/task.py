@@ -57,7 +57,7 @@ from billiard.exceptions import Terminated
 from celery import Celery, Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
-from ..admission import Admission, SlotDeferred
+from ..admission import Admission, Deferred, DuplicateDelivery
 from ..cancellation import CancellationToken
 from ..config import MAX_DURATION_MS
 from ..context import RunContext, current_run, run
@@ -69,7 +69,7 @@ from ..errors import (
     ConcurrencyNoLimiterError,
 )
 from ..patience import database_patience
-from ..ports import RunStore, SupportsSeveralParking
+from ..ports import Parked, RunStore, SupportsSeveralParking
 from ..protocol import (
     ConcurrencyLimiter,
     SupportsStats,
@@ -82,7 +82,7 @@ from ..slot import preadmit, register_interrupt, slot
 from . import headers
 from .conflicts import log_start_conflict
 from .counters import COUNTED_FAILURES, counter_label
-from .deferral import DuplicateDelivery, admission_for
+from .deferral import TaskAdmission
 from .limiters import (
     body_signature,
     by_name,
@@ -292,33 +292,31 @@ class RunCellTask(_Task):
                 log_start_conflict(exc, self.name)
                 self._report_failure(exc, spec, carried.parent, carried.select.workload)
                 raise
-            try:
-                remaining = context.remaining_ms()
-                if remaining is not None and remaining <= 0:
-                    # Stale work is dropped before it takes a slot (timed-out event),
-                    # and gives up any place or grant a deferral left it.
-                    _withdraw(admission)
-                    with slot():
-                        pass
-                if admission is not None:
-                    # The first slot, before the body: a deferral parks the run here,
-                    # and the body never sees it.
-                    preadmit(admission)
-            except DuplicateDelivery:
+            remaining = context.remaining_ms()
+            if remaining is not None and remaining <= 0:
+                # Stale work is dropped before it takes a slot (timed-out event), and
+                # gives up any place or grant a deferral left it.
+                _withdraw(admission)
+                with slot():
+                    pass
+            # The first slot, before the body: a deferral parks the run here, and the
+            # body never sees it.
+            admitted = preadmit(admission) if admission is not None else None
+            if isinstance(admitted, DuplicateDelivery):
                 logger.info(
                     "Task %s[%s] dropped: a duplicate delivery (another delivery of this run "
                     "carries it, or the task already has a result)",
                     self.name,
                     request.id,
                 )
-                raise DeliverySetAside(request.id) from None
-            except SlotDeferred:
+                raise DeliverySetAside(request.id)
+            if isinstance(admitted, Deferred):
                 counters.add(self.name, limiter_name, "deferrals")
                 task_deferred.send(
                     sender=self, task_id=request.id, limiter=limiter_name, workload=context.workload
                 )
-                _log_deferral(self.name, request.id, admission, context.workload)
-                raise DeliverySetAside(request.id) from None
+                _log_deferral(self.name, request.id, admission, context.workload, admitted.parked)
+                raise DeliverySetAside(request.id)
             return self._run_body(spec, admission, args, kwargs)
 
     def _report_failure(
@@ -417,7 +415,7 @@ class RunCellTask(_Task):
         budget = self._budget(request, spec, carried, registry)
         admission = None
         if spec.admission == "defer" and effective and not request.is_eager:
-            admission = admission_for(
+            admission = TaskAdmission(
                 self, request, effective, spec, deadline_at=budget.carried_unix()
             )
         context = stack.enter_context(
@@ -652,7 +650,11 @@ def _limiter_name(spec: TaskConcurrency, parent: headers.ParentHeader | None) ->
 
 
 def _log_deferral(
-    task_name: str, task_id: str | None, admission: Admission | None, workload: str | None
+    task_name: str,
+    task_id: str | None,
+    admission: Admission | None,
+    workload: str | None,
+    parked: Parked | None,
 ) -> None:
     """One INFO line per parking, saying where the run waits.
 
@@ -669,8 +671,7 @@ def _log_deferral(
     if admission is None:
         return
     limiter = admission.limiter
-    parked = admission.parked
-    workloads = _deferral_workloads(admission, workload)
+    workloads = _deferral_workloads(admission, workload, parked)
     where = _describe_limiters(admission.limiters or (limiter,), workloads)
     if parked is not None and parked.place is not None:
         expected = parked.expected_wait_ms
@@ -705,14 +706,15 @@ def _log_deferral(
     )
 
 
-def _deferral_workloads(admission: Admission, workload: str | None) -> tuple[str | None, ...]:
+def _deferral_workloads(
+    admission: Admission, workload: str | None, parked: Parked | None
+) -> tuple[str | None, ...]:
     """The workload the parked run waits in, in each of its limiters: the one it
     selects where a limiter has it, the limiter's default elsewhere."""
     limiters = admission.limiters or (admission.limiter,)
     try:
         return resolve_workloads(limiters, workload)
     except ConcurrencyConfigError:  # it parked, so it resolved; say what is known
-        parked = admission.parked
         known = parked.workload if parked is not None and len(limiters) == 1 else workload
         return tuple(known for _ in limiters)
 

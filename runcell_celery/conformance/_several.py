@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from ..allocation import GROUP_AGEING_MS
 from ..cancellation import CancellationToken
 from ..errors import (
     ConcurrencyCancelledError,
@@ -41,6 +42,11 @@ from ._support import (
     start_waiting,
     stats_of,
 )
+
+#: How long a churning thread holds its slot, in the ageing case.
+HOLD_S = 0.02
+#: Scheduling slack on top of a documented bound (threads, a database round trip).
+SLACK_S = 1.0
 
 
 def several_requests(
@@ -167,6 +173,53 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             assert not waiting.done(), "granted while b was full"
             b.release(held)
             release_all([a, b], waiting.result(SOON_S))
+        assert_idle(a, b)
+
+    @case
+    def a_young_request_over_several_limiters_holds_no_room_and_ages_within_its_bound() -> None:
+        """``[a, b]`` waits on ``b``: ``a`` alone is granted at once; then, with three
+        threads churning ``a`` and ``b`` freed, ``[a, b]`` is granted within
+        ``GROUP_AGEING_MS`` + one hold of ``a`` (+ slack)."""
+        a, b = create(max_concurrent=1), create(max_concurrent=1)
+        held_b = b.acquire(new_request())
+        stop = threading.Event()
+
+        def churn(_: int) -> None:
+            while not stop.is_set():
+                lease = a.acquire(new_request(timeout_ms=WAIT_MS))
+                time.sleep(HOLD_S)
+                a.release(lease)
+
+        with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(3) as churners:
+            waiting = start_waiting(
+                pool,
+                lambda on_wait: acquire_several([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
+                "a and b",
+            )
+            began = time.monotonic()
+            try:
+                alone = a.acquire(new_request(timeout_ms=GROUP_AGEING_MS / 4))
+            except ConcurrencyTimeoutError as exc:
+                raise AssertionError(f"a's slot was kept for [a, b] waiting on b: {exc}") from exc
+            took = time.monotonic() - began
+            assert took < GROUP_AGEING_MS / 4000, f"a alone waited {took:.3f} s"
+            a.release(alone)
+            running = [churners.submit(churn, i) for i in range(3)]
+            time.sleep(HOLD_S * 3)  # the churn is under way
+            b.release(held_b)
+            freed = time.monotonic()
+            bound_s = GROUP_AGEING_MS / 1000 + HOLD_S + SLACK_S
+            try:
+                leases = waiting.result(bound_s)
+            except TimeoutError as exc:
+                raise AssertionError(f"[a, b] not granted within {bound_s:g} s") from exc
+            finally:
+                stop.set()
+            waited = time.monotonic() - freed
+            release_all([a, b], leases)
+            for future in running:
+                future.result(SOON_S)
+        assert waited <= bound_s, f"[a, b] waited {waited:.3f} s after b freed"
         assert_idle(a, b)
 
     @case

@@ -30,20 +30,20 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any, Literal, LiteralString, cast
+from typing import Any, LiteralString, cast
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..base import ConfiguredLimiter
 from ..cancellation import CancellationToken
-from ..config import LimiterConfig, check_duration_ms
+from ..config import LimiterConfig
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyLimiterError
 from ..keeper import LeaseKeeper
 from ..keys import config_for_key
 from ..patience import current_patience
-from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Parked, WaitEstimate
+from ..ports import DEFAULT_DEFER_AFTER_MS, ClaimMiss, Duplicate, Parked, WaitEstimate
 from ..protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -74,6 +74,7 @@ from .connection import Database
 from .engine import Engine, HasEngine
 from .keyed import PURGE_BATCH, KeySet
 from .options import OnConflict, PostgresOptions
+from .parking import ParkRule
 from .registration import Stored, config_hash, store_limits
 from .several import acquire_several, claim_parked_group, run_group_pass, withdraw_group
 from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
@@ -84,7 +85,7 @@ __all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
 logger = logging.getLogger("runcell_celery.postgres")
 
 #: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
-AdmissionResult = Parked | Literal["duplicate"]
+AdmissionResult = Parked | Duplicate
 
 #: A lease is taken as lost this much before its TTL would end on the database, so a
 #: pause or a slow clock never lets a body run on a lease another holder already has.
@@ -94,51 +95,6 @@ RELEASE_ATTEMPTS = 3
 #: An acquire takes the stored limits at most this many times (``use_stored``) before
 #: it fails: limits replaced again and again while it asks.
 ADOPT_ATTEMPTS = 3
-
-
-class ParkRule:
-    """When to park a waiting request, and the message it parks with.
-
-    It waits until ``until`` and then parks; under the expected-wait rule
-    (``rule_ms`` set) a queued answer whose expected wait exceeds ``rule_ms`` moves
-    ``until`` to now, so the request parks at once.
-    """
-
-    __slots__ = ("broker", "payload", "rule_ms", "until")
-
-    def __init__(
-        self, wait_ms: float, payload: str, *, rule_ms: float | None, broker: str | None = None
-    ) -> None:
-        self.until = Deadline.after_ms(wait_ms)
-        self.payload = payload
-        self.rule_ms = rule_ms
-        #: Where the parked message must be re-published (``None``: by anyone).
-        self.broker = broker
-
-    @classmethod
-    def of(
-        cls,
-        payload: str,
-        admission_wait_ms: float | None,
-        defer_after_ms: float,
-        broker: str | None = None,
-    ) -> ParkRule:
-        """The rule of an ``acquire_or_park`` call: a fixed ``admission_wait_ms``, else
-        the expected-wait rule with threshold ``defer_after_ms``.
-
-        :raises ConcurrencyConfigError: either is not a duration (naming which).
-        """
-        rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
-        if admission_wait_ms is None:
-            return cls(rule_ms, payload, rule_ms=rule_ms, broker=broker)
-        wait_ms = check_duration_ms(admission_wait_ms, field="admission_wait_ms", allow_zero=True)
-        return cls(wait_ms, payload, rule_ms=None, broker=broker)
-
-    def estimated(self, estimate: WaitEstimate | None) -> None:
-        """Apply the rule to the request's estimate (unknown: wait, then park)."""
-        expected = estimate.expected_ms if estimate is not None else None
-        if self.rule_ms is not None and expected is not None and expected > self.rule_ms:
-            self.until = Deadline.after_ms(0)
 
 
 class _Waiting:
@@ -367,7 +323,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """One slot in every limiter of ``limiters`` (all of this database), granted
         together; see :class:`~runcell_celery.protocol.SupportsSeveral`."""
         result = acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait)
-        assert not isinstance(result, str)  # it parks only when asked to
+        assert isinstance(result, tuple)  # it parks only when asked to
         return result
 
     def acquire_several_or_park(
@@ -390,7 +346,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         parks (or waits ``admission_wait_ms``, when given).
 
         :returns: the leases, in ``limiters``' order; :class:`~runcell_celery.ports.Parked`;
-            or ``"duplicate"`` (already parked and granted: its publication carries it).
+            or :class:`~runcell_celery.ports.Duplicate` (already parked and granted: its
+            publication carries it).
         """
         park = ParkRule.of(payload, admission_wait_ms, defer_after_ms, broker)
         return acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait, park=park)
@@ -577,9 +534,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         re-published task takes the lease with :meth:`claim_parked`.
 
         :returns: the lease if one was granted in time; :class:`~runcell_celery.ports.Parked`
-            (equal to ``"parked"``, with the place and expected wait) once the request
-            is parked; ``"duplicate"`` if this request already had a lease granted
-            while parked (another delivery of the same task owns it).
+            (with the place and expected wait) once the request is parked;
+            :class:`~runcell_celery.ports.Duplicate` if this request already had a lease
+            granted while parked (another delivery of the same task owns it).
         :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
             not a duration (naming which, and the bound).
         """
@@ -767,7 +724,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     waiting.park.estimated(waiting.estimate)
             return None
         if status == "duplicate":
-            return "duplicate"
+            return Duplicate()
         if status in ("no-wait", "queue-full", "unknown-workload"):
             waiting.settled = True  # nothing was written
         if status == "no-wait":

@@ -36,7 +36,56 @@ after ``RETAKE_EXPIRED_AFTER_MS``.
 
 from __future__ import annotations
 
-__all__ = ["REPUBLISH_AFTER_MS"]
+from ..config import check_duration_ms
+from ..deadline import Deadline
+from ..ports import WaitEstimate
+
+__all__ = ["REPUBLISH_AFTER_MS", "ParkRule"]
 
 #: A grant nobody published within this long is published by the sweeper.
 REPUBLISH_AFTER_MS = 2_000
+
+
+class ParkRule:
+    """When to park a waiting request, and the message it parks with.
+
+    It waits until ``until`` and then parks; under the expected-wait rule
+    (``rule_ms`` set) a queued answer whose expected wait exceeds ``rule_ms`` moves
+    ``until`` to now, so the request parks at once.
+    """
+
+    __slots__ = ("broker", "payload", "rule_ms", "until")
+
+    def __init__(
+        self, wait_ms: float, payload: str, *, rule_ms: float | None, broker: str | None = None
+    ) -> None:
+        self.until = Deadline.after_ms(wait_ms)
+        self.payload = payload
+        self.rule_ms = rule_ms
+        #: Where the parked message must be re-published (``None``: by anyone).
+        self.broker = broker
+
+    @classmethod
+    def of(
+        cls,
+        payload: str,
+        admission_wait_ms: float | None,
+        defer_after_ms: float,
+        broker: str | None = None,
+    ) -> ParkRule:
+        """The rule of an ``acquire_or_park`` call: a fixed ``admission_wait_ms``, else
+        the expected-wait rule with threshold ``defer_after_ms``.
+
+        :raises ConcurrencyConfigError: either is not a duration (naming which).
+        """
+        rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
+        if admission_wait_ms is None:
+            return cls(rule_ms, payload, rule_ms=rule_ms, broker=broker)
+        wait_ms = check_duration_ms(admission_wait_ms, field="admission_wait_ms", allow_zero=True)
+        return cls(wait_ms, payload, rule_ms=None, broker=broker)
+
+    def estimated(self, estimate: WaitEstimate | None) -> None:
+        """Apply the rule to the request's estimate (unknown: wait, then park)."""
+        expected = estimate.expected_ms if estimate is not None else None
+        if self.rule_ms is not None and expected is not None and expected > self.rule_ms:
+            self.until = Deadline.after_ms(0)

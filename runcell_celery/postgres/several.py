@@ -26,12 +26,12 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, LiteralString, Protocol
 
 from ..cancellation import CancellationToken
 from ..deadline import Deadline
 from ..errors import ConcurrencyConfigError, ConcurrencyError
-from ..ports import ClaimMiss, Parked, WaitEstimate
+from ..ports import ClaimMiss, Duplicate, Parked, WaitEstimate
 from ..protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -49,10 +49,16 @@ from .calls import (
     Stamp,
     lock_timeout_ms,
 )
-from .waiting import Waiter
+from .connection import Database
+from .parking import ParkRule
+from .waiting import Grant, Waiter, WaitRoom
 
 if TYPE_CHECKING:
-    from .limiter import ParkRule, PostgresConcurrencyLimiter
+    from ..errors import (
+        ConcurrencyCancelledError,
+        ConcurrencyQueueFullError,
+        ConcurrencyTimeoutError,
+    )
 
 __all__ = [
     "GROUP_PASS_S",
@@ -64,11 +70,70 @@ __all__ = [
 ]
 
 #: What a request over several limiters that may park ends with.
-SeveralAdmission = tuple[Lease, ...] | Parked | Literal["duplicate"]
+SeveralAdmission = tuple[Lease, ...] | Parked | Duplicate
 
 #: How often a process waiting on several limiters runs its request's group pass
 #: itself (seconds), besides the passes releasers run when they find it first in line.
 GROUP_PASS_S = 1.0
+
+
+class PostgresConcurrencyLimiter(Protocol):
+    """What a request over several limiters uses of each of its PostgreSQL limiters
+    (:class:`~runcell_celery.postgres.limiter.PostgresConcurrencyLimiter`): its database,
+    waiting room, calls and leases. A protocol, so this module never imports the
+    limiter's (which imports it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def database(self) -> Database: ...
+
+    @property
+    def room(self) -> WaitRoom: ...
+
+    @property
+    def stored_hash(self) -> str: ...
+
+    def use_stored_limits(self, request: AcquireRequest | None = None) -> bool: ...
+
+    def call_request(
+        self,
+        request: AcquireRequest,
+        query: LiteralString,
+        params: Any,
+        *,
+        lock_ms: int,
+        stamp: Stamp | None = None,
+    ) -> Any: ...
+
+    def call_database(self, query: LiteralString, params: Any) -> Any: ...
+
+    def republish(self, lease_ids: Any) -> None: ...
+
+    def make_lease(
+        self,
+        request_id: str,
+        workload: str,
+        lease: Sequence[Any],
+        sent: float | None,
+        *,
+        waited_ms: float | None = None,
+    ) -> Lease: ...
+
+    def granted_lease(self, request_id: str, workload: str, grant: Grant, sent: float) -> Lease: ...
+
+    def reap(self) -> None: ...
+
+    def _cancelled(self, request: AcquireRequest) -> ConcurrencyCancelledError: ...
+
+    def _wait_ms(self, request: AcquireRequest, workload: str) -> float | None: ...
+
+    def _queue_full(self, request: AcquireRequest) -> ConcurrencyQueueFullError: ...
+
+    def _timed_out(
+        self, request: AcquireRequest, wait_ms: float | None
+    ) -> ConcurrencyTimeoutError: ...
 
 
 def member_id(group_id: str, limiter: str) -> str:
@@ -93,7 +158,7 @@ def acquire_several(
     order = sorted(range(len(own)), key=lambda i: own[i].name)
     group = _Group(first, [own[i] for i in order], [requests[i] for i in order], cancel)
     result = group.acquire(on_wait, park=park)
-    if isinstance(result, str):
+    if isinstance(result, Parked | Duplicate):
         return result
     return _in_callers_order(own, result)
 
@@ -149,11 +214,10 @@ def withdraw_group(
 def _own_limiters(
     first: PostgresConcurrencyLimiter, limiters: Sequence[ConcurrencyLimiter]
 ) -> list[PostgresConcurrencyLimiter]:
-    """``limiters`` as this database's limiters, or a configuration error."""
-    from .limiter import PostgresConcurrencyLimiter
-
+    """``limiters`` as this database's limiters (of ``first``'s class), or a
+    configuration error."""
     names = [getattr(limiter, "name", repr(limiter)) for limiter in limiters]
-    own = [x for x in limiters if isinstance(x, PostgresConcurrencyLimiter)]
+    own: list[PostgresConcurrencyLimiter] = [x for x in limiters if isinstance(x, type(first))]
     conninfo = first.database.conninfo
     if len(own) != len(limiters) or any(x.database.conninfo != conninfo for x in own):
         raise ConcurrencyConfigError(
@@ -317,10 +381,10 @@ class _Group:
 
     # -- round trips ----------------------------------------------------------------------
 
-    def _ask(self, *, retry: bool) -> tuple[Lease, ...] | Literal["duplicate"] | None:
+    def _ask(self, *, retry: bool) -> tuple[Lease, ...] | Duplicate | None:
         """Send the acquire; the leases when granted at once, ``None`` when it waits,
-        ``"duplicate"`` when a retry finds it parked and granted (its own re-published
-        message carries it)."""
+        :class:`~runcell_celery.ports.Duplicate` when a retry finds it parked and
+                granted (its own re-published message carries it)."""
         lead = self.lead
         lineage = lead.lineage
         # Whether the request may be in the database already: then leaving means
@@ -378,7 +442,7 @@ class _Group:
         if status == "granted":
             return self._leases(answer["leases"], sent.at)
         if status == "duplicate":
-            return "duplicate"
+            return Duplicate()
         if status == "queued":
             for waiter in self.waiters:
                 waiter.queued = True

@@ -28,6 +28,7 @@ from runcell_celery.celery.deferral import Sweeper
 from runcell_celery.celery.message import DeliveredMessage
 from runcell_celery.celery.state import state_for
 from runcell_celery.celery.wiring import ensure_wired
+from runcell_celery.ports import Parked
 from tests.conftest import wait_until
 from tests.support.celery_app import celery_conf
 from tests.support.pg import create_database, drop_database
@@ -178,7 +179,7 @@ def _exit_time(limiter: Any, app: Any) -> tuple[float, str]:
     parked = limiter.acquire_or_park(
         request, admission_wait_ms=0, payload=_parked_message(app, task_id)
     )
-    assert parked == "parked", parked
+    assert isinstance(parked, Parked), parked
     started = time.perf_counter()
     block.__exit__(None, None, None)
     return time.perf_counter() - started, task_id

@@ -111,7 +111,7 @@ def test_each_parking_logs_one_deferral_line_and_celery_logs_no_ignored_line(
 # -- the line of a run over several limiters (no worker: the line itself) -------------
 
 
-def _several_admission(parked: Parked) -> Admission:
+def _several_admission() -> Admission:
     openai = create_concurrency_limiter(
         1,
         name="openai",
@@ -123,11 +123,7 @@ def _several_admission(parked: Parked) -> Admission:
     def never(*_: object) -> tuple[()]:
         raise AssertionError("not asked")
 
-    admission = Admission(
-        never, limiter=openai, request_id="r1", limiters=[openai, tenant], acquire_several=never
-    )
-    admission.parked = parked
-    return admission
+    return Admission(never, limiters=[openai, tenant], request_id="r1")
 
 
 @pytest.mark.parametrize(
@@ -142,7 +138,7 @@ def test_the_deferral_line_of_a_run_over_several_limiters_names_each_with_its_wo
 ) -> None:
     parked = Parked(limiter="openai + tenant:acme", workload=workload or "background")
     with caplog.at_level(logging.INFO, logger="runcell_celery.celery"):
-        _log_deferral("rc.several", "t-1", _several_admission(parked), workload)
+        _log_deferral("rc.several", "t-1", _several_admission(), workload, parked)
     (line,) = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
     assert f"Task rc.several[t-1] deferred: parked at place 0 of limiters {expected};" in line
     assert "None" not in line
@@ -157,7 +153,7 @@ def test_the_deferral_line_with_a_place_names_every_limiter_too(
         estimate=WaitEstimate(ahead=2, hold_ms=1000.0, slots=1),
     )
     with caplog.at_level(logging.INFO, logger="runcell_celery.celery"):
-        _log_deferral("rc.several", "t-1", _several_admission(parked), None)
+        _log_deferral("rc.several", "t-1", _several_admission(), None, parked)
     (line,) = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
     assert line.startswith(
         "Task rc.several[t-1] deferred: parked at place 3 of limiters 'openai' (workload "
@@ -169,9 +165,9 @@ def test_the_deferral_line_of_one_limiter_names_its_default_workload_not_none(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     llm = create_concurrency_limiter(1, name="llm", workloads={"batch": {}})
-    admission = Admission(lambda *_: None, limiter=llm, request_id="r1")  # type: ignore[arg-type,return-value]
-    admission.parked = Parked(limiter="llm", workload="batch")
+    admission = Admission(lambda *_: None, limiters=(llm,), request_id="r1")  # type: ignore[arg-type,return-value]
+    parked = Parked(limiter="llm", workload="batch")
     with caplog.at_level(logging.INFO, logger="runcell_celery.celery"):
-        _log_deferral("rc.one", "t-1", admission, None)
+        _log_deferral("rc.one", "t-1", admission, None, parked)
     (line,) = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
     assert "of limiter 'llm' (workload 'batch');" in line

@@ -30,6 +30,7 @@ from runcell_celery.celery import registry_for
 from runcell_celery.celery.deferral import Sweeper
 from runcell_celery.celery.message import DeliveredMessage
 from runcell_celery.celery.state import state_for
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresConcurrencyLimiter
 from tests.conftest import wait_until
 from tests.support.pg import unique_name
@@ -150,7 +151,7 @@ def test_a_stale_parked_task_stays_stored_while_the_result_backend_is_down(
             routing_key="runcell-test",
         )
         parked = limiter.acquire_or_park(request, admission_wait_ms=0, payload=message.to_payload())
-        assert parked == "parked"
+        assert isinstance(parked, Parked)
         sweeper = Sweeper(app, registry)  # its passes are run here, not by its loop
         own_redis.stop()
         wait_until(lambda: _past_deadline(pg_dsn, request_id), "its deadline passed", 10)

@@ -25,6 +25,7 @@ from runcell_celery.conformance import (
     keyed_conformance_cases,
     several_limiters_conformance_cases,
 )
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
@@ -204,7 +205,7 @@ def test_the_backends_stores_work_through_the_pooler(pgbouncer_dsn: str) -> None
     limiter = backend.create_limiter(config)
     held = limiter.acquire(_request())
     parked = _request()
-    assert limiter.acquire_or_park(parked, admission_wait_ms=0, payload="{}") == "parked"
+    assert isinstance(limiter.acquire_or_park(parked, admission_wait_ms=0, payload="{}"), Parked)
     run_id = unique_name("run")
     assert 0 < backend.first_start(run_id, 60_000) <= 60_000
     assert backend.add_revoked([run_id]) == 1

@@ -10,7 +10,8 @@ docstring states them, with room judged by the validity rule of
   the key granted longest ago, then arrival); between workloads, priority, then the
   workload whose head arrived first;
 * the *front* of a limiter is the head of the first workload in line; a request that
-  is the front of every limiter it names is *anchored*;
+  is the front of every limiter it names and is aged (or names one limiter) is
+  *anchored*;
 * a request is *eligible* when every limiter it names has room for it and, where
   another request is anchored and its workload is below its ceiling, granting it
   leaves room for the anchored one or takes a slot of its own workload's reservation;
@@ -45,6 +46,8 @@ class Request:
     workload: str | None = None
     in_progress: bool = False
     key: str | None = None
+    #: Waited GROUP_AGEING_MS since it first queued (only an aged request anchors).
+    aged: bool = True
 
 
 # -- the reference model ---------------------------------------------------------------------
@@ -147,6 +150,8 @@ class Lines:
         """The front of ``lid`` if it is also the front of every limiter it names."""
         front = self.front(lid)
         if front is None:
+            return None
+        if len(set(self.waiting[front].limiters)) > 1 and not self.waiting[front].aged:
             return None
         return front if all(self.front(m) == front for m in self.waiting[front].limiters) else None
 
@@ -265,6 +270,7 @@ def requests(draw: st.DrawFn, ids: Sequence[LimiterId]) -> Request:
         draw(st.sampled_from([None, *WORKLOADS])),
         draw(st.booleans()),
         draw(st.sampled_from(KEYS)),
+        draw(st.booleans()),
     )
 
 
@@ -446,6 +452,26 @@ def test_a_request_first_in_line_everywhere_keeps_its_room_while_it_waits_elsewh
     ]
     assert allocate_several(limits, {"openai": {"default": 1}}, waiting) == []
     # openai's holder leaves: the anchored request takes both at once.
+    assert allocate_several(limits, {}, waiting) == [0]
+
+
+def test_a_request_over_several_limiters_holds_no_room_until_it_has_aged() -> None:
+    """``[gpt_4o, openai]`` waits on openai; a request needing only gpt_4o is served at
+    once. Aged (GROUP_AGEING_MS after it queued), it keeps gpt_4o's slot set aside."""
+    limits = {"openai": LimiterConfig(max_concurrent=1), "gpt_4o": LimiterConfig(max_concurrent=1)}
+    full = {"openai": {"default": 1}}
+    young = [Request(("gpt_4o", "openai"), aged=False), Request(("gpt_4o",))]
+    assert allocate_several(limits, full, young) == [1]
+    aged = [Request(("gpt_4o", "openai"), aged=True), Request(("gpt_4o",))]
+    assert allocate_several(limits, full, aged) == []
+
+
+def test_a_young_request_lacking_room_only_in_one_limiter_is_served_at_its_place_there() -> None:
+    """Room in openai, none in gpt_4o: when gpt_4o frees, the older ``[gpt_4o, openai]``
+    goes before a later request for gpt_4o alone, aged or not."""
+    limits = {"openai": LimiterConfig(max_concurrent=1), "gpt_4o": LimiterConfig(max_concurrent=1)}
+    waiting = [Request(("gpt_4o", "openai"), aged=False), Request(("gpt_4o",))]
+    assert allocate_several(limits, {"gpt_4o": {"default": 1}}, waiting) == []
     assert allocate_several(limits, {}, waiting) == [0]
 
 

@@ -29,7 +29,6 @@ from runcell_celery import (
     slot,
 )
 from runcell_celery.memory import HISTORY_LIMIT
-from runcell_celery.memory_several import COORDINATOR
 from runcell_celery.protocol import SupportsKeys
 from tests.core.conftest import direct_request
 
@@ -113,9 +112,10 @@ def test_100000_keys_used_once_leave_no_key_state() -> None:
     assert tenants.stats(per_key=True).keys == []
     assert len(tenants._live) == 0, "key limiters are still referenced"
     assert all(ref() is None for ref in refs)
-    with COORDINATOR.lock:
-        assert not any(provider in w.limiters for w in COORDINATOR.waiting)
-        assert id(provider) not in COORDINATOR.members
+    coordinator = provider._root()
+    with coordinator.lock:
+        assert not any(provider in w.limiters for w in coordinator.waiting)
+        assert id(provider) not in coordinator.members
     assert provider._history is not None
     assert len(provider._history) <= HISTORY_LIMIT
     assert provider.stats().active == 0

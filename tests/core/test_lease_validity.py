@@ -32,7 +32,7 @@ from runcell_celery.admission import Admission
 from runcell_celery.background import ProcessLocal
 from runcell_celery.hold import Hold
 from runcell_celery.keeper import LeaseKeeper
-from runcell_celery.protocol import AcquireRequest, OnWait
+from runcell_celery.protocol import OnWait
 from runcell_celery.request import build_request
 from runcell_celery.slot import preadmit
 from tests.core.conftest import direct_request
@@ -141,14 +141,14 @@ def test_a_hold_seen_lost_by_its_body_and_then_by_the_keeper_says_so_and_release
     events: EventRecorder,
 ) -> None:
     asked = build_request(None, limiter)
-    hold = Hold(asked, limiter.acquire(asked.request))
+    hold = Hold(asked, (limiter.acquire(asked.request),))
     hold.keep(None)
     fake_clock.advance(TTL_S)
     assert hold.aborted
     assert hold.abort_reason == "lease-lost"
-    hold.lease_lost(None)  # what the keeper does when it runs at last
+    hold.part_lost(0, None)  # what the keeper does when it runs at last
     assert isinstance(hold.end(None), ConcurrencyLeaseLostError)
-    hold.lease_lost(None)
+    hold.part_lost(0, None)
     lost, released = _lost_and_released(events, limiter.name)
     assert len(lost) == 1
     assert [e.outcome for e in released] == ["lease-lost"]
@@ -168,7 +168,7 @@ def test_a_renewal_the_keeper_reports_moves_the_validity_the_hold_reads(
         assert renewed is not None
         hold = held._hold
         assert hold is not None
-        hold.lease_renewed(renewed, Deadline(fake_clock.monotonic() + TTL_S))
+        hold.part_renewed(0, renewed, Deadline(fake_clock.monotonic() + TTL_S))
         fake_clock.advance(TTL_S / 2 + 1)  # past the first validity, not the renewed one
         assert not held.aborted
     assert events.of("lease-lost", limiter=limiter.name) == []
@@ -287,25 +287,13 @@ def test_a_hold_over_several_limiters_ending_after_a_lease_validity_passed_raise
 
 def _admission(limiter: ConcurrencyLimiter, *, limiters: list[Any] | None = None) -> Admission:
     def acquire(
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
-    ) -> Lease:
-        return limiter.acquire(request, cancel=cancel, on_wait=on_wait)
-
-    def acquire_several(
         limiters: Any, requests: Any, cancel: CancellationToken | None, on_wait: OnWait
     ) -> tuple[Lease, ...]:
+        if len(limiters) == 1:
+            return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
         return tuple(x.acquire(r, cancel=cancel) for x, r in zip(limiters, requests, strict=True))
 
-    return Admission(
-        acquire,
-        limiter=limiter,
-        request_id="delivery-1",
-        limiters=limiters,
-        acquire_several=acquire_several if limiters else None,
-    )
+    return Admission(acquire, limiters=limiters or (limiter,), request_id="delivery-1")
 
 
 def test_a_pre_admitted_slot_past_its_validity_fails_the_first_slot_without_running_it(

@@ -25,7 +25,7 @@ from runcell_celery import (
     run,
     slot,
 )
-from runcell_celery.admission import Admission, SlotDeferred
+from runcell_celery.admission import Admission, Deferred
 from runcell_celery.keeper import get_keeper
 from runcell_celery.protocol import AcquireRequest, OnWait
 from runcell_celery.slot import preadmit
@@ -41,14 +41,14 @@ WORKLOADS = {"chat": {}, "batch": {}}
 
 def _admission(limiter: ConcurrencyLimiter, request_id: str = "delivery-1") -> Admission:
     def acquire(
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
+        limiters: tuple[ConcurrencyLimiter, ...],
+        requests: tuple[AcquireRequest, ...],
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> Lease:
-        return limiter.acquire(request, cancel=cancel, on_wait=on_wait)
+    ) -> tuple[Lease, ...]:
+        return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
 
-    return Admission(acquire, limiter=limiter, request_id=request_id)
+    return Admission(acquire, limiters=(limiter,), request_id=request_id)
 
 
 def _active(limiter: CustomLimiter) -> int:
@@ -220,13 +220,12 @@ def test_a_deferral_reaches_the_caller_of_preadmit_and_holds_nothing(
 ) -> None:
     limiter = custom_limiter(1)
 
-    def park(*_: object) -> Lease:
-        raise SlotDeferred()
+    def park(*_: object) -> Deferred:
+        return Deferred()
 
-    admission = Admission(park, limiter=limiter, request_id="delivery-9")
+    admission = Admission(park, limiters=(limiter,), request_id="delivery-9")
     with run(limiter=limiter, admission=admission):
-        with pytest.raises(SlotDeferred):
-            preadmit(admission)
+        assert preadmit(admission) == Deferred()
         assert admission.admitted is None
         with slot() as held:  # a later slot asks as usual (not via the admission)
             assert held.lease is not None

@@ -129,10 +129,10 @@ def test_a_spent_budget_is_refused_as_a_timeout_before_the_limiter_is_asked(
 
 
 def _admission(limiter: ConcurrencyLimiter, request_id: str) -> Admission:
-    def acquire(*_: object) -> Lease:
+    def acquire(*_: object) -> tuple[Lease, ...]:
         raise AssertionError("building a request must not acquire")
 
-    return Admission(acquire, limiter=limiter, request_id=request_id)
+    return Admission(acquire, limiters=(limiter,), request_id=request_id)
 
 
 def test_building_a_request_never_touches_the_runs_admission() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import runcell_celery.memory as memory_module
 from runcell_celery import (
     CancellationToken,
     ConcurrencyCancelledError,
@@ -27,12 +29,17 @@ from runcell_celery import (
     ConcurrencyTimeoutError,
     InMemoryConcurrencyLimiter,
     Lease,
+    LimiterConfig,
     create_concurrency_limiter,
     guard,
     run,
     slot,
 )
-from runcell_celery.memory_several import COORDINATOR
+from runcell_celery.allocation import GROUP_AGEING_MS
+from runcell_celery.backends import MemoryBackend
+from runcell_celery.conformance import several_limiters_conformance_cases
+from runcell_celery.memory import Coordinator
+from tests.conftest import FakeClock
 from tests.core.conftest import direct_request
 
 if TYPE_CHECKING:
@@ -103,9 +110,11 @@ def assert_idle(*limiters: InMemoryConcurrencyLimiter) -> None:
     for limiter in limiters:
         stats = limiter.stats()
         assert (stats.active, stats.queued) == (0, 0), (limiter.name, stats)
-    with COORDINATOR.lock:
-        waiting = [w for w in COORDINATOR.waiting if set(w.limiters) & set(limiters)]
-    assert waiting == []
+    for limiter in limiters:
+        coordinator = limiter._root()
+        with coordinator.lock:
+            waiting = [w for w in coordinator.waiting if set(w.limiters) & set(limiters)]
+        assert waiting == []
 
 
 # -- all or nothing ------------------------------------------------------------------
@@ -246,16 +255,21 @@ def test_a_request_that_lacks_room_in_one_limiter_does_not_block_the_others_behi
     assert_idle(openai, gpt, claude)
 
 
-def test_a_request_first_in_every_line_keeps_its_room_against_later_arrivals() -> None:
-    openai = create_concurrency_limiter(1, name="anchor-openai")
-    gpt = create_concurrency_limiter(1, name="anchor-gpt")
+def test_a_young_request_over_two_limiters_holds_no_room_and_an_aged_one_keeps_its_place() -> None:
+    """The waiting rule (allocation, rule 4): ``[openai, gpt]`` waits on gpt; openai alone
+    is granted at once. Once it has waited GROUP_AGEING_MS it is first in both lines and
+    keeps openai's slot: a later request for openai alone waits behind it."""
+    clock = FakeClock()
+    openai = create_concurrency_limiter(1, name="ageing-openai", clock=clock)
+    gpt = create_concurrency_limiter(1, name="ageing-gpt", clock=clock)
     order: list[str] = []
     with held_directly(gpt) as gpt_leases:
         both = threading.Thread(target=lambda: _record(slot(openai, gpt), "both", order))
         both.start()
         _wait_until(lambda: gpt.stats().queued == 1, "the request over both waits")
-        # openai has room, but the request over both is first in both lines: openai's
-        # slot is kept for it, so a later request for openai alone waits behind it.
+        young = openai.acquire(direct_request())  # at once: nothing is kept for it yet
+        openai.release(young)
+        clock.advance(GROUP_AGEING_MS / 1000)
         alone = threading.Thread(target=lambda: _record(slot(openai), "alone", order))
         alone.start()
         _wait_until(lambda: openai.stats().queued == 2, "the openai request waits")
@@ -265,6 +279,19 @@ def test_a_request_first_in_every_line_keeps_its_room_against_later_arrivals() -
             thread.join(SOON_S)
     assert order == ["both", "alone"]
     assert_idle(openai, gpt)
+
+
+def test_a_request_over_two_limiters_is_granted_within_the_ageing_bound_under_churn() -> None:
+    """The conformance case on the in-memory limiter: ``a`` alone at once, then with
+    three threads churning ``a`` and ``b`` freed, ``[a, b]`` within its bound."""
+    names = itertools.count()
+    cases = {
+        case.name: case
+        for case in several_limiters_conformance_cases(
+            lambda **options: create_concurrency_limiter(name=f"bound-{next(names)}", **options)
+        )
+    }
+    cases["a_young_request_over_several_limiters_holds_no_room_and_ages_within_its_bound"].run()
 
 
 def test_a_request_waiting_in_one_limiter_is_not_starved_by_requests_naming_only_the_other() -> (
@@ -599,3 +626,22 @@ def test_async_requests_over_several_limiters_wait_without_a_thread_each() -> No
     assert threads_while_waiting <= threads_before + 2
     assert peak[0] == 1
     assert_idle(openai, gpt)
+
+
+def test_the_memory_backend_owns_the_coordinator_its_limiters_wait_in() -> None:
+    """No process-wide coordinator: the backend's limiters share the backend's, and two
+    limiters made apart merge theirs when one request names both."""
+    backend = MemoryBackend()
+    a = backend.create_limiter(LimiterConfig(name="owned-a", max_concurrent=1))
+    b = backend.create_limiter(LimiterConfig(name="owned-b", max_concurrent=1))
+    assert isinstance(a, InMemoryConcurrencyLimiter)
+    assert isinstance(b, InMemoryConcurrencyLimiter)
+    assert a._coordinator is b._coordinator is backend._coordinator
+    with slot(a, b) as held:
+        assert [lease.limiter for lease in held.leases] == ["owned-a", "owned-b"]
+    apart = create_concurrency_limiter(1, name="made-apart")
+    assert apart._root() is not a._root()
+    with slot(a, apart):
+        assert apart._root() is a._root()
+    assert not any(isinstance(value, Coordinator) for value in vars(memory_module).values())
+    assert_idle(a, b, apart)

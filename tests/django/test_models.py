@@ -20,6 +20,7 @@ from runcell_celery import (
     RunLineage,
 )
 from runcell_celery.celery.counters import AdmissionCounters
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
 from runcell_django.models import (
     AdmissionCount,
@@ -170,7 +171,7 @@ def test_waiting_and_parked_requests_read_back_through_the_orm(pg_limiter: MakeL
             admission_wait_ms=0,
             payload=json.dumps({"args": ["secret"]}),
         )
-        assert parked == "parked"
+        assert isinstance(parked, Parked)
 
         rows = {row.request_id: row for row in QueueEntry.objects.with_place()}
         waiting, parked_row = rows["req-waiting"], rows["req-parked"]
@@ -244,9 +245,9 @@ def test_the_queue_places_runs_in_progress_first_as_allocation_serves_them(
     held = limiter.acquire(_plain_request("holder"))
     payload = json.dumps({"task": "example"})
     for name in ("parked-1", "parked-2"):
-        assert (
-            limiter.acquire_or_park(_plain_request(name), admission_wait_ms=0, payload=payload)
-            == "parked"
+        assert isinstance(
+            limiter.acquire_or_park(_plain_request(name), admission_wait_ms=0, payload=payload),
+            Parked,
         )
     queued = threading.Event()
     second_call = threading.Thread(

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from runcell_celery import ConcurrencyLimiterError, RunLineage
 from runcell_celery.metrics import LimiterGaugeCollector, render
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
@@ -90,7 +91,7 @@ def test_held_queued_parked_and_the_oldest_wait_are_read_per_workload(
         payload="{}",
         admission_wait_ms=0,
     )
-    assert parked == "parked"
+    assert isinstance(parked, Parked)
     wait_until(lambda: llm.stats().queued == 2, "both requests are in line")
     time.sleep(0.05)
     got = scrape(gauges)

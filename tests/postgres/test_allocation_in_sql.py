@@ -170,6 +170,7 @@ class KeyedWaiter:
     in_progress: bool
     key: str | None
     limiters: tuple[str, ...] = ("l",)
+    aged: bool = True
 
 
 @st.composite

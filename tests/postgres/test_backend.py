@@ -22,6 +22,7 @@ from runcell_celery.ports import (
     AdmissionCount,
     Backend,
     CounterStore,
+    Parked,
     ParkingStore,
     RevocationStore,
     RunStore,
@@ -198,7 +199,7 @@ def test_a_grant_to_a_parked_request_is_claimed_for_publication_exactly_once(
     limiter = backend.create_limiter(_config())
     held = limiter.acquire(_request())
     parked = _request()
-    assert limiter.acquire_or_park(parked, admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(limiter.acquire_or_park(parked, admission_wait_ms=0, payload=PAYLOAD), Parked)
     granted: list[list[str]] = []
     limiter.set_parked_granted_handler(granted.append)
 
@@ -229,7 +230,7 @@ def test_other_processes_hear_of_parked_grants_through_the_backend(
     _wait_for(lambda: limiter.listening is True, "the listener is connected")
     held = limiter.acquire(_request())
     parked = _request()
-    assert limiter.acquire_or_park(parked, admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(limiter.acquire_or_park(parked, admission_wait_ms=0, payload=PAYLOAD), Parked)
 
     limiter.release(held)
 
@@ -241,7 +242,7 @@ def test_parked_requests_past_their_deadline_are_taken_out(backend: PostgresBack
     held = limiter.acquire(_request())
     rid = unique_name("stale")
     stale = AcquireRequest(rid, "default", RunLineage(rid, "root", "parent"), timeout_ms=50)
-    assert limiter.acquire_or_park(stale, admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(limiter.acquire_or_park(stale, admission_wait_ms=0, payload=PAYLOAD), Parked)
     expired: list[str] = []
     _wait_for(
         lambda: bool(
@@ -313,9 +314,9 @@ def test_limiter_states_count_what_the_limiter_itself_counts(backend: PostgresBa
     assert idle.oldest_wait_ms is None
     held = [limiter.acquire(_request("interactive")), limiter.acquire(_request("batch"))]
     for workload in ("interactive", "batch", "batch"):
-        assert (
-            limiter.acquire_or_park(_request(workload), admission_wait_ms=0, payload=PAYLOAD)
-            == "parked"
+        assert isinstance(
+            limiter.acquire_or_park(_request(workload), admission_wait_ms=0, payload=PAYLOAD),
+            Parked,
         )
 
     state = backend.limiter_states([limiter.name])[limiter.name]

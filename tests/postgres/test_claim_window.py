@@ -23,6 +23,7 @@ from runcell_celery import (
     LimiterConfig,
     RunLineage,
 )
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
@@ -87,8 +88,8 @@ def test_an_unclaimed_parked_grant_passes_to_the_next_waiter_after_the_claim_win
     limiter = _limiter(backend)
     held = limiter.acquire(_request(unique_name("holder")))
     parked, waiter = unique_name("parked"), unique_name("waiter")
-    assert limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD) == (
-        "parked"
+    assert isinstance(
+        limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD), Parked
     )
     with ThreadPoolExecutor(1) as pool:
         # A plain waiter behind the parked request: its process waits, and reaps.

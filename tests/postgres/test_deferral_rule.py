@@ -71,7 +71,7 @@ def _line_of(limiter: PostgresConcurrencyLimiter, waiting: int) -> None:
     """Put ``waiting`` requests in line (parked, so no thread waits for them)."""
     for _ in range(waiting):
         parked = limiter.acquire_or_park(_request("ahead"), admission_wait_ms=0, payload=PAYLOAD)
-        assert parked == "parked"
+        assert isinstance(parked, Parked)
 
 
 def test_a_deferrable_request_behind_a_long_line_parks_at_once(
@@ -89,7 +89,7 @@ def test_a_deferrable_request_behind_a_long_line_parks_at_once(
     # Expected wait (3 + 1) x 2 s / 1 slot = 8 s, over the 1 s threshold: no waiting
     # first (the old default waited 500 ms; the threshold alone would wait 1 s).
     assert isinstance(result, Parked)
-    assert result == "parked"
+    assert isinstance(result, Parked)
     assert took_s < 0.5, f"parked after {took_s:.3f} s instead of at once"
     assert (result.place, result.limiter, result.workload) == (4, limiter.name, "default")
     assert result.expected_wait_ms == pytest.approx(8_000, rel=0.05)

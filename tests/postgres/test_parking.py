@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 
 from runcell_celery import AcquireRequest, Lease, RunLineage
-from runcell_celery.ports import Republish
+from runcell_celery.ports import Parked, Republish
 from runcell_celery.postgres import PostgresBackend
 from tests.support.pg import unique_name
 
@@ -42,11 +42,13 @@ def test_parked_requests_keep_their_place_and_their_grant_is_published_once(
     limiter = make_limiter(max_concurrent=1)
     held = limiter.acquire(_request(unique_name("holder")))
     first, second = unique_name("first"), unique_name("second")
-    assert (
-        limiter.acquire_or_park(_request(first), admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(
+        limiter.acquire_or_park(_request(first), admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
     )
-    assert (
-        limiter.acquire_or_park(_request(second), admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(
+        limiter.acquire_or_park(_request(second), admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
     )
     assert _queue(pg_dsn, limiter.name) == [(first, True, False), (second, True, False)]
 
@@ -120,10 +122,14 @@ def test_another_delivery_of_a_parked_request_parks_it_again_without_error(
     limiter = make_limiter(max_concurrent=1)
     held = limiter.acquire(_request(unique_name("holder")))
     request = _request(unique_name("redelivered"))
-    assert limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(
+        limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD), Parked
+    )
     # The same task delivered again (its message was redelivered): it waits a moment on
     # the parked row it already has, polling it, then leaves it parked.
-    assert limiter.acquire_or_park(request, admission_wait_ms=300, payload=PAYLOAD) == "parked"
+    assert isinstance(
+        limiter.acquire_or_park(request, admission_wait_ms=300, payload=PAYLOAD), Parked
+    )
     assert _queue(pg_dsn, limiter.name) == [(request.request_id, True, False)]
     limiter.release(held)
 
@@ -135,7 +141,9 @@ def test_a_stale_parked_request_stays_stored_until_its_failure_is_completed(
     held = limiter.acquire(_request(unique_name("holder")))
     stale = unique_name("stale")
     request = AcquireRequest(stale, "default", RunLineage(stale, stale), timeout_ms=50)
-    assert limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(
+        limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD), Parked
+    )
     time.sleep(0.1)  # its deadline passes while it is parked
     taker, other = PostgresBackend(database=pg_dsn), PostgresBackend(database=pg_dsn)
 
@@ -161,8 +169,9 @@ def test_a_claimed_parked_lease_is_never_withdrawn_by_its_request_id(
     limiter = make_limiter(max_concurrent=1)
     held = limiter.acquire(_request(unique_name("holder")))
     parked = unique_name("parked")
-    assert (
-        limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD) == "parked"
+    assert isinstance(
+        limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
     )
     limiter.release(held)
     backend = PostgresBackend(database=pg_dsn)

@@ -7,6 +7,7 @@ import time
 import psycopg
 
 from runcell_celery import AcquireRequest, RunLineage
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresBackend
 from tests.support.pg import unique_name
 
@@ -38,7 +39,7 @@ def test_a_granted_parked_task_is_republished_only_by_a_publisher_of_its_broker(
         parked = limiter.acquire_or_park(
             _request(request_id), admission_wait_ms=0, payload=PAYLOAD, broker=broker
         )
-        assert parked == "parked"
+        assert isinstance(parked, Parked)
     assert _brokers(pg_dsn, limiter.name) == {of_a: broker_a, of_b: broker_b, legacy: None}
     for lease in holders:
         limiter.release(lease)  # all three parked requests are granted
@@ -73,7 +74,7 @@ def test_a_parked_task_past_its_deadline_is_failed_only_by_a_worker_of_its_broke
     parked = limiter.acquire_or_park(
         _request(stale, timeout_ms=50), admission_wait_ms=0, payload=PAYLOAD, broker=broker_a
     )
-    assert parked == "parked"
+    assert isinstance(parked, Parked)
     time.sleep(0.1)  # its deadline passes while it is parked
     backend = PostgresBackend(database=pg_dsn)
 

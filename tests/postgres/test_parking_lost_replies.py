@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from runcell_celery import AcquireRequest, Lease, RunLineage
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
@@ -108,7 +109,7 @@ def test_a_lost_reply_to_park_gets_its_answer_even_when_a_grant_came_in_between(
     )
 
     assert dropper.dropped[b"runcell_park("] == 1, "no reply was lost; proves nothing"
-    assert answer == "parked"
+    assert isinstance(answer, Parked)
     parked, granted = _queue(pg_dsn, proxied.name)[request_id]
     assert parked
     assert granted is not None, "the parked request lost its grant"
@@ -120,8 +121,8 @@ def test_a_lost_reply_to_claim_gives_the_claimed_lease_to_the_retry(
     proxied, direct = _pair(pg_dsn, dropper)
     held = direct.acquire(_request(unique_name("holder")))
     request_id = unique_name("parked")
-    assert direct.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD) == (
-        "parked"
+    assert isinstance(
+        direct.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD), Parked
     )
     direct.release(held)  # granted to the parked request
     backend = PostgresBackend(database=pg_dsn)
@@ -144,9 +145,9 @@ def test_a_lost_reply_to_withdraw_still_hands_its_grants_to_be_published(
     held = direct.acquire(_request(unique_name("holder")))
     first, second = unique_name("first"), unique_name("second")
     for request_id in (first, second):
-        assert (
-            direct.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD)
-            == "parked"
+        assert isinstance(
+            direct.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD),
+            Parked,
         )
     direct.release(held)  # granted to the first; the second waits behind it
     published: list[list[str]] = []
@@ -171,11 +172,11 @@ def test_a_lost_reply_to_complete_reports_the_rows_it_deleted(
     proxied, direct = _pair(pg_dsn, dropper)
     held = direct.acquire(_request(unique_name("holder")))
     request_id = unique_name("stale")
-    assert (
+    assert isinstance(
         direct.acquire_or_park(
             _request(request_id, timeout_ms=50), admission_wait_ms=0, payload=PAYLOAD
-        )
-        == "parked"
+        ),
+        Parked,
     )
     time.sleep(0.1)  # its deadline passes while it is parked
     backend = PostgresBackend(database=_via(dropper, pg_dsn))

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from runcell_celery import AcquireRequest, Lease, RunLineage
-from runcell_celery.ports import Parked, Republish, SupportsSeveralParking
+from runcell_celery.ports import Duplicate, Parked, Republish, SupportsSeveralParking
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
@@ -214,7 +214,7 @@ def test_another_delivery_asking_with_a_parked_and_granted_requests_id_is_a_dupl
     assert isinstance(_park(a, b, group), Parked)
     a.release(held)  # granted while parked: its own publication carries it
 
-    assert _park(a, b, group) == "duplicate"
+    assert isinstance(_park(a, b, group), Duplicate)
     assert (a.stats().active, b.stats().active) == (1, 1), "the duplicate took slots"
 
 

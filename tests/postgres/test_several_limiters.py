@@ -20,6 +20,7 @@ from runcell_celery import (
     run,
     slot,
 )
+from runcell_celery.conformance import several_limiters_conformance_cases
 from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
 from tests.support.pg import unique_name
 from tests.support.reply_dropper import ReplyDropper
@@ -325,3 +326,17 @@ def test_several_limiters_fail_closed_while_the_database_is_unreachable(
     assert (direct_a.stats().active, direct_b.stats().active) == (0, 0)
     with run(timeout_ms=10_000), slot(a, b):  # it recovers on its own
         assert (direct_a.stats().active, direct_b.stats().active) == (1, 1)
+
+
+def test_a_young_request_over_two_limiters_holds_no_room_and_is_granted_within_its_bound(
+    pg_dsn: str,
+) -> None:
+    """The waiting rule on PostgreSQL (its SQL side is the schema's): ``[a, b]`` waits
+    on ``b``; ``a`` alone is granted at once; then with three threads churning ``a`` and
+    ``b`` freed, ``[a, b]`` is granted within GROUP_AGEING_MS + one hold of ``a``."""
+
+    def create(**options: Any) -> PostgresConcurrencyLimiter:
+        return create_postgres_concurrency_limiter(pg_dsn, name=unique_name("ageing"), **options)
+
+    cases = {case.name: case for case in several_limiters_conformance_cases(create)}
+    cases["a_young_request_over_several_limiters_holds_no_room_and_ages_within_its_bound"].run()

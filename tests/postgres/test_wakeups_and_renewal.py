@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from runcell_celery import AcquireRequest, ConcurrencyError, Lease, RunLineage, slot
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import create_postgres_concurrency_limiter
 from runcell_celery.postgres.connection import Database
 from runcell_celery.postgres.listener import GrantListener
@@ -308,7 +309,7 @@ def test_a_parked_grant_made_by_the_safety_polls_reap_is_republished_at_once(
     parked = limiter.acquire_or_park(
         request(unique_name("parked")), admission_wait_ms=0, payload='{"task": "t"}'
     )
-    assert parked == "parked"
+    assert isinstance(parked, Parked)
 
     # Only there so that this process waits on the limiter (and its safety poll looks
     # at it); what becomes of it is not this test's concern.

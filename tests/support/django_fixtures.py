@@ -21,6 +21,7 @@ from psycopg_pool import ConnectionPool
 from runcell_celery import AcquireRequest, RunLineage, add_event_listener, remove_event_listener
 from runcell_celery import run as run_context
 from runcell_celery import slot as take_slot
+from runcell_celery.ports import Parked
 from runcell_celery.postgres import (
     PostgresConcurrencyLimiter,
     create_postgres_concurrency_limiter,
@@ -229,7 +230,7 @@ def scenario(
             admission_wait_ms=0,
             payload=json.dumps({"args": [SECRET_ARGUMENT], "kwargs": {}}),
         )
-        assert parked == "parked"
+        assert isinstance(parked, Parked)
         add_admission_counts(
             test_dsn,
             TASK,

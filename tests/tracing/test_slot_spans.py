@@ -28,9 +28,9 @@ from runcell_celery import (
     create_concurrency_limiter,
     run,
     slot,
-    tracing,
+    tracer,
 )
-from runcell_celery.admission import Admission, SlotDeferred
+from runcell_celery.admission import Admission, Deferred, DuplicateDelivery
 from runcell_celery.ports import Parked, WaitEstimate
 from runcell_celery.protocol import AcquireRequest, ConcurrencyLimiter, OnWait
 from runcell_celery.slot import preadmit
@@ -257,18 +257,16 @@ def test_an_async_slot_records_both_spans(spans: RecordedSpans) -> None:
 
 def _admission(limiter: ConcurrencyLimiter, parked: Parked | None = None) -> Admission:
     def acquire(
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
+        limiters: tuple[ConcurrencyLimiter, ...],
+        requests: tuple[AcquireRequest, ...],
         cancel: CancellationToken | None,
         on_wait: OnWait,
-    ) -> Lease:
+    ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
         if parked is not None:
-            admission.parked = parked
-            raise SlotDeferred()
-        return limiter.acquire(request, cancel=cancel, on_wait=on_wait)
+            return Deferred(parked)
+        return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
 
-    admission = Admission(acquire, limiter=limiter, request_id="delivery-1")
-    return admission
+    return Admission(acquire, limiters=(limiter,), request_id="delivery-1")
 
 
 def test_a_slot_admitted_before_the_body_has_its_wait_at_admission_and_its_hold_in_the_body(
@@ -300,8 +298,8 @@ def test_a_deferred_admission_records_its_place_in_line_and_is_not_an_error(
     estimate = WaitEstimate(ahead=2, hold_ms=300.0, slots=1)
     parked = Parked(limiter=limiter.name, workload="default", estimate=estimate)
     admission = _admission(limiter, parked)
-    with run(limiter=limiter, admission=admission), pytest.raises(SlotDeferred):
-        preadmit(admission)
+    with run(limiter=limiter, admission=admission):
+        assert preadmit(admission) == Deferred(parked)
     wait = _only(spans.waits())
     assert wait.attributes is not None
     assert wait.attributes["runcell.outcome"] == "deferred"
@@ -362,8 +360,8 @@ def test_an_api_without_the_provider_global_is_asked_at_every_slot(
 ) -> None:
     """The fallback for an opentelemetry-api that renamed its private global: slower
     (get_tracer_provider() per slot), still right."""
-    monkeypatch.setattr(tracing, "_peek", trace.get_tracer_provider)
-    monkeypatch.setattr(tracing, "_cache", (object(), None))
+    monkeypatch.setattr(tracer, "_peek", trace.get_tracer_provider)
+    monkeypatch.setattr(tracer, "_cache", (object(), None))
     limiter = _limiter(1)
     with slot(limiter):
         pass

@@ -1,0 +1,77 @@
+"""Is anyone tracing? The one question the core asks of OpenTelemetry.
+
+:func:`current_tracer` is the tracer for runcell's spans, or ``None`` when nobody
+traces: without ``opentelemetry-api``, and while the global tracer provider is the
+API's default proxy or a no-op provider. The spans themselves are built by
+:mod:`runcell_celery.tracing`; a request asks only this module whether to find its place
+in line, so it knows nothing of spans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .version import __version__
+
+try:
+    from opentelemetry import trace as otel_trace
+
+    OTEL_AVAILABLE = True
+except ImportError:  # the "otel" extra is not installed: no spans, ever
+    OTEL_AVAILABLE = False
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+__all__ = ["OTEL_AVAILABLE", "current_tracer"]
+
+# -- is anyone tracing? ------------------------------------------------------------------
+
+_NOT_LOOKED = object()
+
+
+def _no_provider() -> object:
+    return None
+
+
+def _global_provider() -> object:
+    # The API's own "is a provider set" global: None until set_tracer_provider(). Read
+    # instead of get_tracer_provider(), which pays a failed os.environ lookup (about
+    # half a microsecond) on every call while none is set.
+    return otel_trace._TRACER_PROVIDER
+
+
+if not OTEL_AVAILABLE:
+    _peek: Callable[[], object] = _no_provider
+elif hasattr(otel_trace, "_TRACER_PROVIDER"):
+    _peek = _global_provider
+else:  # an API that renamed its global: ask it every time (right, a little slower)
+    _peek = otel_trace.get_tracer_provider
+
+#: (what _peek() returned, the tracer chosen then), replaced as one value.
+_cache: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_LOOKED, None)
+
+
+def current_tracer() -> Tracer | None:
+    """The tracer for runcell's spans, or ``None`` when nobody traces (no spans at all).
+
+    ``None`` without ``opentelemetry-api``, and while the global tracer provider is the
+    API's default proxy or a no-op provider. The answer is cached and looked at again
+    when the API's provider changes.
+    """
+    seen, tracer = _cache
+    if _peek() is seen:
+        return tracer
+    return _choose()
+
+
+def _choose() -> Tracer | None:
+    global _cache
+    # get_tracer_provider() also loads a provider named by OTEL_PYTHON_TRACER_PROVIDER.
+    provider = otel_trace.get_tracer_provider()
+    tracer: Tracer | None = None
+    if not isinstance(provider, otel_trace.ProxyTracerProvider | otel_trace.NoOpTracerProvider):
+        tracer = provider.get_tracer("runcell_celery", __version__)
+    _cache = (_peek(), tracer)
+    return tracer
