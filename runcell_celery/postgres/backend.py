@@ -159,10 +159,6 @@ class PostgresBackend:
         self._lock = threading.Lock()
         #: Engines of the process this one was forked from: kept, never used nor closed.
         self._inherited: list[Engine] = []
-        #: Limiters that share this backend and close it with the last of them
-        #: (:func:`create_postgres_concurrency_limiter`'s), and what to call then.
-        self._owners = 0
-        self._on_unowned: Callable[[], None] | None = None
         if database is not None:
             section = '["POSTGRES"]'
             setting = path[: -len(section)] if path.endswith(section) else "RUNCELL"
@@ -253,22 +249,6 @@ class PostgresBackend:
                 f"could not read the stored limits: the database failed: {exc}"
             ) from exc
         return [LimitsConflict(limiter, differences) for limiter, differences in found]
-
-    def add_owner(self, on_unowned: Callable[[], None] | None = None) -> None:
-        """Count one more limiter that closes this backend with the last of them."""
-        with self._lock:
-            self._owners += 1
-            self._on_unowned = on_unowned
-
-    def release_owner(self) -> None:
-        """A limiter counted by :meth:`add_owner` closed: close once none is left."""
-        with self._lock:
-            self._owners -= 1
-            last, on_unowned = self._owners <= 0, self._on_unowned
-        if last:
-            if on_unowned is not None:
-                on_unowned()
-            self.close()
 
     def close(self) -> None:
         """End every thread this backend started in this process and close every

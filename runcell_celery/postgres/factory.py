@@ -7,8 +7,6 @@ the PostgreSQL options through :class:`PostgresOptions`, and a
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,9 +57,8 @@ def create_postgres_concurrency_limiter(
     :class:`~runcell_celery.postgres.PostgresOptions` (documented there); the others
     those of :class:`~runcell_celery.config.LimiterConfig`. With ``keyed=True`` the
     limiter is a template: ``limiter.key("acme")`` is the limiter of that key, with the
-    same limits (:mod:`runcell_celery.postgres.keyed`). Limiters made this way for one
-    database share one backend (:class:`StandaloneBackends`); it ends its threads
-    and closes its connections once every one of them is closed (``limiter.close()``).
+    same limits (:mod:`runcell_celery.postgres.keyed`). The limiter owns a backend of
+    its own: ``limiter.close()`` ends its threads and closes its connections.
 
     :raises ConcurrencyConfigError: an option or limit is invalid, or the stored
         limits differ (``on_conflict="error"``).
@@ -89,51 +86,9 @@ def create_postgres_concurrency_limiter(
         keyed=keyed,
         fairness=fairness,
     )
-    backend = STANDALONE.take(db, options)
+    backend = PostgresBackend.from_options(db, options)
     try:
         return backend.create_limiter(config, owns=True)
     except BaseException:
-        backend.release_owner()  # nothing keeps retrying a database it could not use
+        backend.close()  # nothing keeps retrying a database it could not use
         raise
-
-
-class StandaloneBackends:
-    """The backends of :func:`create_postgres_concurrency_limiter`: one per database
-    and options in a process, shared by every limiter made for them.
-
-    Limiters made one by one for the same database share one pool, waiting room and
-    listener, as a registry's limiters share their backend: three limiters cost a
-    process the connections of one, not three. The backend closes with the last of
-    its limiters (:meth:`~runcell_celery.postgres.PostgresConcurrencyLimiter.close`);
-    the next limiter for that database then makes a new one. A forked child shares
-    its parent's entries, whose backends make the child an engine of its own.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._backends: dict[tuple[object, PostgresOptions], PostgresBackend] = {}
-        os.register_at_fork(after_in_child=self._after_fork)
-
-    def _after_fork(self) -> None:
-        self._lock = threading.Lock()  # a parent's thread may have held it
-
-    def take(self, db: str | ConnectionPool[Any], options: PostgresOptions) -> PostgresBackend:
-        """The backend for ``db`` and ``options``, counted as one more limiter's."""
-        where: object = db if isinstance(db, str) else id(db)
-        key = (where, options)
-        with self._lock:
-            backend = self._backends.get(key)
-            if backend is None:
-                backend = self._backends[key] = PostgresBackend.from_options(db, options)
-            backend.add_owner(lambda: self._forget(key, backend))
-        return backend
-
-    def _forget(self, key: tuple[object, PostgresOptions], backend: PostgresBackend) -> None:
-        with self._lock:
-            if self._backends.get(key) is backend:
-                del self._backends[key]
-
-
-#: The process's standalone backends (the default registry of
-#: :func:`create_postgres_concurrency_limiter`, as a LimiterRegistry is a worker's).
-STANDALONE = StandaloneBackends()

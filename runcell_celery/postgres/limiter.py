@@ -215,13 +215,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return self._engine.executor
 
     def close(self) -> None:
-        """Give back the backend this limiter shares (one made by
-        :func:`create_postgres_concurrency_limiter`): once the last of its limiters
-        closes, its threads end and its connections close. A limiter made by a backend
-        of the caller's leaves that to ``backend.close()``."""
+        """Close the backend this limiter owns (one made by
+        :func:`create_postgres_concurrency_limiter`): its threads end and its
+        connections close. A backend's limiter leaves that to ``backend.close()``."""
         if self._owns_backend:
-            self._owns_backend = False  # a second close() gives nothing back twice
-            self._engines.release_owner()
+            self._engines.close()
 
     @property
     def stored_hash(self) -> str:
