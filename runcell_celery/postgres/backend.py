@@ -49,7 +49,7 @@ from ..protocol import LimiterStats, WorkloadStats
 from . import statements
 from .calls import CallFailedError, fetch_rows, lock_timeout_ms
 from .connection import Database, redacted
-from .engine import Engine
+from .engine import ENGINES, Engine
 from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
 from .registration import differing_limits
@@ -159,6 +159,8 @@ class PostgresBackend:
         self._lock = threading.Lock()
         #: Engines of the process this one was forked from: kept, never used nor closed.
         self._inherited: list[Engine] = []
+        self._closed = False
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         if database is not None:
             section = '["POSTGRES"]'
             setting = path[: -len(section)] if path.endswith(section) else "RUNCELL"
@@ -182,23 +184,32 @@ class PostgresBackend:
 
     @property
     def engine(self) -> Engine:
-        """This process's engine, made on first use (in a forked child: its own)."""
+        """This process's engine, taken on first use (in a forked child: its own).
+
+        Backends on the same database with the same options share one engine in a
+        process (:data:`~.engine.ENGINES`): two Celery apps, or three limiters made
+        one by one, cost a process one pool, one listener and one keeper thread.
+        """
         engine, pid = self._engine, os.getpid()
-        if engine is not None and self._pid == pid:
+        if engine is not None and self._pid == pid and not self._closed:
             return engine
         if self._pid != pid:  # forked: a parent's thread may hold the lock, not here
             self._lock = threading.Lock()
         with self._lock:
+            if self._closed and self._pid == pid:
+                raise ConcurrencyLimiterError(f"{self!r} was closed")
             if self._engine is not None and self._pid != pid:
                 self._inherited.append(self._engine)
                 self._engine = None
+                self._closed = False
             if self._engine is None:
-                database = self._database() if not self._inherited else self._database().fresh()
-                self._engine = Engine(database, self.options)
+                database = self._database()
+                self._engine = ENGINES.take(database, self.options)
                 self._pid = pid
-                # A backend dropped unclosed (a script's, a test's limiter) closes as it
-                # is collected, from a thread of its own (never one of the engine's).
-                weakref.finalize(self, Engine.close_later, self._engine).atexit = False
+                # A backend dropped unclosed (a script's, a test's limiter) gives its
+                # share back as it is collected; the engine closes with its last share.
+                self._finalizer = weakref.finalize(self, ENGINES.give_back_later, self._engine)
+                self._finalizer.atexit = False
             return self._engine
 
     @property
@@ -256,9 +267,12 @@ class PostgresBackend:
         caller's). Its limiters must not be used afterwards: they fail closed. A
         forked child's close leaves the parent's engine alone."""
         with self._lock:
-            engine = self._engine if self._pid == os.getpid() else None
-        if engine is not None:
-            engine.close()
+            if self._pid != os.getpid() or self._closed:
+                return
+            self._closed = True
+            finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None and finalizer.detach() is not None and self._engine is not None:
+            ENGINES.give_back(self._engine)
 
     # -- RunStore ---------------------------------------------------------------------
 

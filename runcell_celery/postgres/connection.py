@@ -116,6 +116,12 @@ class Database:
         #: The latest finding of a direct attempt: (when, why no connection could be had).
         self._diagnosis: tuple[float, str | None] | None = None
 
+    @property
+    def identity(self) -> object:
+        """What makes two of these the same database: the DSN, or the caller's pool."""
+        given = self._given_pool
+        return str(self._dsn) if given is None else id(given)
+
     def fresh(self) -> Database:
         """The same database with no pool of its own opened yet (for a forked child)."""
         given = self._given_pool

@@ -27,7 +27,7 @@ from .connection import Database, redacted
 from .options import PostgresOptions
 from .waiting import WaitRoom
 
-__all__ = ["Engine", "HasEngine"]
+__all__ = ["ENGINES", "Engine", "EngineShares", "HasEngine"]
 
 #: How long :meth:`Engine.close` waits for each of its threads to end (seconds).
 CLOSE_TIMEOUT_S = 10.0
@@ -47,7 +47,8 @@ class Engine:
         self._loops: weakref.WeakSet[BackgroundLoop[Any]] = weakref.WeakSet()
         self._said: set[tuple[str, str]] = set()
         self.closed = False
-        self._pid = os.getpid()
+        #: The process that made it (a forked child never uses nor closes it).
+        self.pid = os.getpid()
 
     @property
     def room(self) -> WaitRoom:
@@ -115,12 +116,6 @@ class Engine:
             executor.shutdown(wait=True, cancel_futures=True)
         self.database.close()
 
-    def close_later(self) -> None:
-        """:meth:`close` in a thread of its own, not waited for (a finalizer's); in a
-        forked child, nothing (the parent's engine is never closed there)."""
-        if not self.closed and self._pid == os.getpid():
-            threading.Thread(target=self.close, name="runcell-close", daemon=True).start()
-
 
 class HasEngine(Protocol):
     """Whatever gives a limiter this process's engine (its backend)."""
@@ -129,3 +124,57 @@ class HasEngine(Protocol):
     def engine(self) -> Engine: ...
 
     def close(self) -> None: ...
+
+
+class EngineShares:
+    """The engines of this process: one per database and options, shared by every
+    backend on them, closed with the last backend's :meth:`give_back`.
+
+    A fleet's process has one database; two Celery apps, a Django admin and a script's
+    limiters on it share one pool, one listener and one keeper thread, as they would
+    share one psycopg pool. A forked child never uses its parent's entries (keyed by
+    process id): its backends take engines of its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shares: dict[tuple[int, object, PostgresOptions], tuple[Engine, int]] = {}
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a parent's thread may have held it
+        self._shares = {}  # the parent's engines are the parent's
+
+    def take(self, database: Database, options: PostgresOptions) -> Engine:
+        """The engine of ``database`` and ``options``, counted as one more backend's."""
+        key = (os.getpid(), database.identity, options)
+        with self._lock:
+            engine, count = self._shares.get(key, (None, 0))
+            if engine is None or engine.closed:
+                engine, count = Engine(database.fresh(), options), 0
+            self._shares[key] = (engine, count + 1)
+        return engine
+
+    def give_back(self, engine: Engine) -> None:
+        """One backend of ``engine`` closed: close the engine once none is left."""
+        with self._lock:
+            for key, (found, count) in list(self._shares.items()):
+                if found is engine:
+                    if count > 1:
+                        self._shares[key] = (engine, count - 1)
+                        return
+                    del self._shares[key]
+                    break
+        engine.close()
+
+    def give_back_later(self, engine: Engine) -> None:
+        """:meth:`give_back` in a thread of its own, not waited for (a finalizer's);
+        in a forked child, nothing (the parent's engine is the parent's)."""
+        if not engine.closed and engine.pid == os.getpid():
+            threading.Thread(
+                target=self.give_back, args=(engine,), name="runcell-close", daemon=True
+            ).start()
+
+
+#: This process's engines (see :class:`EngineShares`).
+ENGINES = EngineShares()
