@@ -46,7 +46,7 @@ def test_the_wheel_ships_the_django_apps_templates_migrations_and_type_marker(
     templates = _source_files("runcell_django", "*.html")
     assert "runcell_django/templates/admin/runcell_django/dashboard.html" in templates
     migrations = _source_files("runcell_django", "0*.py")
-    assert "runcell_django/migrations/0001_initial.py" in migrations
+    assert "runcell_django/migrations/0001_squashed_0009_limiter_schema.py" in migrations
     expected = templates | migrations | {"runcell_django/py.typed"}
     missing = expected - wheel_files
     assert not missing, f"the wheel lacks: {sorted(missing)}"
