@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
 from runcell_celery.celery import admission_counts
+from runcell_celery.postgres import ensure_schema
 from runcell_celery.testing import FakeProvider
 from tests.conftest import wait_until
 
@@ -41,6 +43,14 @@ def _parked(pg_dsn: str) -> int:
     with psycopg.connect(pg_dsn) as conn:
         row = conn.execute("SELECT count(*) FROM runcell_queue WHERE parked").fetchone()
         return int(row[0]) if row else 0
+
+
+@pytest.fixture(autouse=True)
+def schema(pg_dsn: str) -> None:
+    """The tables exist before a test reads counts or parked rows (run alone, no earlier
+    test nor worker has made them yet)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        ensure_schema(conn)
 
 
 def test_two_hundred_deferred_tasks_complete_within_the_limit_with_no_retry_or_failure(
