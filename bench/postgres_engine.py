@@ -263,10 +263,14 @@ def pgbench(dsn: str, clients: int, seconds: float, script: str) -> float:
     return float(match.group(1))
 
 
-def bench_cycles(size: str) -> dict[str, Any]:
+def bench_cycles(
+    size: str, *, project_only: bool = False, rounds: int | None = None
+) -> dict[str, Any]:
+    """``project_only``: slot() cycles alone, no references (``bench/compare_commits.py``
+    runs this in two checkouts in turn and compares them)."""
     shapes = [(1, 1), (1, 4), (1, 16), (4, 4)] if size == "full" else [(1, 1), (1, 4)]
     limits = [1, 3, 8] if size == "full" else [1, 3]
-    rounds = 3 if size == "full" else 1
+    rounds = rounds or (3 if size == "full" else 1)
     seconds = 2.0 if size == "full" else 0.5
     results: dict[str, Any] = {}
     with scratch_database("cycles") as dsn:
@@ -286,6 +290,8 @@ def bench_cycles(size: str) -> dict[str, Any]:
                     ours.append(
                         run_clients(project_client, (dsn, name, limit), processes, threads, seconds)
                     )
+                    if project_only:
+                        continue
                     if processes * threads == 1:
                         start = time.monotonic() + 0.5
                         count = raw_functions_client(dsn, name, start, start + seconds)
@@ -293,6 +299,10 @@ def bench_cycles(size: str) -> dict[str, Any]:
                     hot.append(pgbench(dsn, processes * threads, seconds, script.name))
                     redis_args = (REDIS_URL, f"sem:{label}", limit)
                     lua.append(run_clients(redis_client, redis_args, processes, threads, seconds))
+                if project_only:
+                    results[label] = {"project_cycles_per_s": round(statistics.median(ours), 1)}
+                    progress(f"cycles {label}: {results[label]}")
+                    continue
                 row = {
                     "project_cycles_per_s": round(statistics.median(ours), 1),
                     "pgbench_hot_row_tps": round(statistics.median(hot), 1),
@@ -706,15 +716,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("small", "full"), default="full")
     parser.add_argument("--only", default=",".join(SECTIONS), help="sections, comma-separated")
+    parser.add_argument(
+        "--cycles-project-only",
+        action="store_true",
+        help="cycles: measure slot() alone, without pgbench, Redis or the raw floor",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="cycles: rounds per shape")
     args = parser.parse_args()
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {unknown}; choose from {sorted(SECTIONS)}")
-    report: dict[str, Any] = {"size": args.size, "load_average_start": os.getloadavg()}
+    import runcell_celery
+
+    report: dict[str, Any] = {
+        "size": args.size,
+        "runcell_celery": os.path.dirname(runcell_celery.__file__),
+        "load_average_start": os.getloadavg(),
+    }
     for section in chosen:
         progress(f"{section} ...")
-        report[section] = SECTIONS[section](args.size)
+        if section == "cycles":
+            report[section] = bench_cycles(
+                args.size, project_only=args.cycles_project_only, rounds=args.rounds
+            )
+        else:
+            report[section] = SECTIONS[section](args.size)
     report["load_average_end"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
