@@ -9,13 +9,6 @@
 Then serve them: the Django view :func:`runcell_django.metrics.metrics_view`, or
 the standalone exporter ``python -m runcell_celery.metrics --port 9464``.
 
-* :mod:`.catalog` — every metric's name, type, labels and meaning;
-* :mod:`.recorder` — counts this process's events (:func:`install_event_metrics`);
-* :mod:`.gauges` — the limiters' live state, one cached query per scrape;
-* :mod:`.exposition` — one registry for a scrape (prefork-safe through
-  ``PROMETHEUS_MULTIPROC_DIR``), rendering, the bearer token check;
-* :mod:`.exporter` — the standalone HTTP exporter.
-
 Needs the ``metrics`` extra (prometheus-client).
 """
 
