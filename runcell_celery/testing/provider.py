@@ -1,52 +1,30 @@
-"""Run the fake provider's server in this process, on a background thread.
-
-Tests and in-process demos want a provider that starts in a ``with`` block, on a port
-nobody else holds, and whose counters can be read without HTTP and after it stopped.
-"""
+"""Run the fake provider's server in this process, on a background thread."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from .client import FakeProviderClient
 from .server import POLL_SECONDS, FakeProviderServer
-from .state import Counters, FakeProviderConfig, Latency
+from .state import Counters, FakeProviderConfig
 from .wire import FakeProviderStats
 
 __all__ = ["FakeProvider"]
 
 
 class FakeProvider:
-    """Run the fake provider in this process, on a background thread.
+    """The fake provider on a daemon thread: ``with FakeProvider(latency_ms=100) as p:``.
 
-    Use it as a context manager (``with FakeProvider(latency_ms=100) as provider:``),
-    or call :meth:`start` and :meth:`stop`. It listens on ``host`` (loopback by
-    default) and ``port`` (0: a free port chosen by the OS, so parallel tests never
-    collide). The counters outlive :meth:`stop`, so a test can assert after the
-    ``with`` block. See :class:`~.state.FakeProviderConfig` for the options.
+    ``config`` are :class:`~.state.FakeProviderConfig`'s fields. It listens on ``host``
+    and ``port`` (0: a free port, so parallel tests never collide); its counters are
+    read without HTTP and outlive :meth:`stop`, so a test can assert after the block.
     """
 
-    def __init__(
-        self,
-        *,
-        latency_ms: Latency = 50.0,
-        error_rate: float = 0.0,
-        seed: int | None = None,
-        strict_fencing: bool = False,
-        chunks: int = 5,
-        host: str = "127.0.0.1",
-        port: int = 0,
-    ) -> None:
-        self.config = FakeProviderConfig(
-            latency_ms=latency_ms,
-            error_rate=error_rate,
-            seed=seed,
-            strict_fencing=strict_fencing,
-            chunks=chunks,
-        )
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
+        self.config = FakeProviderConfig(**config)
         self._address = (host, port)
         self._counters = Counters(self.config)
         self._lock = threading.Lock()
@@ -88,22 +66,20 @@ class FakeProvider:
         return f"http://{self._server.server_name}:{self._server.server_port}"
 
     def client(self, *, timeout: float = 30.0) -> FakeProviderClient:
-        """Return a client for this provider."""
         return FakeProviderClient(self.url, timeout=timeout)
 
     def stats(self) -> FakeProviderStats:
-        """Return the counters now (read directly, without HTTP)."""
         return self._counters.snapshot()
 
     def reset(self) -> FakeProviderStats:
-        """Zero the counters, forget fencing tokens and reseed the draws (see ``Counters``)."""
+        """Zero the counters, forget fencing tokens and reseed the draws."""
         return self._counters.reset()
 
     def wait_idle(self, timeout: float = 10.0) -> FakeProviderStats:
         """Wait until nothing is in flight; return the counters (``TimeoutError`` if not).
 
-        A client returns as soon as it has read the answer, a moment before the server
-        thread records the outcome, so read ``completed`` and friends after this.
+        The server records an outcome a moment after the client has read the answer,
+        so read ``completed`` and friends after this.
         """
         return self._counters.wait_idle(timeout)
 

@@ -1,16 +1,11 @@
 """The fake LLM provider's HTTP server: the independent witness that a limit held.
 
-The limiter's own counts cannot prove the limiter right, so tests and the demo send
-their provider calls here and read what the *provider* saw: each ``POST /v1/messages``
-is counted in flight from the moment its headers arrive until just before its last
-bytes are written. That window lies strictly inside the caller's slot (the caller
-sends after acquiring and releases only after reading the whole answer), so the
-witness itself can never report a limit exceeded that was not.
-
-Every request occupies the provider for its latency, whatever its outcome (an
-injected 529 comes after the latency too), and a client that hangs up stops being
-counted as soon as the server notices (it watches the socket while it waits), as a
-real provider stops generating for a closed connection.
+Each ``POST /v1/messages`` is counted in flight from the moment its headers arrive until
+just before its last bytes are written: a window strictly inside the caller's slot (it
+sends after acquiring and releases after reading the whole answer), so the witness can
+never report a limit exceeded that was not. Every request occupies the provider for its
+latency, whatever its outcome (an injected 529 too), and a client that hangs up stops
+being counted as soon as the server notices, as a real provider stops generating.
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ class FakeProviderServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
-    #: Many workers connect at once; the default backlog of 5 would drop SYNs.
-    request_queue_size = 128
+    request_queue_size = 128  # many workers connect at once; a backlog of 5 drops SYNs
 
     def __init__(
         self, address: tuple[str, int], config: FakeProviderConfig, counters: Counters
@@ -102,11 +96,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(404, "not_found_error", f"no such path: {path}")
 
     def _read_body(self) -> bytes | None:
-        """Read the whole body (``None`` if too large), so closing never resets the answer.
-
-        Closing a socket with unread bytes makes the kernel send a reset, which can
-        destroy the answer before the client reads it.
-        """
+        """Read the whole body (``None`` if too large): closing a socket with unread
+        bytes makes the kernel send a reset, which can destroy the answer."""
         length = _integer(self.headers.get("Content-Length") or "0")
         if length is None or not 0 <= length <= MAX_BODY_BYTES:
             return None
@@ -186,11 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _pause(self, seconds: float, *, streaming: bool = False) -> None:
-        """Wait ``seconds``, ending the request early if the client or server goes away.
-
-        A hung-up client makes the socket readable at end-of-file, so the request stops
-        being counted in flight then, as a real provider stops generating.
-        """
+        """Wait ``seconds``, ending the request early if the client or server goes away
+        (a hung-up client makes the socket readable at end-of-file)."""
         deadline = time.monotonic() + seconds
         conn = cast(socket.socket, self.connection)
         while (remaining := deadline - time.monotonic()) > 0:
@@ -241,7 +229,7 @@ def _reply_text(prompt: str) -> str:
 
 
 def _message(request: JSONObject, latency_ms: float) -> JSONObject:
-    """Build an Anthropic-shaped message (plus a ``fake`` block saying what happened)."""
+    """An Anthropic-shaped message (plus a ``fake`` block saying what happened)."""
     text = _reply_text(request["prompt"])
     return {
         "id": f"msg_fake_{uuid.uuid4().hex[:20]}",
