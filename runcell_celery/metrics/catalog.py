@@ -108,10 +108,7 @@ METRICS: tuple[MetricSpec, ...] = EVENT_METRICS + DATABASE_METRICS
 
 
 def spec(name: str) -> MetricSpec:
-    """The metric named ``name`` (as scraped, or its family name).
-
-    :raises KeyError: no metric has that name; the message lists them.
-    """
+    """The metric named ``name`` (as scraped, or its family name); ``KeyError`` if none."""
     for metric in METRICS:
         if name in (metric.name, metric.family):
             return metric

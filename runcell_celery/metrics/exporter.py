@@ -134,16 +134,14 @@ def _address(text: str) -> str:
     """An IP address, or a host name that resolves (to listen on)."""
     try:
         ipaddress.ip_address(text)
-        return text
     except ValueError:
-        pass
-    try:
-        socket.getaddrinfo(text, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: must be an IP address (0.0.0.0, 127.0.0.1, ::1) or a "
-            "host name that resolves"
-        ) from None
+        try:
+            socket.getaddrinfo(text, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is invalid: must be an IP address (0.0.0.0, 127.0.0.1, ::1) or a "
+                "host name that resolves"
+            ) from None
     return text
 
 
@@ -235,8 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources.insert(0, f"gauges from {redacted(args.database)}")
     if token:
         sources.append("bearer token required")
-    where = host.decode() if isinstance(host, bytes) else host
-    url = f"http://{where}:{port}/metrics"
+    url = f"http://{host.decode() if isinstance(host, bytes) else host}:{port}/metrics"
     print(f"runcell metrics exporter listening on {url} ({'; '.join(sources)})", flush=True)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

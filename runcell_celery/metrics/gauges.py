@@ -50,14 +50,9 @@ class _Snapshot(NamedTuple):
 
 
 class LimiterGaugeCollector(Collector):
-    """A prometheus_client collector of the limiters' live state.
-
-    :param read: returns every limiter's figures per workload; raises when the
-        database fails.
-    :param cache_seconds: how long a read serves scrapes (``0``: every scrape reads).
-    :param clock: monotonic seconds (tests pass a fake clock).
-    :raises ValueError: ``cache_seconds`` is negative.
-    """
+    """A prometheus_client collector of the limiters' live state, from ``read`` (every
+    limiter's figures per workload; raises when the database fails), one read serving
+    scrapes for ``cache_seconds`` (``0``: every scrape reads) of ``clock``."""
 
     def __init__(
         self,

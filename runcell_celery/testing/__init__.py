@@ -12,8 +12,7 @@ from .client import FakeProviderClient
 from .counters import AdmissionCounts
 from .databases import throwaway_database
 from .limits import in_memory, on_postgres
-from .provider import FakeProvider
-from .server import FakeProviderServer
+from .server import FakeProvider, FakeProviderServer
 from .state import FakeProviderConfig
 from .wire import FENCING_TOKEN_HEADER, LIMITER_HEADER, FakeProviderError, FakeProviderStats
 

@@ -31,12 +31,9 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class FakeProviderClient:
-    """Call a fake provider at ``url`` (e.g. ``FakeProvider.url``).
-
-    HTTP errors raise :class:`~.wire.FakeProviderError` with the status and the decoded
-    error body; an unreachable provider raises ``urllib.error.URLError``, and a call
-    slower than ``timeout`` seconds ``TimeoutError`` or ``URLError``, which closes the
-    connection so the provider stops counting it.
+    """Call a fake provider at ``url``. HTTP errors raise :class:`~.wire.FakeProviderError`;
+    an unreachable provider ``URLError``; a call slower than ``timeout`` seconds
+    ``TimeoutError`` or ``URLError``, closing the connection so the provider stops counting it.
     """
 
     def __init__(self, url: str, timeout: float = 30.0) -> None:
@@ -56,7 +53,7 @@ class FakeProviderClient:
         ``latency_ms`` overrides the server's default; ``fencing_token`` (with
         ``limiter``) is sent as the lease's fencing headers.
         """
-        with self._message(prompt, False, latency_ms, None, fencing_token, limiter) as response:
+        with self._message(prompt, fencing_token, limiter, latency_ms=latency_ms) as response:
             return _decode_object(response.read())
 
     def stream(
@@ -68,13 +65,11 @@ class FakeProviderClient:
         fencing_token: int | None = None,
         limiter: str | None = None,
     ) -> Generator[str, None, None]:
-        """Stream a reply and yield its text pieces as they arrive.
-
-        The request is sent on the first ``next()`` and counted in flight until
-        ``[DONE]``; closing the generator early hangs up (counted ``disconnected``). A
-        stream that ends without ``[DONE]`` raises :class:`~.wire.FakeProviderError`.
-        """
-        with self._message(prompt, True, latency_ms, chunks, fencing_token, limiter) as response:
+        """Yield a reply's text pieces as they arrive: sent on the first ``next()``, in
+        flight until ``[DONE]`` (closing early hangs up: ``disconnected``; a stream cut
+        before ``[DONE]`` raises :class:`~.wire.FakeProviderError`)."""
+        fields = {"stream": True, "latency_ms": latency_ms, "chunks": chunks}
+        with self._message(prompt, fencing_token, limiter, **fields) as response:
             for raw in response:
                 line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data:"):
@@ -104,10 +99,7 @@ class FakeProviderClient:
 
     def wait_idle(self, timeout: float = 10.0, *, poll_seconds: float = 0.02) -> FakeProviderStats:
         """Poll until nothing is in flight; return the counters (``TimeoutError`` if not).
-
-        The provider records an outcome a moment after the client has read the answer,
-        so read ``completed`` and friends after this, not right after the call.
-        """
+        The provider records an outcome just after the client read the answer."""
         deadline = time.monotonic() + timeout
         while (stats := self.stats()).in_flight:
             if time.monotonic() >= deadline:
@@ -116,21 +108,12 @@ class FakeProviderClient:
         return stats
 
     def _message(
-        self,
-        prompt: str,
-        stream: bool,
-        latency_ms: float | None,
-        chunks: int | None,
-        fencing_token: int | None,
-        limiter: str | None,
+        self, prompt: str, fencing_token: int | None, limiter: str | None, **fields: object
     ) -> http.client.HTTPResponse:
         if fencing_token is not None and not limiter:
             raise ValueError(f"fencing_token={fencing_token!r} needs the limiter it belongs to")
-        request: JSONObject = {"prompt": prompt, "stream": stream}
-        if latency_ms is not None:
-            request["latency_ms"] = latency_ms
-        if chunks is not None:
-            request["chunks"] = chunks
+        request = {"prompt": prompt, "stream": False}
+        request.update((name, value) for name, value in fields.items() if value is not None)
         headers = {"Content-Type": "application/json"}
         if limiter:
             headers[LIMITER_HEADER] = limiter

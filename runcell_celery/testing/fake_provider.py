@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from .provider import FakeProvider
+from .server import FakeProvider
 from .state import Latency
 
 __all__ = ["main"]

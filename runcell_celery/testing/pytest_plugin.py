@@ -20,7 +20,7 @@ from ..redaction import MaskedDSN, dsn_secrets, mask_dsn, scrub
 from .capture import EventCapture
 from .databases import SERVER_DSN_ENV, server_dsn, throwaway_database
 from .limits import BackendChoice, in_memory, on_postgres
-from .provider import FakeProvider
+from .server import FakeProvider
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -116,19 +116,19 @@ class Counters:
             return self.snapshot()
 
 
+@dataclass
 class Visit:
     """One request's stay in flight: ``finish`` counts its outcome once (later calls no-op)."""
 
-    def __init__(self, counters: Counters, latency_ms: float, fails: bool) -> None:
-        self._counters = counters
-        self.latency_ms = latency_ms
-        self.fails = fails
-        self.finished = False
+    counters: Counters
+    latency_ms: float
+    fails: bool
+    finished: bool = False
 
     def finish(self, outcome: Outcome) -> None:
         if not self.finished:
             self.finished = True
-            self._counters.finish(outcome)
+            self.counters.finish(outcome)
 
 
 class RequestEndedError(Exception):

@@ -1,7 +1,7 @@
 """What the fake provider's server and client agree on: headers, counters, errors.
 
 Apart from both, so the client (imported by Celery workers and spawned processes) never
-pulls in the server, and the server never pulls in ``urllib``.
+pulls in the server.
 """
 
 from __future__ import annotations
