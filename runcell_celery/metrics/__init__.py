@@ -1,22 +1,8 @@
-"""Prometheus metrics: event counters and histograms, live gauges, an exporter.
+"""Prometheus metrics (the ``metrics`` extra): event counters and histograms, live gauges.
 
-.. code-block:: python
-
-    # celery.py, where the workers load the app (before the pool forks)
-    from runcell_celery.metrics import install_event_metrics
-    install_event_metrics()
-
-Then serve them: the Django view :func:`runcell_django.metrics.metrics_view`, or
-the standalone exporter ``python -m runcell_celery.metrics --port 9464``.
-
-* :mod:`.catalog` — every metric's name, type, labels and meaning;
-* :mod:`.recorder` — counts this process's events (:func:`install_event_metrics`);
-* :mod:`.gauges` — the limiters' live state, one cached query per scrape;
-* :mod:`.exposition` — one registry for a scrape (prefork-safe through
-  ``PROMETHEUS_MULTIPROC_DIR``), rendering, the bearer token check;
-* :mod:`.exporter` — the standalone HTTP exporter.
-
-Needs the ``metrics`` extra (prometheus-client).
+Count events with :func:`install_event_metrics` where the workers load the Celery app
+(before the pool forks); serve them with the Django view
+:func:`runcell_django.metrics.metrics_view` or ``python -m runcell_celery.metrics``.
 """
 
 from .catalog import BUCKETS_SECONDS, DATABASE_METRICS, EVENT_METRICS, METRICS, MetricSpec

@@ -1,7 +1,5 @@
 """``python -m runcell_celery.metrics --port N``: the standalone exporter."""
 
-from __future__ import annotations
-
 import sys
 
 from .exporter import main

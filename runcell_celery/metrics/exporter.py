@@ -1,21 +1,12 @@
-"""The standalone exporter: ``python -m runcell_celery.metrics --port 9464``.
+"""The standalone exporter for fleets without Django: ``python -m runcell_celery.metrics``.
 
-For fleets without Django. It serves ``/metrics`` over HTTP:
-
-* the limiters' gauges, read from the database given by ``--database`` or
-  ``RUNCELL_DATABASE_URL`` (one query per scrape, cached ``--cache-ms``);
-* the event metrics the workers of this host wrote to ``--multiprocess-dir`` or
-  ``PROMETHEUS_MULTIPROC_DIR`` (run one exporter per worker host, sharing the
-  workers' directory).
-
-A bearer token is asked for when ``RUNCELL_METRICS_TOKEN`` is set or ``--token-file``
-names a file holding it (never on the command line, which shows in ``ps``); the rule
-is the Django view's (:func:`runcell_celery.redaction.check_token`: at least 16
-characters, surrounding whitespace such as a file's trailing newline dropped). It
-listens on every interface (``0.0.0.0``) unless ``--address`` says otherwise, prints
-where it listens, then serves until SIGTERM or SIGINT; ``--port 0`` takes any free
-port (the printed address says which). Every bad flag is a one-line usage error
-(exit status 2), a DSN shown with its password masked and a token never shown.
+It serves ``/metrics``: the limiters' gauges from ``--database`` (or
+``RUNCELL_DATABASE_URL``), and the event metrics the workers of this host write to
+``--multiprocess-dir`` (or ``PROMETHEUS_MULTIPROC_DIR``). The bearer token comes from
+``RUNCELL_METRICS_TOKEN`` or ``--token-file``, never the command line (it shows in
+``ps``), and follows the Django view's rule (:func:`runcell_celery.redaction.check_token`).
+Every bad flag is a one-line usage error (exit 2) that masks a DSN's password and never
+shows a token.
 """
 
 from __future__ import annotations
@@ -86,11 +77,8 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser whose one-line errors never show a password (argparse quotes
-    the arguments it does not recognize: a DSN split by the shell)."""
-
     def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments"):  # argparse quotes them
+        if message.startswith("unrecognized arguments"):  # quoted: a DSN split by the shell
             message = scrub(message)
         super().error(message)
 
@@ -106,103 +94,54 @@ def _parser() -> argparse.ArgumentParser:
             "command line, which shows in ps."
         ),
     )
-    parser.add_argument("--port", type=_port, required=True, help="port (0: any free port)")
-    parser.add_argument(
+    add = parser.add_argument
+    add(
+        "--port", type=_integer(65535, "a port, 0 to 65535"), required=True, help="0: any free port"
+    )
+    add(
         "--address",
         type=_address,
         default="0.0.0.0",
-        help=(
-            "IP address or host name to listen on (default 0.0.0.0: every interface of "
-            "the host; give 127.0.0.1 to serve this host only)"
-        ),
+        help="IP address or host name to listen on (default 0.0.0.0: every interface of "
+        "the host; give 127.0.0.1 to serve this host only)",
     )
-    parser.add_argument(
-        "--database",
-        type=_database,
-        default=None,
-        help=f"PostgreSQL DSN of the limiters (default: ${DATABASE_ENV})",
-    )
-    parser.add_argument(
-        "--multiprocess-dir",
-        default=None,
-        help="the workers' PROMETHEUS_MULTIPROC_DIR (default: $PROMETHEUS_MULTIPROC_DIR)",
-    )
-    parser.add_argument(
+    add("--database", type=_database, help=f"PostgreSQL DSN of the limiters (${DATABASE_ENV})")
+    add("--multiprocess-dir", help="the workers' PROMETHEUS_MULTIPROC_DIR (default: the env's)")
+    add(
         "--cache-ms",
-        type=_cache_ms,
+        type=_integer(MAX_DURATION_MS, f"0 to {MAX_DURATION_MS} milliseconds"),
         default=1_000,
         help="how long one read of the limiters' state serves scrapes (default 1000)",
     )
-    parser.add_argument(
-        "--token-file",
-        default=None,
-        metavar="PATH",
-        help=(
-            f"read the bearer token from this file instead of ${TOKEN_ENV} (surrounding "
-            "whitespace, such as the trailing newline, is dropped)"
-        ),
-    )
+    add("--token-file", metavar="PATH", help=f"read the bearer token here, not ${TOKEN_ENV}")
     return parser
 
 
-def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.database is None and os.environ.get(DATABASE_ENV):
+def _integer(high: int, must_be: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
         try:
-            args.database = _database(os.environ[DATABASE_ENV])
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"${DATABASE_ENV}: {exc}")
-    try:
-        args.multiproc = multiprocess_dir(args.multiprocess_dir)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.database is None and args.multiproc is None:
-        parser.error(
-            f"nothing to export: give --database (or set {DATABASE_ENV}) for the limiters' "
-            "gauges, and/or --multiprocess-dir (or set PROMETHEUS_MULTIPROC_DIR) for the "
-            "workers' event metrics"
-        )
-    args.token = _token(parser, args.token_file)
-    return parser, args
+            value = int(text)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be {must_be}")
+        return value
 
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a port, 0 to 65535")
-    return port
-
-
-def _cache_ms(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_DURATION_MS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: must be 0 to {MAX_DURATION_MS} milliseconds"
-        )
-    return value
+    return parse
 
 
 def _address(text: str) -> str:
     """An IP address, or a host name that resolves (to listen on)."""
     try:
         ipaddress.ip_address(text)
-        return text
     except ValueError:
-        pass
-    try:
-        socket.getaddrinfo(text, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: must be an IP address (0.0.0.0, 127.0.0.1, ::1) or a "
-            "host name that resolves"
-        ) from None
+        try:
+            socket.getaddrinfo(text, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is invalid: must be an IP address (0.0.0.0, 127.0.0.1, ::1) or a "
+                "host name that resolves"
+            ) from None
     return text
 
 
@@ -218,11 +157,11 @@ def _database(text: str) -> str:
 
 
 def _token(parser: argparse.ArgumentParser, path: str | None) -> str | None:
-    """The bearer token of ``--token-file`` or ``$RUNCELL_METRICS_TOKEN`` (checked by
-    :func:`~runcell_celery.redaction.check_token`; never echoed), or ``None``."""
-    if path is not None and os.environ.get(TOKEN_ENV):
-        parser.error(f"argument --token-file: give it or set ${TOKEN_ENV}, not both")
+    """The bearer token of ``--token-file`` or ``$RUNCELL_METRICS_TOKEN``, or ``None``."""
+    where, value = f"${TOKEN_ENV}", os.environ.get(TOKEN_ENV) or ""
     if path is not None:
+        if value:
+            parser.error(f"argument --token-file: give it or set ${TOKEN_ENV}, not both")
         where = f"argument --token-file: {path!r}"
         try:
             with open(path, encoding="utf-8") as file:
@@ -230,11 +169,8 @@ def _token(parser: argparse.ArgumentParser, path: str | None) -> str | None:
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             parser.error(f"{where} cannot be read ({reason})")
-    else:
-        where = f"${TOKEN_ENV}"
-        value = os.environ.get(TOKEN_ENV) or ""
-        if not value:
-            return None
+    elif not value:
+        return None
     try:
         return check_token(value)
     except TokenError as exc:
@@ -244,8 +180,8 @@ def _token(parser: argparse.ArgumentParser, path: str | None) -> str | None:
 def _gauges(database: str, cache_ms: int) -> LimiterGaugeCollector:
     from ..postgres import PostgresBackend, read_workload_gauges
 
-    # One connection: scrapes are read one at a time (the collector's lock). A database
-    # that does not answer is reported within a scrape's timeout, not after it.
+    # One connection: the collector reads one scrape at a time. A database that does
+    # not answer is reported within a scrape's timeout, not after it.
     backend = PostgresBackend(
         database=database,
         options={"pool_max_size": 1, "connect_timeout_ms": CONNECT_TIMEOUT_MS},
@@ -257,15 +193,30 @@ def _gauges(database: str, cache_ms: int) -> LimiterGaugeCollector:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the exporter until SIGTERM or SIGINT; return the exit status."""
-    parser, args = _parse(argv)
-    token = args.token
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.database is None and os.environ.get(DATABASE_ENV):
+        try:
+            args.database = _database(os.environ[DATABASE_ENV])
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"${DATABASE_ENV}: {exc}")
+    try:
+        multiproc = multiprocess_dir(args.multiprocess_dir)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.database is None and multiproc is None:
+        parser.error(
+            f"nothing to export: give --database (or set {DATABASE_ENV}) for the limiters' "
+            "gauges, and/or --multiprocess-dir (or set PROMETHEUS_MULTIPROC_DIR) for the "
+            "workers' event metrics"
+        )
+    token = _token(parser, args.token_file)
     gauges = _gauges(args.database, args.cache_ms) if args.database else None
-    registry = build_registry(gauges=gauges, multiproc=args.multiproc)
     try:
         server = make_server(
             args.address,
             args.port,
-            make_wsgi_app(registry, token=token),
+            make_wsgi_app(build_registry(gauges=gauges, multiproc=multiproc), token=token),
             server_class=_Server6 if ":" in args.address else _Server,
             handler_class=_QuietHandler,
         )
@@ -275,20 +226,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"({exc.strerror or exc})"
         )
     host, port = server.server_address[:2]
-    if isinstance(host, bytes):
-        host = host.decode()
-    sources = []
+    sources = [f"events from {multiproc}"] if multiproc is not None else []
     if args.database:
         from ..postgres.connection import redacted
 
-        sources.append(f"gauges from {redacted(args.database)}")
-    if args.multiproc is not None:
-        sources.append(f"events from {args.multiproc}")
-    print(
-        f"runcell metrics exporter listening on http://{host}:{port}/metrics "
-        f"({'; '.join(sources)}{'; bearer token required' if token else ''})",
-        flush=True,
-    )
+        sources.insert(0, f"gauges from {redacted(args.database)}")
+    if token:
+        sources.append("bearer token required")
+    url = f"http://{host.decode() if isinstance(host, bytes) else host}:{port}/metrics"
+    print(f"runcell metrics exporter listening on {url} ({'; '.join(sources)})", flush=True)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -1,19 +1,8 @@
-"""What a scrape serves: the event metrics and the limiters' gauges, as text.
+"""What a scrape serves, for the Django view and the exporter alike.
 
-:func:`build_registry` puts together, for the Django view and the exporter alike:
-
-* the event metrics — with ``multiprocess_dir`` (``PROMETHEUS_MULTIPROC_DIR``), the
-  values every process on this host wrote there (prometheus_client's
-  ``MultiProcessCollector``: a prefork worker's children each write their own files,
-  and the sums include children that have since exited); without it, this
-  process's own registry (right for a solo or threads worker serving itself, blind to
-  other processes);
-* the gauges of the limiters' live state, read from the database
-  (:class:`~runcell_celery.metrics.gauges.LimiterGaugeCollector`).
-
-:func:`render` writes a registry in the format the scraper asked for (Prometheus
-text, or OpenMetrics), and :func:`bearer_token_matches` checks a scrape's
-``Authorization`` header in constant time.
+With a multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``) the event metrics are the
+sums of every process on this host, exited prefork children included; without it, this
+process's own (right for a solo or threads worker, blind to other processes).
 """
 
 from __future__ import annotations
@@ -38,22 +27,20 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 def multiprocess_dir(given: str | os.PathLike[str] | None = None) -> Path | None:
     """The multiprocess directory to read: ``given``, else ``PROMETHEUS_MULTIPROC_DIR``.
 
-    :raises ValueError: the directory does not exist (naming it, and where it came
-        from): prometheus_client would otherwise serve nothing, silently.
+    :raises ValueError: the directory does not exist (prometheus_client would serve
+        nothing, silently).
     """
     source = "the multiprocess directory"
     if given is None:
-        given = os.environ.get(MULTIPROC_ENV) or None
-        source = MULTIPROC_ENV
+        given, source = os.environ.get(MULTIPROC_ENV) or None, MULTIPROC_ENV
     if given is None:
         return None
-    path = Path(given)
-    if not path.is_dir():
+    if not Path(given).is_dir():
         raise ValueError(
             f"{source} = {str(given)!r} is invalid: no such directory (create it before the "
             "workers start, and give every worker and the exporter the same one)"
         )
-    return path
+    return Path(given)
 
 
 def build_registry(
@@ -92,9 +79,7 @@ def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]
 
 def bearer_token_matches(authorization: str | None, token: str) -> bool:
     """Whether ``Authorization: Bearer <token>`` carries ``token`` (constant time)."""
-    if not authorization:
-        return False
-    scheme, _, given = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    )

@@ -1,77 +1,46 @@
-"""Counters and histograms of this process, counted from its concurrency events.
+"""This process's counters and histograms, counted from its concurrency events.
 
-:func:`install_event_metrics` adds one event listener (and, with Celery, a receiver
-of :data:`runcell_celery.celery.signals.task_deferred`) that counts into
-prometheus_client metrics. Each event is one dictionary lookup and one increment:
-no I/O on the slot's path.
-
-Which event counts where:
-
-================= ======================================================
-event             metric
-================= ======================================================
-acquired          ``runcell_slots_acquired_total``, ``runcell_wait_seconds``
-released          ``runcell_slots_released_total{outcome}``,
-                  ``runcell_hold_seconds``
-timed-out         ``runcell_timeouts_total``
-queue-full        ``runcell_queue_full_total``
-wait-cancelled    ``runcell_waits_cancelled_total``
-lease-lost        ``runcell_leases_lost_total{reason}``
-limiter-error     ``runcell_limiter_errors_total{operation="acquire"}``
-renewal-failed    ``runcell_limiter_errors_total{operation="renew"}``
-release-failed    ``runcell_limiter_errors_total{operation="release"}``
-task_deferred     ``runcell_deferrals_total`` (Celery signal: a deferral is no event)
-================= ======================================================
-
-``limiter`` is the label the admission counters use
-(:func:`runcell_celery.celery.counters.counter_label`): a keyed limiter's name,
-never its key's (``tenant``, not ``tenant:acme``), and a request over several
-limiters under their names joined (``openai+tenant``), so these counts line up with
-``admission_counts()`` label for label.
-
-Under Celery's prefork pool each child counts its own events. Set
-``PROMETHEUS_MULTIPROC_DIR`` in the worker's environment (before it starts):
-prometheus_client then keeps every process's values in files there, a forked child
-in files of its own, and the Django view or the exporter adds them up
-(:func:`runcell_celery.metrics.exposition.build_registry`).
+Each event costs a lookup and an increment, no I/O on the slot's path; a deferral is no
+event, so Celery's ``task_deferred`` signal counts it. The ``limiter`` label is the
+admission counters' (a keyed limiter's name, never a key; several joined with ``+``), so
+both line up. Under prefork each child counts its own: set ``PROMETHEUS_MULTIPROC_DIR``
+before the worker starts, and the view or the exporter adds the children's files up.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from ..events import ConcurrencyEvent, add_event_listener, remove_event_listener
 from ..keys import split_key_name
-from .catalog import BUCKETS_SECONDS, spec
+from .catalog import BUCKETS_SECONDS, EVENT_METRICS
+
+if TYPE_CHECKING:
+    from celery.utils.dispatch import Signal
 
 __all__ = ["EventMetrics", "install_event_metrics", "limiter_label", "uninstall_event_metrics"]
 
-_LOST_REASONS = frozenset({"renewal", "max-hold", "expired-before-start"})
-_ERROR_OPERATIONS = {
-    "limiter-error": "acquire",
-    "renewal-failed": "renew",
-    "release-failed": "release",
+#: The counter each event type adds one to (a deferral is no event: see on_deferred).
+_COUNTER_OF = {
+    "acquired": "runcell_slots_acquired_total",
+    "released": "runcell_slots_released_total",
+    "timed-out": "runcell_timeouts_total",
+    "queue-full": "runcell_queue_full_total",
+    "wait-cancelled": "runcell_waits_cancelled_total",
+    "lease-lost": "runcell_leases_lost_total",
+    "limiter-error": "runcell_limiter_errors_total",
+    "renewal-failed": "runcell_limiter_errors_total",
+    "release-failed": "runcell_limiter_errors_total",
 }
-
-
-def _counter(name: str, registry: CollectorRegistry | None) -> Counter:
-    metric = spec(name)
-    return Counter(metric.family, metric.help, metric.labels, registry=registry)
-
-
-def _histogram(name: str, registry: CollectorRegistry | None) -> Histogram:
-    metric = spec(name)
-    return Histogram(
-        metric.family, metric.help, metric.labels, registry=registry, buckets=BUCKETS_SECONDS
-    )
+_LOST_REASONS = frozenset({"renewal", "max-hold", "expired-before-start"})
+_OPERATIONS = {"limiter-error": "acquire", "renewal-failed": "renew", "release-failed": "release"}
 
 
 def limiter_label(names: tuple[str, ...]) -> str:
-    """The ``limiter`` label of a request over ``names`` (keys by their keyed limiter's
-    name, several joined with ``+``): the admission counters' label."""
+    """The ``limiter`` label of a request over ``names``: the admission counters' label."""
     return "+".join(split_key_name(name)[0] for name in names) or "-"
 
 
@@ -84,67 +53,57 @@ class EventMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
         self.registry = registry
-        self.acquired = _counter("runcell_slots_acquired_total", registry)
-        self.released = _counter("runcell_slots_released_total", registry)
-        self.wait = _histogram("runcell_wait_seconds", registry)
-        self.hold = _histogram("runcell_hold_seconds", registry)
-        self.deferrals = _counter("runcell_deferrals_total", registry)
-        self.timeouts = _counter("runcell_timeouts_total", registry)
-        self.queue_full = _counter("runcell_queue_full_total", registry)
-        self.cancelled = _counter("runcell_waits_cancelled_total", registry)
-        self.lost = _counter("runcell_leases_lost_total", registry)
-        self.errors = _counter("runcell_limiter_errors_total", registry)
+        self.counters = {
+            m.name: Counter(m.family, m.help, m.labels, registry=registry)
+            for m in EVENT_METRICS
+            if m.kind == "counter"
+        }
+        self.histograms = {
+            m.name: Histogram(m.name, m.help, m.labels, registry=registry, buckets=BUCKETS_SECONDS)
+            for m in EVENT_METRICS
+            if m.kind == "histogram"
+        }
 
     def on_event(self, event: ConcurrencyEvent) -> None:
         """Event listener: count ``event`` (types no metric counts are ignored)."""
-        limiter = limiter_label(event.limiters or (event.limiter,))
-        workload = event.workload or ""
         kind = event.type
+        if kind not in _COUNTER_OF:
+            return
+        labels = [limiter_label(event.limiters or (event.limiter,)), event.workload or ""]
         if kind == "acquired":
-            self.acquired.labels(limiter, workload).inc()
-            self.wait.labels(limiter, workload).observe(_seconds(event.wait_ms))
+            self.histograms["runcell_wait_seconds"].labels(*labels).observe(_seconds(event.wait_ms))
         elif kind == "released":
-            self.released.labels(limiter, workload, event.outcome or "unknown").inc()
-            self.hold.labels(limiter, workload).observe(_seconds(event.hold_ms))
-        elif kind == "timed-out":
-            self.timeouts.labels(limiter, workload).inc()
-        elif kind == "queue-full":
-            self.queue_full.labels(limiter, workload).inc()
-        elif kind == "wait-cancelled":
-            self.cancelled.labels(limiter, workload).inc()
+            self.histograms["runcell_hold_seconds"].labels(*labels).observe(_seconds(event.hold_ms))
+            labels.append(event.outcome or "unknown")
         elif kind == "lease-lost":
-            reason = event.reason if event.reason in _LOST_REASONS else "other"
-            self.lost.labels(limiter, workload, reason).inc()
-        elif kind in _ERROR_OPERATIONS:
-            self.errors.labels(limiter, workload, _ERROR_OPERATIONS[kind]).inc()
+            labels.append(event.reason if event.reason in _LOST_REASONS else "other")
+        elif kind in _OPERATIONS:
+            labels.append(_OPERATIONS[kind])
+        self.counters[_COUNTER_OF[kind]].labels(*labels).inc()
 
     def on_deferred(
         self, sender: object = None, *, limiter: str, workload: str | None = None, **_: Any
     ) -> None:
         """Receiver of ``task_deferred``: count one parked delivery."""
-        self.deferrals.labels(limiter, workload or "").inc()
+        self.counters["runcell_deferrals_total"].labels(limiter, workload or "").inc()
 
     def unregister(self) -> None:
         """Take the metrics out of their registry."""
-        if self.registry is None:
-            return
-        for metric in (
-            self.acquired,
-            self.released,
-            self.wait,
-            self.hold,
-            self.deferrals,
-            self.timeouts,
-            self.queue_full,
-            self.cancelled,
-            self.lost,
-            self.errors,
-        ):
-            self.registry.unregister(metric)
+        for metric in (*self.counters.values(), *self.histograms.values()):
+            if self.registry is not None:
+                self.registry.unregister(metric)
 
 
 def _seconds(ms: float | None) -> float:
     return max(0.0, (ms or 0.0) / 1000.0)
+
+
+def _task_deferred() -> Signal | None:
+    try:
+        from ..celery.signals import task_deferred
+    except ImportError:  # pragma: no cover - without the celery extra: nothing defers
+        return None
+    return task_deferred
 
 
 _installed: EventMetrics | None = None
@@ -152,19 +111,15 @@ _lock = threading.Lock()
 
 
 def install_event_metrics() -> EventMetrics:
-    """Count this process's events into Prometheus metrics (once; later calls return
-    the same :class:`EventMetrics`).
-
-    Call it where the worker loads its Celery app (``celery.py``), before the pool
-    forks: the children inherit the listener. The metrics go into prometheus_client's
-    default registry, or into ``PROMETHEUS_MULTIPROC_DIR`` when that is set.
-    """
+    """Count this process's events into Prometheus metrics, once (later calls return the
+    same :class:`EventMetrics`); call it before the pool forks, so children inherit it."""
     global _installed
     with _lock:
         if _installed is None:
             metrics = EventMetrics()
             add_event_listener(metrics.on_event)
-            _connect_deferrals(metrics)
+            if (signal := _task_deferred()) is not None:
+                signal.connect(metrics.on_deferred, weak=False)
             _installed = metrics
         return _installed
 
@@ -174,21 +129,8 @@ def uninstall_event_metrics() -> None:
     global _installed
     with _lock:
         metrics, _installed = _installed, None
-    if metrics is None:
-        return
-    remove_event_listener(metrics.on_event)
-    try:
-        from ..celery.signals import task_deferred
-    except ImportError:  # pragma: no cover - without the celery extra
-        pass
-    else:
-        task_deferred.disconnect(metrics.on_deferred)
-    metrics.unregister()
-
-
-def _connect_deferrals(metrics: EventMetrics) -> None:
-    try:
-        from ..celery.signals import task_deferred
-    except ImportError:  # pragma: no cover - without the celery extra: nothing defers
-        return
-    task_deferred.connect(metrics.on_deferred, weak=False)
+    if metrics is not None:
+        remove_event_listener(metrics.on_event)
+        if (signal := _task_deferred()) is not None:
+            signal.disconnect(metrics.on_deferred)
+        metrics.unregister()

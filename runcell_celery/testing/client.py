@@ -1,10 +1,9 @@
 """A stdlib client for the fake provider, safe in threads and in forked or spawned processes.
 
-A client holds only a URL and a timeout: every call opens its own connection (no pool,
-no socket made at import or construction), so one client can be shared by threads,
-inherited by a forked Celery worker or pickled into a spawned process. Proxies named
-in the environment are ignored: the provider is local, and an ``HTTP_PROXY`` meant
-for the outside world must not swallow loopback calls.
+A client holds only a URL and a timeout; every call opens its own connection, so one
+client can be shared by threads, inherited by a forked worker or pickled into a spawned
+process. Proxies named in the environment are ignored: the provider is local, and an
+``HTTP_PROXY`` meant for the outside world must not swallow loopback calls.
 """
 
 from __future__ import annotations
@@ -32,12 +31,9 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class FakeProviderClient:
-    """Call a fake provider at ``url`` (e.g. ``FakeProvider.url``).
-
-    HTTP errors raise :class:`~.wire.FakeProviderError` with the status and the decoded
-    error body; a provider that cannot be reached raises ``urllib.error.URLError``
-    (an ``OSError``), and a call slower than ``timeout`` seconds raises ``TimeoutError``
-    or ``URLError``, which closes the connection so the provider stops counting it.
+    """Call a fake provider at ``url``. HTTP errors raise :class:`~.wire.FakeProviderError`;
+    an unreachable provider ``URLError``; a call slower than ``timeout`` seconds
+    ``TimeoutError`` or ``URLError``, closing the connection so the provider stops counting it.
     """
 
     def __init__(self, url: str, timeout: float = 30.0) -> None:
@@ -57,9 +53,7 @@ class FakeProviderClient:
         ``latency_ms`` overrides the server's default; ``fencing_token`` (with
         ``limiter``) is sent as the lease's fencing headers.
         """
-        body = _body(prompt, latency_ms=latency_ms, stream=False)
-        headers = _headers(limiter, fencing_token)
-        with self._open("POST", "/v1/messages", body, headers) as response:
+        with self._message(prompt, fencing_token, limiter, latency_ms=latency_ms) as response:
             return _decode_object(response.read())
 
     def stream(
@@ -71,16 +65,11 @@ class FakeProviderClient:
         fencing_token: int | None = None,
         limiter: str | None = None,
     ) -> Generator[str, None, None]:
-        """Stream a reply and yield its text pieces as they arrive.
-
-        This is a generator: the request is sent on the first ``next()``, and the
-        provider counts it in flight until ``[DONE]``. Closing the generator early
-        hangs up, which the provider counts as ``disconnected``. A stream that ends
-        without ``[DONE]`` raises :class:`~.wire.FakeProviderError`.
-        """
-        body = _body(prompt, latency_ms=latency_ms, stream=True, chunks=chunks)
-        headers = _headers(limiter, fencing_token)
-        with self._open("POST", "/v1/messages", body, headers) as response:
+        """Yield a reply's text pieces as they arrive: sent on the first ``next()``, in
+        flight until ``[DONE]`` (closing early hangs up: ``disconnected``; a stream cut
+        before ``[DONE]`` raises :class:`~.wire.FakeProviderError`)."""
+        fields = {"stream": True, "latency_ms": latency_ms, "chunks": chunks}
+        with self._message(prompt, fencing_token, limiter, **fields) as response:
             for raw in response:
                 line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data:"):
@@ -98,25 +87,19 @@ class FakeProviderClient:
 
     def health(self) -> JSONObject:
         """Return ``GET /health`` (``{"status": "ok"}``)."""
-        with self._open("GET", "/health") as response:
-            return _decode_object(response.read())
+        return self._json("GET", "/health")
 
     def stats(self) -> FakeProviderStats:
         """Return the provider's counters (``GET /stats``)."""
-        with self._open("GET", "/stats") as response:
-            return FakeProviderStats.from_json(_decode_object(response.read()))
+        return FakeProviderStats.from_json(self._json("GET", "/stats"))
 
     def reset(self) -> FakeProviderStats:
         """Zero the provider's counters (``POST /reset``) and return them."""
-        with self._open("POST", "/reset", b"") as response:
-            return FakeProviderStats.from_json(_decode_object(response.read()))
+        return FakeProviderStats.from_json(self._json("POST", "/reset", b""))
 
     def wait_idle(self, timeout: float = 10.0, *, poll_seconds: float = 0.02) -> FakeProviderStats:
         """Poll until nothing is in flight; return the counters (``TimeoutError`` if not).
-
-        The provider records an outcome a moment after the client has read the answer,
-        so read ``completed`` and friends after this, not right after the call.
-        """
+        The provider records an outcome just after the client read the answer."""
         deadline = time.monotonic() + timeout
         while (stats := self.stats()).in_flight:
             if time.monotonic() >= deadline:
@@ -124,12 +107,26 @@ class FakeProviderClient:
             time.sleep(poll_seconds)
         return stats
 
+    def _message(
+        self, prompt: str, fencing_token: int | None, limiter: str | None, **fields: object
+    ) -> http.client.HTTPResponse:
+        if fencing_token is not None and not limiter:
+            raise ValueError(f"fencing_token={fencing_token!r} needs the limiter it belongs to")
+        request = {"prompt": prompt, "stream": False}
+        request.update((name, value) for name, value in fields.items() if value is not None)
+        headers = {"Content-Type": "application/json"}
+        if limiter:
+            headers[LIMITER_HEADER] = limiter
+        if fencing_token is not None:
+            headers[FENCING_TOKEN_HEADER] = str(fencing_token)
+        return self._open("POST", "/v1/messages", json.dumps(request).encode(), headers)
+
+    def _json(self, method: str, path: str, body: bytes | None = None) -> JSONObject:
+        with self._open(method, path, body) as response:
+            return _decode_object(response.read())
+
     def _open(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None
     ) -> http.client.HTTPResponse:
         request = urllib.request.Request(
             self.url + path, data=body, headers=headers or {}, method=method
@@ -147,29 +144,6 @@ class FakeProviderClient:
 
     def __repr__(self) -> str:
         return f"FakeProviderClient({self.url!r}, timeout={self.timeout!r})"
-
-
-def _body(
-    prompt: str, *, latency_ms: float | None, stream: bool, chunks: int | None = None
-) -> bytes:
-    request: JSONObject = {"prompt": prompt, "stream": stream}
-    if latency_ms is not None:
-        request["latency_ms"] = latency_ms
-    if chunks is not None:
-        request["chunks"] = chunks
-    return json.dumps(request).encode()
-
-
-def _headers(limiter: str | None, fencing_token: int | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    if fencing_token is not None:
-        if not limiter:
-            raise ValueError(f"fencing_token={fencing_token!r} needs the limiter it belongs to")
-        headers[LIMITER_HEADER] = limiter
-        headers[FENCING_TOKEN_HEADER] = str(fencing_token)
-    elif limiter:
-        headers[LIMITER_HEADER] = limiter
-    return headers
 
 
 def _decode_object(raw: bytes) -> JSONObject:

@@ -1,11 +1,9 @@
-"""Read a Celery app's admission counters in a test.
+"""Read a Celery app's admission counters in a test (the ``celery`` extra).
 
-The integration counts, per task name and limiter, deliveries, admission deferrals,
-provider attempts, provider failures and concurrency failures
-(:mod:`runcell_celery.celery.counters`). A test that runs its worker in its own
-process (``celery_worker``) reads this process's counts: they are complete the
-moment a task's result is in, with no database round trip, on either backend.
-Needs the ``celery`` extra; Celery is imported when the counts are read.
+The integration counts, per task name and limiter, deliveries, deferrals, provider
+attempts and failures (:mod:`runcell_celery.celery.counters`). A test whose worker runs
+in its own process (``celery_worker``) reads this process's counts: complete the moment
+a task's result is in, with no database round trip, on either backend.
 """
 
 from __future__ import annotations
@@ -37,15 +35,9 @@ class AdmissionCounts:
         return state_for(self.app).counters.local()
 
     def of(self, task_name: str, *, limiter: str | None = None) -> AdmissionCount:
-        """``task_name``'s counts, added up over its limiters (or for ``limiter``).
-
-        Zeros when nothing was counted: a task that never ran reads as such.
-        """
-        rows = [
-            row
-            for row in self.all()
-            if row.task_name == task_name and (limiter is None or row.limiter == limiter)
-        ]
+        """``task_name``'s counts, added up over its limiters (or for ``limiter``);
+        zeros for a task that never ran."""
+        rows = [r for r in self.all() if r.task_name == task_name and limiter in (None, r.limiter)]
         totals = {name: sum(getattr(row, name) for row in rows) for name in _COUNTS}
         label = limiter if limiter is not None else ", ".join(sorted({r.limiter for r in rows}))
         return AdmissionCount(task_name, label or "-", **totals)

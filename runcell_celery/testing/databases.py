@@ -1,14 +1,9 @@
-"""A PostgreSQL database made for one test and dropped after it.
+"""A PostgreSQL database made for one test and dropped after it (``postgres`` extra).
 
-A test's limiters must not share tables with the project's, nor with another test's:
-leases, queues and admission counts would leak between them. A database of its own
-costs about a tenth of a second to create and drop, and dropping it ``WITH (FORCE)``
-ends whatever connection a test left open. Needs the ``postgres`` extra (psycopg).
-
-``$RUNCELL_TEST_COLLATION`` names an ICU locale (``en-US``) the databases are created
-with instead of the server's default: managed PostgreSQL services default to
-``en-US``, where names order differently than in ``C`` (``gpt-4o`` before ``OpenAI``),
-and a suite run there proves nothing depends on the order of the test server.
+A test's limiters must share tables with neither the project's nor another test's:
+leases, queues and counts would leak between them. Creating and dropping a database
+costs about a tenth of a second, and ``DROP ... WITH (FORCE)`` ends whatever connection
+a test left open.
 """
 
 from __future__ import annotations
@@ -33,15 +28,14 @@ __all__ = [
     "throwaway_database",
 ]
 
-#: Environment variable naming a server (any database on it) where tests may create
-#: databases.
+#: A server (any database on it) where tests may create databases.
 SERVER_DSN_ENV = "RUNCELL_TEST_DSN"
 DEFAULT_SERVER_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
-#: Environment variable naming the ICU locale (``en-US``) test databases are created
-#: with; unset, empty or ``C``: the server's default (a copy of ``template1``).
+#: An ICU locale (``en-US``) to create test databases with, as managed services default
+#: to: names order differently than in ``C``, and a run there proves nothing depends on
+#: the test server's order. Unset, empty or ``C``: the server's default.
 COLLATION_ENV = "RUNCELL_TEST_COLLATION"
-#: What an ICU locale name may look like (``en-US``, ``de-DE-u-co-phonebk``, ``und``).
-_ICU_LOCALE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+_ICU_LOCALE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")  # en-US, de-DE-u-co-phonebk, und
 
 
 def server_dsn() -> str:
@@ -65,12 +59,8 @@ def collation_from_env() -> str | None:
 
 
 def create_database_statement(name: str, collation: str | None = None) -> sql.Composed:
-    """``CREATE DATABASE name``, with ICU locale ``collation`` if one is given.
-
-    A database with an ICU collation is copied from ``template0`` (``template1`` has
-    the server's collation); its libc locale stays ``C.UTF-8``, so only the collation
-    differs from the default test database.
-    """
+    """``CREATE DATABASE name``, with ICU locale ``collation`` if given: copied from
+    ``template0`` (``template1`` has the server's), its libc locale ``C.UTF-8``."""
     from psycopg import sql
 
     statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
@@ -85,15 +75,11 @@ def create_database_statement(name: str, collation: str | None = None) -> sql.Co
 def throwaway_database(
     server: str, *, prefix: str = "runcell_test", collation: str | None = None
 ) -> Iterator[str]:
-    """Create an empty database on ``server``'s server; yield its DSN; drop it.
+    """Create an empty database on ``server``'s server (a DSN, as a role that may create
+    databases); yield its DSN; drop it.
 
-    :param server: a DSN of a database on the server, as a role that may create
-        databases.
-    :param prefix: the new database's name starts with it (a random suffix follows).
-    :param collation: an ICU locale (``en-US``) for the database's collation; default:
-        ``$RUNCELL_TEST_COLLATION`` (:func:`collation_from_env`), else the server's.
-    :raises psycopg.OperationalError: the server cannot be reached; its message names
-        the server.
+    The name is ``prefix`` and a random suffix; ``collation`` defaults to
+    :func:`collation_from_env`. An unreachable server raises ``psycopg.OperationalError``.
     """
     import psycopg
     from psycopg import sql

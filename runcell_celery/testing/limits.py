@@ -1,10 +1,8 @@
 """A project's ``RUNCELL`` settings, moved onto a backend made for one test.
 
-A test should run the limits the project ships (``settings.RUNCELL`` or
-``app.conf.runcell``), not a copy that drifts from them, but never on the project's
-own database. These functions keep the limits and replace where they live: in this
-process's memory, or in a throwaway PostgreSQL database. Pure functions on dicts
-(stdlib only), so :mod:`.pytest_plugin` and any other test runner can use them.
+A test should run the limits the project ships, not a copy that drifts from them, but
+never on the project's own database: these pure functions keep the limits and replace
+where they live, for :mod:`.pytest_plugin` or any other test runner.
 """
 
 from __future__ import annotations
@@ -35,13 +33,8 @@ def _limiters(settings: Mapping[str, Any], path: str) -> dict[str, Any]:
 
 
 def in_memory(settings: Mapping[str, Any], *, path: str = "RUNCELL") -> dict[str, Any]:
-    """``settings``' limiters on the in-memory backend (one process, no database).
-
-    ``DATABASE``, the PostgreSQL options and the Django app's ``EVENTS`` are dropped:
-    they describe where the project's limiters live, which a test must not touch.
-
-    :raises ValueError: ``settings`` has no limiter, naming ``path``.
-    """
+    """``settings``' limiters on the in-memory backend; where the project's live
+    (``DATABASE``, ``POSTGRES``, ``EVENTS``) is dropped. ``path`` names them in errors."""
     return {"BACKEND": "memory", "LIMITERS": _limiters(settings, path)}
 
 
@@ -50,19 +43,12 @@ def on_postgres(
 ) -> dict[str, Any]:
     """``settings``' limiters on the PostgreSQL database ``database`` (a DSN).
 
-    The project's own ``POSTGRES`` options are kept (polling, ``listen``...), except
-    that the schema is created on first use (a throwaway database has none) and the
-    pool opens at most :data:`TEST_POOL_MAX_SIZE` connections unless asked for fewer.
-
-    :raises ValueError: ``settings`` has no limiter, naming ``path``.
+    The project's ``POSTGRES`` options are kept, but the schema is created on first use
+    (a throwaway database has none) and the pool opens at most
+    :data:`TEST_POOL_MAX_SIZE` connections.
     """
     limiters = _limiters(settings, path)
     options = dict(settings.get("POSTGRES") or {})
     options["ensure_schema"] = True
     options["pool_max_size"] = min(int(options.get("pool_max_size", 8)), TEST_POOL_MAX_SIZE)
-    return {
-        "BACKEND": "postgres",
-        "DATABASE": database,
-        "LIMITERS": limiters,
-        "POSTGRES": options,
-    }
+    return {"BACKEND": "postgres", "DATABASE": database, "LIMITERS": limiters, "POSTGRES": options}

@@ -1,32 +1,9 @@
 """The pytest plugin for projects testing their own tasks under their own limits.
 
-Installed with the package and loaded by pytest through the ``pytest11`` entry point
-``runcell_celery`` (turn it off with ``-p no:runcell_celery``). It only defines
-fixtures, all named ``runcell_*``, and one teardown hook; a test that uses none of
-them runs exactly as without it. Django, Celery and psycopg are imported by the
-fixtures that need them, never when pytest loads the plugin.
-
-Fixtures (README, "Testing your tasks"):
-
-* ``runcell_settings`` — the project's ``RUNCELL`` settings: Django's
-  ``settings.RUNCELL`` by default; override it to return your ``app.conf.runcell``.
-* ``runcell_backend`` — ``"memory"`` (default) or ``"postgres"``; override or
-  parametrize it to run a test on either or both.
-* ``runcell_test_settings`` — those limiters on that backend, for this test only:
-  put it in Celery's ``celery_config`` as ``"runcell"``.
-* ``runcell_postgres`` — the DSN of a database made for this test and dropped after
-  it, on the server ``runcell_postgres_server`` names (``$RUNCELL_TEST_DSN``).
-* ``runcell_limiters`` — a limiter registry of ``runcell_test_settings``, for code
-  that takes ``slot()`` outside Celery.
-* ``runcell_provider`` — a fake LLM provider counting its own in-flight requests
-  (options from ``runcell_provider_options``).
-* ``runcell_events`` — the concurrency events emitted during the test.
-* ``runcell_counters`` — admission counts of Celery's ``celery_app``'s tasks.
-
-It composes with Celery's own fixtures (``celery.contrib.pytest``: ``celery_app``,
-``celery_worker``, ``celery_config``...). When Celery's ``celery_app`` fixture ends,
-the hook below forgets the integration's state for that app (its counter listener,
-its backend's pool and listener), so nothing of one test's app outlives it.
+Loaded through the ``pytest11`` entry point ``runcell_celery`` (``-p no:runcell_celery``
+turns it off). It defines only fixtures named ``runcell_*`` (README, "Testing your
+tasks") and one teardown hook, and imports Django, Celery and psycopg only in the
+fixtures that need them, so a test that uses none runs exactly as without it.
 """
 
 from __future__ import annotations
@@ -43,27 +20,13 @@ from ..redaction import MaskedDSN, dsn_secrets, mask_dsn, scrub
 from .capture import EventCapture
 from .databases import SERVER_DSN_ENV, server_dsn, throwaway_database
 from .limits import BackendChoice, in_memory, on_postgres
-from .provider import FakeProvider
+from .server import FakeProvider
 
 if TYPE_CHECKING:
     from celery import Celery
 
     from ..registry import LimiterRegistry
     from .counters import AdmissionCounts
-
-__all__ = [
-    "pytest_fixture_post_finalizer",
-    "runcell_backend",
-    "runcell_counters",
-    "runcell_events",
-    "runcell_limiters",
-    "runcell_postgres",
-    "runcell_postgres_server",
-    "runcell_provider",
-    "runcell_provider_options",
-    "runcell_settings",
-    "runcell_test_settings",
-]
 
 #: Celery's fixtures that make an app (``celery.contrib.pytest``).
 _CELERY_APP_FIXTURES = frozenset({"celery_app", "celery_session_app"})
@@ -85,12 +48,8 @@ def _django_runcell() -> Mapping[str, Any] | None:
 
 @pytest.fixture
 def runcell_settings() -> Mapping[str, Any]:
-    """The project's ``RUNCELL`` settings whose limiters the test runs.
-
-    Django's ``settings.RUNCELL`` when ``DJANGO_SETTINGS_MODULE`` is set (the settings
-    module is read; Django's apps need not be loaded). Override this fixture in
-    ``conftest.py`` to return your Celery ``app.conf.runcell`` instead.
-    """
+    """The project's ``RUNCELL`` settings: Django's ``settings.RUNCELL`` (only the
+    settings module is read); override it to return your ``app.conf.runcell``."""
     found = _django_runcell()
     if found is None:
         pytest.fail(
@@ -104,32 +63,25 @@ def runcell_settings() -> Mapping[str, Any]:
 
 @pytest.fixture
 def runcell_backend() -> BackendChoice:
-    """Where ``runcell_test_settings`` puts the limiters: ``"memory"`` or ``"postgres"``.
-
-    ``"memory"`` by default (one process: an in-process ``celery_worker``). Return
-    ``"postgres"`` to test what only PostgreSQL does (admission deferral parks tasks,
-    admission counts stored fleet-wide), or parametrize:
-    ``@pytest.mark.parametrize("runcell_backend", ["memory", "postgres"])``.
-    """
+    """Where ``runcell_test_settings`` puts the limiters: ``"memory"`` (default) or
+    ``"postgres"``; override or parametrize it."""
     return "memory"
 
 
 @pytest.fixture(scope="session")
 def runcell_postgres_server() -> str:
-    """A DSN of the PostgreSQL server where ``runcell_postgres`` creates databases:
-    ``$RUNCELL_TEST_DSN``, else ``postgresql://postgres@127.0.0.1:5432/postgres``.
-
-    Its ``repr`` (what pytest prints of a fixture's value) masks the password."""
+    """The server ``runcell_postgres`` creates databases on (``$RUNCELL_TEST_DSN``, else
+    the local one); its ``repr``, which pytest prints, masks the password."""
     return MaskedDSN(server_dsn())
 
 
 @pytest.fixture
 def runcell_postgres(runcell_postgres_server: str) -> Iterator[str]:
-    """The DSN of an empty database made for this test, dropped after it (its
-    connections ended), so leases, queues and counts never leak between tests.
+    """The DSN of an empty database made for this test and dropped after it.
 
-    A server that cannot be reached fails the test with one line naming it, its
-    password masked: no traceback, whose frames would show the DSN."""
+    A server it cannot reach fails the test in one line, password masked, and without
+    a traceback (whose frames would show the DSN).
+    """
     import psycopg
 
     server = runcell_postgres_server
@@ -141,12 +93,11 @@ def runcell_postgres(runcell_postgres_server: str) -> Iterator[str]:
         failure = _unreached(server, "create", exc)
     if failure is not None:  # raised outside the except block: no context to show
         pytest.fail(failure, pytrace=False)
-    dsn = MaskedDSN(database)
     try:
-        yield dsn
+        yield MaskedDSN(database)
     finally:
         # Backends the test dropped without closing close as they are collected: none
-        # keeps retrying a database that is gone (registries and apps close theirs).
+        # keeps retrying a database that is gone.
         gc.collect()
         try:
             made.__exit__(None, None, None)
@@ -157,8 +108,6 @@ def runcell_postgres(runcell_postgres_server: str) -> Iterator[str]:
 
 
 def _unreached(server: str, doing: str, error: Exception) -> str:
-    """One line saying the server failed, its password masked, psycopg's text scrubbed
-    (a traceback would show the DSN in its frames)."""
     reason = scrub(" ".join(str(error).split()), dsn_secrets(server))
     return (
         f"runcell_postgres: could not {doing} a test database on the server "
@@ -168,16 +117,11 @@ def _unreached(server: str, doing: str, error: Exception) -> str:
 
 @pytest.fixture
 def runcell_test_settings(
-    request: pytest.FixtureRequest,
-    runcell_settings: Mapping[str, Any],
-    runcell_backend: str,
+    request: pytest.FixtureRequest, runcell_settings: Mapping[str, Any], runcell_backend: str
 ) -> dict[str, Any]:
-    """``runcell_settings``' limiters on ``runcell_backend``, for this test only.
-
-    The limits are the project's; ``DATABASE`` is this test's ``runcell_postgres``
-    (made only when the backend is ``"postgres"``). Give it to Celery's app in
-    ``celery_config`` (``{"runcell": runcell_test_settings}``).
-    """
+    """``runcell_settings``' limiters on ``runcell_backend`` (the database of
+    ``runcell_postgres`` for ``"postgres"``), for this test only: give it to Celery as
+    ``celery_config["runcell"]``."""
     if runcell_backend == "memory":
         return in_memory(runcell_settings, path="runcell_settings")
     if runcell_backend == "postgres":
@@ -191,12 +135,8 @@ def runcell_test_settings(
 
 @pytest.fixture
 def runcell_limiters(runcell_test_settings: dict[str, Any]) -> Iterator[LimiterRegistry]:
-    """The limiters of ``runcell_test_settings``, for code that takes ``slot()``
-    itself (``slot(runcell_limiters.get("claude"))``); closed after the test.
-
-    A Celery app configured from the same settings builds its own registry: read
-    its limiters with ``runcell_celery.celery.registry_for(celery_app)``.
-    """
+    """A registry of ``runcell_test_settings``' limiters, for code that takes ``slot()``
+    itself; closed after the test. (A Celery app builds its own: ``registry_for(app)``.)"""
     from ..registry import LimiterRegistry
 
     registry = LimiterRegistry()
@@ -209,19 +149,14 @@ def runcell_limiters(runcell_test_settings: dict[str, Any]) -> Iterator[LimiterR
 
 @pytest.fixture
 def runcell_provider_options() -> dict[str, Any]:
-    """Keyword arguments of the ``runcell_provider``
-    (:class:`~runcell_celery.testing.FakeProvider`): 20 ms a request by default."""
+    """Keyword arguments of ``runcell_provider``: 20 ms a request by default."""
     return {"latency_ms": 20}
 
 
 @pytest.fixture
 def runcell_provider(runcell_provider_options: dict[str, Any]) -> Iterator[FakeProvider]:
-    """A fake LLM provider on a free local port, stopped after the test.
-
-    It counts the requests it has in flight, the independent witness that a limit
-    held: ``runcell_provider.stats().max_in_flight``. Point your client at
-    ``runcell_provider.url``.
-    """
+    """A fake LLM provider on a free local port that counts its own in-flight requests,
+    the independent witness that a limit held: ``.stats().max_in_flight``."""
     with FakeProvider(**runcell_provider_options) as provider:
         yield provider
 
@@ -236,9 +171,8 @@ def runcell_events() -> Iterator[EventCapture]:
 
 @pytest.fixture
 def runcell_counters(celery_app: Celery) -> AdmissionCounts:
-    """Admission counts of Celery's ``celery_app``'s tasks, counted in this process
-    (where ``celery_worker`` runs them): ``runcell_counters.of("app.tasks.summarize")``
-    gives deliveries, deferrals, provider attempts and failures."""
+    """Admission counts of ``celery_app``'s tasks counted in this process (where
+    ``celery_worker`` runs them): ``runcell_counters.of("app.tasks.summarize")``."""
     from .counters import AdmissionCounts
 
     return AdmissionCounts(celery_app)
@@ -246,12 +180,8 @@ def runcell_counters(celery_app: Celery) -> AdmissionCounts:
 
 def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any]) -> None:
     """After Celery's ``celery_app`` fixture closed its app, forget the integration's
-    state for it (:func:`runcell_celery.celery.state.discard_state`).
-
-    Without this, each test's app would leave its counter listener counting later
-    tests' events, and a PostgreSQL backend retrying a dropped test database. Does
-    nothing (and imports nothing) unless the integration was imported.
-    """
+    state for it, or its counter listener would count later tests' events and its
+    backend retry a dropped database. Imports nothing unless the integration was."""
     if fixturedef.argname not in _CELERY_APP_FIXTURES:
         return
     state = sys.modules.get("runcell_celery.celery.state")

@@ -1,16 +1,11 @@
-"""The fake LLM provider's HTTP server: the independent witness that a limit held.
+"""The fake LLM provider's HTTP server, and :class:`FakeProvider` running it on a thread.
 
-The limiter's own counts cannot prove the limiter right, so tests and the demo send
-their provider calls here and read what the *provider* saw: each ``POST /v1/messages``
-is counted in flight from the moment its headers arrive until just before its last
-bytes are written. That window lies strictly inside the caller's slot (the caller
-sends after acquiring and releases only after reading the whole answer), so the
-witness itself can never report a limit exceeded that was not.
-
-Every request occupies the provider for its latency, whatever its outcome (an
-injected 529 comes after the latency too), and a client that hangs up stops being
-counted as soon as the server notices (it watches the socket while it waits), as a
-real provider stops generating for a closed connection.
+Each ``POST /v1/messages`` is counted in flight from the moment its headers arrive until
+just before its last bytes are written: a window strictly inside the caller's slot (it
+sends after acquiring and releases after reading the whole answer), so the witness can
+never report a limit exceeded that was not. Every request occupies the provider for its
+latency, whatever its outcome (an injected 529 too), and a client that hangs up stops
+being counted as soon as the server notices, as a real provider stops generating.
 """
 
 from __future__ import annotations
@@ -25,12 +20,14 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NoReturn, cast
+from types import TracebackType
+from typing import Any, NoReturn, Self, cast
 
+from .client import FakeProviderClient
 from .state import Counters, FakeProviderConfig, Outcome, RequestEndedError, Visit
-from .wire import FENCING_TOKEN_HEADER, LIMITER_HEADER, JSONObject
+from .wire import FENCING_TOKEN_HEADER, LIMITER_HEADER, FakeProviderStats, JSONObject
 
-__all__ = ["FakeProviderServer"]
+__all__ = ["FakeProvider", "FakeProviderServer"]
 
 logger = logging.getLogger("runcell_celery.testing.fake_provider")
 
@@ -49,8 +46,7 @@ class FakeProviderServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
-    #: Many workers connect at once; the default backlog of 5 would drop SYNs.
-    request_queue_size = 128
+    request_queue_size = 128  # many workers connect at once; a backlog of 5 drops SYNs
 
     def __init__(
         self, address: tuple[str, int], config: FakeProviderConfig, counters: Counters
@@ -102,11 +98,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(404, "not_found_error", f"no such path: {path}")
 
     def _read_body(self) -> bytes | None:
-        """Read the whole body (``None`` if too large), so closing never resets the answer.
-
-        Closing a socket with unread bytes makes the kernel send a reset, which can
-        destroy the answer before the client reads it.
-        """
+        """Read the whole body (``None`` if too large): closing a socket with unread
+        bytes makes the kernel send a reset, which can destroy the answer."""
         length = _integer(self.headers.get("Content-Length") or "0")
         if length is None or not 0 <= length <= MAX_BODY_BYTES:
             return None
@@ -186,11 +179,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _pause(self, seconds: float, *, streaming: bool = False) -> None:
-        """Wait ``seconds``, ending the request early if the client or server goes away.
-
-        A hung-up client makes the socket readable at end-of-file, so the request stops
-        being counted in flight then, as a real provider stops generating.
-        """
+        """Wait ``seconds``, ending the request early if the client or server goes away
+        (a hung-up client makes the socket readable at end-of-file)."""
         deadline = time.monotonic() + seconds
         conn = cast(socket.socket, self.connection)
         while (remaining := deadline - time.monotonic()) > 0:
@@ -241,7 +231,7 @@ def _reply_text(prompt: str) -> str:
 
 
 def _message(request: JSONObject, latency_ms: float) -> JSONObject:
-    """Build an Anthropic-shaped message (plus a ``fake`` block saying what happened)."""
+    """An Anthropic-shaped message (plus a ``fake`` block saying what happened)."""
     text = _reply_text(request["prompt"])
     return {
         "id": f"msg_fake_{uuid.uuid4().hex[:20]}",
@@ -256,3 +246,84 @@ def _message(request: JSONObject, latency_ms: float) -> JSONObject:
         },
         "fake": {"latency_ms": latency_ms},
     }
+
+
+class FakeProvider:
+    """The fake provider on a daemon thread: ``with FakeProvider(latency_ms=100) as p:``.
+
+    ``config`` are :class:`~.state.FakeProviderConfig`'s fields. It listens on ``host``
+    and ``port`` (0: a free port, so parallel tests never collide); its counters are
+    read without HTTP and outlive :meth:`stop`, so a test can assert after the block.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
+        self.config = FakeProviderConfig(**config)
+        self._address = (host, port)
+        self._counters = Counters(self.config)
+        self._lock = threading.Lock()
+        self._server: FakeProviderServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Self:
+        """Bind the port and serve on a daemon thread (``runcell-fake-provider``)."""
+        with self._lock:
+            if self._server is None:
+                server = FakeProviderServer(self._address, self.config, self._counters)
+                self._thread = threading.Thread(
+                    target=server.serve_forever,
+                    kwargs={"poll_interval": 0.05},
+                    name="runcell-fake-provider",
+                    daemon=True,
+                )
+                self._thread.start()
+                self._server = server
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; requests still waiting end at once (503, or a cut stream)."""
+        with self._lock:
+            server, thread = self._server, self._thread
+            self._server = self._thread = None
+        if server is not None and thread is not None:
+            server.shutdown()
+            server.server_close()
+            thread.join()
+            with contextlib.suppress(TimeoutError):  # handlers notice within POLL_SECONDS
+                self._counters.wait_idle(timeout=max(1.0, 50 * POLL_SECONDS))
+
+    @property
+    def url(self) -> str:
+        """The base URL, e.g. ``http://127.0.0.1:43125`` (only while running)."""
+        if self._server is None:
+            raise RuntimeError("the fake provider is not running; call start() first")
+        return f"http://{self._server.server_name}:{self._server.server_port}"
+
+    def client(self, *, timeout: float = 30.0) -> FakeProviderClient:
+        return FakeProviderClient(self.url, timeout=timeout)
+
+    def stats(self) -> FakeProviderStats:
+        return self._counters.snapshot()
+
+    def reset(self) -> FakeProviderStats:
+        """Zero the counters, forget fencing tokens and reseed the draws."""
+        return self._counters.reset()
+
+    def wait_idle(self, timeout: float = 10.0) -> FakeProviderStats:
+        """Wait until nothing is in flight; return the counters (``TimeoutError`` if not).
+        The server records an outcome just after the client read the answer."""
+        return self._counters.wait_idle(timeout)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self.url if self._server is not None else "stopped"
+        return f"<FakeProvider {where} {self.config}>"

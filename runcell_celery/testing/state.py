@@ -1,11 +1,10 @@
-"""The fake provider's configuration and counters, without any I/O.
-
-Kept apart from the HTTP layer so the counting rules (what is in flight, which outcome
-a request ends in, when a fencing token is stale) read in one place.
-"""
+"""The fake provider's configuration and counters, without any I/O, so the counting
+rules (what is in flight, which outcome a request ends in, when a fencing token is
+stale) read in one place."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from dataclasses import dataclass
@@ -18,19 +17,20 @@ __all__ = ["Counters", "FakeProviderConfig", "Latency", "Outcome", "RequestEnded
 Outcome = Literal["completed", "errors", "rejected_stale", "disconnected"]
 Latency = float | tuple[float, float]
 
+#: Every counter of :class:`~.wire.FakeProviderStats` (all its fields but the tokens).
+_COUNTERS = tuple(f.name for f in dataclasses.fields(FakeProviderStats))[:-1]
+
 
 @dataclass(frozen=True)
 class FakeProviderConfig:
     """How the fake provider behaves; validated on creation.
 
-    ``latency_ms`` is fixed or a ``(low, high)`` uniform range, used when a request
-    names none. ``error_rate`` is the share of requests answered with a 529
-    "overloaded" error, drawn from ``random.Random(seed)`` so a seeded run repeats.
-    ``strict_fencing`` rejects a request whose fencing token is lower than the highest
-    seen for its limiter. It is off by default because fencing protects a
-    *single-writer* resource: under a limit of N > 1, concurrent holders legitimately
-    carry different tokens and an older holder is still valid after a newer one
-    starts. Turn it on only to witness a limit of one (or to test fencing itself).
+    ``latency_ms`` is fixed or a ``(low, high)`` uniform range, for requests naming
+    none. ``error_rate`` is the share answered 529 "overloaded", drawn from
+    ``random.Random(seed)`` so a seeded run repeats. ``strict_fencing`` rejects a token
+    lower than the highest seen for its limiter; it is off by default because under a
+    limit of N > 1 concurrent holders legitimately carry different tokens (fencing
+    protects a single-writer resource), so turn it on only to witness a limit of one.
     """
 
     latency_ms: Latency = 50.0
@@ -40,7 +40,7 @@ class FakeProviderConfig:
     chunks: int = 5
 
     def __post_init__(self) -> None:
-        low, high = _latency_bounds(self.latency_ms)
+        low, high = self.latency_bounds
         if not 0 <= low <= high:
             raise ValueError(f"latency_ms must be >= 0 (low <= high), got {self.latency_ms!r}")
         if not 0.0 <= self.error_rate <= 1.0:
@@ -48,20 +48,10 @@ class FakeProviderConfig:
         if self.chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {self.chunks!r}")
 
-
-def _latency_bounds(latency: Latency) -> tuple[float, float]:
-    return (latency, latency) if isinstance(latency, int | float) else latency
-
-
-_COUNTERS = (
-    "in_flight",
-    "max_in_flight",
-    "total",
-    "completed",
-    "errors",
-    "rejected_stale",
-    "disconnected",
-)
+    @property
+    def latency_bounds(self) -> tuple[float, float]:
+        latency = self.latency_ms
+        return (latency, latency) if isinstance(latency, int | float) else latency
 
 
 class Counters:
@@ -77,9 +67,8 @@ class Counters:
     def reset(self) -> FakeProviderStats:
         """Zero the counters, forget fencing tokens and reseed the draws.
 
-        Requests still in flight are carried into the new count (as ``in_flight``,
-        ``max_in_flight`` and ``total``): they will end and be counted, and dropping
-        them would let ``in_flight`` go negative and the counts stop adding up.
+        Requests still in flight are carried over (as ``in_flight``, ``max_in_flight``
+        and ``total``): they will end and be counted, so the counts still add up.
         """
         with self._lock:
             carried = self._counts["in_flight"]
@@ -100,8 +89,7 @@ class Counters:
             counts["total"] += 1
             counts["in_flight"] += 1
             counts["max_in_flight"] = max(counts["max_in_flight"], counts["in_flight"])
-            low, high = _latency_bounds(self._config.latency_ms)
-            latency_ms = self._rng.uniform(low, high)
+            latency_ms = self._rng.uniform(*self._config.latency_bounds)
             fails = self._rng.random() < self._config.error_rate
         return Visit(self, latency_ms, fails)
 
@@ -128,19 +116,19 @@ class Counters:
             return self.snapshot()
 
 
+@dataclass
 class Visit:
     """One request's stay in flight: ``finish`` counts its outcome once (later calls no-op)."""
 
-    def __init__(self, counters: Counters, latency_ms: float, fails: bool) -> None:
-        self._counters = counters
-        self.latency_ms = latency_ms
-        self.fails = fails
-        self.finished = False
+    counters: Counters
+    latency_ms: float
+    fails: bool
+    finished: bool = False
 
     def finish(self, outcome: Outcome) -> None:
         if not self.finished:
             self.finished = True
-            self._counters.finish(outcome)
+            self.counters.finish(outcome)
 
 
 class RequestEndedError(Exception):

@@ -1,11 +1,12 @@
 """What the fake provider's server and client agree on: headers, counters, errors.
 
-Kept apart from both so the client (imported by Celery workers and spawned processes)
-never pulls in the server, and the server never pulls in ``urllib``.
+Apart from both, so the client (imported by Celery workers and spawned processes) never
+pulls in the server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +32,11 @@ FENCING_TOKEN_HEADER = "X-Runcell-Fencing-Token"
 class FakeProviderStats:
     """The server's own counters: the witness that a concurrency limit held.
 
-    Every request to ``POST /v1/messages`` is counted in ``total`` on arrival and in
-    ``in_flight`` until it ends in exactly one of ``completed``, ``errors`` (injected
-    529s, invalid requests, server stopping), ``rejected_stale`` (strict fencing) or
-    ``disconnected`` (the client went away first), so at any moment
-    ``total == in_flight + completed + errors + rejected_stale + disconnected``.
-    ``fencing_tokens`` is the highest fencing token seen per limiter.
+    Every ``POST /v1/messages`` counts in ``total`` on arrival and in ``in_flight``
+    until it ends in exactly one of ``completed``, ``errors`` (injected 529s, invalid
+    requests, server stopping), ``rejected_stale`` (strict fencing) or ``disconnected``
+    (the client went away first), so ``total == in_flight + completed + errors +
+    rejected_stale + disconnected``. ``fencing_tokens``: the highest token per limiter.
     """
 
     in_flight: int = 0
@@ -49,40 +49,24 @@ class FakeProviderStats:
     fencing_tokens: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> JSONObject:
-        """Return the counters as the JSON object ``GET /stats`` answers with."""
-        return {
-            "in_flight": self.in_flight,
-            "max_in_flight": self.max_in_flight,
-            "total": self.total,
-            "completed": self.completed,
-            "errors": self.errors,
-            "rejected_stale": self.rejected_stale,
-            "disconnected": self.disconnected,
-            "fencing_tokens": dict(self.fencing_tokens),
-        }
+        """The counters as ``GET /stats`` answers them."""
+        return {**dataclasses.asdict(self), "fencing_tokens": dict(self.fencing_tokens)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FakeProviderStats:
-        """Build the counters from a ``GET /stats`` answer."""
-        return cls(
-            in_flight=int(data["in_flight"]),
-            max_in_flight=int(data["max_in_flight"]),
-            total=int(data["total"]),
-            completed=int(data["completed"]),
-            errors=int(data["errors"]),
-            rejected_stale=int(data["rejected_stale"]),
-            disconnected=int(data["disconnected"]),
-            fencing_tokens={str(k): int(v) for k, v in data["fencing_tokens"].items()},
-        )
+        """The counters of a ``GET /stats`` answer."""
+        tokens = {str(k): int(v) for k, v in data["fencing_tokens"].items()}
+        counts = {f.name: int(data[f.name]) for f in dataclasses.fields(cls)[:-1]}
+        return cls(**counts, fencing_tokens=tokens)
 
 
 class FakeProviderError(Exception):
     """The fake provider answered with an HTTP error (or cut a stream short).
 
     ``status`` is the HTTP status (529 overloaded, 409 stale fencing token, 400 invalid
-    request, 503 stopping; the stream's own 200 when it ended before ``[DONE]``) and
-    ``body`` the decoded JSON error object, or the raw text when it was not JSON. The
-    arguments are kept in ``args`` so the error pickles, as Celery needs it to.
+    request, 503 stopping; a stream's 200 when it ended before ``[DONE]``); ``body`` the
+    decoded JSON error, or the raw text. Both stay in ``args`` so the error pickles, as
+    Celery needs.
     """
 
     def __init__(self, status: int, body: JSONObject | str) -> None:
