@@ -41,13 +41,11 @@ __all__ = [
 #: in the database, whose index entries hold at most 2,704 bytes.
 MAX_ID_LENGTH = 255
 
-_shown = reprlib.Repr()
-_shown.maxstring = 60
-_shown.maxother = 60
-
 
 def _invalid(argument: str, value: object, rule: str) -> ConcurrencyConfigError:
-    return ConcurrencyConfigError(f"{argument} = {_shown.repr(value)} is invalid: {rule}")
+    shown = reprlib.Repr()
+    shown.maxstring = shown.maxother = 60
+    return ConcurrencyConfigError(f"{argument} = {shown.repr(value)} is invalid: {rule}")
 
 
 def check_limiter(value: object, *, argument: str) -> ConcurrencyLimiter:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, cast
 
 from .config import LimiterConfig
@@ -24,17 +25,19 @@ from .ports import BackendFactory
 __all__ = ["BACKENDS", "NEEDS_DATABASE", "MemoryBackend", "load_backend"]
 
 #: Backend name (the ``BACKEND`` setting) to backend class, as ``"module:attribute"``.
-BACKENDS: Mapping[str, str] = {
-    "postgres": "runcell_celery.postgres:PostgresBackend",
-    "memory": "runcell_celery.backends:MemoryBackend",
-}
+BACKENDS: Mapping[str, str] = MappingProxyType(
+    {
+        "postgres": "runcell_celery.postgres:PostgresBackend",
+        "memory": "runcell_celery.backends:MemoryBackend",
+    }
+)
 
 #: Backends that keep their state in the ``DATABASE`` setting's database (the others
 #: are given ``database=None``).
 NEEDS_DATABASE = frozenset({"postgres"})
 
 #: The optional extra that provides each backend's dependencies.
-_EXTRAS = {"postgres": "postgres"}
+_EXTRAS = MappingProxyType({"postgres": "postgres"})
 
 
 class MemoryBackend:

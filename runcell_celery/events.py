@@ -38,11 +38,11 @@ runtime builds no event at all, so events cost nothing until someone listens.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
+from .background import DEFAULT_REGISTRY
 from .redaction import scrub
 
 __all__ = [
@@ -122,33 +122,36 @@ class ConcurrencyEvent:
 
 EventListener = Callable[[ConcurrencyEvent], object]
 
-_listeners: tuple[EventListener, ...] = ()
-_listeners_lock = threading.Lock()
+_NONE: tuple[EventListener, ...] = ()
+
+
+def _listeners() -> tuple[EventListener, ...]:
+    # A tuple replaced whole (under the lock), so emit() reads it without locking.
+    return DEFAULT_REGISTRY.value("events.listeners", _NONE)
 
 
 def add_event_listener(listener: EventListener) -> None:
     """Deliver every event of this process to ``listener`` (added once)."""
-    global _listeners
-    with _listeners_lock:
-        if listener not in _listeners:
-            _listeners = (*_listeners, listener)
+    with DEFAULT_REGISTRY.lock("events.listeners"):
+        if listener not in (listeners := _listeners()):
+            DEFAULT_REGISTRY.put("events.listeners", (*listeners, listener))
 
 
 def remove_event_listener(listener: EventListener) -> None:
     """Stop delivering events to ``listener``; unknown listeners are ignored."""
-    global _listeners
-    with _listeners_lock:
-        _listeners = tuple(x for x in _listeners if x != listener)
+    with DEFAULT_REGISTRY.lock("events.listeners"):
+        kept = tuple(x for x in _listeners() if x != listener)
+        DEFAULT_REGISTRY.put("events.listeners", kept)
 
 
 def has_listeners() -> bool:
     """Tell whether anyone listens (the runtime skips building events otherwise)."""
-    return bool(_listeners)
+    return bool(_listeners())
 
 
 def emit(event: ConcurrencyEvent) -> None:
     """Deliver ``event`` to every listener; a listener that raises is logged, not fatal."""
-    for listener in _listeners:
+    for listener in _listeners():
         try:
             listener(event)
         except Exception:

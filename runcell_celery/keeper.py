@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar, cast, runtime_checkable
 
-from .background import BackgroundLoop, ProcessLocal
+from .background import DEFAULT_REGISTRY, BackgroundLoop
 from .clock import SYSTEM_CLOCK, Clock
 from .deadline import Deadline
 from .protocol import ConcurrencyLimiter, Lease, SupportsRenewMany, supports
@@ -309,13 +309,11 @@ def _safely(call: Callable[..., T], *args: object) -> T | None:
         return None
 
 
-#: The keeper of limiters that bring none: a forked child (Celery prefork) makes its own
-#: on first use, since the parent's thread does not exist there.
-_keepers: ProcessLocal[LeaseKeeper] = ProcessLocal(LeaseKeeper)
-
-
 def get_keeper(limiter: object = None) -> LeaseKeeper:
     """The keeper of ``limiter``'s leases: its backend's (``limiter.keeper``), else this
     process's shared one, made on first use."""
     keeper = getattr(limiter, "keeper", None)
-    return keeper if isinstance(keeper, LeaseKeeper) else _keepers.get()
+    if isinstance(keeper, LeaseKeeper):
+        return keeper
+    # A forked child makes its own: the parent's thread does not exist there.
+    return DEFAULT_REGISTRY.local("keeper.fallback", LeaseKeeper)

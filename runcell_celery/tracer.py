@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .background import DEFAULT_REGISTRY
 from .version import __version__
 
 try:
@@ -49,8 +50,9 @@ elif hasattr(otel_trace, "_TRACER_PROVIDER"):
 else:  # an API that renamed its global: ask it every time (right, a little slower)
     _peek = otel_trace.get_tracer_provider
 
-#: (what _peek() returned, the tracer chosen then), replaced as one value.
-_cache: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_LOOKED, None)
+#: Before any lookup: (what _peek() returned, the tracer chosen then), kept in the
+#: DEFAULT_REGISTRY and replaced as one value.
+_UNKNOWN: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_LOOKED, None)
 
 
 def current_tracer() -> Tracer | None:
@@ -60,18 +62,17 @@ def current_tracer() -> Tracer | None:
     API's default proxy or a no-op provider. The answer is cached and looked at again
     when the API's provider changes.
     """
-    seen, tracer = _cache
+    seen, tracer = DEFAULT_REGISTRY.value("tracer", _UNKNOWN)
     if _peek() is seen:
         return tracer
     return _choose()
 
 
 def _choose() -> Tracer | None:
-    global _cache
     # get_tracer_provider() also loads a provider named by OTEL_PYTHON_TRACER_PROVIDER.
     provider = otel_trace.get_tracer_provider()
     tracer: Tracer | None = None
     if not isinstance(provider, otel_trace.ProxyTracerProvider | otel_trace.NoOpTracerProvider):
         tracer = provider.get_tracer("runcell_celery", __version__)
-    _cache = (_peek(), tracer)
+    DEFAULT_REGISTRY.put("tracer", (_peek(), tracer))
     return tracer

@@ -43,8 +43,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from .background import DEFAULT_REGISTRY
 from .errors import (
     ConcurrencyConfigError,
     ConcurrencyQueueFullError,
@@ -90,12 +92,14 @@ _FAILED_WAITS = frozenset(
     {"timed-out", "queue-full", "config-error", "limiter-error", "expired-before-start"}
 )
 #: Hold outcomes that end the provider call as a failure.
-_FAILED_HOLDS = {
-    "error": "the slot's body raised",
-    "timed-out": "the run's time budget ended while the slot was held",
-    "max-hold": "the slot was held past max_hold_ms",
-    "lease-lost": "the slot's lease was lost",
-}
+_FAILED_HOLDS = MappingProxyType(
+    {
+        "error": "the slot's body raised",
+        "timed-out": "the run's time budget ended while the slot was held",
+        "max-hold": "the slot was held past max_hold_ms",
+        "lease-lost": "the slot's lease was lost",
+    }
+)
 
 # -- the hooks the slot runtime calls ------------------------------------------------------
 
@@ -284,16 +288,12 @@ def _wait_outcome(exc: BaseException) -> str:
     return "limiter-error"
 
 
-_warned = False
-
-
 def _tracing_failed() -> None:
     """Log a tracing failure: as a warning the first time, then quietly."""
-    global _warned
-    if _warned:
+    if DEFAULT_REGISTRY.value("tracing.warned", False):
         logger.debug("recording a runcell span failed", exc_info=True)
         return
-    _warned = True
+    DEFAULT_REGISTRY.put("tracing.warned", True)
     logger.warning(
         "recording a runcell span failed (the slot is unaffected; later failures are "
         "logged at DEBUG)",

@@ -38,11 +38,12 @@ in files of its own, and the Django view or the exporter adds them up
 
 from __future__ import annotations
 
-import threading
+from types import MappingProxyType
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
+from ..background import DEFAULT_REGISTRY
 from ..events import ConcurrencyEvent, add_event_listener, remove_event_listener
 from ..keys import split_key_name
 from .catalog import BUCKETS_SECONDS, spec
@@ -50,11 +51,13 @@ from .catalog import BUCKETS_SECONDS, spec
 __all__ = ["EventMetrics", "install_event_metrics", "limiter_label", "uninstall_event_metrics"]
 
 _LOST_REASONS = frozenset({"renewal", "max-hold", "expired-before-start"})
-_ERROR_OPERATIONS = {
-    "limiter-error": "acquire",
-    "renewal-failed": "renew",
-    "release-failed": "release",
-}
+_ERROR_OPERATIONS = MappingProxyType(
+    {
+        "limiter-error": "acquire",
+        "renewal-failed": "renew",
+        "release-failed": "release",
+    }
+)
 
 
 def _counter(name: str, registry: CollectorRegistry | None) -> Counter:
@@ -147,10 +150,6 @@ def _seconds(ms: float | None) -> float:
     return max(0.0, (ms or 0.0) / 1000.0)
 
 
-_installed: EventMetrics | None = None
-_lock = threading.Lock()
-
-
 def install_event_metrics() -> EventMetrics:
     """Count this process's events into Prometheus metrics (once; later calls return
     the same :class:`EventMetrics`).
@@ -159,21 +158,21 @@ def install_event_metrics() -> EventMetrics:
     forks: the children inherit the listener. The metrics go into prometheus_client's
     default registry, or into ``PROMETHEUS_MULTIPROC_DIR`` when that is set.
     """
-    global _installed
-    with _lock:
-        if _installed is None:
-            metrics = EventMetrics()
-            add_event_listener(metrics.on_event)
-            _connect_deferrals(metrics)
-            _installed = metrics
-        return _installed
+    with DEFAULT_REGISTRY.lock("metrics.recorder"):
+        installed: EventMetrics | None = DEFAULT_REGISTRY.value("metrics.installed", None)
+        if installed is None:
+            installed = EventMetrics()
+            add_event_listener(installed.on_event)
+            _connect_deferrals(installed)
+            DEFAULT_REGISTRY.put("metrics.installed", installed)
+        return installed
 
 
 def uninstall_event_metrics() -> None:
     """Stop counting and unregister the metrics (tests; a process that reconfigures)."""
-    global _installed
-    with _lock:
-        metrics, _installed = _installed, None
+    with DEFAULT_REGISTRY.lock("metrics.recorder"):
+        metrics: EventMetrics | None = DEFAULT_REGISTRY.value("metrics.installed", None)
+        DEFAULT_REGISTRY.put("metrics.installed", None)
     if metrics is None:
         return
     remove_event_listener(metrics.on_event)
