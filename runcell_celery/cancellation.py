@@ -1,9 +1,7 @@
-"""Cancellation tokens: a ``threading.Event`` that also tells waiters when it is set.
+"""Cancellation tokens: a ``threading.Event`` that also calls back when it is set.
 
-A plain ``Event`` can only be polled. A waiting slot request, a held slot and a child
-run all need to react the moment a run is cancelled, so the token keeps callbacks and
-calls them from whichever thread sets it. It *is* a ``threading.Event``, so code that
-already passes events around (or calls ``wait()``) keeps working.
+Waiting requests, held slots and child runs must react the moment a run is cancelled,
+not poll; being an ``Event``, a token goes wherever events already do.
 """
 
 from __future__ import annotations
@@ -21,11 +19,8 @@ Callback = Callable[[], None]
 
 
 class CancellationToken(threading.Event):
-    """An event that cancels a run: set it (or call :meth:`cancel`) to stop waiting.
-
-    :param parents: tokens whose cancellation also cancels this one; a nested run
-        links its token to its parent's so cancelling the root reaches every child.
-    """
+    """An event that cancels a run, and is cancelled with any of ``parents`` (so
+    cancelling the root reaches every child run)."""
 
     def __init__(self, *parents: CancellationToken) -> None:
         super().__init__()
@@ -64,10 +59,7 @@ class CancellationToken(threading.Event):
         raise RuntimeError("a CancellationToken cannot be un-cancelled; create a new one")
 
     def add_callback(self, callback: Callback) -> Callback:
-        """Call ``callback`` on cancellation (at once if already cancelled).
-
-        :returns: a function that removes the callback again.
-        """
+        """Call ``callback`` on cancellation (at once if cancelled); return its remover."""
         with self._guard:
             if not self.is_set():
                 key = self._next_key

@@ -1,22 +1,16 @@
 """Limiter and workload settings, and every rule that makes them valid.
 
-All validation lives here so that the in-memory limiter, the PostgreSQL limiter, the
-Celery registry and Django's ``RUNCELL`` setting reject the same mistakes with the
-same words. A rejected setting raises :class:`ConcurrencyConfigError` whose message
-names the field (as a path into the settings), the value, and the rule it broke::
-
-    RUNCELL["LIMITERS"]["claude"]["workloads"]["background"]["max_concurrent"] = 10 is
-    invalid: a workload's ceiling must not exceed the limiter's max_concurrent (8)
-
-Unknown keys are errors with a did-you-mean hint, never silently ignored: a typo in a
-limit is a limit that does not hold.
+One place, so every backend and settings source rejects the same mistakes with the
+same words: the field's path, the value and the rule, e.g. ``RUNCELL["LIMITERS"]
+["claude"]["workloads"]["bg"]["max_concurrent"] = 10 is invalid: ...``. Unknown keys
+are errors with a did-you-mean hint: a typo in a limit is a limit that does not hold.
 """
 
 from __future__ import annotations
 
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -39,41 +33,27 @@ __all__ = [
 ]
 
 DEFAULT_WORKLOAD = "default"
-#: The largest count a limit may hold: PostgreSQL's ``integer``, in which the
-#: PostgreSQL limiter stores limits (2**31 - 1).
+#: The largest count or duration (ms, about 24.8 days) a limit may hold: PostgreSQL's
+#: ``integer``. Longer budgets and waits are "no limit": ``None``.
 MAX_INT = 2**31 - 1
-#: The longest duration a setting may hold, in milliseconds (the same integer:
-#: about 24.8 days). Budgets and waits longer than that are "no limit": ``None``.
 MAX_DURATION_MS = MAX_INT
 DEFAULT_LEASE_TTL_MS = 30_000
-#: How long a grant to a parked request waits for its re-published task to claim it
-#: before it passes to the next in line (``runcell_allocate_v4`` has the same default).
+#: How long a grant to a parked request waits for its task to claim it before it
+#: passes on; below the minimum a healthy hand-off (publish, deliver, claim) misses it.
 DEFAULT_CLAIM_WINDOW_MS = 5_000
-#: The shortest claim window: below it a healthy hand-off (publish, deliver, claim)
-#: would miss its grant.
 MIN_CLAIM_WINDOW_MS = 100
 MAX_NAME_LENGTH = 200
-#: Between a keyed limiter's name and a key, in the name of the key's limiter
-#: (``"tenant:acme"``): keyed limiters' names may not contain it; keys may.
+#: Between a keyed limiter's name and a key (``"tenant:acme"``).
 KEY_SEPARATOR = ":"
 
-#: How a limiter orders waiting requests of the same workload (and the same
-#: in-progress group): ``"fifo"`` by arrival; ``"round_robin"`` the i-th waiting request
-#: of every key before any key's (i+1)-th (see :mod:`runcell_celery.allocation`).
+#: How waiting requests of one workload are ordered: by arrival, or the i-th of every
+#: key before any key's (i+1)-th (:mod:`runcell_celery.allocation`).
 Fairness = Literal["fifo", "round_robin"]
 _FAIRNESS_VALUES: tuple[str, ...] = get_args(Fairness)
 
 _LIMITER_OPTIONS = (
-    "max_concurrent",
-    "max_queued",
-    "workloads",
-    "default_workload",
-    "name",
-    "lease_ttl_ms",
-    "max_hold_ms",
-    "claim_window_ms",
-    "fairness",
-    "keyed",
+    *("max_concurrent", "max_queued", "workloads", "default_workload", "name"),
+    *("lease_ttl_ms", "max_hold_ms", "claim_window_ms", "fairness", "keyed"),
 )
 _WORKLOAD_OPTIONS = ("max_concurrent", "reserved", "priority", "max_wait_ms")
 
@@ -81,11 +61,8 @@ FieldPath = tuple[str, ...]
 
 
 class _InvalidSettingError(ConcurrencyConfigError):
-    """A :class:`ConcurrencyConfigError` that remembers which field it is about.
-
-    ``from_mapping`` re-raises it with the caller's settings path in front, so a
-    message read in a Django traceback points at the exact key in ``settings.py``.
-    """
+    """Remembers its field, so ``from_mapping`` re-raises it with the caller's settings
+    path in front (the exact key in ``settings.py``)."""
 
     def __init__(self, path: FieldPath, value: object, rule: str, *, prefix: str = "") -> None:
         self.path = path
@@ -133,11 +110,8 @@ def _bound_note(maximum: int) -> str:
 def check_duration_ms(
     value: object, *, field: str, allow_zero: bool = False, maximum: int = MAX_DURATION_MS
 ) -> float:
-    """Validate a duration in milliseconds given in code (a budget, a wait).
-
-    :raises ConcurrencyConfigError: not a finite number within ``0 < value <= maximum``
-        (``0`` allowed with ``allow_zero``), naming ``field`` and the bound.
-    """
+    """Return a duration in ms given in code if it is a number in ``(0, maximum]``
+    (``0`` too with ``allow_zero``), else raise naming ``field`` and the bound."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
         raise ConcurrencyConfigError(f"{field} = {value!r} is invalid: must be a number")
     if value < 0 or (value == 0 and not allow_zero):
@@ -160,9 +134,8 @@ UNSTORABLE_RULE = "control characters (such as NUL) or lone surrogates"
 
 
 def has_unstorable(text: str) -> bool:
-    """Whether ``text`` holds a character a name or a key may not: a control character
-    (NUL cannot be stored in PostgreSQL ``text``; the others break log lines and
-    headers) or a lone surrogate (it has no UTF-8 encoding)."""
+    """Whether ``text`` holds a control character (NUL cannot be stored in PostgreSQL;
+    the others break logs and headers) or a lone surrogate (no UTF-8 encoding)."""
     return not text.isprintable() and any(unicodedata.category(ch) in ("Cc", "Cs") for ch in text)
 
 
@@ -193,13 +166,11 @@ def _check_keys(path: FieldPath, options: Mapping[str, Any], allowed: tuple[str,
 class WorkloadConfig:
     """One named share of a limiter's capacity.
 
-    :param max_concurrent: ceiling for this workload; ``None`` means the limiter's.
-    :param reserved: slots only this workload may use, counted inside the limiter's
-        ``max_concurrent``. Reservations are strict: they are never lent, even idle.
-    :param priority: higher values are served first among workloads with room.
-    :param max_wait_ms: longest time a request waits for a slot; the run's remaining
-        ``timeout_ms`` can make it shorter. ``0`` never waits; ``None`` waits as long
-        as the run's budget allows.
+    :param max_concurrent: this workload's ceiling; ``None``: the limiter's.
+    :param reserved: slots only this workload may use (never lent, even idle).
+    :param priority: higher is served first among workloads with room.
+    :param max_wait_ms: longest wait for a slot (``0``: never waits; ``None``: as long
+        as the run's budget allows).
     """
 
     max_concurrent: int | None = None
@@ -221,20 +192,13 @@ class WorkloadConfig:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> WorkloadConfig:
-        """Build from a settings dict, rejecting unknown keys."""
         if not isinstance(options, Mapping):
             raise _InvalidSettingError((), options, "a workload's settings must be a dict")
         _check_keys((), options, _WORKLOAD_OPTIONS)
         return cls(**options)
 
     def to_dict(self) -> dict[str, int | None]:
-        """Return the settings as plain JSON-compatible values."""
-        return {
-            "max_concurrent": self.max_concurrent,
-            "reserved": self.reserved,
-            "priority": self.priority,
-            "max_wait_ms": self.max_wait_ms,
-        }
+        return {name: getattr(self, name) for name in _WORKLOAD_OPTIONS}
 
 
 def _single_default() -> Mapping[str, WorkloadConfig]:
@@ -243,26 +207,16 @@ def _single_default() -> Mapping[str, WorkloadConfig]:
 
 @dataclass(frozen=True, slots=True)
 class LimiterConfig:
-    """The limits one limiter enforces, validated and with every default resolved.
+    """The limits one limiter enforces, validated, every default resolved.
 
-    :param max_concurrent: most provider requests in flight at once.
-    :param max_queued: most requests that may wait; more fail with
-        :class:`~runcell_celery.errors.ConcurrencyQueueFullError`. ``None``: no limit.
-    :param workloads: named workloads sharing the capacity; omitted means a single
-        ``"default"`` workload. Each workload's ``max_concurrent`` is resolved to a
-        number (the limiter's when it was omitted).
-    :param default_workload: workload for requests that select none. Defaults to
-        ``"default"`` if it exists, else to the only workload, else ``None`` (then
-        every run must select one).
-    :param name: name in events, errors and the database. Defaults to ``"default"``.
-    :param lease_ttl_ms: how long a slot stays valid without renewal. The runtime
-        renews held slots automatically, about every third of this.
-    :param max_hold_ms: longest a slot may be held; past it the hold ends as a lost
-        lease (accounting protection for calls that never return). ``None``: no limit.
-    :param keyed: a limit per key (a tenant, an API key): every key gets these limits
-        of its own, through ``limiter.key("acme")`` (:mod:`runcell_celery.keys`). A
-        keyed limiter's name may not contain ``":"``, which separates it from the key
-        in the name of a key's limiter.
+    :param max_queued: most requests that may wait (``None``: no limit).
+    :param workloads: named shares of the capacity (omitted: one ``"default"``).
+    :param default_workload: for requests that select none: ``"default"`` if it
+        exists, else the only workload, else ``None`` (each run must select one).
+    :param lease_ttl_ms: how long a slot stays valid unrenewed (renewed every third).
+    :param max_hold_ms: past it the hold ends as a lost lease (``None``: no limit).
+    :param keyed: these limits for every key (``limiter.key("acme")``), so the name
+        may not contain ``":"``.
     """
 
     max_concurrent: int
@@ -312,7 +266,6 @@ class LimiterConfig:
 
     @property
     def claim_window(self) -> int:
-        """``claim_window_ms``, resolved (never ``None``)."""
         return self.claim_window_ms or self._default_claim_window_ms()
 
     def _resolve_workloads(self) -> Mapping[str, WorkloadConfig]:
@@ -350,14 +303,9 @@ class LimiterConfig:
                     workload.reserved,
                     f"must not exceed the limiter's max_concurrent ({self.max_concurrent})",
                 )
-            if ceiling is None:
-                workload = WorkloadConfig(
-                    max_concurrent=self.max_concurrent,
-                    reserved=workload.reserved,
-                    priority=workload.priority,
-                    max_wait_ms=workload.max_wait_ms,
-                )
-            resolved[name] = workload
+            resolved[name] = (
+                workload if ceiling else replace(workload, max_concurrent=self.max_concurrent)
+            )
         total_reserved = sum(w.reserved for w in resolved.values())
         if total_reserved > self.max_concurrent:
             parts = " + ".join(f"{n} {w.reserved}" for n, w in resolved.items() if w.reserved)
@@ -389,13 +337,8 @@ class LimiterConfig:
     def from_mapping(
         cls, options: Mapping[str, Any], *, name: str | None = None, path: str = ""
     ) -> LimiterConfig:
-        """Build from a settings dict such as one entry of ``RUNCELL["LIMITERS"]``.
-
-        :param options: the limiter's settings, snake_case keys.
-        :param name: the limiter's name when it is the settings key, not an option.
-        :param path: how the caller's settings spell this dict, e.g.
-            ``RUNCELL["LIMITERS"]["claude"]``; errors start with it.
-        """
+        """Build from a settings dict (one entry of ``RUNCELL["LIMITERS"]``, named
+        ``name`` by its key); errors start with ``path``."""
         try:
             if not isinstance(options, Mapping):
                 raise _InvalidSettingError((), options, "a limiter's settings must be a dict")
@@ -434,18 +377,13 @@ class LimiterConfig:
         return workload
 
     def ceiling(self, workload: str) -> int:
-        """Return the most slots ``workload`` may hold at once."""
         ceiling = self.workloads[workload].max_concurrent
         assert ceiling is not None  # resolved in __post_init__
         return ceiling
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the limits as JSON-compatible values (what workers compare and store).
-
-        ``claim_window_ms``, ``fairness`` and ``keyed`` are left out at their defaults, so limits
-        stored before they existed keep their hash (workers of both versions agree
-        during an upgrade).
-        """
+        """The limits as JSON values (what workers compare and store); options newer
+        than the first schema are left out at their defaults, keeping old hashes."""
         out: dict[str, Any] = {
             "name": self.name,
             "max_concurrent": self.max_concurrent,
@@ -464,7 +402,7 @@ class LimiterConfig:
         return out
 
     def differences(self, other: LimiterConfig) -> list[str]:
-        """Name the fields whose values differ from ``other``'s, as dotted paths."""
+        """The dotted paths of the fields whose values differ from ``other``'s."""
         return _diff(self.to_dict(), other.to_dict(), "")
 
 
@@ -481,27 +419,20 @@ def limiter_config(
     fairness: Fairness = "fifo",
     keyed: bool = False,
 ) -> LimiterConfig:
-    """Build limits from the keyword arguments the limiter factories take.
-
-    Workloads may be given as dicts; omitted workloads mean one ``"default"`` one.
-    """
-    options: dict[str, Any] = {
-        "max_concurrent": max_concurrent,
-        "max_queued": max_queued,
-        "default_workload": default_workload,
-        "name": name,
-        "lease_ttl_ms": lease_ttl_ms,
-        "max_hold_ms": max_hold_ms,
-    }
-    if claim_window_ms is not None:
-        options["claim_window_ms"] = claim_window_ms
-    if fairness != "fifo":
-        options["fairness"] = fairness
-    if keyed:
-        options["keyed"] = keyed
-    if workloads is not None:
-        options["workloads"] = workloads
-    return LimiterConfig.from_mapping(options)
+    """Build limits from the limiter factories' keyword arguments (workloads may be dicts)."""
+    extra: dict[str, Any] = {} if workloads is None else {"workloads": workloads}
+    return LimiterConfig(
+        max_concurrent,
+        max_queued,
+        default_workload=default_workload,
+        name=name,
+        lease_ttl_ms=lease_ttl_ms,
+        max_hold_ms=max_hold_ms,
+        claim_window_ms=claim_window_ms,
+        fairness=fairness,
+        keyed=keyed,
+        **extra,
+    )
 
 
 def _diff(mine: Any, theirs: Any, path: str) -> list[str]:

@@ -1,10 +1,5 @@
-"""Is anyone tracing? The one question the core asks of OpenTelemetry.
-
-:func:`current_tracer` is the tracer for runcell's spans, or ``None`` when nobody
-traces: without ``opentelemetry-api``, and while the global tracer provider is the
-API's default proxy or a no-op provider. The spans themselves are built by
-:mod:`runcell_celery.tracing`; a request asks only this module whether to find its place
-in line, so it knows nothing of spans.
+"""Is anyone tracing? The one question the core asks of OpenTelemetry (the spans are
+:mod:`runcell_celery.tracing`'s; a request asks here whether to find its place in line).
 """
 
 from __future__ import annotations
@@ -26,8 +21,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 __all__ = ["OTEL_AVAILABLE", "current_tracer"]
-
-# -- is anyone tracing? ------------------------------------------------------------------
 
 _NOT_LOOKED = object()
 
@@ -56,12 +49,8 @@ _UNKNOWN: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_L
 
 
 def current_tracer() -> Tracer | None:
-    """The tracer for runcell's spans, or ``None`` when nobody traces (no spans at all).
-
-    ``None`` without ``opentelemetry-api``, and while the global tracer provider is the
-    API's default proxy or a no-op provider. The answer is cached and looked at again
-    when the API's provider changes.
-    """
+    """The tracer for runcell's spans; ``None`` without ``opentelemetry-api`` or while
+    the provider is the API's proxy or a no-op (cached until the provider changes)."""
     seen, tracer = DEFAULT_REGISTRY.value("tracer", _UNKNOWN)
     if _peek() is seen:
         return tracer
