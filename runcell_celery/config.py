@@ -78,19 +78,16 @@ class _InvalidSettingError(ConcurrencyConfigError):
 def _render_path(prefix: str, path: FieldPath) -> str:
     if not path:
         return prefix or "limiter settings"
-    head = prefix if prefix else path[0]
-    rest = path if prefix else path[1:]
-    return head + "".join(f'["{_printable(part)}"]' for part in rest)
-
-
-def _printable(part: str) -> str:
-    """A settings key as a path shows it, with control characters escaped."""
-    return part if part.isprintable() else repr(part)[1:-1]
+    head, rest = (prefix, path) if prefix else (path[0], path[1:])
+    # Control characters of a key escaped, so the message prints on one line.
+    return head + "".join(f'["{p if p.isprintable() else repr(p)[1:-1]}"]' for p in rest)
 
 
 def _check_int(
-    path: FieldPath, value: object, *, minimum: int | None, maximum: int = MAX_INT
-) -> int:
+    path: FieldPath, value: object, *, minimum: int | None, optional: bool = False
+) -> int | None:
+    if value is None and optional:
+        return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _InvalidSettingError(path, value, "must be an integer")
     if minimum is not None and value < minimum:
@@ -98,13 +95,10 @@ def _check_int(
         raise _InvalidSettingError(path, value, rule)
     if minimum is None and value < -MAX_INT - 1:
         raise _InvalidSettingError(path, value, f"must be at least {-MAX_INT - 1}")
-    if value > maximum:
-        raise _InvalidSettingError(path, value, f"must be at most {maximum}{_bound_note(maximum)}")
+    if value > MAX_INT:
+        days = " (about 24.8 days)" if path[-1].endswith("_ms") else ""
+        raise _InvalidSettingError(path, value, f"must be at most {MAX_INT}{days}")
     return value
-
-
-def _bound_note(maximum: int) -> str:
-    return " (about 24.8 days)" if maximum == MAX_DURATION_MS else ""
 
 
 def check_duration_ms(
@@ -120,13 +114,9 @@ def check_duration_ms(
     if value > maximum:
         raise ConcurrencyConfigError(
             f"{field} = {value!r} is invalid: must be at most {maximum} ms"
-            f"{_bound_note(maximum)}; use None for no limit"
+            f"{' (about 24.8 days)' if maximum == MAX_DURATION_MS else ''}; use None for no limit"
         )
     return float(value)
-
-
-def _check_optional_int(path: FieldPath, value: object, *, minimum: int) -> int | None:
-    return None if value is None else _check_int(path, value, minimum=minimum)
 
 
 #: What names and keys may not hold, as messages say it.
@@ -147,12 +137,6 @@ def _check_name(path: FieldPath, value: object) -> str:
     if has_unstorable(value):
         raise _InvalidSettingError(path, value, f"must not contain {UNSTORABLE_RULE}")
     return value
-
-
-def _check_fairness(value: object) -> None:
-    if not isinstance(value, str) or value not in _FAIRNESS_VALUES:
-        hint = did_you_mean(str(value), _FAIRNESS_VALUES)
-        raise _InvalidSettingError(("fairness",), value, f"unknown fairness; {hint}")
 
 
 def _check_keys(path: FieldPath, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -179,10 +163,10 @@ class WorkloadConfig:
     max_wait_ms: int | None = None
 
     def __post_init__(self) -> None:
-        _check_optional_int(("max_concurrent",), self.max_concurrent, minimum=1)
+        _check_int(("max_concurrent",), self.max_concurrent, minimum=1, optional=True)
         _check_int(("reserved",), self.reserved, minimum=0)
         _check_int(("priority",), self.priority, minimum=None)
-        _check_optional_int(("max_wait_ms",), self.max_wait_ms, minimum=0)
+        _check_int(("max_wait_ms",), self.max_wait_ms, minimum=0, optional=True)
         if self.max_concurrent is not None and self.reserved > self.max_concurrent:
             raise _InvalidSettingError(
                 ("reserved",),
@@ -191,7 +175,9 @@ class WorkloadConfig:
             )
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any]) -> WorkloadConfig:
+    def from_mapping(cls, options: Mapping[str, Any] | WorkloadConfig) -> WorkloadConfig:
+        if isinstance(options, WorkloadConfig):
+            return options
         if not isinstance(options, Mapping):
             raise _InvalidSettingError((), options, "a workload's settings must be a dict")
         _check_keys((), options, _WORKLOAD_OPTIONS)
@@ -232,7 +218,9 @@ class LimiterConfig:
 
     def __post_init__(self) -> None:
         _check_name(("name",), self.name)
-        _check_fairness(self.fairness)
+        if not isinstance(self.fairness, str) or self.fairness not in _FAIRNESS_VALUES:
+            hint = did_you_mean(str(self.fairness), _FAIRNESS_VALUES)
+            raise _InvalidSettingError(("fairness",), self.fairness, f"unknown fairness; {hint}")
         if not isinstance(self.keyed, bool):
             raise _InvalidSettingError(("keyed",), self.keyed, "must be True or False")
         if self.keyed and KEY_SEPARATOR in self.name:
@@ -243,14 +231,14 @@ class LimiterConfig:
                 "the name from the key)",
             )
         _check_int(("max_concurrent",), self.max_concurrent, minimum=1)
-        _check_optional_int(("max_queued",), self.max_queued, minimum=0)
+        _check_int(("max_queued",), self.max_queued, minimum=0, optional=True)
         _check_int(("lease_ttl_ms",), self.lease_ttl_ms, minimum=1)
-        _check_optional_int(("max_hold_ms",), self.max_hold_ms, minimum=1)
+        _check_int(("max_hold_ms",), self.max_hold_ms, minimum=1, optional=True)
         if self.claim_window_ms is None:
             object.__setattr__(self, "claim_window_ms", self._default_claim_window_ms())
         elif (
             _check_int(("claim_window_ms",), self.claim_window_ms, minimum=MIN_CLAIM_WINDOW_MS)
-            > self.lease_ttl_ms
+            and self.claim_window_ms > self.lease_ttl_ms
         ):
             raise _InvalidSettingError(
                 ("claim_window_ms",),
@@ -283,26 +271,18 @@ class LimiterConfig:
             path = ("workloads", str(name))
             _check_name(path, name)
             try:
-                if isinstance(given, WorkloadConfig):
-                    workload = given
-                else:
-                    workload = WorkloadConfig.from_mapping(given)
+                workload = WorkloadConfig.from_mapping(given)
             except _InvalidSettingError as exc:
                 raise _InvalidSettingError((*path, *exc.path), exc.value, exc.rule) from None
             ceiling = workload.max_concurrent
-            if ceiling is not None and ceiling > self.max_concurrent:
-                raise _InvalidSettingError(
-                    (*path, "max_concurrent"),
-                    ceiling,
-                    f"a workload's ceiling must not exceed the limiter's max_concurrent "
-                    f"({self.max_concurrent})",
-                )
-            if workload.reserved > self.max_concurrent:
-                raise _InvalidSettingError(
-                    (*path, "reserved"),
-                    workload.reserved,
-                    f"must not exceed the limiter's max_concurrent ({self.max_concurrent})",
-                )
+            for option, count, what in (
+                ("max_concurrent", ceiling, "a workload's ceiling "),
+                ("reserved", workload.reserved, ""),
+            ):
+                if count is not None and count > self.max_concurrent:
+                    most = self.max_concurrent
+                    rule = f"{what}must not exceed the limiter's max_concurrent ({most})"
+                    raise _InvalidSettingError((*path, option), count, rule)
             resolved[name] = (
                 workload if ceiling else replace(workload, max_concurrent=self.max_concurrent)
             )
