@@ -47,13 +47,11 @@ class BackgroundLoop(Generic[O]):
         self._lock = threading.Lock()
 
     @property
-    def stopping(self) -> threading.Event:
-        """Set once :meth:`stop` was called (steps may wait on it instead of sleeping)."""
+    def stopping(self) -> threading.Event:  # steps may wait on it instead of sleeping
         return self._stop
 
     def start(self) -> None:
-        """Start the thread in this process unless it runs here (after ``fork``, the
-        child's own)."""
+        """Start the thread unless it runs in this process (after ``fork``: the child's)."""
         pid = os.getpid()
         with self._lock:
             if self._thread is not None and self._pid == pid and not self._stop.is_set():
@@ -64,7 +62,7 @@ class BackgroundLoop(Generic[O]):
             self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Ask the loop to end after its current step; wait up to ``timeout`` for it."""
+        """End the loop after its current step; wait up to ``timeout`` for it."""
         self._stop.set()
         thread = self._thread
         if timeout is not None and thread is not None and thread is not threading.current_thread():
@@ -123,12 +121,11 @@ class ProcessLocal(Generic[T]):
             return self._value
 
     def peek(self) -> T | None:
-        """This process's instance if it was made, else ``None`` (makes nothing)."""
+        """This process's instance if it was made (makes nothing)."""
         return self._value if self._pid == os.getpid() else None
 
     def discard(self) -> T | None:
-        """Forget this process's instance and return it for the caller to close
-        (``None`` when none was made here); the next :meth:`get` makes a new one."""
+        """Forget this process's instance and return it for the caller to close."""
         with self._lock:
             if self._value is None or self._pid != os.getpid():
                 return None
@@ -172,7 +169,6 @@ class ProcessRegistry:
         return found.get()  # type: ignore[no-any-return]
 
     def lock(self, name: str) -> threading.Lock:
-        """The lock called ``name``."""
         found = self._locks.get(name)
         if found is None:
             with self._lock:
@@ -184,7 +180,7 @@ class ProcessRegistry:
         return self._values.get(name, default)  # type: ignore[no-any-return]
 
     def put(self, name: str, value: object) -> None:
-        self._values[name] = value
+        self._values[name] = value  # one store: readers never see half a value
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.RLock()

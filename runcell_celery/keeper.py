@@ -10,6 +10,7 @@ dropped hold stops being renewed and its lease expires.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -112,7 +113,7 @@ class LeaseKeeper:
         self.clock = clock
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
-        self._next_key = 0
+        self._keys = itertools.count()
         self._wake_at = math.inf
         self._loop = BackgroundLoop("runcell-lease-keeper", self, LeaseKeeper._step)
         self._started = False
@@ -128,9 +129,7 @@ class LeaseKeeper:
         and fire ``deadline``; return a key for :meth:`forget`."""
         entry = _Entry(holder, ttl_ms / 1000, self.clock.monotonic(), deadline, valid_until)
         with self._cond:
-            key = self._next_key
-            self._next_key += 1
-            self._entries[key] = entry
+            self._entries[key := next(self._keys)] = entry
             if not self._started:
                 self._started = True
                 self._loop.start()
@@ -147,15 +146,14 @@ class LeaseKeeper:
             return len(self._entries)
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the keeper's loop (its leases are then left to expire)."""
+        """End the keeper's loop (its leases are left to expire)."""
         self._loop.stop()
         with self._cond:
             self._cond.notify()
         self._loop.stop(timeout)
 
     def _step(self) -> float:
-        # The step blocks on the condition until something is due: no pause after it.
-        self.service()
+        self.service()  # blocks on the condition until something is due
         return 0.0
 
     def _wait_for_due(self) -> list[tuple[int, _Entry]]:

@@ -36,7 +36,7 @@ MAX_KEY_LENGTH = 128
 def check_key(limiter: str, key: object, *, argument: str | None = None) -> str:
     """Return ``key`` if it may name a key of ``limiter``, else raise naming it (and
     ``argument``, where it was given)."""
-    problem = _key_problem(key) or _room_problem(limiter, key)
+    problem = _key_problem(key) or _room_problem(limiter, str(key))
     if problem is not None:
         where = f"{argument}: " if argument else ""
         raise ConcurrencyConfigError(
@@ -90,15 +90,14 @@ def _key_problem(key: object) -> str | None:
     return None
 
 
-def _room_problem(limiter: str, key: object) -> str | None:
-    assert isinstance(key, str)
+def _room_problem(limiter: str, key: str) -> str | None:
     room = MAX_NAME_LENGTH - len(limiter) - len(KEY_SEPARATOR)
-    if len(key) > room:
-        return (
-            f"with the limiter's name it would make a name longer than {MAX_NAME_LENGTH} "
-            f"characters: keys of this limiter may have at most {max(room, 0)}"
-        )
-    return None
+    if len(key) <= room:
+        return None
+    return (
+        f"with the limiter's name it would make a name longer than {MAX_NAME_LENGTH} "
+        f"characters: keys of this limiter may have at most {max(room, 0)}"
+    )
 
 
 def key_limiter_name(limiter: str, key: str) -> str:
@@ -117,11 +116,8 @@ def key_name_clash(
 ) -> ConcurrencyConfigError:
     """The error for a limiter ``plain`` named like key ``key`` of the keyed limiter
     ``keyed``; ``stored`` says which was in the database first."""
-    there = ""
-    if stored == "keyed":
-        there = f" (the keyed limiter {keyed!r} is stored already)"
-    elif stored == "limiter":
-        there = f" (the limiter {plain!r} is stored already)"
+    first = {"keyed": f"the keyed limiter {keyed!r}", "limiter": f"the limiter {plain!r}"}
+    there = f" ({first[stored]} is stored already)" if stored else ""
     return ConcurrencyConfigError(
         f"limiter {plain!r} is named like key {key!r} of the keyed limiter {keyed!r}"
         f"{there}: both would be one limiter, so {keyed}.key({key!r}) could never be "

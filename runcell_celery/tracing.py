@@ -108,8 +108,7 @@ def start_hold(
         leases = tuple(hold.leases)
         if waited_ms is None:
             _record_wait(asked, started, "granted", tracer=tracer, leases=leases)
-        attributes = _attributes(asked)
-        attributes.update(_lease_attributes(leases))
+        attributes = _attributes(asked, leases)
         if waited_ms is not None:
             attributes["runcell.preadmitted"] = True
         return HoldSpan(tracer.start_span(HOLD_SPAN, attributes=attributes))
@@ -169,10 +168,19 @@ def _build_wait(
     parked: Parked | None,
 ) -> None:
     start_ns = time.time_ns() - int((time.monotonic() - started) * 1e9)
-    attributes = _attributes(asked)
+    attributes = _attributes(asked, leases)
     attributes["runcell.outcome"] = outcome
-    attributes.update(_lease_attributes(leases))
-    attributes.update(_place_attributes(asked, parked))
+    # Where the request joined the line, as the wait or the deferral's answer told it.
+    if parked is not None and parked.place is not None:
+        place, expected = parked.place, parked.expected_wait_ms
+    elif asked.place is not None:
+        place, expected = asked.place.place, asked.place.expected_wait_ms
+    else:
+        place = expected = None
+    if place is not None:
+        attributes["runcell.queue.place"] = place
+    if expected is not None:
+        attributes["runcell.queue.expected_wait_ms"] = expected
     if error is not None and outcome in _FAILED_WAITS:
         attributes["error.type"] = type(error).__qualname__
     span = tracer.start_span(WAIT_SPAN, start_time=start_ns, attributes=attributes)
@@ -182,10 +190,9 @@ def _build_wait(
     span.end()
 
 
-def _attributes(asked: SlotRequest) -> dict[str, AttributeValue]:
+def _attributes(asked: SlotRequest, leases: Sequence[Lease]) -> dict[str, AttributeValue]:
     request = asked.request
     names = list(asked.names())
-    workloads = [r.workload for r in asked.requests]
     if asked.several:
         key = asked.key
     else:
@@ -194,49 +201,29 @@ def _attributes(asked: SlotRequest) -> dict[str, AttributeValue]:
         "runcell.limiter": names[0],
         "runcell.limiters": names,
         "runcell.workload": request.workload,
-        "runcell.workloads": workloads,
+        "runcell.workloads": [r.workload for r in asked.requests],
         "runcell.request_id": request.request_id,
         "runcell.run_id": request.lineage.run_id,
     }
     if key is not None:
         attributes["runcell.key"] = key
+    if leases:
+        attributes["runcell.lease_id"] = leases[0].lease_id
+        attributes["runcell.fencing_token"] = leases[0].fencing_token
+        attributes["runcell.fencing_tokens"] = [lease.fencing_token for lease in leases]
     return attributes
-
-
-def _place_attributes(asked: SlotRequest, parked: Parked | None) -> dict[str, AttributeValue]:
-    """Where the request joined the line, as the wait or the deferral's answer told it."""
-    if parked is not None and parked.place is not None:
-        place, expected = parked.place, parked.expected_wait_ms
-    elif asked.place is not None:
-        place, expected = asked.place.place, asked.place.expected_wait_ms
-    else:
-        return {}
-    attributes: dict[str, AttributeValue] = {"runcell.queue.place": place}
-    if expected is not None:
-        attributes["runcell.queue.expected_wait_ms"] = expected
-    return attributes
-
-
-def _lease_attributes(leases: Sequence[Lease]) -> dict[str, AttributeValue]:
-    if not leases:
-        return {}
-    return {
-        "runcell.lease_id": leases[0].lease_id,
-        "runcell.fencing_token": leases[0].fencing_token,
-        "runcell.fencing_tokens": [lease.fencing_token for lease in leases],
-    }
 
 
 def _wait_outcome(exc: BaseException) -> str:
-    if isinstance(exc, ConcurrencyTimeoutError):
-        return "timed-out"
-    if isinstance(exc, ConcurrencyQueueFullError):
-        return "queue-full"
-    if isinstance(exc, ConcurrencyConfigError):
-        return "config-error"
-    if is_interrupt(exc):  # a cancel, SIGTERM, Celery's SoftTimeLimitExceeded...
-        return "cancelled"
-    return "limiter-error"
+    for kind, outcome in (
+        (ConcurrencyTimeoutError, "timed-out"),
+        (ConcurrencyQueueFullError, "queue-full"),
+        (ConcurrencyConfigError, "config-error"),
+    ):
+        if isinstance(exc, kind):
+            return outcome
+    # A cancel, SIGTERM, Celery's SoftTimeLimitExceeded...
+    return "cancelled" if is_interrupt(exc) else "limiter-error"
 
 
 def _tracing_failed() -> None:
