@@ -50,12 +50,10 @@ class CancellationToken(threading.Event):
             except Exception:  # a callback must not stop the others
                 logger.exception("cancellation callback %r failed", callback)
 
-    def set(self) -> None:
-        """Same as :meth:`cancel`, so the token can stand in for an ``Event``."""
+    def set(self) -> None:  # so the token stands in for an Event
         self.cancel()
 
-    def clear(self) -> None:
-        """Refuse: a cancelled run stays cancelled."""
+    def clear(self) -> None:  # a cancelled run stays cancelled
         raise RuntimeError("a CancellationToken cannot be un-cancelled; create a new one")
 
     def add_callback(self, callback: Callback) -> Callback:

@@ -364,15 +364,9 @@ class LimiterConfig:
     def to_dict(self) -> dict[str, Any]:
         """The limits as JSON values (what workers compare and store); options newer
         than the first schema are left out at their defaults, keeping old hashes."""
-        out: dict[str, Any] = {
-            "name": self.name,
-            "max_concurrent": self.max_concurrent,
-            "max_queued": self.max_queued,
-            "default_workload": self.default_workload,
-            "lease_ttl_ms": self.lease_ttl_ms,
-            "max_hold_ms": self.max_hold_ms,
-            "workloads": {n: w.to_dict() for n, w in sorted(self.workloads.items())},
-        }
+        first = ("name", "max_concurrent", "max_queued", "default_workload", "lease_ttl_ms")
+        out: dict[str, Any] = {key: getattr(self, key) for key in (*first, "max_hold_ms")}
+        out["workloads"] = {n: w.to_dict() for n, w in sorted(self.workloads.items())}
         if self.claim_window != self._default_claim_window_ms():
             out["claim_window_ms"] = self.claim_window
         if self.fairness != "fifo":

@@ -55,20 +55,10 @@ class ConcurrencyError(Exception):
         self.parent_run_id = parent_run_id
         self.request_id = request_id
 
-    def __reduce__(self) -> tuple[object, ...]:
-        # Keep the fields across processes (Celery results): pickling passes only args.
-        return (_rebuild, (type(self), self.message, self.fields()))
-
     def fields(self) -> dict[str, str | None]:
         """The identifying fields, for logs and events."""
         names = ("limiter", "workload", "run_id", "root_run_id", "parent_run_id", "request_id")
         return {name: getattr(self, name) for name in names}
-
-
-def _rebuild(
-    cls: type[ConcurrencyError], message: str, fields: dict[str, str | None]
-) -> ConcurrencyError:
-    return cls(message, **fields)
 
 
 class ConcurrencyTimeoutError(ConcurrencyError):

@@ -43,8 +43,7 @@ elif hasattr(otel_trace, "_TRACER_PROVIDER"):
 else:  # an API that renamed its global: ask it every time (right, a little slower)
     _peek = otel_trace.get_tracer_provider
 
-#: Before any lookup: (what _peek() returned, the tracer chosen then), kept in the
-#: DEFAULT_REGISTRY and replaced as one value.
+#: (what _peek() returned, the tracer chosen then) before any lookup.
 _UNKNOWN: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_LOOKED, None)
 
 
@@ -54,13 +53,9 @@ def current_tracer() -> Tracer | None:
     seen, tracer = DEFAULT_REGISTRY.value("tracer", _UNKNOWN)
     if _peek() is seen:
         return tracer
-    return _choose()
-
-
-def _choose() -> Tracer | None:
     # get_tracer_provider() also loads a provider named by OTEL_PYTHON_TRACER_PROVIDER.
     provider = otel_trace.get_tracer_provider()
-    tracer: Tracer | None = None
+    tracer = None
     if not isinstance(provider, otel_trace.ProxyTracerProvider | otel_trace.NoOpTracerProvider):
         tracer = provider.get_tracer("runcell_celery", __version__)
     DEFAULT_REGISTRY.put("tracer", (_peek(), tracer))

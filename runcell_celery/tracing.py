@@ -171,12 +171,12 @@ def _build_wait(
     attributes = _attributes(asked, leases)
     attributes["runcell.outcome"] = outcome
     # Where the request joined the line, as the wait or the deferral's answer told it.
+    place: int | None = None
+    expected: float | None = None
     if parked is not None and parked.place is not None:
         place, expected = parked.place, parked.expected_wait_ms
     elif asked.place is not None:
         place, expected = asked.place.place, asked.place.expected_wait_ms
-    else:
-        place = expected = None
     if place is not None:
         attributes["runcell.queue.place"] = place
     if expected is not None:
