@@ -12,7 +12,7 @@ import reprlib
 from collections.abc import Sequence
 
 from .cancellation import CancellationToken
-from .config import MAX_NAME_LENGTH, UNSTORABLE_RULE, check_duration_ms, has_unstorable
+from .config import MAX_NAME_LENGTH, check_duration_ms, text_problem
 from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .keys import check_fair_key
@@ -68,15 +68,9 @@ def check_limiter_list(value: object, *, argument: str) -> tuple[ConcurrencyLimi
 def check_text(value: object, *, argument: str, maximum: int = MAX_NAME_LENGTH) -> str:
     """Return ``value`` if it is a storable non-blank string of at most ``maximum``
     characters (a workload, a run's name)."""
-    if not isinstance(value, str) or not value.strip():
-        raise _invalid(argument, value, "must be a non-empty string")
-    if len(value) > maximum:
-        raise _invalid(
-            argument, value, f"must be at most {maximum} characters (it has {len(value)})"
-        )
-    if has_unstorable(value):
-        raise _invalid(argument, value, f"must not contain {UNSTORABLE_RULE}")
-    return value
+    if (problem := text_problem(value, maximum)) is not None:
+        raise _invalid(argument, value, problem)
+    return str(value)
 
 
 def check_id(value: object, *, argument: str) -> str:

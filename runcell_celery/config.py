@@ -129,14 +129,18 @@ def has_unstorable(text: str) -> bool:
     return not text.isprintable() and any(unicodedata.category(ch) in ("Cc", "Cs") for ch in text)
 
 
-def _check_name(path: FieldPath, value: object) -> str:
+def text_problem(value: object, maximum: int = MAX_NAME_LENGTH) -> str | None:
+    """Why ``value`` cannot be a name, a workload or an id (stored, indexed), or ``None``."""
     if not isinstance(value, str) or not value.strip():
-        raise _InvalidSettingError(path, value, "must be a non-empty string")
-    if len(value) > MAX_NAME_LENGTH:
-        raise _InvalidSettingError(path, value, f"must be at most {MAX_NAME_LENGTH} characters")
-    if has_unstorable(value):
-        raise _InvalidSettingError(path, value, f"must not contain {UNSTORABLE_RULE}")
-    return value
+        return "must be a non-empty string"
+    if len(value) > maximum:
+        return f"must be at most {maximum} characters (it has {len(value)})"
+    return f"must not contain {UNSTORABLE_RULE}" if has_unstorable(value) else None
+
+
+def _check_name(path: FieldPath, value: object) -> None:
+    if (problem := text_problem(value)) is not None:
+        raise _InvalidSettingError(path, value, problem)
 
 
 def _check_keys(path: FieldPath, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -252,10 +256,6 @@ class LimiterConfig:
     def _default_claim_window_ms(self) -> int:
         return min(DEFAULT_CLAIM_WINDOW_MS, self.lease_ttl_ms)
 
-    @property
-    def claim_window(self) -> int:
-        return self.claim_window_ms or self._default_claim_window_ms()
-
     def _resolve_workloads(self) -> Mapping[str, WorkloadConfig]:
         raw: Any = self.workloads  # dicts are accepted too, from settings
         if not isinstance(raw, Mapping):
@@ -367,8 +367,8 @@ class LimiterConfig:
         first = ("name", "max_concurrent", "max_queued", "default_workload", "lease_ttl_ms")
         out: dict[str, Any] = {key: getattr(self, key) for key in (*first, "max_hold_ms")}
         out["workloads"] = {n: w.to_dict() for n, w in sorted(self.workloads.items())}
-        if self.claim_window != self._default_claim_window_ms():
-            out["claim_window_ms"] = self.claim_window
+        if self.claim_window_ms != self._default_claim_window_ms():
+            out["claim_window_ms"] = self.claim_window_ms
         if self.fairness != "fifo":
             out["fairness"] = self.fairness
         if self.keyed:
