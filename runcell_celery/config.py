@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -51,12 +51,6 @@ KEY_SEPARATOR = ":"
 Fairness = Literal["fifo", "round_robin"]
 _FAIRNESS_VALUES: tuple[str, ...] = get_args(Fairness)
 
-_LIMITER_OPTIONS = (
-    *("max_concurrent", "max_queued", "workloads", "default_workload", "name"),
-    *("lease_ttl_ms", "max_hold_ms", "claim_window_ms", "fairness", "keyed"),
-)
-_WORKLOAD_OPTIONS = ("max_concurrent", "reserved", "priority", "max_wait_ms")
-
 FieldPath = tuple[str, ...]
 
 
@@ -70,9 +64,6 @@ class _InvalidSettingError(ConcurrencyConfigError):
         self.rule = rule
         shown = _render_path(prefix, path)
         super().__init__(f"{shown} = {value!r} is invalid: {rule}")
-
-    def with_prefix(self, prefix: str) -> _InvalidSettingError:
-        return _InvalidSettingError(self.path, self.value, self.rule, prefix=prefix)
 
 
 def _render_path(prefix: str, path: FieldPath) -> str:
@@ -143,6 +134,10 @@ def _check_name(path: FieldPath, value: object) -> None:
         raise _InvalidSettingError(path, value, problem)
 
 
+def _options(cls: type) -> tuple[str, ...]:
+    return tuple(option.name for option in fields(cls))
+
+
 def _check_keys(path: FieldPath, options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
     for key in options:
         if key not in allowed:
@@ -184,11 +179,11 @@ class WorkloadConfig:
             return options
         if not isinstance(options, Mapping):
             raise _InvalidSettingError((), options, "a workload's settings must be a dict")
-        _check_keys((), options, _WORKLOAD_OPTIONS)
+        _check_keys((), options, _options(cls))
         return cls(**options)
 
     def to_dict(self) -> dict[str, int | None]:
-        return {name: getattr(self, name) for name in _WORKLOAD_OPTIONS}
+        return {name: getattr(self, name) for name in _options(WorkloadConfig)}
 
 
 def _single_default() -> Mapping[str, WorkloadConfig]:
@@ -322,7 +317,7 @@ class LimiterConfig:
         try:
             if not isinstance(options, Mapping):
                 raise _InvalidSettingError((), options, "a limiter's settings must be a dict")
-            _check_keys((), options, _LIMITER_OPTIONS)
+            _check_keys((), options, _options(cls))
             kwargs = dict(options)
             if name is not None:
                 if "name" in kwargs and kwargs["name"] != name:
@@ -334,7 +329,7 @@ class LimiterConfig:
                 raise _InvalidSettingError(("max_concurrent",), None, "is required")
             return cls(**kwargs)
         except _InvalidSettingError as exc:
-            raise exc.with_prefix(path) from None
+            raise _InvalidSettingError(exc.path, exc.value, exc.rule, prefix=path) from None
 
     def resolve_workload(self, workload: str | None) -> str:
         """Return the workload a request uses, or raise if it names none that exists."""

@@ -119,5 +119,4 @@ def emit(event: ConcurrencyEvent) -> None:
 def describe_error(error: BaseException) -> str:
     """Return ``"ClassName: message"`` with anything that looks like a secret removed
     (:func:`runcell_celery.redaction.scrub`)."""
-    text = scrub(f"{type(error).__name__}: {error}")
-    return text[:2000]
+    return scrub(f"{type(error).__name__}: {error}")[:2000]
