@@ -7,6 +7,7 @@ not poll; being an ``Event``, a token goes wherever events already do.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -26,7 +27,7 @@ class CancellationToken(threading.Event):
         super().__init__()
         self.reason: str | None = None
         self._callbacks: dict[int, Callback] = {}
-        self._next_key = 0
+        self._keys = itertools.count()
         self._guard = threading.Lock()
         self._unlink: list[Callback] = []
         for parent in parents:
@@ -60,12 +61,10 @@ class CancellationToken(threading.Event):
         """Call ``callback`` on cancellation (at once if cancelled); return its remover."""
         with self._guard:
             if not self.is_set():
-                key = self._next_key
-                self._next_key += 1
-                self._callbacks[key] = callback
+                self._callbacks[key := next(self._keys)] = callback
                 return lambda: self._remove(key)
         callback()
-        return _nothing
+        return lambda: None
 
     def _remove(self, key: int) -> None:
         with self._guard:
@@ -76,7 +75,3 @@ class CancellationToken(threading.Event):
         for unlink in self._unlink:
             unlink()
         self._unlink.clear()
-
-
-def _nothing() -> None:
-    return None

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OTEL_AVAILABLE", "current_tracer"]
 
-_NOT_LOOKED = object()
-
 
 def _no_provider() -> object:
     return None
@@ -44,7 +42,7 @@ else:  # an API that renamed its global: ask it every time (right, a little slow
     _peek = otel_trace.get_tracer_provider
 
 #: (what _peek() returned, the tracer chosen then) before any lookup.
-_UNKNOWN: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_LOOKED, None)
+_UNKNOWN: tuple[object, Tracer | None] = (object() if OTEL_AVAILABLE else None, None)
 
 
 def current_tracer() -> Tracer | None:
