@@ -1,21 +1,12 @@
-"""Limiters by name, configured from one settings dict (Celery's or Django's).
+"""Limiters by name, configured from one settings dict (``app.conf.runcell`` or
+Django's ``settings.RUNCELL``)::
 
-The same shape serves ``app.conf.runcell`` and Django's ``settings.RUNCELL``::
+    {"BACKEND": "postgres", "DATABASE": "postgresql://app@db/app",
+     "LIMITERS": {"claude": {"max_concurrent": 8}}, "POSTGRES": {"poll_interval_ms": 100}}
 
-    {
-        "BACKEND": "postgres",                   # or "memory" (one process)
-        "DATABASE": "postgresql://app@db/app",   # a DSN (Django: also an alias)
-        "LIMITERS": {"claude": {"max_concurrent": 8, "workloads": {...}}},
-        "POSTGRES": {"poll_interval_ms": 100},  # the PostgreSQL backend's own options
-    }
-
-Settings are validated when the registry is configured: every limiter's limits
-through :class:`~runcell_celery.config.LimiterConfig` and the backend's own section
-by the backend class (:data:`runcell_celery.backends.BACKENDS`), errors naming the
-settings path. The backend and the limiters are created lazily, once per process
-(:class:`~runcell_celery.background.ProcessLocal`): a Celery prefork parent that
-configures the registry never opens a connection its children would inherit.
-Limiters can also be registered in code.
+Everything is validated at configuration, errors naming the settings path; the backend
+and limiters are made lazily once per process, so a Celery prefork parent never opens
+a connection its children would inherit. Limiters can also be registered in code.
 """
 
 from __future__ import annotations
@@ -209,17 +200,14 @@ class LimiterRegistry:
 
     def get(self, name: str) -> ConcurrencyLimiter:
         """This process's limiter called ``name``, created on first use."""
-        instances = self._instances.get()
-        limiter = instances.get(name)
-        if limiter is not None:
+        if (limiter := self._instances.get().get(name)) is not None:
             return limiter
         self.require(name)
         with self._lock:
             instances = self._instances.get()
-            limiter = instances.get(name)
-            created = limiter is None
-            if limiter is None:
-                limiter = instances[name] = self._create(name)
+            if created := name not in instances:
+                instances[name] = self._create(name)
+            limiter = instances[name]
         if created:
             for hook in self._on_create:
                 hook(limiter)
