@@ -362,12 +362,12 @@ class LimiterConfig:
         first = ("name", "max_concurrent", "max_queued", "default_workload", "lease_ttl_ms")
         out: dict[str, Any] = {key: getattr(self, key) for key in (*first, "max_hold_ms")}
         out["workloads"] = {n: w.to_dict() for n, w in sorted(self.workloads.items())}
-        if self.claim_window_ms != self._default_claim_window_ms():
-            out["claim_window_ms"] = self.claim_window_ms
-        if self.fairness != "fifo":
-            out["fairness"] = self.fairness
-        if self.keyed:
-            out["keyed"] = True
+        later = {
+            "claim_window_ms": self._default_claim_window_ms(),
+            "fairness": "fifo",
+            "keyed": False,
+        }
+        out.update({k: getattr(self, k) for k, v in later.items() if getattr(self, k) != v})
         return out
 
     def differences(self, other: LimiterConfig) -> list[str]:

@@ -178,8 +178,7 @@ class LeaseKeeper:
         """Do everything that is due now: deadlines, renewals, expiry."""
         entries = self._wait_for_due()
         now = self.clock.monotonic()
-        candidates: dict[int, list[tuple[int, _Entry, Lease]]] = {}
-        limiters: dict[int, ConcurrencyLimiter] = {}
+        batches: dict[int, tuple[ConcurrencyLimiter, list[tuple[int, _Entry, Lease]]]] = {}
         due: set[int] = set()
         for key, entry in entries:
             holder = entry.holder()
@@ -201,12 +200,11 @@ class LeaseKeeper:
             # stay in step, one renew_many call per limiter and period.
             if entry.renew_at <= now + entry.ttl * RENEW_FRACTION:
                 limiter, lease = kept
-                limiters[id(limiter)] = limiter
-                candidates.setdefault(id(limiter), []).append((key, entry, lease))
+                batches.setdefault(id(limiter), (limiter, []))[1].append((key, entry, lease))
                 if entry.renew_at <= now:
                     due.add(id(limiter))
         for limiter_id in due:
-            self._renew_batch(limiters[limiter_id], candidates[limiter_id])
+            self._renew_batch(*batches[limiter_id])
 
     def _renew_batch(
         self, limiter: ConcurrencyLimiter, batch: Sequence[tuple[int, _Entry, Lease]]

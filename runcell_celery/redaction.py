@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from urllib.parse import unquote
 
 __all__ = [
     "MASK",
@@ -85,11 +86,7 @@ def dsn_secrets(dsn: str) -> list[str]:
     for pattern in (_URL_PASSWORD, _KEYED_SECRET):
         for match in pattern.finditer(dsn):
             secret = match["secret"].strip("'\"")
-            found.add(secret)
-            if "%" in secret:  # a URI's percent-encoding, as libpq decodes it
-                from urllib.parse import unquote
-
-                found.add(unquote(secret))
+            found.update((secret, unquote(secret)))  # libpq decodes a URI's percent-encoding
             # libpq ends a URI's password at its first "@": the rest reads as the host
             # and is echoed in "could not translate host name".
             found.update(part for part in re.split(r"[@:]", secret) if len(part) >= 3)

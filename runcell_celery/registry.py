@@ -61,18 +61,18 @@ class LimiterRegistry:
         factory = load_backend(name, setting=f'{path}["BACKEND"]')
         database = settings.get("DATABASE") if name in NEEDS_DATABASE else None
         has_database = isinstance(database, str) and bool(database)
-        if name in NEEDS_DATABASE and database is not None and not has_database:
-            # Its shape, never the value: it may hold a password.
-            raise ConcurrencyConfigError(
-                f'{path}["DATABASE"] is invalid: {shape(database)}; the PostgreSQL limiter '
-                "needs a DSN string (or, with Django, a database alias)"
-            )
-        if name in NEEDS_DATABASE and settings.get("LIMITERS") and not has_database:
-            raise ConcurrencyConfigError(
-                f'{path}["DATABASE"] is missing: the PostgreSQL limiter needs a DSN (or, '
-                'with Django, a database alias); set "BACKEND": "memory" for limiters '
-                "that live in one process"
-            )
+        if name in NEEDS_DATABASE and not has_database:
+            if database is not None:  # its shape, never the value: it may hold a password
+                raise ConcurrencyConfigError(
+                    f'{path}["DATABASE"] is invalid: {shape(database)}; the PostgreSQL '
+                    "limiter needs a DSN string (or, with Django, a database alias)"
+                )
+            if settings.get("LIMITERS"):
+                raise ConcurrencyConfigError(
+                    f'{path}["DATABASE"] is missing: the PostgreSQL limiter needs a DSN (or, '
+                    'with Django, a database alias); set "BACKEND": "memory" for limiters '
+                    "that live in one process"
+                )
         section = str(name).upper()
         options = settings.get(section, {})
         options_path = f'{path}["{section}"]'
