@@ -20,11 +20,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from .background import DEFAULT_REGISTRY
-from .errors import (
-    ConcurrencyConfigError,
-    ConcurrencyQueueFullError,
-    ConcurrencyTimeoutError,
-)
+from .errors import ConcurrencyConfigError, ConcurrencyQueueFullError, ConcurrencyTimeoutError
 from .events import describe_error
 from .hold import is_interrupt
 from .request import SlotRequest
@@ -153,41 +149,29 @@ def _record_wait(
     if tracer is None:
         return
     try:
-        _build_wait(tracer, asked, started, outcome, leases, error, parked)
+        start_ns = time.time_ns() - int((time.monotonic() - started) * 1e9)
+        attributes = _attributes(asked, leases)
+        attributes["runcell.outcome"] = outcome
+        # Where the request joined the line, as the wait or the deferral's answer told it.
+        place: int | None = None
+        expected: float | None = None
+        if parked is not None and parked.place is not None:
+            place, expected = parked.place, parked.expected_wait_ms
+        elif asked.place is not None:
+            place, expected = asked.place.place, asked.place.expected_wait_ms
+        if place is not None:
+            attributes["runcell.queue.place"] = place
+        if expected is not None:
+            attributes["runcell.queue.expected_wait_ms"] = expected
+        if error is not None and outcome in _FAILED_WAITS:
+            attributes["error.type"] = type(error).__qualname__
+        span = tracer.start_span(WAIT_SPAN, start_time=start_ns, attributes=attributes)
+        if outcome in _FAILED_WAITS:
+            description = describe_error(error) if error is not None else outcome
+            span.set_status(otel_trace.StatusCode.ERROR, description)
+        span.end()
     except Exception:
         _tracing_failed()
-
-
-def _build_wait(
-    tracer: Tracer,
-    asked: SlotRequest,
-    started: float,
-    outcome: str,
-    leases: Sequence[Lease],
-    error: BaseException | None,
-    parked: Parked | None,
-) -> None:
-    start_ns = time.time_ns() - int((time.monotonic() - started) * 1e9)
-    attributes = _attributes(asked, leases)
-    attributes["runcell.outcome"] = outcome
-    # Where the request joined the line, as the wait or the deferral's answer told it.
-    place: int | None = None
-    expected: float | None = None
-    if parked is not None and parked.place is not None:
-        place, expected = parked.place, parked.expected_wait_ms
-    elif asked.place is not None:
-        place, expected = asked.place.place, asked.place.expected_wait_ms
-    if place is not None:
-        attributes["runcell.queue.place"] = place
-    if expected is not None:
-        attributes["runcell.queue.expected_wait_ms"] = expected
-    if error is not None and outcome in _FAILED_WAITS:
-        attributes["error.type"] = type(error).__qualname__
-    span = tracer.start_span(WAIT_SPAN, start_time=start_ns, attributes=attributes)
-    if outcome in _FAILED_WAITS:
-        description = describe_error(error) if error is not None else outcome
-        span.set_status(otel_trace.StatusCode.ERROR, description)
-    span.end()
 
 
 def _attributes(asked: SlotRequest, leases: Sequence[Lease]) -> dict[str, AttributeValue]:
