@@ -30,11 +30,8 @@ Step = Callable[[O], float | None]
 
 
 class BackgroundLoop(Generic[O]):
-    """Call ``step(owner)`` again and again in a named daemon thread.
-
-    ``owner`` is held weakly; ``step`` returns the seconds to wait before the next
-    round (``0``: at once; ``None``: stop); after a step raised, ``retry_s``.
-    """
+    """Call ``step(owner)`` in a named daemon thread, ``owner`` held weakly, waiting the
+    seconds it returns (``None``: stop; after a step raised, ``retry_s``)."""
 
     def __init__(self, name: str, owner: O, step: Step[O], *, retry_s: float = 1.0) -> None:
         self.name = name
@@ -93,11 +90,8 @@ def _run(loop: BackgroundLoop[object]) -> None:
 
 
 class ProcessLocal(Generic[T]):
-    """One ``T`` per process, made by ``factory`` on first use in each process.
-
-    What a parent made is kept alive in a forked child but never returned there, so
-    the child never uses or closes the parent's sockets and threads.
-    """
+    """One ``T`` per process, made by ``factory`` on first use in each; a parent's is
+    kept alive in a forked child but never used or closed there."""
 
     def __init__(self, factory: Callable[[], T]) -> None:
         self._factory = factory

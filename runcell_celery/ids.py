@@ -1,9 +1,6 @@
-"""Identifiers for runs, slot requests and leases.
-
-Request ids are made on every slot use, so they come from a per-process random prefix
-and a counter (about ten times cheaper than ``uuid4``) and are still unique across
-processes and hosts. The prefix is drawn again in a forked child (Celery prefork), so
-parent and child never hand out the same id.
+"""Identifiers for runs and slot requests. A request id, made on every slot use, is a
+per-process random prefix and a counter (ten times cheaper than ``uuid4``), made anew
+in a forked child so parent and child never hand out the same id.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, cast
 
 from .config import KEY_SEPARATOR, MAX_NAME_LENGTH, UNSTORABLE_RULE, LimiterConfig, has_unstorable
 from .errors import ConcurrencyConfigError
@@ -43,8 +43,7 @@ def check_key(limiter: str, key: object, *, argument: str | None = None) -> str:
             f"{where}key {describe_key(key)} of limiter {limiter!r} is invalid: {problem}",
             limiter=limiter,
         )
-    assert isinstance(key, str)
-    return key
+    return cast(str, key)
 
 
 def check_fair_key(key: object, *, argument: str) -> str:
@@ -53,8 +52,7 @@ def check_fair_key(key: object, *, argument: str) -> str:
     problem = _key_problem(key)
     if problem is not None:
         raise ConcurrencyConfigError(f"{argument} = {describe_key(key)} is invalid: {problem}")
-    assert isinstance(key, str)
-    return key
+    return cast(str, key)
 
 
 #: Keys up to this long are shown whole in errors; longer ones by start and length.
