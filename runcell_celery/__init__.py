@@ -1,17 +1,8 @@
 """Distributed concurrency limits for LLM-provider calls in Celery fleets.
 
-A *limiter* caps how many provider requests are in flight at once; each request holds
-a *slot* (a lease) for its duration. The in-memory limiter shares slots inside one
-process; :mod:`runcell_celery.postgres` shares them across every worker on every host;
-:mod:`runcell_celery.celery` wires runs and slots into Celery tasks.
-
-.. code-block:: python
-
-    from runcell_celery import create_concurrency_limiter, slot
-
-    claude = create_concurrency_limiter(4, name="claude")
-    with slot(claude):
-        reply = client.messages.create(...)
+A *limiter* caps the provider requests in flight; each holds a *slot* (a lease):
+in one process (in memory), or across a fleet (:mod:`runcell_celery.postgres`), wired
+into Celery tasks by :mod:`runcell_celery.celery`. ``with slot(limiter): call()``.
 """
 
 from .allocation import allocate

@@ -1,13 +1,8 @@
 """The arguments of ``slot()``, ``guard()`` and ``run()``, checked where they enter.
 
-Every public argument is checked once, when the call is made, with the rules the
-settings use (:mod:`runcell_celery.config`, :mod:`runcell_celery.keys`): a bad value
-raises :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the argument and
-the value (``slot(max_hold_ms) = -1 is invalid: must be positive``), never a raw
-``TypeError`` from deep inside, and never reaches a limiter or its database.
-
-The checks are cheap: ``slot()`` runs them on every provider call. A ``None`` costs
-one comparison.
+With the settings' rules, naming the argument and the value (``slot(max_hold_ms) = -1
+is invalid: must be positive``): never a ``TypeError`` from deep inside, never a bad
+value reaching a database. Cheap, as ``slot()`` runs them on every provider call.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import reprlib
 from collections.abc import Sequence
 
 from .cancellation import CancellationToken
-from .config import MAX_NAME_LENGTH, UNSTORABLE_RULE, check_duration_ms, has_unstorable
+from .config import MAX_NAME_LENGTH, check_duration_ms, text_problem
 from .deadline import Deadline
 from .errors import ConcurrencyConfigError
 from .keys import check_fair_key
@@ -32,22 +27,18 @@ __all__ = [
     "check_id",
     "check_limiter",
     "check_limiter_list",
-    "check_max_hold_ms",
     "check_slot_arguments",
     "check_text",
 ]
 
-#: The longest request or run id (a Celery task id is 36 characters): ids are indexed
-#: in the database, whose index entries hold at most 2,704 bytes.
+#: The longest request or run id: ids are indexed (at most 2,704 bytes an entry).
 MAX_ID_LENGTH = 255
-
-_shown = reprlib.Repr()
-_shown.maxstring = 60
-_shown.maxother = 60
 
 
 def _invalid(argument: str, value: object, rule: str) -> ConcurrencyConfigError:
-    return ConcurrencyConfigError(f"{argument} = {_shown.repr(value)} is invalid: {rule}")
+    shown = reprlib.Repr()
+    shown.maxstring = shown.maxother = 60
+    return ConcurrencyConfigError(f"{argument} = {shown.repr(value)} is invalid: {rule}")
 
 
 def check_limiter(value: object, *, argument: str) -> ConcurrencyLimiter:
@@ -75,38 +66,24 @@ def check_limiter_list(value: object, *, argument: str) -> tuple[ConcurrencyLimi
 
 
 def check_text(value: object, *, argument: str, maximum: int = MAX_NAME_LENGTH) -> str:
-    """Return ``value`` if it is a non-blank string of at most ``maximum`` characters
-    that the database can store (a workload, a run's name)."""
-    if not isinstance(value, str) or not value.strip():
-        raise _invalid(argument, value, "must be a non-empty string")
-    if len(value) > maximum:
-        raise _invalid(
-            argument, value, f"must be at most {maximum} characters (it has {len(value)})"
-        )
-    if has_unstorable(value):
-        raise _invalid(argument, value, f"must not contain {UNSTORABLE_RULE}")
-    return value
+    """Return ``value`` if it is a storable non-blank string of at most ``maximum``
+    characters (a workload, a run's name)."""
+    if (problem := text_problem(value, maximum)) is not None:
+        raise _invalid(argument, value, problem)
+    return str(value)
 
 
 def check_id(value: object, *, argument: str) -> str:
-    """Return ``value`` if it may be a request or run id."""
     return check_text(value, argument=argument, maximum=MAX_ID_LENGTH)
 
 
-def check_max_hold_ms(value: object, *, argument: str) -> float:
-    """Return ``value`` if it is a positive, finite number of milliseconds."""
-    return check_duration_ms(value, field=argument)
-
-
 def check_cancel(value: object, *, argument: str) -> CancellationToken:
-    """Return ``value`` if it is a :class:`~runcell_celery.cancellation.CancellationToken`."""
     if not isinstance(value, CancellationToken):
         raise _invalid(argument, value, "must be a CancellationToken")
     return value
 
 
 def check_deadline(value: object, *, argument: str) -> Deadline:
-    """Return ``value`` if it is a :class:`~runcell_celery.deadline.Deadline`."""
     if not isinstance(value, Deadline):
         raise _invalid(
             argument,
@@ -117,15 +94,12 @@ def check_deadline(value: object, *, argument: str) -> Deadline:
 
 
 def check_deadline_at(value: object, *, argument: str) -> float:
-    """Return ``value`` if it is a finite Unix time in seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise _invalid(argument, value, "must be a finite Unix time in seconds (a number)")
     return float(value)
 
 
 def check_admission(value: object, *, argument: str) -> RunAdmission:
-    """Return ``value`` if it is a run's admission
-    (:class:`~runcell_celery.admission.Admission`)."""
     if not isinstance(value, RunAdmission):
         raise _invalid(argument, value, "must be an Admission")
     return value
@@ -149,7 +123,7 @@ def check_slot_arguments(
     if key is not None:
         check_fair_key(key, argument=f"{call}(key)")
     if max_hold_ms is not None:
-        check_max_hold_ms(max_hold_ms, argument=f"{call}(max_hold_ms)")
+        check_duration_ms(max_hold_ms, field=f"{call}(max_hold_ms)")
     if cancel is not None:
         check_cancel(cancel, argument=f"{call}(cancel)")
     if request_id is not None:

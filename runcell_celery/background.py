@@ -1,17 +1,12 @@
-"""Background threads and the fork policy: one way to run a loop, one way to survive fork.
+"""Background threads, the fork policy, and the one owner of per-process state.
 
-**Loops.** Every maintenance thread the library runs (lease keeper, grant listener,
-parked-task sweeper, counter flusher, revocation watcher and publisher, the Django
-event recorder) is a :class:`BackgroundLoop`: a named daemon thread that holds only a
-weak reference to its owner (so a dropped owner lets the thread end), calls one step
-function, logs instead of dying when a step raises, and stops cleanly.
-
-**Fork.** Celery's prefork pool forks children from a parent that may already hold
-connections and threads. Threads do not survive ``fork`` and a socket inherited from
-the parent must never be used or closed by the child. The policy is the same
-everywhere: per-process state lives in a :class:`ProcessLocal`, which hands each
-process its own instance, made lazily on first use; the parent's instance is kept
-alive in the child (never closed, never used), so nothing of the parent's is touched.
+Every maintenance thread is a :class:`BackgroundLoop`: a named daemon thread holding
+its owner weakly (a dropped owner ends it), logging instead of dying when a step raises.
+Threads do not survive ``fork`` and a child must never use or close its parent's
+sockets, so state made per process lives in a :class:`ProcessLocal`. Every piece of
+state the library keeps for the whole process (event listeners, the fallback keeper,
+PostgreSQL engines, Celery app states, caches, flags) is held by
+:data:`DEFAULT_REGISTRY`, the only module-level mutable object of the package.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["BackgroundLoop", "ProcessLocal"]
+__all__ = ["DEFAULT_REGISTRY", "BackgroundLoop", "ProcessLocal", "ProcessRegistry"]
 
 logger = logging.getLogger("runcell_celery.background")
 
@@ -35,15 +30,8 @@ Step = Callable[[O], float | None]
 
 
 class BackgroundLoop(Generic[O]):
-    """Call ``step(owner)`` again and again in a named daemon thread.
-
-    :param name: the thread's name (``runcell-...``), shown in thread dumps.
-    :param owner: held weakly; the loop ends once it is garbage collected.
-    :param step: does one round of work and returns the seconds to wait before the
-        next (``0``: at once; ``None``: stop). A step that blocks on its own (the
-        keeper's condition wait, the listener's ``notifies``) returns ``0``.
-    :param retry_s: how long to wait after a step raised (it is logged, then retried).
-    """
+    """Call ``step(owner)`` in a named daemon thread, ``owner`` held weakly, waiting the
+    seconds it returns (``None``: stop; after a step raised, ``retry_s``)."""
 
     def __init__(self, name: str, owner: O, step: Step[O], *, retry_s: float = 1.0) -> None:
         self.name = name
@@ -56,16 +44,11 @@ class BackgroundLoop(Generic[O]):
         self._lock = threading.Lock()
 
     @property
-    def stopping(self) -> threading.Event:
-        """Set once :meth:`stop` was called (steps may wait on it instead of sleeping)."""
+    def stopping(self) -> threading.Event:  # steps may wait on it instead of sleeping
         return self._stop
 
     def start(self) -> None:
-        """Start the thread in this process, unless it already runs here.
-
-        After ``fork`` the parent's thread does not exist in the child: calling
-        ``start`` there starts the child's own.
-        """
+        """Start the thread unless it runs in this process (after ``fork``: the child's)."""
         pid = os.getpid()
         with self._lock:
             if self._thread is not None and self._pid == pid and not self._stop.is_set():
@@ -76,7 +59,7 @@ class BackgroundLoop(Generic[O]):
             self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Ask the loop to end after its current step; wait up to ``timeout`` for it."""
+        """End the loop after its current step; wait up to ``timeout`` for it."""
         self._stop.set()
         thread = self._thread
         if timeout is not None and thread is not None and thread is not threading.current_thread():
@@ -107,11 +90,8 @@ def _run(loop: BackgroundLoop[object]) -> None:
 
 
 class ProcessLocal(Generic[T]):
-    """One ``T`` per process, made by ``factory`` on first use in each process.
-
-    What a parent process made is kept alive in a forked child but never returned
-    there, so the child never uses or closes the parent's sockets and threads.
-    """
+    """One ``T`` per process, made by ``factory`` on first use in each; a parent's is
+    kept alive in a forked child but never used or closed there."""
 
     def __init__(self, factory: Callable[[], T]) -> None:
         self._factory = factory
@@ -119,7 +99,7 @@ class ProcessLocal(Generic[T]):
         self._value: T | None = None
         self._inherited: list[T] = []
         self._lock = threading.Lock()
-        _instances.add(self)
+        DEFAULT_REGISTRY._process_locals.add(self)
 
     def get(self) -> T:
         pid = os.getpid()
@@ -135,29 +115,74 @@ class ProcessLocal(Generic[T]):
             return self._value
 
     def peek(self) -> T | None:
-        """This process's instance if it was made, else ``None`` (makes nothing)."""
+        """This process's instance if it was made (makes nothing)."""
         return self._value if self._pid == os.getpid() else None
 
     def discard(self) -> T | None:
-        """Forget this process's instance and return it (the caller closes it); the
-        next :meth:`get` makes a new one. ``None`` when none was made here."""
+        """Forget this process's instance and return it for the caller to close."""
         with self._lock:
             if self._value is None or self._pid != os.getpid():
                 return None
             value, self._value, self._pid = self._value, None, None
             return value
 
+
+class ProcessRegistry:
+    """The owner of the library's per-process state, by name (``"module.what"``).
+
+    :meth:`shared` and :meth:`value` are kept by a forked child, as module globals
+    were; :meth:`local` is made anew in each process (:class:`ProcessLocal`); the
+    locks of :meth:`lock` are made anew in a child (a parent's thread may have held
+    one at the moment of fork).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # a factory may ask for another entry
+        self._shared: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}
+        self._locals: dict[str, ProcessLocal[Any]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._process_locals: weakref.WeakSet[ProcessLocal[Any]] = weakref.WeakSet()
+
+    def shared(self, name: str, factory: Callable[[], T]) -> T:
+        """The object called ``name``, made by ``factory`` on first use."""
+        found = self._shared.get(name)
+        if found is None:
+            with self._lock:
+                found = self._shared.get(name)
+                if found is None:
+                    found = self._shared[name] = factory()
+        return found
+
+    def local(self, name: str, factory: Callable[[], T]) -> T:
+        """This process's object called ``name``, made by ``factory`` in each process."""
+        found = self._locals.get(name)
+        if found is None:
+            with self._lock:
+                found = self._locals.setdefault(name, ProcessLocal(factory))
+        return found.get()  # type: ignore[no-any-return]
+
+    def lock(self, name: str) -> threading.Lock:
+        found = self._locks.get(name)
+        if found is None:
+            with self._lock:
+                found = self._locks.setdefault(name, threading.Lock())
+        return found
+
+    def value(self, name: str, default: T) -> T:
+        """The immutable value last :meth:`put` under ``name``, else ``default``."""
+        return self._values.get(name, default)  # type: ignore[no-any-return]
+
+    def put(self, name: str, value: object) -> None:
+        self._values[name] = value  # one store: readers never see half a value
+
     def _after_fork_in_child(self) -> None:
-        # The lock may have been held by a parent thread at the moment of fork.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._locks = {}
+        for instance in list(self._process_locals):
+            instance._lock = threading.Lock()
 
 
-_instances: weakref.WeakSet[ProcessLocal[Any]] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for instance in list(_instances):
-        instance._after_fork_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+#: The one owner of per-process state (see :class:`ProcessRegistry`).
+DEFAULT_REGISTRY = ProcessRegistry()
+os.register_at_fork(after_in_child=DEFAULT_REGISTRY._after_fork_in_child)

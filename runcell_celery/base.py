@@ -1,9 +1,6 @@
-"""What every limiter built on a :class:`~runcell_celery.config.LimiterConfig` shares.
-
-No I/O here: the name and limits, workload resolution, how long a request may wait
-(``min(workload max_wait_ms, the run's remaining timeout_ms)``) and the errors a
-waiting request ends with, worded the same whichever backend raises them.
-"""
+"""What every limiter built on a :class:`~runcell_celery.config.LimiterConfig` shares,
+without I/O: limits, workloads, how long a request may wait, and its errors, worded
+the same whichever backend raises them."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
-"""Cancellation tokens: a ``threading.Event`` that also tells waiters when it is set.
+"""Cancellation tokens: a ``threading.Event`` that also calls back when it is set.
 
-A plain ``Event`` can only be polled. A waiting slot request, a held slot and a child
-run all need to react the moment a run is cancelled, so the token keeps callbacks and
-calls them from whichever thread sets it. It *is* a ``threading.Event``, so code that
-already passes events around (or calls ``wait()``) keeps working.
+Waiting requests, held slots and child runs must react the moment a run is cancelled,
+not poll; being an ``Event``, a token goes wherever events already do.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -21,17 +20,14 @@ Callback = Callable[[], None]
 
 
 class CancellationToken(threading.Event):
-    """An event that cancels a run: set it (or call :meth:`cancel`) to stop waiting.
-
-    :param parents: tokens whose cancellation also cancels this one; a nested run
-        links its token to its parent's so cancelling the root reaches every child.
-    """
+    """An event that cancels a run, and is cancelled with any of ``parents`` (so
+    cancelling the root reaches every child run)."""
 
     def __init__(self, *parents: CancellationToken) -> None:
         super().__init__()
         self.reason: str | None = None
         self._callbacks: dict[int, Callback] = {}
-        self._next_key = 0
+        self._keys = itertools.count()
         self._guard = threading.Lock()
         self._unlink: list[Callback] = []
         for parent in parents:
@@ -55,27 +51,20 @@ class CancellationToken(threading.Event):
             except Exception:  # a callback must not stop the others
                 logger.exception("cancellation callback %r failed", callback)
 
-    def set(self) -> None:
-        """Same as :meth:`cancel`, so the token can stand in for an ``Event``."""
+    def set(self) -> None:  # so the token stands in for an Event
         self.cancel()
 
-    def clear(self) -> None:
-        """Refuse: a cancelled run stays cancelled."""
+    def clear(self) -> None:  # a cancelled run stays cancelled
         raise RuntimeError("a CancellationToken cannot be un-cancelled; create a new one")
 
     def add_callback(self, callback: Callback) -> Callback:
-        """Call ``callback`` on cancellation (at once if already cancelled).
-
-        :returns: a function that removes the callback again.
-        """
+        """Call ``callback`` on cancellation (at once if cancelled); return its remover."""
         with self._guard:
             if not self.is_set():
-                key = self._next_key
-                self._next_key += 1
-                self._callbacks[key] = callback
+                self._callbacks[key := next(self._keys)] = callback
                 return lambda: self._remove(key)
         callback()
-        return _nothing
+        return lambda: None
 
     def _remove(self, key: int) -> None:
         with self._guard:
@@ -86,7 +75,3 @@ class CancellationToken(threading.Event):
         for unlink in self._unlink:
             unlink()
         self._unlink.clear()
-
-
-def _nothing() -> None:
-    return None

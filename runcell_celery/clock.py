@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = ["SYSTEM_CLOCK", "Clock", "SystemClock"]
@@ -16,6 +17,7 @@ class Clock(Protocol):
     def time(self) -> float: ...
 
 
+@dataclass(frozen=True)
 class SystemClock:
     """The real clocks: :func:`time.monotonic` and :func:`time.time`."""
 

@@ -1,18 +1,9 @@
 """Time budgets: one :class:`Deadline` value, monotonic inside, converted only at the edges.
 
-A budget changes hands many times (a run, its slots, a limiter's wait, a child task
-in another process, the database). Host clocks differ and jump; the monotonic clock
-does not jump but means nothing outside this process. So inside a process a deadline
-is always a ``time.monotonic()`` instant, and it crosses a process boundary only as
-a *duration*:
-
-* to the database, as milliseconds left (the server adds them to its own clock and
-  answers with milliseconds left, never an instant of its own clock);
-* in a message to another process, as milliseconds left measured against an anchor
-  both sides read from the same clock (see :mod:`runcell_celery.celery.headers`).
-
-:meth:`Deadline.to_unix` and :meth:`Deadline.from_unix` exist for the one place that
-must show an instant to a person (events' ``deadline`` field); nothing decides by them.
+Host clocks differ and jump; the monotonic clock means nothing outside its process. So
+a deadline is a ``time.monotonic()`` instant inside a process and crosses a boundary
+only as milliseconds left (to the database; in a message, against an anchor both sides
+read, :mod:`runcell_celery.celery.headers`). The Unix forms are for display only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The errors a run can fail with when it asks for a slot.
 
-Every error extends :class:`ConcurrencyError` and carries the limiter, the workload
-and the run lineage (``run_id``, ``root_run_id``, ``parent_run_id``) plus the
-``request_id`` of the slot request, so a log line or an alert can name the run
-that failed without the caller adding anything::
+Each carries the limiter, workload, run lineage and request id, so a log line or an
+alert names the run that failed without the caller adding anything::
 
     ConcurrencyError
     ├── ConcurrencyTimeoutError      no slot before the deadline; provider not called
@@ -34,16 +32,8 @@ __all__ = [
 
 
 class ConcurrencyError(Exception):
-    """Base class: a run could not get or keep a slot.
-
-    :param message: what happened, naming the value at fault.
-    :param limiter: name of the limiter, when one was chosen.
-    :param workload: name of the workload, when one was chosen.
-    :param run_id: the run that asked for the slot.
-    :param root_run_id: the outermost run of the same tree.
-    :param parent_run_id: the run that started this one, if any.
-    :param request_id: the slot request that failed.
-    """
+    """Base class: a run could not get or keep a slot (``message`` names the value at
+    fault; the fields say which limiter, workload, run and request)."""
 
     def __init__(
         self,
@@ -65,27 +55,10 @@ class ConcurrencyError(Exception):
         self.parent_run_id = parent_run_id
         self.request_id = request_id
 
-    def __reduce__(self) -> tuple[object, ...]:
-        # Keep the fields when the error crosses a process boundary (Celery results,
-        # multiprocessing); the default pickling would pass only ``message``.
-        return (_rebuild, (type(self), self.message, self.fields()))
-
     def fields(self) -> dict[str, str | None]:
-        """Return the identifying fields, for logs and events."""
-        return {
-            "limiter": self.limiter,
-            "workload": self.workload,
-            "run_id": self.run_id,
-            "root_run_id": self.root_run_id,
-            "parent_run_id": self.parent_run_id,
-            "request_id": self.request_id,
-        }
-
-
-def _rebuild(
-    cls: type[ConcurrencyError], message: str, fields: dict[str, str | None]
-) -> ConcurrencyError:
-    return cls(message, **fields)
+        """The identifying fields, for logs and events."""
+        names = ("limiter", "workload", "run_id", "root_run_id", "parent_run_id", "request_id")
+        return {name: getattr(self, name) for name in names}
 
 
 class ConcurrencyTimeoutError(ConcurrencyError):
@@ -105,29 +78,17 @@ class ConcurrencyConfigError(ConcurrencyError):
 
 
 class ConcurrencyHeaderError(ConcurrencyConfigError):
-    """A task message carries a ``runcell_*`` header that is not what a sender writes.
-
-    A configuration error of the message rather than of the settings: the run never
-    starts (its body does not run) and the message names the header and the value.
-    A subclass of :class:`ConcurrencyConfigError`, so code that stops on bad
-    configuration stops on it too.
-    """
+    """A task message carries a malformed ``runcell_*`` header: the run never starts."""
 
 
 class ConcurrencyNoLimiterError(ConcurrencyConfigError):
-    """``slot()`` named no limiter and its run has none (or there is no run).
-
-    Its own class so a layer that knows why the run has none (a Celery task declared
-    with ``concurrency={}``) can say so, naming the task and what to add.
-    """
+    """``slot()`` named no limiter and its run has none (its own class, so a layer
+    that knows why, a Celery task, can say what to add)."""
 
 
 class ConcurrencyLeaseLostError(ConcurrencyError):
-    """The slot was lost while held: renewal failed past expiry, or ``max_hold_ms`` passed.
-
-    The provider call that ran under the slot is aborted and its result is never
-    returned as a success.
-    """
+    """The slot was lost while held (renewal failed past expiry, or ``max_hold_ms``):
+    the call under it is aborted, never returned as a success."""
 
 
 class ConcurrencyCancelledError(ConcurrencyError):

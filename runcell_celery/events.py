@@ -1,48 +1,22 @@
 """Structured events about slots, delivered to listeners.
 
-The runtime emits one event at each step of a slot's life; listeners turn them into
-logs, metrics or rows (the Django app records them). Events identify the limiter, the
-workload, the run lineage and the request, plus these extra fields (README, "Errors"):
-
-============== ==============================
-type           extra fields
-============== ==============================
-wait-started   deadline
-acquired       lease_id, wait_ms, fencing_token
-timed-out      wait_ms
-queue-full     wait_ms
-wait-cancelled wait_ms
-limiter-error  wait_ms, error
-config-error   error
-released       lease_id, hold_ms, outcome
-renewal-failed lease_id, error
-lease-lost     lease_id, hold_ms, reason
-release-failed lease_id, error
-============== ==============================
-
-An event of a request over several limiters (``slot(openai, gpt_4o,
-tenants.key("acme"))``) is one event per step for the whole request: ``limiter`` is the
-first limiter (for listeners that read one), ``limiters`` all of them in the order
-given, ``key`` the request's fairness key; ``lease_id`` and ``fencing_token`` are the
-first limiter's (a ``lease-lost`` names the lease that was lost). A one-limiter event
-has ``limiters`` ``None`` and ``key`` only when the request gave one.
-
-They never carry prompts, task arguments or credentials: ``error`` is the exception's
-class and message with anything that looks like a password removed.
-
-Listeners run in the thread that emits (the caller's, or the lease keeper's); one that
-raises is logged and skipped, never breaking the run. With no listener registered the
-runtime builds no event at all, so events cost nothing until someone listens.
+One event per step of a slot's life (the fields each type carries: README, "Errors");
+listeners turn them into logs, metrics or rows (the Django app records them).
+A request over several limiters has one event per step: ``limiter`` (and ``lease_id``,
+``fencing_token``) the first limiter's, ``limiters`` all of them, ``key`` its fairness
+key. Events never carry prompts, arguments or credentials (``error`` is scrubbed).
+Listeners run in the emitting thread; one that raises is logged, never breaking the
+run. With no listener the runtime builds no event, so events cost nothing unheard.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
+from .background import DEFAULT_REGISTRY
 from .redaction import scrub
 
 __all__ = [
@@ -59,40 +33,24 @@ __all__ = [
 
 logger = logging.getLogger("runcell_celery.events")
 
+# fmt: off
 EventType = Literal[
-    "wait-started",
-    "acquired",
-    "timed-out",
-    "queue-full",
-    "wait-cancelled",
-    "limiter-error",
-    "config-error",
-    "released",
-    "renewal-failed",
-    "lease-lost",
-    "release-failed",
+    "wait-started", "acquired", "timed-out", "queue-full", "wait-cancelled", "limiter-error",
+    "config-error", "released", "renewal-failed", "lease-lost", "release-failed",
 ]
+# fmt: on
 EVENT_TYPES: tuple[EventType, ...] = get_args(EventType)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConcurrencyEvent:
-    """One step in a slot's life. Fields that do not apply to the type are ``None``.
+    """One step in a slot's life; fields that do not apply to the type are ``None``.
 
-    :param timestamp: Unix time the event happened.
-    :param deadline: Unix time the wait gives up (``wait-started``).
-    :param wait_ms: how long the request waited before this outcome.
-    :param hold_ms: how long the slot was held.
-    :param outcome: how the hold ended (``released``): success, error, cancelled,
-        timed-out, max-hold.
-    :param reason: why a lease was lost: ``renewal`` (the limiter no longer held it or
-        renewals failed past expiry), ``max-hold``, or ``expired-before-start`` (the
-        process stood still between the grant and the body longer than the lease lives).
-    :param error: the error's class and message (``limiter-error``, ``config-error``,
-        ``renewal-failed``, ``release-failed``).
-    :param limiters: every limiter of a request over several, in the order given
-        (``limiter`` is the first); ``None`` for a request over one.
-    :param key: the request's fairness key (a tenant), if any.
+    :param timestamp: Unix time of the event (``deadline``: when the wait gives up).
+    :param outcome: how the hold ended (``released``).
+    :param reason: why a lease was lost: ``renewal``, ``max-hold`` or
+        ``expired-before-start`` (the process stood still past the lease's life).
+    :param limiters: every limiter of a request over several; ``None`` over one.
     """
 
     type: EventType
@@ -122,33 +80,36 @@ class ConcurrencyEvent:
 
 EventListener = Callable[[ConcurrencyEvent], object]
 
-_listeners: tuple[EventListener, ...] = ()
-_listeners_lock = threading.Lock()
+_NONE: tuple[EventListener, ...] = ()
+
+
+def _listeners() -> tuple[EventListener, ...]:
+    # A tuple replaced whole (under the lock), so emit() reads it without locking.
+    return DEFAULT_REGISTRY.value("events.listeners", _NONE)
 
 
 def add_event_listener(listener: EventListener) -> None:
     """Deliver every event of this process to ``listener`` (added once)."""
-    global _listeners
-    with _listeners_lock:
-        if listener not in _listeners:
-            _listeners = (*_listeners, listener)
+    with DEFAULT_REGISTRY.lock("events.listeners"):
+        if listener not in (listeners := _listeners()):
+            DEFAULT_REGISTRY.put("events.listeners", (*listeners, listener))
 
 
 def remove_event_listener(listener: EventListener) -> None:
     """Stop delivering events to ``listener``; unknown listeners are ignored."""
-    global _listeners
-    with _listeners_lock:
-        _listeners = tuple(x for x in _listeners if x != listener)
+    with DEFAULT_REGISTRY.lock("events.listeners"):
+        kept = tuple(x for x in _listeners() if x != listener)
+        DEFAULT_REGISTRY.put("events.listeners", kept)
 
 
 def has_listeners() -> bool:
     """Tell whether anyone listens (the runtime skips building events otherwise)."""
-    return bool(_listeners)
+    return bool(_listeners())
 
 
 def emit(event: ConcurrencyEvent) -> None:
     """Deliver ``event`` to every listener; a listener that raises is logged, not fatal."""
-    for listener in _listeners:
+    for listener in _listeners():
         try:
             listener(event)
         except Exception:
@@ -158,5 +119,4 @@ def emit(event: ConcurrencyEvent) -> None:
 def describe_error(error: BaseException) -> str:
     """Return ``"ClassName: message"`` with anything that looks like a secret removed
     (:func:`runcell_celery.redaction.scrub`)."""
-    text = scrub(f"{type(error).__name__}: {error}")
-    return text[:2000]
+    return scrub(f"{type(error).__name__}: {error}")[:2000]

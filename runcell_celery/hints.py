@@ -9,11 +9,8 @@ __all__ = ["did_you_mean"]
 
 
 def did_you_mean(value: object, choices: Iterable[object], *, label: str = "valid") -> str:
-    """Return ``"did you mean 'x'? valid: 'a', 'b'"`` for an unknown ``value``.
-
-    :param label: the word before the list of choices (``"valid"``, ``"known"``).
-        With no choices the list reads ``none configured``.
-    """
+    """``"did you mean 'x'? valid: 'a', 'b'"`` for an unknown ``value`` (``label``: the
+    word before the choices; none reads ``none configured``)."""
     options = sorted(str(choice) for choice in choices)
     close = difflib.get_close_matches(str(value), options, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""

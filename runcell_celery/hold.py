@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
+from .background import DEFAULT_REGISTRY
 from .deadline import Deadline
 from .errors import (
     ConcurrencyCancelledError,
@@ -57,7 +58,7 @@ class HoldTrace(Protocol):
     def end(self, outcome: str) -> None: ...
 
 
-_interrupts: tuple[type[BaseException], ...] = ()
+_NO_INTERRUPTS: tuple[type[BaseException], ...] = ()
 
 
 def register_interrupt(exc_type: type[BaseException]) -> None:
@@ -68,15 +69,15 @@ def register_interrupt(exc_type: type[BaseException]) -> None:
     closed early) already is; the Celery integration registers ``SoftTimeLimitExceeded``
     and ``Terminated``.
     """
-    global _interrupts
-    if exc_type not in _interrupts:
-        _interrupts = (*_interrupts, exc_type)
+    interrupts = DEFAULT_REGISTRY.value("hold.interrupts", _NO_INTERRUPTS)
+    if exc_type not in interrupts:
+        DEFAULT_REGISTRY.put("hold.interrupts", (*interrupts, exc_type))
 
 
 def is_interrupt(exc: BaseException) -> bool:
     """Tell whether ``exc`` stops the run from outside (a cancellation of some kind)."""
     return not isinstance(exc, Exception) or isinstance(
-        exc, (ConcurrencyCancelledError, *_interrupts)
+        exc, (ConcurrencyCancelledError, *DEFAULT_REGISTRY.value("hold.interrupts", _NO_INTERRUPTS))
     )
 
 

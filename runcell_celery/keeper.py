@@ -1,30 +1,16 @@
-"""The lease keeper: one thread per backend and process renews every held slot and
-watches deadlines.
+"""The lease keeper: one loop per backend and process renews every held slot and
+fires hold deadlines (a thread per lease would cost a thread per provider call).
 
-A thread per lease would cost a thread per provider call; instead every held slot is
-registered here and one named loop (``runcell-lease-keeper``, a
-:class:`~runcell_celery.background.BackgroundLoop`) wakes when the next renewal or
-deadline is due. Renewals of the leases one limiter holds are batched into one
-``renew_many`` call when the limiter declares
-:class:`~runcell_celery.protocol.SupportsRenewMany` (one SQL statement for PostgreSQL).
-
-The keeper decides nothing about a hold's outcome itself: it tells the
-:class:`LeaseHolder` what happened (renewed, renewal failed, lost, deadline passed)
-and the holder reacts. It also tells the holder until when its lease is valid here
-(:func:`local_validity`, on the keeper's :attr:`LeaseKeeper.clock`): the holder reads
-that same bound when its body ends or asks whether it was aborted, so a lease whose
-validity passed is lost whichever thread looks first. It keeps only weak references,
-so a hold that is dropped without being exited simply stops being renewed and its
-lease expires. It logs instead of dying.
-
-Who owns it: a backend that has resources of its own gives its limiters its keeper
-(``limiter.keeper``: the PostgreSQL backend's engine, closed with the backend, made
-anew in a forked child); a limiter that brings none (in memory, or one written by a
-user) is kept by this process's shared keeper (:func:`get_keeper`).
+Leases of one limiter are renewed in one ``renew_many`` call where the limiter
+supports it. The keeper decides no outcome: it tells the :class:`LeaseHolder` what
+happened, and both read the same :func:`local_validity` bound, so a lease whose
+validity passed is lost whichever thread looks first. Holders are held weakly: a
+dropped hold stops being renewed and its lease expires.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -32,7 +18,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar, cast, runtime_checkable
 
-from .background import BackgroundLoop, ProcessLocal
+from .background import DEFAULT_REGISTRY, BackgroundLoop
 from .clock import SYSTEM_CLOCK, Clock
 from .deadline import Deadline
 from .protocol import ConcurrencyLimiter, Lease, SupportsRenewMany, supports
@@ -49,10 +35,8 @@ RENEW_FRACTION = 1 / 3
 RETRY_SECONDS = 1.0
 #: The longest the keeper sleeps, so a stopped or dropped keeper lets its thread end.
 MAX_SLEEP_SECONDS = 60.0
-#: With nothing to keep, the keeper looks again this often. A new hold wakes it only
-#: when due sooner (a short max_hold); a slot held and released within this tick
-#: costs the keeper nothing, where waking it for every hold would cost a thread
-#: switch per provider call.
+#: With nothing to keep, the keeper looks again this often; a new hold wakes it only
+#: when due sooner, so a short hold costs no thread switch.
 IDLE_TICK_SECONDS = 1.0
 
 
@@ -66,11 +50,7 @@ class SupportsLossReason(Protocol):
 
 
 class LeaseTakenBackError(Exception):
-    """Why a lease was lost, when the limiter knows (``force-released by alice``).
-
-    The keeper hands it to :meth:`LeaseHolder.lease_lost` as the error, so a holder
-    that reads no reason still works.
-    """
+    """Why a lease was lost, when the limiter knows (``force-released by alice``)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -78,13 +58,9 @@ class LeaseTakenBackError(Exception):
 
 
 def local_validity(lease: Lease, now: float) -> Deadline:
-    """Until when ``lease`` is surely valid in this process, as the keeper counts it.
-
-    The limiter's own bound (:attr:`Lease.valid_until`, counted from when the request
-    was sent) when it gives one, else a TTL from ``now`` (when the hold began, or when
-    the renewal that returned ``lease`` was sent). Past it without a successful
-    renewal, the lease is lost: another holder may have the slot.
-    """
+    """Until when ``lease`` is surely valid here: the limiter's :attr:`Lease.valid_until`,
+    else a TTL from ``now`` (when the hold began or its renewal was sent). Past it
+    without a renewal the lease is lost: another holder may have the slot."""
     if lease.valid_until is not None:
         return lease.valid_until
     return Deadline(now + lease.ttl_ms / 1000)
@@ -95,20 +71,16 @@ class LeaseHolder(Protocol):
 
     def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
         """The limiter and lease to renew, or ``None`` once the hold has ended."""
-        ...
 
-    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None:
-        """The lease was renewed: ``lease`` is valid here until ``valid_until``."""
-        ...
+    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None: ...
 
     def renewal_failed(self, error: BaseException) -> None: ...
 
     def lease_lost(self, error: BaseException | None) -> None: ...
 
     def deadline_passed(self) -> Deadline | None:
-        """The deadline given to :meth:`LeaseKeeper.keep` passed; return a later
-        deadline to watch as well, or ``None``."""
-        ...
+        """The deadline given to :meth:`LeaseKeeper.keep` passed; a later one to watch,
+        or ``None``."""
 
 
 class _Entry:
@@ -125,8 +97,7 @@ class _Entry:
         self.holder = weakref.ref(holder)
         self.ttl = ttl
         self.renew_at = now + ttl * RENEW_FRACTION
-        # Where the keeper must assume the lease is gone if no renewal succeeded
-        # (what local_validity says; the holder reads the same bound).
+        # Lost past this without a renewal (local_validity; the holder reads the same).
         self.expires_at = now + ttl if valid_until is None else valid_until.at
         self.deadline = math.inf if deadline is None else deadline.at
 
@@ -135,20 +106,14 @@ class _Entry:
 
 
 class LeaseKeeper:
-    """Renews held leases and fires hold deadlines from one background loop.
-
-    All times inside are instants of :attr:`clock`'s ``monotonic()`` (what a
-    :class:`~runcell_celery.deadline.Deadline` holds: ``time.monotonic()``, unless a
-    test gives a clock of its own).
-    """
+    """Renews held leases and fires hold deadlines from one background loop; every
+    instant inside is :attr:`clock`'s ``monotonic()``."""
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
-        #: The clock of every instant the keeper compares, and of its holders' leases'
-        #: local validity.
         self.clock = clock
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
-        self._next_key = 0
+        self._keys = itertools.count()
         self._wake_at = math.inf
         self._loop = BackgroundLoop("runcell-lease-keeper", self, LeaseKeeper._step)
         self._started = False
@@ -160,17 +125,11 @@ class LeaseKeeper:
         deadline: Deadline | None,
         valid_until: Deadline | None = None,
     ) -> int:
-        """Start renewing ``holder``'s lease; fire its deadline if given.
-
-        :param valid_until: the lease's local validity (:func:`local_validity`): past
-            it without a successful renewal, the lease is lost. ``None``: a TTL from now.
-        :returns: a key for :meth:`forget`.
-        """
+        """Renew ``holder``'s lease (lost past ``valid_until``, default a TTL from now)
+        and fire ``deadline``; return a key for :meth:`forget`."""
         entry = _Entry(holder, ttl_ms / 1000, self.clock.monotonic(), deadline, valid_until)
         with self._cond:
-            key = self._next_key
-            self._next_key += 1
-            self._entries[key] = entry
+            self._entries[key := next(self._keys)] = entry
             if not self._started:
                 self._started = True
                 self._loop.start()
@@ -179,25 +138,22 @@ class LeaseKeeper:
         return key
 
     def forget(self, key: int) -> None:
-        """Stop renewing (the hold released its slot)."""
         with self._cond:
             self._entries.pop(key, None)
 
     def held(self) -> int:
-        """How many holds are registered (for tests and stats)."""
         with self._cond:
             return len(self._entries)
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the keeper's loop (its leases are then left to expire)."""
+        """End the keeper's loop (its leases are left to expire)."""
         self._loop.stop()
         with self._cond:
             self._cond.notify()
         self._loop.stop(timeout)
 
     def _step(self) -> float:
-        # The step blocks on the condition until something is due: no pause after it.
-        self.service()
+        self.service()  # blocks on the condition until something is due
         return 0.0
 
     def _wait_for_due(self) -> list[tuple[int, _Entry]]:
@@ -222,8 +178,7 @@ class LeaseKeeper:
         """Do everything that is due now: deadlines, renewals, expiry."""
         entries = self._wait_for_due()
         now = self.clock.monotonic()
-        candidates: dict[int, list[tuple[int, _Entry, Lease]]] = {}
-        limiters: dict[int, ConcurrencyLimiter] = {}
+        batches: dict[int, tuple[ConcurrencyLimiter, list[tuple[int, _Entry, Lease]]]] = {}
         due: set[int] = set()
         for key, entry in entries:
             holder = entry.holder()
@@ -241,17 +196,15 @@ class LeaseKeeper:
                 self.forget(key)
                 _safely(holder.lease_lost, None)
                 continue
-            # When one lease of a limiter is due, renew with it every lease of that
-            # limiter due within the next period: from then on they stay in step, and
-            # each limiter costs one renew_many call (one SQL statement) per period.
+            # Renew with a due lease every lease of its limiter due within a period: they
+            # stay in step, one renew_many call per limiter and period.
             if entry.renew_at <= now + entry.ttl * RENEW_FRACTION:
                 limiter, lease = kept
-                limiters[id(limiter)] = limiter
-                candidates.setdefault(id(limiter), []).append((key, entry, lease))
+                batches.setdefault(id(limiter), (limiter, []))[1].append((key, entry, lease))
                 if entry.renew_at <= now:
                     due.add(id(limiter))
         for limiter_id in due:
-            self._renew_batch(limiters[limiter_id], candidates[limiter_id])
+            self._renew_batch(*batches[limiter_id])
 
     def _renew_batch(
         self, limiter: ConcurrencyLimiter, batch: Sequence[tuple[int, _Entry, Lease]]
@@ -289,8 +242,7 @@ def _renew(limiter: ConcurrencyLimiter, leases: Sequence[Lease]) -> Mapping[str,
 
 
 def _why_lost(limiter: ConcurrencyLimiter, lease: Lease) -> LeaseTakenBackError | None:
-    """Ask the limiter why it no longer holds ``lease`` (one read, only when a lease is
-    lost); ``None`` when it cannot say."""
+    """Ask the limiter why it no longer holds ``lease``; ``None`` when it cannot say."""
     if not supports(limiter, SupportsLossReason):
         return None
     try:
@@ -309,13 +261,10 @@ def _safely(call: Callable[..., T], *args: object) -> T | None:
         return None
 
 
-#: The keeper of limiters that bring none: a forked child (Celery prefork) makes its own
-#: on first use, since the parent's thread does not exist there.
-_keepers: ProcessLocal[LeaseKeeper] = ProcessLocal(LeaseKeeper)
-
-
 def get_keeper(limiter: object = None) -> LeaseKeeper:
-    """The keeper of ``limiter``'s leases: its backend's (``limiter.keeper``), else this
-    process's shared one, made on first use."""
+    """``limiter.keeper`` (its backend's), else this process's shared keeper."""
     keeper = getattr(limiter, "keeper", None)
-    return keeper if isinstance(keeper, LeaseKeeper) else _keepers.get()
+    if isinstance(keeper, LeaseKeeper):
+        return keeper
+    # A forked child makes its own: the parent's thread does not exist there.
+    return DEFAULT_REGISTRY.local("keeper.fallback", LeaseKeeper)

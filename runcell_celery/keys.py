@@ -1,36 +1,18 @@
 """Keys of a keyed limiter: what a key may be, and the limiter each key gets.
 
-A limiter declared ``keyed=True`` (``create_concurrency_limiter(2, name="tenant",
-keyed=True)``) is a template: every key (a tenant, an API key, a user) gets a limiter
-of its own with the same limits, ``tenant.key("acme")``, so one customer's batch cannot
-take another customer's slots. To everything below the factories — allocation, the
-waiting room, the database — a key's limiter is an ordinary limiter whose name is the
-keyed limiter's name, ``":"``, and the key (``"tenant:acme"``); its state appears on
-first use and is removed once idle, so 100,000 tenants leave nothing behind.
-
-Keys come from user data (a task argument, a header), so they are checked here, in one
-place, before they name anything: a string of 1 to :data:`MAX_KEY_LENGTH` characters,
-not blank, with no control characters (NUL among them) and no lone surrogates (neither
-can be stored in PostgreSQL's ``text``), whose limiter name stays within
-:data:`~runcell_celery.config.MAX_NAME_LENGTH`. A fairness key (``slot(key=...)``,
-``run(key=...)``, a task's key, the ``runcell_key`` header) follows the same rules
-(:func:`check_fair_key`) wherever it enters, so the database is never the first to
-refuse one: a key it cannot index would fail every allocation that grants it.
+A ``keyed=True`` limiter is a template: each key gets a limiter of its own with the same
+limits (``tenant.key("acme")``, named ``"tenant:acme"``), an ordinary limiter to
+everything below. Keys and fairness keys come from user data, so they are checked here
+once, wherever they enter: the database must never be the first to refuse one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, cast
 
-from .config import (
-    KEY_SEPARATOR,
-    MAX_NAME_LENGTH,
-    UNSTORABLE_RULE,
-    LimiterConfig,
-    has_unstorable,
-)
+from .config import KEY_SEPARATOR, MAX_NAME_LENGTH, UNSTORABLE_RULE, LimiterConfig, has_unstorable
 from .errors import ConcurrencyConfigError
 from .protocol import SupportsKeys, supports
 
@@ -52,48 +34,33 @@ MAX_KEY_LENGTH = 128
 
 
 def check_key(limiter: str, key: object, *, argument: str | None = None) -> str:
-    """Return ``key`` if it may name a key of ``limiter``; raise naming it otherwise.
-
-    :param argument: where the key was given (``"tenant.key(...)"``), for the message.
-    :raises ConcurrencyConfigError: not a string, blank, longer than
-        :data:`MAX_KEY_LENGTH`, containing a control character or a lone surrogate,
-        or making the key's limiter name longer than
-        :data:`~runcell_celery.config.MAX_NAME_LENGTH`.
-    """
-    problem = _key_problem(key) or _room_problem(limiter, key)
+    """Return ``key`` if it may name a key of ``limiter``, else raise naming it (and
+    ``argument``, where it was given)."""
+    problem = _key_problem(key) or _room_problem(limiter, str(key))
     if problem is not None:
         where = f"{argument}: " if argument else ""
         raise ConcurrencyConfigError(
             f"{where}key {describe_key(key)} of limiter {limiter!r} is invalid: {problem}",
             limiter=limiter,
         )
-    assert isinstance(key, str)
-    return key
+    return cast(str, key)
 
 
 def check_fair_key(key: object, *, argument: str) -> str:
-    """Return ``key`` if it may be a request's fairness key; raise naming ``argument``.
-
-    The rules of :func:`check_key` but the name's length: a fairness key names no
-    limiter (it groups waiting requests of ``fairness: "round_robin"`` limiters).
-
-    :raises ConcurrencyConfigError: ``{argument} = <the key's shape> is invalid: ...``.
-    """
+    """Return ``key`` if it may be a fairness key (:func:`check_key`'s rules but the
+    name's length: it names no limiter), else raise naming ``argument``."""
     problem = _key_problem(key)
     if problem is not None:
         raise ConcurrencyConfigError(f"{argument} = {describe_key(key)} is invalid: {problem}")
-    assert isinstance(key, str)
-    return key
+    return cast(str, key)
 
 
-#: Keys up to this long are shown whole in errors (one just past the 128-character
-#: limit too, so its author sees it); longer ones by their start and length.
+#: Keys up to this long are shown whole in errors; longer ones by start and length.
 _SHOWN_WHOLE = 200
 
 
 def describe_key(key: object) -> str:
-    """The key as an error shows it: whole when short, else its start and its length
-    (a 3,000-character key is not printed whole), control characters escaped."""
+    """The key as an error shows it: whole when short, else its start and length."""
     if not isinstance(key, str):
         shown = repr(key)
         if len(shown) > _SHOWN_WHOLE:
@@ -105,8 +72,7 @@ def describe_key(key: object) -> str:
 
 
 def _escaped(text: str) -> str:
-    # repr() escapes control characters but not lone surrogates' invalidity: make
-    # them visible too, so the message itself can be printed and stored.
+    # repr() leaves lone surrogates: escape them so the message can be printed.
     return repr(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -122,15 +88,14 @@ def _key_problem(key: object) -> str | None:
     return None
 
 
-def _room_problem(limiter: str, key: object) -> str | None:
-    assert isinstance(key, str)
+def _room_problem(limiter: str, key: str) -> str | None:
     room = MAX_NAME_LENGTH - len(limiter) - len(KEY_SEPARATOR)
-    if len(key) > room:
-        return (
-            f"with the limiter's name it would make a name longer than {MAX_NAME_LENGTH} "
-            f"characters: keys of this limiter may have at most {max(room, 0)}"
-        )
-    return None
+    if len(key) <= room:
+        return None
+    return (
+        f"with the limiter's name it would make a name longer than {MAX_NAME_LENGTH} "
+        f"characters: keys of this limiter may have at most {max(room, 0)}"
+    )
 
 
 def key_limiter_name(limiter: str, key: str) -> str:
@@ -139,10 +104,7 @@ def key_limiter_name(limiter: str, key: str) -> str:
 
 
 def split_key_name(name: str) -> tuple[str, str | None]:
-    """``"tenant:acme"`` -> ``("tenant", "acme")``; a name without a key -> ``(name, None)``.
-
-    A keyed limiter's own name never contains the separator, so the first one splits.
-    """
+    """``"tenant:acme"`` -> ``("tenant", "acme")``; without a key ``(name, None)``."""
     limiter, separator, key = name.partition(KEY_SEPARATOR)
     return (limiter, key) if separator else (name, None)
 
@@ -151,15 +113,9 @@ def key_name_clash(
     plain: str, keyed: str, key: str, *, stored: Literal["keyed", "limiter"] | None = None
 ) -> ConcurrencyConfigError:
     """The error for a limiter ``plain`` named like key ``key`` of the keyed limiter
-    ``keyed`` (``"tenant:acme"`` and ``"tenant"``): both would be one limiter.
-
-    :param stored: which of the two was there first, when it is in the database.
-    """
-    there = ""
-    if stored == "keyed":
-        there = f" (the keyed limiter {keyed!r} is stored already)"
-    elif stored == "limiter":
-        there = f" (the limiter {plain!r} is stored already)"
+    ``keyed``; ``stored`` says which was in the database first."""
+    first = {"keyed": f"the keyed limiter {keyed!r}", "limiter": f"the limiter {plain!r}"}
+    there = f" ({first[stored]} is stored already)" if stored else ""
     return ConcurrencyConfigError(
         f"limiter {plain!r} is named like key {key!r} of the keyed limiter {keyed!r}"
         f"{there}: both would be one limiter, so {keyed}.key({key!r}) could never be "
@@ -169,12 +125,8 @@ def key_name_clash(
 
 
 def check_key_clashes(limiters: Mapping[str, bool], *, where: str = "") -> None:
-    """Raise if a limiter is named like a key of a keyed one, in either order.
-
-    :param limiters: every limiter's name, with whether it is keyed.
-    :param where: where they were given (``RUNCELL["LIMITERS"]``), for the message.
-    :raises ConcurrencyConfigError: naming both limiters (:func:`key_name_clash`).
-    """
+    """Raise (:func:`key_name_clash`, after ``where``) if one of ``limiters`` (name:
+    keyed?) is named like a key of a keyed one."""
     for name, keyed in limiters.items():
         parent, key = split_key_name(name)
         if key is not None and not keyed and limiters.get(parent):
@@ -185,10 +137,7 @@ def check_key_clashes(limiters: Mapping[str, bool], *, where: str = "") -> None:
 
 
 def config_for_key(config: LimiterConfig, key: str) -> LimiterConfig:
-    """The limits of ``key``'s limiter: the keyed limiter's, under the key's name.
-
-    :raises ConcurrencyConfigError: ``config`` is not keyed, or ``key`` is invalid.
-    """
+    """The limits of ``key``'s limiter: the keyed limiter's, under the key's name."""
     if not config.keyed:
         raise ConcurrencyConfigError(
             f"limiter {config.name!r} is not keyed: declare it with keyed=True to give "
@@ -200,9 +149,8 @@ def config_for_key(config: LimiterConfig, key: str) -> LimiterConfig:
 
 
 def is_keyed(limiter: object) -> bool:
-    """Whether ``limiter`` is a keyed limiter itself (a template whose slots are taken on
-    its keys). Its limits say so when it has them (a PostgreSQL limiter has ``key()``
-    whether or not it is keyed); otherwise, having keys (:class:`SupportsKeys`) does."""
+    """Whether ``limiter`` is a keyed template: as its limits say when it has them (a
+    PostgreSQL limiter always has ``key()``), else whether it has keys."""
     config = getattr(limiter, "config", None)
     if isinstance(config, LimiterConfig):
         return config.keyed

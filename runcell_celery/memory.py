@@ -47,6 +47,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_several, has_room
+from .background import DEFAULT_REGISTRY
 from .base import ConfiguredLimiter
 from .cancellation import CancellationToken
 from .clock import SYSTEM_CLOCK, Clock
@@ -68,10 +69,17 @@ __all__ = ["HISTORY_LIMIT", "Coordinator", "InMemoryConcurrencyLimiter", "place_
 
 T = TypeVar("T")
 
-#: Arrival order across every limiter of the process (a coordinated request's age).
-_arrivals = itertools.count()
-#: Grant order across every limiter of the process (``last_granted`` for round robin).
-_grants = itertools.count()
+
+def _arrivals() -> itertools.count[int]:
+    """Arrival order across every limiter of the process (a coordinated request's age)."""
+    return DEFAULT_REGISTRY.shared("memory.arrivals", itertools.count)
+
+
+def _grants() -> itertools.count[int]:
+    """Grant order across every limiter of the process (``last_granted``, round robin)."""
+    return DEFAULT_REGISTRY.shared("memory.grants", itertools.count)
+
+
 #: Keys a round-robin limiter remembers the last grant of. Forgetting the oldest keeps
 #: the order of the rest: a forgotten key counts as granted longest ago, as it was.
 HISTORY_LIMIT = 10_000
@@ -125,7 +133,7 @@ class _Waiter:
         self.limiters = limiters
         self.requests = requests
         self.workloads = workloads
-        self.arrival = next(_arrivals)
+        self.arrival = next(_arrivals())
         self.queued_at = now
         self.aged = False
         self.deadline = math.inf
@@ -585,7 +593,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     def _granted_locked(self, key: Hashable | None) -> None:
         history = self._history
         if history is not None:
-            history[key] = next(_grants)
+            history[key] = next(_grants())
             history.move_to_end(key)
             if len(history) > HISTORY_LIMIT:
                 history.popitem(last=False)

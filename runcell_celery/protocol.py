@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast, runtime_checkable
 
+from .background import DEFAULT_REGISTRY
 from .cancellation import CancellationToken
 from .deadline import Deadline
 from .errors import ConcurrencyError
@@ -378,7 +379,8 @@ class SupportsSeveralAsync(Protocol):
     ) -> Sequence[Lease]: ...
 
 
-_ability_cache: dict[tuple[type, type], bool] = {}
+def _ability_cache() -> dict[tuple[type, type], bool]:
+    return DEFAULT_REGISTRY.shared("protocol.abilities", dict)
 
 
 def supports(limiter: object, ability: type) -> bool:
@@ -388,9 +390,9 @@ def supports(limiter: object, ability: type) -> bool:
     class does not change its abilities, so the answer is remembered.
     """
     key = (type(limiter), ability)
-    found = _ability_cache.get(key)
+    found = _ability_cache().get(key)
     if found is None:
-        found = _ability_cache[key] = isinstance(limiter, ability)
+        found = _ability_cache()[key] = isinstance(limiter, ability)
     return found
 
 

@@ -1,22 +1,16 @@
 """Say what a secret-bearing value is without saying what it holds.
 
-Some settings may carry a password or a token: ``DATABASE`` (a DSN such as
-``postgresql://app:secret@db/app`` or ``host=db password=secret``), the metrics
-``TOKEN``, and whatever a user puts in their place by mistake (a Django ``DATABASES``
-entry with its ``PASSWORD``, bytes, a list). Errors, log records and pages name such a
-setting's field and the value's *shape* (:func:`shape`), a DSN only masked
-(:func:`mask_dsn`), and text from elsewhere (psycopg's, libpq's) only scrubbed
-(:func:`scrub`): never the secret.
-
-This module imports nothing outside the standard library: the core, the PostgreSQL
-backend, the Celery integration, the Django app, the exporter and the pytest plugin
-all use it.
+A ``DATABASE`` DSN, the metrics ``TOKEN`` and whatever is put in their place by mistake
+may carry a password: errors, logs and pages show such a value's :func:`shape`, a DSN
+only masked (:func:`mask_dsn`), text from psycopg or libpq only :func:`scrub`-bed.
+Standard library only: every layer of the package uses it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from urllib.parse import unquote
 
 __all__ = [
     "MASK",
@@ -51,12 +45,8 @@ _KEYED_SECRET = re.compile(
 
 
 def shape(value: object) -> str:
-    """Describe ``value`` by its type and size, never by its content.
-
-    ``"a str of 31 characters"``, ``"bytes (24 bytes)"``, ``"a dict with keys 'NAME',
-    'PASSWORD'"``, ``"a list of 2 items"``, ``"None"``, ``"a ConnectionPool"``. A
-    mapping's keys are names, not secrets, and say what was meant.
-    """
+    """Describe ``value`` by its type and size, never its content (``"a str of 31
+    characters"``); a mapping's keys are names, not secrets, and are shown."""
     if value is None or isinstance(value, bool):
         return repr(value)
     if isinstance(value, str):
@@ -82,13 +72,9 @@ def looks_like_dsn(value: str) -> bool:
 
 
 def mask_dsn(dsn: str) -> str:
-    """``dsn`` with its password replaced by :data:`MASK`, in either DSN form.
-
-    ``postgresql://app:secret@db/app`` gives ``postgresql://app:***@db/app``;
-    ``host=db password='a b'`` gives ``host=db password=***``. A DSN that cannot be
-    parsed is masked the same way (what follows ``password`` or the ``:`` of a URI's
-    user, up to the last ``@``), so more may be hidden than the password, never less.
-    """
+    """``dsn`` with its password replaced by :data:`MASK`, in either DSN form; an
+    unparsable one loses what follows ``password`` or a URI's ``user:`` up to the last
+    ``@``: more may be hidden than the password, never less."""
     masked = _URL_PASSWORD.sub(lambda m: f"{m['keep']}{MASK}@", dsn)
     return _KEYED_SECRET.sub(lambda m: f"{m['keep']}{MASK}", masked)
 
@@ -100,11 +86,7 @@ def dsn_secrets(dsn: str) -> list[str]:
     for pattern in (_URL_PASSWORD, _KEYED_SECRET):
         for match in pattern.finditer(dsn):
             secret = match["secret"].strip("'\"")
-            found.add(secret)
-            if "%" in secret:  # a URI's percent-encoding, as libpq decodes it
-                from urllib.parse import unquote
-
-                found.add(unquote(secret))
+            found.update((secret, unquote(secret)))  # libpq decodes a URI's percent-encoding
             # libpq ends a URI's password at its first "@": the rest reads as the host
             # and is echoed in "could not translate host name".
             found.update(part for part in re.split(r"[@:]", secret) if len(part) >= 3)
@@ -121,8 +103,8 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
 
 
 class MaskedDSN(str):
-    """A DSN whose ``repr`` masks its password: what a pytest traceback, a dict's repr
-    or a log of ``%r`` shows. ``str()`` and every use as a string are the DSN itself."""
+    """A DSN whose ``repr`` (tracebacks, ``%r`` logs) masks its password; as a string
+    it is the DSN itself."""
 
     __slots__ = ()
 
@@ -135,13 +117,9 @@ class TokenError(ValueError):
 
 
 def check_token(value: object) -> str:
-    """The bearer token ``value`` ready to compare, or :class:`TokenError`.
-
-    Surrounding whitespace is dropped (a token read from a file ends with a newline,
-    which no ``Authorization`` header can carry); what remains must be a string of at
-    least :data:`MIN_TOKEN_LENGTH` visible ASCII characters. The error says how the
-    value is wrong (its type, its length, which rule), never what it is.
-    """
+    """The bearer token ``value`` stripped (a token file ends with a newline), if it
+    is at least :data:`MIN_TOKEN_LENGTH` visible ASCII characters, else
+    :class:`TokenError` saying how it is wrong, never what it is."""
     if not isinstance(value, str):
         raise TokenError(
             f"{shape(value)} is not a token: must be a string of at least "

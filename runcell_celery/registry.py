@@ -1,21 +1,12 @@
-"""Limiters by name, configured from one settings dict (Celery's or Django's).
+"""Limiters by name, configured from one settings dict (``app.conf.runcell`` or
+Django's ``settings.RUNCELL``)::
 
-The same shape serves ``app.conf.runcell`` and Django's ``settings.RUNCELL``::
+    {"BACKEND": "postgres", "DATABASE": "postgresql://app@db/app",
+     "LIMITERS": {"claude": {"max_concurrent": 8}}, "POSTGRES": {"poll_interval_ms": 100}}
 
-    {
-        "BACKEND": "postgres",                   # or "memory" (one process)
-        "DATABASE": "postgresql://app@db/app",   # a DSN (Django: also an alias)
-        "LIMITERS": {"claude": {"max_concurrent": 8, "workloads": {...}}},
-        "POSTGRES": {"poll_interval_ms": 100},  # the PostgreSQL backend's own options
-    }
-
-Settings are validated when the registry is configured: every limiter's limits
-through :class:`~runcell_celery.config.LimiterConfig` and the backend's own section
-by the backend class (:data:`runcell_celery.backends.BACKENDS`), errors naming the
-settings path. The backend and the limiters are created lazily, once per process
-(:class:`~runcell_celery.background.ProcessLocal`): a Celery prefork parent that
-configures the registry never opens a connection its children would inherit.
-Limiters can also be registered in code.
+Everything is validated at configuration, errors naming the settings path; the backend
+and limiters are made lazily once per process, so a Celery prefork parent never opens
+a connection its children would inherit. Limiters can also be registered in code.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from .config import LimiterConfig
 from .errors import ConcurrencyConfigError
 from .hints import did_you_mean
 from .keys import check_key_clashes, is_keyed
-from .ports import Backend, BackendFactory
+from .ports import Backend
 from .protocol import ConcurrencyLimiter, SupportsConfig, supports
 from .redaction import shape
 
@@ -43,18 +34,13 @@ LimiterFactory = Callable[[], ConcurrencyLimiter]
 
 
 class LimiterRegistry:
-    """Named limiters for one application.
-
-    :param resolve_database: turns the ``DATABASE`` setting into a DSN (the Django
-        app passes one that accepts database aliases). Called when the backend is
-        built in a process, never at configuration time.
-    """
+    """Named limiters for one application; ``resolve_database`` turns the ``DATABASE``
+    setting into a DSN (Django's accepts aliases) when a process builds the backend."""
 
     def __init__(self, *, resolve_database: Callable[[str], str] | None = None) -> None:
         self._resolve_database = resolve_database or (lambda value: value)
         self._configs: dict[str, LimiterConfig] = {}
         self._factories: dict[str, LimiterFactory] = {}
-        #: Whether each limiter registered in code is keyed (a factory's: not known, no).
         self._keyed: dict[str, bool] = {}
         self._instances: ProcessLocal[dict[str, ConcurrencyLimiter]] = ProcessLocal(dict)
         self._lock = threading.Lock()
@@ -63,13 +49,8 @@ class LimiterRegistry:
         self._on_create: list[Callable[[ConcurrencyLimiter], None]] = []
         self.settings_path = "RUNCELL"
 
-    # -- configuration --------------------------------------------------------------
-
     def configure(self, settings: Mapping[str, Any], *, path: str = "RUNCELL") -> None:
-        """Validate ``settings`` and replace the configured limiters with its own.
-
-        :raises ConcurrencyConfigError: naming the path of the bad setting.
-        """
+        """Validate ``settings`` and replace the configured limiters with its own."""
         if not isinstance(settings, Mapping):
             raise ConcurrencyConfigError(f"{path} is invalid: {shape(settings)}, must be a dict")
         for key in settings:
@@ -80,23 +61,22 @@ class LimiterRegistry:
         factory = load_backend(name, setting=f'{path}["BACKEND"]')
         database = settings.get("DATABASE") if name in NEEDS_DATABASE else None
         has_database = isinstance(database, str) and bool(database)
-        if name in NEEDS_DATABASE and database is not None and not has_database:
-            # Never the value: a DSN, or a DATABASES entry given in its place, may hold a
-            # password (runcell_celery.redaction).
-            raise ConcurrencyConfigError(
-                f'{path}["DATABASE"] is invalid: {shape(database)}; the PostgreSQL limiter '
-                "needs a DSN string (or, with Django, a database alias)"
-            )
-        if name in NEEDS_DATABASE and settings.get("LIMITERS") and not has_database:
-            raise ConcurrencyConfigError(
-                f'{path}["DATABASE"] is missing: the PostgreSQL limiter needs a DSN (or, '
-                'with Django, a database alias); set "BACKEND": "memory" for limiters '
-                "that live in one process"
-            )
+        if name in NEEDS_DATABASE and not has_database:
+            if database is not None:  # its shape, never the value: it may hold a password
+                raise ConcurrencyConfigError(
+                    f'{path}["DATABASE"] is invalid: {shape(database)}; the PostgreSQL '
+                    "limiter needs a DSN string (or, with Django, a database alias)"
+                )
+            if settings.get("LIMITERS"):
+                raise ConcurrencyConfigError(
+                    f'{path}["DATABASE"] is missing: the PostgreSQL limiter needs a DSN (or, '
+                    'with Django, a database alias); set "BACKEND": "memory" for limiters '
+                    "that live in one process"
+                )
         section = str(name).upper()
         options = settings.get(section, {})
         options_path = f'{path}["{section}"]'
-        # The backend checks its own section now; it is built for real once per process.
+        # The backend checks its section now; it is built once per process, later.
         factory(database=None, options=options, path=options_path)
         limiters = settings.get("LIMITERS", {})
         if not isinstance(limiters, Mapping):
@@ -117,7 +97,12 @@ class LimiterRegistry:
         )
         backend: ProcessLocal[Backend] | None = None
         if name not in NEEDS_DATABASE or has_database:
-            backend = ProcessLocal(self._backend_maker(factory, database, options, options_path))
+
+            def make() -> Backend:
+                dsn = None if database is None else self._resolve_database(database)
+                return factory(database=dsn, options=options, path=options_path)
+
+            backend = ProcessLocal(make)
         with self._lock:
             previous = self._backend
             self.settings_path = path
@@ -132,29 +117,12 @@ class LimiterRegistry:
         if previous is not None and (made := previous.peek()) is not None:
             made.close()
 
-    def _backend_maker(
-        self,
-        factory: BackendFactory,
-        database: str | None,
-        options: Mapping[str, Any],
-        path: str,
-    ) -> Callable[[], Backend]:
-        def make() -> Backend:
-            dsn = None if database is None else self._resolve_database(database)
-            return factory(database=dsn, options=options, path=path)
-
-        return make
-
     def register(
         self, limiter: ConcurrencyLimiter | LimiterFactory, *, name: str | None = None
     ) -> None:
-        """Register a limiter (or a factory called once per process) under a name.
-
-        :raises ConcurrencyConfigError: no name for a factory, or a name that clashes
-            with a key of a keyed limiter (``"tenant:acme"`` beside a keyed
-            ``"tenant"``), in either order, naming both. A factory's limiter is not
-            made here, so it counts as not keyed.
-        """
+        """Register a limiter (or a factory called once per process) under a name;
+        raise if the name clashes with a key of a keyed limiter (a factory's limiter
+        counts as not keyed)."""
         factory: LimiterFactory
         keyed = False
         if isinstance(limiter, ConcurrencyLimiter):
@@ -176,28 +144,22 @@ class LimiterRegistry:
             self._instances.get().pop(name, None)
 
     def on_create(self, hook: Callable[[ConcurrencyLimiter], None]) -> None:
-        """Call ``hook`` on every limiter this registry creates (e.g. to wire a publisher)."""
+        """Call ``hook`` on every limiter this registry creates."""
         self._on_create.append(hook)
 
     def close(self) -> None:
-        """Close this process's backend if it was made, and forget its limiters.
-
-        For whoever drops the registry while the process goes on (a test's app):
-        what the backend owns in this process is released now, not when the process
-        ends. A later :meth:`get` builds the backend and limiters again.
-        """
+        """Close this process's backend if it was made and forget its limiters (a
+        later :meth:`get` builds them again), for a registry dropped mid-process."""
         with self._lock:
             self._instances = ProcessLocal(dict)
             made = None if self._backend is None else self._backend.discard()
         if made is not None:
             made.close()
 
-    # -- lookup -----------------------------------------------------------------------
-
     @property
     def backend(self) -> Backend | None:
-        """This process's backend, built on first use; ``None`` when the registry was
-        not configured from settings, or its backend lacks the ``DATABASE`` it needs."""
+        """This process's backend, built on first use; ``None`` unless configured from
+        settings with the ``DATABASE`` it needs."""
         backend = self._backend
         return None if backend is None else backend.get()
 
@@ -206,14 +168,12 @@ class LimiterRegistry:
             return sorted({*self._configs, *self._factories})
 
     def configured(self) -> list[LimiterConfig]:
-        """The limits of every limiter configured from settings, by name (not those
-        registered in code), without creating any limiter."""
+        """The limits of the limiters configured from settings, by name (none made)."""
         with self._lock:
             return [self._configs[name] for name in sorted(self._configs)]
 
     def config(self, name: str) -> LimiterConfig | None:
-        """The limits of a configured limiter (``None`` for one registered in code
-        whose limiter does not declare its limits)."""
+        """The limits of a limiter (``None``: registered in code, declaring none)."""
         self.require(name)
         with self._lock:
             config = self._configs.get(name)
@@ -224,10 +184,8 @@ class LimiterRegistry:
 
     def require(self, name: str) -> None:
         """Raise :class:`ConcurrencyConfigError` unless ``name`` is a known limiter."""
-        with self._lock:
-            known = name in self._configs or name in self._factories
-            names = sorted({*self._configs, *self._factories})
-        if not known:
+        names = self.names()
+        if name not in names:
             raise ConcurrencyConfigError(
                 f'no limiter named {name!r} in {self.settings_path}["LIMITERS"]; '
                 f"{did_you_mean(name, names, label='known')}",
@@ -241,18 +199,15 @@ class LimiterRegistry:
             config.resolve_workload(workload)
 
     def get(self, name: str) -> ConcurrencyLimiter:
-        """Return this process's limiter called ``name``, creating it on first use."""
-        instances = self._instances.get()
-        limiter = instances.get(name)
-        if limiter is not None:
+        """This process's limiter called ``name``, created on first use."""
+        if (limiter := self._instances.get().get(name)) is not None:
             return limiter
         self.require(name)
         with self._lock:
             instances = self._instances.get()
-            limiter = instances.get(name)
-            created = limiter is None
-            if limiter is None:
-                limiter = instances[name] = self._create(name)
+            if created := name not in instances:
+                instances[name] = self._create(name)
+            limiter = instances[name]
         if created:
             for hook in self._on_create:
                 hook(limiter)
@@ -263,8 +218,7 @@ class LimiterRegistry:
         """The DSN of the configured PostgreSQL database, if any."""
         return None if self._database is None else self._resolve_database(self._database)
 
-    def _create(self, name: str) -> ConcurrencyLimiter:
-        """Build a limiter (the registry's lock is held)."""
+    def _create(self, name: str) -> ConcurrencyLimiter:  # the lock is held
         factory = self._factories.get(name)
         if factory is not None:
             return factory()

@@ -1,10 +1,5 @@
-"""Is anyone tracing? The one question the core asks of OpenTelemetry.
-
-:func:`current_tracer` is the tracer for runcell's spans, or ``None`` when nobody
-traces: without ``opentelemetry-api``, and while the global tracer provider is the
-API's default proxy or a no-op provider. The spans themselves are built by
-:mod:`runcell_celery.tracing`; a request asks only this module whether to find its place
-in line, so it knows nothing of spans.
+"""Is anyone tracing? The one question the core asks of OpenTelemetry (the spans are
+:mod:`runcell_celery.tracing`'s; a request asks here whether to find its place in line).
 """
 
 from __future__ import annotations
@@ -12,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .background import DEFAULT_REGISTRY
 from .version import __version__
 
 try:
@@ -25,10 +21,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 __all__ = ["OTEL_AVAILABLE", "current_tracer"]
-
-# -- is anyone tracing? ------------------------------------------------------------------
-
-_NOT_LOOKED = object()
 
 
 def _no_provider() -> object:
@@ -49,29 +41,20 @@ elif hasattr(otel_trace, "_TRACER_PROVIDER"):
 else:  # an API that renamed its global: ask it every time (right, a little slower)
     _peek = otel_trace.get_tracer_provider
 
-#: (what _peek() returned, the tracer chosen then), replaced as one value.
-_cache: tuple[object, Tracer | None] = (None if not OTEL_AVAILABLE else _NOT_LOOKED, None)
+#: (what _peek() returned, the tracer chosen then) before any lookup.
+_UNKNOWN: tuple[object, Tracer | None] = (object() if OTEL_AVAILABLE else None, None)
 
 
 def current_tracer() -> Tracer | None:
-    """The tracer for runcell's spans, or ``None`` when nobody traces (no spans at all).
-
-    ``None`` without ``opentelemetry-api``, and while the global tracer provider is the
-    API's default proxy or a no-op provider. The answer is cached and looked at again
-    when the API's provider changes.
-    """
-    seen, tracer = _cache
+    """The tracer for runcell's spans; ``None`` without ``opentelemetry-api`` or while
+    the provider is the API's proxy or a no-op (cached until the provider changes)."""
+    seen, tracer = DEFAULT_REGISTRY.value("tracer", _UNKNOWN)
     if _peek() is seen:
         return tracer
-    return _choose()
-
-
-def _choose() -> Tracer | None:
-    global _cache
     # get_tracer_provider() also loads a provider named by OTEL_PYTHON_TRACER_PROVIDER.
     provider = otel_trace.get_tracer_provider()
-    tracer: Tracer | None = None
+    tracer = None
     if not isinstance(provider, otel_trace.ProxyTracerProvider | otel_trace.NoOpTracerProvider):
         tracer = provider.get_tracer("runcell_celery", __version__)
-    _cache = (_peek(), tracer)
+    DEFAULT_REGISTRY.put("tracer", (_peek(), tracer))
     return tracer

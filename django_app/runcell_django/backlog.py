@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.redaction import mask_dsn, scrub
 
 from . import conf
@@ -105,14 +106,18 @@ def read_backlog(url: str, queues: Sequence[str], *, timeout_ms: int = 1_000) ->
     return Backlog(broker=broker, queues=tuple(found))
 
 
-_cache: dict[tuple[str, tuple[str, ...]], tuple[float, Backlog]] = {}
-_cache_lock = threading.Lock()
+def _cache() -> dict[tuple[str, tuple[str, ...]], tuple[float, Backlog]]:
+    return DEFAULT_REGISTRY.shared("django.backlog.cache", dict)
+
+
+def _cache_lock() -> threading.Lock:
+    return DEFAULT_REGISTRY.lock("django.backlog.cache")
 
 
 def forget_cached() -> None:
     """Forget the cached answers (the next read asks the broker)."""
-    with _cache_lock:
-        _cache.clear()
+    with _cache_lock():
+        _cache().clear()
 
 
 def broker_backlog() -> Backlog | None:
@@ -123,11 +128,11 @@ def broker_backlog() -> Backlog | None:
         return None
     key = (options.url, options.queues)
     now = time.monotonic()
-    with _cache_lock:
-        cached = _cache.get(key)
+    with _cache_lock():
+        cached = _cache().get(key)
     if cached is not None and cached[0] > now:
         return cached[1]
     backlog = read_backlog(options.url, options.queues, timeout_ms=options.timeout_ms)
-    with _cache_lock:
-        _cache[key] = (time.monotonic() + options.cache_ms / 1000, backlog)
+    with _cache_lock():
+        _cache()[key] = (time.monotonic() + options.cache_ms / 1000, backlog)
     return backlog

@@ -21,9 +21,9 @@ key, e.g. ``RUNCELL["LIMITERS"]["claude"]["workloads"]["interactive"]["reserved"
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import psycopg
@@ -33,6 +33,7 @@ from django.db import connections
 from django.dispatch import receiver
 
 from runcell_celery import ConcurrencyConfigError
+from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.hints import did_you_mean
 from runcell_celery.postgres import PostgresBackend, check_dsn
 from runcell_celery.redaction import TokenError, check_token, looks_like_dsn, shape
@@ -85,15 +86,17 @@ class EventSettings:
     sample_interval_ms: int = 5_000
 
 
-_EVENT_OPTIONS: dict[str, tuple[str, int | None]] = {
-    # setting: (attribute, minimum; None for a boolean)
-    "ENABLED": ("enabled", None),
-    "BUFFER_SIZE": ("buffer_size", 1),
-    "FLUSH_INTERVAL_MS": ("flush_interval_ms", 1),
-    "BATCH_SIZE": ("batch_size", 1),
-    "RETENTION_DAYS": ("retention_days", 1),
-    "SAMPLE_INTERVAL_MS": ("sample_interval_ms", 0),
-}
+_EVENT_OPTIONS: Mapping[str, tuple[str, int | None]] = MappingProxyType(
+    {
+        # setting: (attribute, minimum; None for a boolean)
+        "ENABLED": ("enabled", None),
+        "BUFFER_SIZE": ("buffer_size", 1),
+        "FLUSH_INTERVAL_MS": ("flush_interval_ms", 1),
+        "BATCH_SIZE": ("batch_size", 1),
+        "RETENTION_DAYS": ("retention_days", 1),
+        "SAMPLE_INTERVAL_MS": ("sample_interval_ms", 0),
+    }
+)
 
 
 def runcell_settings() -> Mapping[str, Any]:
@@ -348,22 +351,19 @@ def validate() -> None:
     database_alias()
 
 
-_registry: LimiterRegistry | None = None
-_lock = threading.Lock()
-
-
 def registry() -> LimiterRegistry:
     """The limiters of ``settings.RUNCELL``, validated on first use (one per process)."""
-    global _registry
-    found = _registry
+    found: LimiterRegistry | None = DEFAULT_REGISTRY.value("django.conf.registry", None)
     if found is not None:
         return found
-    with _lock:
+    with DEFAULT_REGISTRY.lock("django.conf"):
+        _registry: LimiterRegistry | None = DEFAULT_REGISTRY.value("django.conf.registry", None)
         if _registry is None:
             config = runcell_settings()
             _check_database(config)
             made = LimiterRegistry(resolve_database=resolve_database)
             made.configure(config, path=SETTING)
+            DEFAULT_REGISTRY.put("django.conf.registry", made)
             _registry = made
         return _registry
 
@@ -388,9 +388,8 @@ def postgres_backend() -> PostgresBackend:
 
 def reset() -> None:
     """Forget the configured registry; the next :func:`registry` call reads settings."""
-    global _registry
-    with _lock:
-        _registry = None
+    with DEFAULT_REGISTRY.lock("django.conf"):
+        DEFAULT_REGISTRY.put("django.conf.registry", None)
     databases.forget_dsn()
 
 

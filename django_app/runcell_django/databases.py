@@ -12,12 +12,13 @@ the app's models and migrations there, and nothing else.
 from __future__ import annotations
 
 import getpass
-import threading
+from types import MappingProxyType
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from runcell_celery import ConcurrencyConfigError
+from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.postgres import check_dsn
 
 __all__ = ["DSN_ALIAS", "database_settings", "forget_dsn", "is_registered_dsn", "register_dsn"]
@@ -27,12 +28,14 @@ DSN_ALIAS = "runcell"
 
 #: libpq keywords with a field of their own in a ``DATABASES`` entry; the rest go to
 #: ``OPTIONS``, which Django's PostgreSQL backend passes on to ``psycopg.connect``.
-_FIELDS = {"dbname": "NAME", "user": "USER", "password": "PASSWORD", "host": "HOST", "port": "PORT"}
+_FIELDS = MappingProxyType(
+    {"dbname": "NAME", "user": "USER", "password": "PASSWORD", "host": "HOST", "port": "PORT"}
+)
 
-_lock = threading.Lock()
 #: The DSN registered and the entry this module put in ``connections.settings`` (the
 #: entry compared by identity: an alias of that name the project defines is not ours).
-_registered: tuple[str, dict[str, Any]] | None = None
+Registered = tuple[str, dict[str, Any]] | None
+_REGISTERED = "django.databases.registered"
 
 
 def database_settings(dsn: str) -> dict[str, Any]:
@@ -60,8 +63,8 @@ def register_dsn(dsn: str) -> str:
 
     :raises ConcurrencyConfigError: ``DATABASES`` already defines that alias.
     """
-    global _registered
-    with _lock:
+    with DEFAULT_REGISTRY.lock(_REGISTERED):
+        _registered: Registered = DEFAULT_REGISTRY.value(_REGISTERED, None)
         current = connections.settings.get(DSN_ALIAS)
         ours = _registered[1] if _registered is not None else None
         if current is not None and current is not ours:
@@ -78,23 +81,23 @@ def register_dsn(dsn: str) -> str:
         entry = connections.configure_settings({DEFAULT_DB_ALIAS: {}, DSN_ALIAS: wanted})[DSN_ALIAS]
         _close(DSN_ALIAS)
         connections.settings[DSN_ALIAS] = entry
-        _registered = (dsn, entry)
+        DEFAULT_REGISTRY.put(_REGISTERED, (dsn, entry))
         return DSN_ALIAS
 
 
 def is_registered_dsn(alias: str) -> bool:
     """Whether ``alias`` is the alias this app registered for a DSN."""
-    return alias == DSN_ALIAS and _registered is not None
+    return alias == DSN_ALIAS and DEFAULT_REGISTRY.value(_REGISTERED, None) is not None
 
 
 def forget_dsn() -> None:
     """Unregister the DSN's alias (when ``RUNCELL`` changes; tests)."""
-    global _registered
-    with _lock:
+    with DEFAULT_REGISTRY.lock(_REGISTERED):
+        _registered: Registered = DEFAULT_REGISTRY.value(_REGISTERED, None)
         if _registered is not None and connections.settings.get(DSN_ALIAS) is _registered[1]:
             _close(DSN_ALIAS)
             del connections.settings[DSN_ALIAS]
-        _registered = None
+        DEFAULT_REGISTRY.put(_REGISTERED, None)
 
 
 def _close(alias: str) -> None:

@@ -19,7 +19,6 @@ token is configured (Prometheus was not given it), else 403.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
@@ -28,6 +27,7 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 
 from runcell_celery import ConcurrencyConfigError
+from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.metrics import (
     LimiterGaugeCollector,
     bearer_token_matches,
@@ -41,10 +41,9 @@ from . import conf
 
 __all__ = ["metrics_view"]
 
-_lock = threading.Lock()
 #: The registry scrapes are served from, and what it was built for: rebuilt when the
 #: settings change (``override_settings``, a reconfigured registry).
-_built: tuple[tuple[Any, ...], CollectorRegistry] | None = None
+Built = tuple[tuple[Any, ...], CollectorRegistry] | None
 
 
 @never_cache
@@ -82,10 +81,10 @@ def _unauthorized(why: str) -> HttpResponse:
 
 def _registry(settings: conf.MetricsSettings) -> CollectorRegistry:
     """The registry for these settings and this process's backend (built once)."""
-    global _built
     backend = _backend()
     key = (backend, settings.cache_ms, settings.multiprocess_dir)
-    with _lock:
+    with DEFAULT_REGISTRY.lock("django.metrics"):
+        _built: Built = DEFAULT_REGISTRY.value("django.metrics.built", None)
         if _built is None or _built[0] != key:
             try:
                 where = multiprocess_dir(settings.multiprocess_dir)
@@ -98,6 +97,7 @@ def _registry(settings: conf.MetricsSettings) -> CollectorRegistry:
                     cache_seconds=settings.cache_ms / 1000,
                 )
             _built = (key, build_registry(gauges=gauges, multiproc=where))
+            DEFAULT_REGISTRY.put("django.metrics.built", _built)
         return _built[1]
 
 

@@ -44,7 +44,7 @@ __all__ = [
     "QueueEntry",
 ]
 
-EVENT_TYPE_CHOICES = [(t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES)]
+EVENT_TYPE_CHOICES = tuple((t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES))
 
 _READ_ONLY = ("view",)
 

@@ -35,7 +35,7 @@ from django.db import connections
 from django.utils import timezone
 
 from runcell_celery import add_event_listener, remove_event_listener
-from runcell_celery.background import BackgroundLoop, ProcessLocal
+from runcell_celery.background import DEFAULT_REGISTRY, BackgroundLoop, ProcessLocal
 from runcell_celery.events import ConcurrencyEvent as CoreEvent
 
 from . import conf
@@ -269,17 +269,13 @@ def _write_step(recorder: EventRecorder) -> float | None:
     return 0
 
 
-_recorder: EventRecorder | None = None
-_recorder_lock = threading.Lock()
-
-
 def start_recorder() -> EventRecorder | None:
     """Start this process's recorder as ``RUNCELL["EVENTS"]`` says (once)."""
-    global _recorder
     options = conf.event_settings()
     if not options.enabled:
         return None
-    with _recorder_lock:
+    with DEFAULT_REGISTRY.lock("django.recorder"):
+        _recorder: EventRecorder | None = DEFAULT_REGISTRY.value("django.recorder", None)
         if _recorder is None:
             _recorder = EventRecorder(
                 buffer_size=options.buffer_size,
@@ -288,18 +284,19 @@ def start_recorder() -> EventRecorder | None:
                 sample_interval_ms=options.sample_interval_ms,
             )
             _recorder.start()
+            DEFAULT_REGISTRY.put("django.recorder", _recorder)
         return _recorder
 
 
 def get_recorder() -> EventRecorder | None:
     """This process's recorder, if :func:`start_recorder` started one."""
-    return _recorder
+    return DEFAULT_REGISTRY.value("django.recorder", None)
 
 
 def stop_recorder() -> None:
     """Stop this process's recorder after writing what it buffered."""
-    global _recorder
-    with _recorder_lock:
-        recorder, _recorder = _recorder, None
+    with DEFAULT_REGISTRY.lock("django.recorder"):
+        recorder: EventRecorder | None = DEFAULT_REGISTRY.value("django.recorder", None)
+        DEFAULT_REGISTRY.put("django.recorder", None)
     if recorder is not None:
         recorder.stop()

@@ -22,19 +22,23 @@ import weakref
 
 from celery import Celery
 
+from ..background import DEFAULT_REGISTRY
+
 __all__ = ["broker_identity"]
 
-_identities: weakref.WeakKeyDictionary[Celery, str] = weakref.WeakKeyDictionary()
+
+def _identities() -> weakref.WeakKeyDictionary[Celery, str]:
+    return DEFAULT_REGISTRY.shared("celery.brokers.identities", weakref.WeakKeyDictionary)
 
 
 def broker_identity(app: Celery) -> str:
     """The identity of the broker ``app`` publishes to (never its password); computed
     once per app, without connecting."""
-    identity = _identities.get(app)
+    identity = _identities().get(app)
     if identity is None:
         with app.connection_for_write() as connection:
             uri = connection.as_uri(include_password=False)
             digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
             identity = f"{connection.transport_cls}:{digest}:{connection.virtual_host}"
-        _identities[app] = identity
+        _identities()[app] = identity
     return identity

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from celery import Celery
 
+from ..background import DEFAULT_REGISTRY
 from ..errors import ConcurrencyConfigError, ConcurrencyError
 from ..ports import LimitsConflict, StoredLimitsCheck
 from .state import state_for
@@ -136,7 +137,8 @@ class SaidOnce:
             self._said.pop(limiter, None)
 
 
-_started = SaidOnce()
+def _started() -> SaidOnce:
+    return DEFAULT_REGISTRY.shared("celery.conflicts.started", SaidOnce)
 
 
 def log_start_conflict(error: ConcurrencyError, task_name: str) -> None:
@@ -150,7 +152,7 @@ def log_start_conflict(error: ConcurrencyError, task_name: str) -> None:
     """
     if not isinstance(error, ConcurrencyConfigError) or error.limiter is None:
         return
-    if _started.first(error.limiter, error.message):
+    if _started().first(error.limiter, error.message):
         logger.error(
             "runcell: task %r cannot run: %s (said once per limiter and change; every "
             "such task fails with a config-error event)",

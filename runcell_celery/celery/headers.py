@@ -69,12 +69,13 @@ ADMISSION = "runcell_admission"
 PUBLICATION = "runcell_publication"
 KEY = "runcell_key"
 
+
 #: A forged header can be megabytes; an error message shows this much of it.
-_shown = reprlib.Repr()
-_shown.maxstring = 80
-_shown.maxother = 80
-_shown.maxdict = 6
-_shown.maxlist = 6
+def _shown(value: object) -> str:
+    shown = reprlib.Repr()
+    shown.maxstring = shown.maxother = 80
+    shown.maxdict = shown.maxlist = 6
+    return shown.repr(value)
 
 
 class ParentHeader(TypedDict, total=False):
@@ -129,8 +130,7 @@ def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> Carri
 
     def invalid(header: str, value: object, rule: str) -> ConcurrencyHeaderError:
         return ConcurrencyHeaderError(
-            f"task {task_name!r}: message header {header!r} = {_shown.repr(value)} is "
-            f"invalid: {rule}",
+            f"task {task_name!r}: message header {header!r} = {_shown(value)} is invalid: {rule}",
             **lineage,
         )
 
@@ -157,7 +157,7 @@ def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> Carri
             raise invalid(
                 SELECT,
                 select,
-                f"its 'workload' = {_shown.repr(workload)} must be a non-empty string",
+                f"its 'workload' = {_shown(workload)} must be a non-empty string",
             )
         timeout_ms = select.get("timeout_ms")
         if timeout_ms is not None:
@@ -193,14 +193,13 @@ def _parent(value: object, invalid: Callable[[str], ConcurrencyHeaderError]) -> 
     def name(key: str) -> str | None:
         item = value.get(key)
         if item is not None and (not isinstance(item, str) or not item):
-            raise invalid(f"its {key!r} = {_shown.repr(item)} must be a non-empty string or null")
+            raise invalid(f"its {key!r} = {_shown(item)} must be a non-empty string or null")
         return item
 
     deadline = value.get("deadline")
     if deadline is not None and not _is_time(deadline):
         raise invalid(
-            f"its 'deadline' = {_shown.repr(deadline)} must be a finite Unix time in "
-            "seconds or null"
+            f"its 'deadline' = {_shown(deadline)} must be a finite Unix time in seconds or null"
         )
     limiters = value.get("limiters")
     if limiters is not None and (
@@ -209,8 +208,7 @@ def _parent(value: object, invalid: Callable[[str], ConcurrencyHeaderError]) -> 
         or not all(isinstance(item, str) and item for item in limiters)
     ):
         raise invalid(
-            f"its 'limiters' = {_shown.repr(limiters)} must be a non-empty list of limiter "
-            "names or null"
+            f"its 'limiters' = {_shown(limiters)} must be a non-empty list of limiter names or null"
         )
     parent = ParentHeader(
         limiter=name("limiter"),

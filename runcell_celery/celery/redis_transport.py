@@ -37,12 +37,13 @@ prefetched and not started), instead of leaving them to ``visibility_timeout``.
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from typing import Any
 
 from celery import bootsteps
 from celery.worker import state as worker_state
+
+from ..background import DEFAULT_REGISTRY
 
 __all__ = ["RestoreUnackedStep", "patch_redis_transport"]
 
@@ -50,9 +51,6 @@ logger = logging.getLogger("runcell_celery.celery.redis_transport")
 
 #: Where a Redis channel keeps the ``kombu.Connection`` it was opened for.
 _OPENED_FOR = "_runcell_opened_for"
-
-_lock = threading.Lock()
-_patched = False
 
 
 class _Reopened:
@@ -71,9 +69,8 @@ class _Reopened:
 def patch_redis_transport() -> bool:
     """Apply the workaround to kombu's Redis transport, once per process; return
     whether it is applied (``False`` without the ``redis`` package)."""
-    global _patched
-    with _lock:
-        if _patched:
+    with DEFAULT_REGISTRY.lock("celery.redis_transport"):
+        if DEFAULT_REGISTRY.value("celery.redis_transport.patched", False):
             return True
         try:
             from kombu.transport import redis as kombu_redis
@@ -102,7 +99,7 @@ def patch_redis_transport() -> bool:
 
         _connparams.__wrapped__ = original  # type: ignore[attr-defined]
         channel_class._connparams = _connparams
-        _patched = True
+        DEFAULT_REGISTRY.put("celery.redis_transport.patched", True)
         return True
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from ..background import DEFAULT_REGISTRY
 from ..events import remove_event_listener
 from ..ports import AdmissionCount, Backend, CounterStore
 from ..registry import LimiterRegistry
@@ -43,9 +44,13 @@ __all__ = [
 
 SettingsProvider = Callable[[], tuple[Mapping[str, Any], str, Callable[[str], str] | None] | None]
 
-_provider: SettingsProvider | None = None
-_states: weakref.WeakKeyDictionary[Celery, AppState] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
+
+def _states() -> weakref.WeakKeyDictionary[Celery, AppState]:
+    return DEFAULT_REGISTRY.shared("celery.state.states", weakref.WeakKeyDictionary)
+
+
+def _lock() -> threading.Lock:
+    return DEFAULT_REGISTRY.lock("celery.state")
 
 
 @dataclass(eq=False)
@@ -89,20 +94,19 @@ def set_settings_provider(provider: SettingsProvider | None) -> None:
 
     The provider returns ``(settings, path_for_errors, resolve_database)`` or ``None``.
     """
-    global _provider
-    _provider = provider
+    DEFAULT_REGISTRY.put("celery.state.provider", provider)
 
 
 def state_for(app: Celery) -> AppState:
     """Return ``app``'s state, configuring its registry on first use."""
-    state = _states.get(app)
+    state = _states().get(app)
     if state is not None:
         return state
-    with _lock:
-        state = _states.get(app)
+    with _lock():
+        state = _states().get(app)
         if state is None:
             state = AppState.for_registry(_configure(app))
-            _states[app] = state
+            _states()[app] = state
         return state
 
 
@@ -142,8 +146,8 @@ def discard_state(app: Celery) -> None:
     keep retrying a test database that was dropped. A later :func:`state_for` starts
     afresh.
     """
-    with _lock:
-        state = _states.pop(app, None)
+    with _lock():
+        state = _states().pop(app, None)
     if state is None:
         return
     remove_event_listener(state.counters.on_event)
@@ -155,16 +159,17 @@ def discard_state(app: Celery) -> None:
 
 def live_states() -> list[AppState]:
     """The states of every app of this process still alive."""
-    with _lock:
-        return list(_states.values())
+    with _lock():
+        return list(_states().values())
 
 
 def _configure(app: Celery) -> LimiterRegistry:
     settings = app.conf.get("runcell")
     resolve: Callable[[str], str] | None = None
     path = "app.conf.runcell"
-    if settings is None and _provider is not None:
-        provided = _provider()
+    provider: SettingsProvider | None = DEFAULT_REGISTRY.value("celery.state.provider", None)
+    if settings is None and provider is not None:
+        provided = provider()
         if provided is not None:
             settings, path, resolve = provided
     registry = LimiterRegistry(resolve_database=resolve)

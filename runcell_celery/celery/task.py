@@ -190,7 +190,7 @@ class RunCellTask(_Task):
         cls._runcell_keyed = keyed
         cls._runcell_signature = signature
         # A deferral is not "ignored" work: Celery's line for it is replaced by ours.
-        logging.getLogger("celery.app.trace").addFilter(_HIDE_SET_ASIDE)
+        logging.getLogger("celery.app.trace").addFilter(_hide_set_aside)
         ensure_wired(app)
 
     def _no_limiter(self, exc: ConcurrencyNoLimiterError) -> ConcurrencyNoLimiterError:
@@ -598,23 +598,18 @@ class DeliverySetAside(Ignore):
         self.task_id = task_id
 
 
-class _HideSetAsideIgnored(logging.Filter):
+def _hide_set_aside(record: logging.LogRecord) -> bool:
     """Drop Celery's "Task ... ignored" line for a :class:`DeliverySetAside` only.
 
     Celery logs it from ``celery.app.trace`` while it handles the exception (inside
     its ``except Ignore`` block), so the exception at hand tells which one it is;
     every other ignored task keeps its line.
     """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        data = getattr(record, "data", None)
-        if not isinstance(data, dict) or data.get("description") != "ignored":
-            return True
-        handling = sys.exc_info()[1]
-        return not (isinstance(handling, DeliverySetAside) and handling.task_id == data.get("id"))
-
-
-_HIDE_SET_ASIDE = _HideSetAsideIgnored()
+    data = getattr(record, "data", None)
+    if not isinstance(data, dict) or data.get("description") != "ignored":
+        return True
+    handling = sys.exc_info()[1]
+    return not (isinstance(handling, DeliverySetAside) and handling.task_id == data.get("id"))
 
 
 def _parent_limiters(parent: headers.ParentHeader | None) -> list[str]:

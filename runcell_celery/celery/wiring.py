@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import before_task_publish, worker_process_shutdown
 
+from ..background import DEFAULT_REGISTRY
 from ..context import current_run
 from ..events import add_event_listener
 from . import headers
@@ -25,8 +26,9 @@ from .state import AppState, live_states, state_for
 
 __all__ = ["ensure_wired"]
 
-_lock = threading.Lock()
-_process_signals_connected = False
+
+def _lock() -> threading.Lock:
+    return DEFAULT_REGISTRY.lock("celery.wiring")
 
 
 def _on_publish(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -62,13 +64,12 @@ def _flush_counters(**_: Any) -> None:
 
 def _connect_process_signals() -> None:
     """Connect the receivers every app shares, once per process."""
-    global _process_signals_connected
-    with _lock:
-        if _process_signals_connected:
+    with _lock():
+        if DEFAULT_REGISTRY.value("celery.wiring.connected", False):
             return
         before_task_publish.connect(_on_publish, weak=False)
         worker_process_shutdown.connect(_flush_counters, weak=False)
-        _process_signals_connected = True
+        DEFAULT_REGISTRY.put("celery.wiring.connected", True)
 
 
 def ensure_wired(app: Celery) -> AppState:

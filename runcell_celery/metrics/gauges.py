@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -33,14 +34,16 @@ DEFAULT_CACHE_SECONDS = 1.0
 GaugeReader = Callable[[], "Sequence[WorkloadGauges]"]
 
 #: The per-workload gauges, and the field of ``WorkloadGauges`` each shows.
-_PER_WORKLOAD = {
-    "runcell_slots_held": "held",
-    "runcell_workload_limit": "workload_limit",
-    "runcell_effective_limit": "effective_limit",
-    "runcell_requests_queued": "queued",
-    "runcell_requests_parked": "parked",
-    "runcell_oldest_wait_seconds": "oldest_wait_s",
-}
+_PER_WORKLOAD = MappingProxyType(
+    {
+        "runcell_slots_held": "held",
+        "runcell_workload_limit": "workload_limit",
+        "runcell_effective_limit": "effective_limit",
+        "runcell_requests_queued": "queued",
+        "runcell_requests_parked": "parked",
+        "runcell_oldest_wait_seconds": "oldest_wait_s",
+    }
+)
 
 
 class _Snapshot(NamedTuple):

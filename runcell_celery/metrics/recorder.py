@@ -9,11 +9,12 @@ before the worker starts, and the view or the exporter adds the children's files
 
 from __future__ import annotations
 
-import threading
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
+from ..background import DEFAULT_REGISTRY
 from ..events import ConcurrencyEvent, add_event_listener, remove_event_listener
 from ..keys import split_key_name
 from .catalog import BUCKETS_SECONDS, EVENT_METRICS
@@ -24,19 +25,23 @@ if TYPE_CHECKING:
 __all__ = ["EventMetrics", "install_event_metrics", "limiter_label", "uninstall_event_metrics"]
 
 #: The counter each event type adds one to (a deferral is no event: see on_deferred).
-_COUNTER_OF = {
-    "acquired": "runcell_slots_acquired_total",
-    "released": "runcell_slots_released_total",
-    "timed-out": "runcell_timeouts_total",
-    "queue-full": "runcell_queue_full_total",
-    "wait-cancelled": "runcell_waits_cancelled_total",
-    "lease-lost": "runcell_leases_lost_total",
-    "limiter-error": "runcell_limiter_errors_total",
-    "renewal-failed": "runcell_limiter_errors_total",
-    "release-failed": "runcell_limiter_errors_total",
-}
+_COUNTER_OF = MappingProxyType(
+    {
+        "acquired": "runcell_slots_acquired_total",
+        "released": "runcell_slots_released_total",
+        "timed-out": "runcell_timeouts_total",
+        "queue-full": "runcell_queue_full_total",
+        "wait-cancelled": "runcell_waits_cancelled_total",
+        "lease-lost": "runcell_leases_lost_total",
+        "limiter-error": "runcell_limiter_errors_total",
+        "renewal-failed": "runcell_limiter_errors_total",
+        "release-failed": "runcell_limiter_errors_total",
+    }
+)
 _LOST_REASONS = frozenset({"renewal", "max-hold", "expired-before-start"})
-_OPERATIONS = {"limiter-error": "acquire", "renewal-failed": "renew", "release-failed": "release"}
+_OPERATIONS = MappingProxyType(
+    {"limiter-error": "acquire", "renewal-failed": "renew", "release-failed": "release"}
+)
 
 
 def limiter_label(names: tuple[str, ...]) -> str:
@@ -106,29 +111,25 @@ def _task_deferred() -> Signal | None:
     return task_deferred
 
 
-_installed: EventMetrics | None = None
-_lock = threading.Lock()
-
-
 def install_event_metrics() -> EventMetrics:
     """Count this process's events into Prometheus metrics, once (later calls return the
     same :class:`EventMetrics`); call it before the pool forks, so children inherit it."""
-    global _installed
-    with _lock:
-        if _installed is None:
-            metrics = EventMetrics()
-            add_event_listener(metrics.on_event)
+    with DEFAULT_REGISTRY.lock("metrics.recorder"):
+        installed: EventMetrics | None = DEFAULT_REGISTRY.value("metrics.installed", None)
+        if installed is None:
+            installed = EventMetrics()
+            add_event_listener(installed.on_event)
             if (signal := _task_deferred()) is not None:
-                signal.connect(metrics.on_deferred, weak=False)
-            _installed = metrics
-        return _installed
+                signal.connect(installed.on_deferred, weak=False)
+            DEFAULT_REGISTRY.put("metrics.installed", installed)
+        return installed
 
 
 def uninstall_event_metrics() -> None:
     """Stop counting and unregister the metrics (tests; a process that reconfigures)."""
-    global _installed
-    with _lock:
-        metrics, _installed = _installed, None
+    with DEFAULT_REGISTRY.lock("metrics.recorder"):
+        metrics: EventMetrics | None = DEFAULT_REGISTRY.value("metrics.installed", None)
+        DEFAULT_REGISTRY.put("metrics.installed", None)
     if metrics is not None:
         remove_event_listener(metrics.on_event)
         if (signal := _task_deferred()) is not None:

@@ -49,7 +49,7 @@ from ..protocol import LimiterStats, WorkloadStats
 from . import statements
 from .calls import CallFailedError, fetch_rows, lock_timeout_ms
 from .connection import Database, redacted
-from .engine import ENGINES, Engine
+from .engine import Engine, engines
 from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
 from .registration import differing_limits
@@ -187,7 +187,7 @@ class PostgresBackend:
         """This process's engine, taken on first use (in a forked child: its own).
 
         Backends on the same database with the same options share one engine in a
-        process (:data:`~.engine.ENGINES`): two Celery apps, or three limiters made
+        process (:func:`~.engine.engines`): two Celery apps, or three limiters made
         one by one, cost a process one pool, one listener and one keeper thread.
         """
         engine, pid = self._engine, os.getpid()
@@ -204,11 +204,11 @@ class PostgresBackend:
                 self._closed = False
             if self._engine is None:
                 database = self._database()
-                self._engine = ENGINES.take(database, self.options)
+                self._engine = engines().take(database, self.options)
                 self._pid = pid
                 # A backend dropped unclosed (a script's, a test's limiter) gives its
                 # share back as it is collected; the engine closes with its last share.
-                self._finalizer = weakref.finalize(self, ENGINES.give_back_later, self._engine)
+                self._finalizer = weakref.finalize(self, engines().give_back_later, self._engine)
                 self._finalizer.atexit = False
             return self._engine
 
@@ -272,7 +272,7 @@ class PostgresBackend:
             self._closed = True
             finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None and finalizer.detach() is not None and self._engine is not None:
-            ENGINES.give_back(self._engine)
+            engines().give_back(self._engine)
 
     # -- RunStore ---------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any, LiteralString
 
 import psycopg
@@ -35,12 +36,9 @@ Connection = psycopg.Connection[Any]
 
 #: TCP keepalives on every connection: a peer that vanished (a partition, a frozen
 #: host) is noticed within about 20 s without sending a statement.
-KEEPALIVES: dict[str, Any] = {
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 3,
-    "keepalives_count": 3,
-}
+KEEPALIVES: Mapping[str, Any] = MappingProxyType(
+    {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3, "keepalives_count": 3}
+)
 
 
 class PoolBusy(PoolTimeout):

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, LiteralString, Protocol
 
-from ..background import BackgroundLoop
+from ..background import DEFAULT_REGISTRY, BackgroundLoop
 from ..errors import ConcurrencyLimiterError
 from ..keeper import LeaseKeeper
 from .calls import call
@@ -27,7 +27,7 @@ from .connection import Database, redacted
 from .options import PostgresOptions
 from .waiting import WaitRoom
 
-__all__ = ["ENGINES", "Engine", "EngineShares", "HasEngine"]
+__all__ = ["Engine", "EngineShares", "HasEngine", "engines"]
 
 #: How long :meth:`Engine.close` waits for each of its threads to end (seconds).
 CLOSE_TIMEOUT_S = 10.0
@@ -176,5 +176,6 @@ class EngineShares:
             ).start()
 
 
-#: This process's engines (see :class:`EngineShares`).
-ENGINES = EngineShares()
+def engines() -> EngineShares:
+    """This process's engines (see :class:`EngineShares`), a forked child's its own."""
+    return DEFAULT_REGISTRY.local("postgres.engines", EngineShares)

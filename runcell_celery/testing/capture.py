@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Self
 
 from ..events import ConcurrencyEvent, EventType, add_event_listener, remove_event_listener
@@ -19,7 +19,7 @@ from ..events import ConcurrencyEvent, EventType, add_event_listener, remove_eve
 __all__ = ["EventCapture"]
 
 #: The filters, and the event field each matches.
-_FILTERS = {"limiter": "limiter", "workload": "workload", "holder": "holder_name"}
+_FILTERS = MappingProxyType({"limiter": "limiter", "workload": "workload", "holder": "holder_name"})
 
 
 class EventCapture:

@@ -26,9 +26,6 @@ from .wire import (
 
 __all__ = ["FakeProviderClient"]
 
-# An opener holds handlers, not connections; ProxyHandler({}) turns off env proxies.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
 
 class FakeProviderClient:
     """Call a fake provider at ``url``. HTTP errors raise :class:`~.wire.FakeProviderError`;
@@ -131,8 +128,9 @@ class FakeProviderClient:
         request = urllib.request.Request(
             self.url + path, data=body, headers=headers or {}, method=method
         )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no env proxies
         try:
-            return cast(http.client.HTTPResponse, _OPENER.open(request, timeout=self.timeout))
+            return cast(http.client.HTTPResponse, opener.open(request, timeout=self.timeout))
         except urllib.error.HTTPError as exc:
             with exc:
                 raw = exc.read()

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-import runcell_celery.events as events_module
 from runcell_celery import (
     EVENT_TYPES,
     CancellationToken,
@@ -24,6 +23,7 @@ from runcell_celery import (
     run,
     slot,
 )
+from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.events import describe_error, has_listeners
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def test_a_removed_listener_hears_nothing_more() -> None:
 
 
 def test_slots_work_without_any_listener(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(events_module, "_listeners", ())
+    monkeypatch.setitem(DEFAULT_REGISTRY._values, "events.listeners", ())
     assert not has_listeners()
     limiter = create_concurrency_limiter(1)
     with slot(limiter):

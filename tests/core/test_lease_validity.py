@@ -27,9 +27,8 @@ from runcell_celery import (
     run,
     slot,
 )
-from runcell_celery import keeper as keeper_module
 from runcell_celery.admission import Admission
-from runcell_celery.background import ProcessLocal
+from runcell_celery.background import DEFAULT_REGISTRY, ProcessLocal
 from runcell_celery.hold import Hold
 from runcell_celery.keeper import LeaseKeeper
 from runcell_celery.protocol import OnWait
@@ -65,7 +64,7 @@ def keeper(fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[L
     nothing = _NothingHeld()
     stopped.forget(stopped.keep(nothing, TTL_MS, None))  # starts its loop
     stopped.stop(SOON_S)
-    monkeypatch.setattr(keeper_module, "_keepers", ProcessLocal(lambda: stopped))
+    monkeypatch.setitem(DEFAULT_REGISTRY._locals, "keeper.fallback", ProcessLocal(lambda: stopped))
     yield stopped
     assert stopped.held() == 0, "a hold was left with the keeper"
 

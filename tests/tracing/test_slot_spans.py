@@ -31,6 +31,7 @@ from runcell_celery import (
     tracer,
 )
 from runcell_celery.admission import Admission, Deferred, DuplicateDelivery
+from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.ports import Parked, WaitEstimate
 from runcell_celery.protocol import AcquireRequest, ConcurrencyLimiter, OnWait
 from runcell_celery.slot import preadmit
@@ -361,7 +362,7 @@ def test_an_api_without_the_provider_global_is_asked_at_every_slot(
     """The fallback for an opentelemetry-api that renamed its private global: slower
     (get_tracer_provider() per slot), still right."""
     monkeypatch.setattr(tracer, "_peek", trace.get_tracer_provider)
-    monkeypatch.setattr(tracer, "_cache", (object(), None))
+    monkeypatch.setitem(DEFAULT_REGISTRY._values, "tracer", (object(), None))
     limiter = _limiter(1)
     with slot(limiter):
         pass
