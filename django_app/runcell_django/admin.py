@@ -38,19 +38,9 @@ from .filters import EventKeyFilter, KeyFilter, LimiterFilter, QueueStateFilter,
 from .force_release import force_release as release_leases
 from .managers import GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import AdmissionCount, ConcurrencyEvent, Dashboard, Lease, Limiter, QueueEntry
-from .queue_summary import queue_summary
 from .state import LimiterState, format_duration, format_ms
 from .views import dashboard_view
-from .waiting import Reason, counts, why_it_waits
-
-__all__ = [
-    "AdmissionCountAdmin",
-    "ConcurrencyEventAdmin",
-    "DashboardAdmin",
-    "LeaseAdmin",
-    "LimiterAdmin",
-    "QueueEntryAdmin",
-]
+from .waiting import Reason, counts, queue_summary, why_it_waits
 
 if TYPE_CHECKING:  # the stubs' ModelAdmin is generic; Django's class is not subscriptable
     _ModelAdmin = admin.ModelAdmin[Any]

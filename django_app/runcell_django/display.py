@@ -21,17 +21,6 @@ from django.utils.translation import gettext as _
 
 from .state import format_ms
 
-__all__ = [
-    "clipped",
-    "compact_count",
-    "count_column",
-    "relative",
-    "task_cell",
-    "timestamp",
-    "timestamp_field",
-    "with_seconds",
-]
-
 #: Counts from here on are written compactly (12.3k).
 COMPACT_FROM = 10_000
 

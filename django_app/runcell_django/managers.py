@@ -34,17 +34,6 @@ from runcell_celery import LimiterConfig
 from . import conf, sql
 from .event_types import EVENTS_DROPPED
 
-__all__ = [
-    "AdmissionCountManager",
-    "EventManager",
-    "GroupLease",
-    "LeaseManager",
-    "LimiterManager",
-    "OccupancyManager",
-    "QueueEntryManager",
-    "group_of",
-]
-
 #: The window of the Limiters page's wait-time percentile.
 P95_WINDOW_MINUTES = 15
 

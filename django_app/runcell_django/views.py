@@ -31,16 +31,6 @@ from .charts import Chart, line_chart
 from .models import ConcurrencyEvent
 from .state import LimiterState, format_ms, live_states
 
-__all__ = [
-    "REFRESH_SECONDS",
-    "WINDOWS",
-    "WINDOW_MINUTES",
-    "Panel",
-    "Window",
-    "dashboard_panels",
-    "dashboard_view",
-]
-
 #: The longest window the fitted axis looks back over.
 WINDOW_MINUTES = 60
 #: One point every 15 s: a short run already draws lines, an hour is 240 points.
