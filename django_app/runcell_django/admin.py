@@ -49,6 +49,8 @@ else:
 
 #: Search by identifiers uses exact matches, served by indexes.
 _ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
+#: A run's name and lineage, on the pages of a lease, a queued request and an event.
+_RUN = ("holder_name", "run_id", "root_run_id", "parent_run_id")
 
 
 def _queued(state: LimiterState) -> str:
@@ -128,19 +130,9 @@ class LimiterAdmin(ReadOnlyAdmin):
     # Not the total over every row (keys included), and no per-choice counts.
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
-    fields = (
-        "name",
-        "limits",
-        "workload_table",
-        "occupancy",
-        "queued",
-        "oldest_wait",
-        "p95_wait",
-        "settings_status",
-        "last_fencing_token",
-        "created",
-        "updated",
-    )
+    # A limiter's page: the list's columns, its workloads, its token and times.
+    fields = (*list_display[:2], "workload_table", *list_display[2:], "last_fencing_token")
+    fields += ("created", "updated")
     readonly_fields = (*fields, "keyed_limiter", "keys_summary", "busiest_keys")
     created = timestamp_field(Limiter, "created_at")
     updated = timestamp_field(Limiter, "updated_at")
@@ -181,44 +173,20 @@ class LimiterAdmin(ReadOnlyAdmin):
         """The changelist of ``keyed``'s keys, busiest first (searchable)."""
         return f"{self._url('changelist')}?{urlencode({KeyFilter.parameter_name: keyed})}"
 
+    def _cell(self, template: str, obj: Limiter) -> str:
+        """A cell of a limiter's row, with links to its keyed limiter or to its keys."""
+        state = self._state(obj)
+        context = {
+            "state": state,
+            "parent_url": self._url("change", state.parent) if state.parent else "",
+            "keys_url": self._keys_url(obj.name),
+        }
+        return render_to_string(f"runcell_django/{template}.html", context)
+
     @admin.display(description=_("limits"))
     def limits(self, obj: Limiter) -> str:
-        """A keyed limiter's limits are each key's (with its keys in use, linked); a key's
-        are its keyed limiter's (linked)."""
-        state = self._state(obj)
-        queue = _("no limit") if state.max_queued is None else state.max_queued
-        # Wrapped, if at all, between the parts (a narrow window keeps each whole).
-        text = format_html(
-            '<span class="runcell-part">{}</span> · <span class="runcell-part">{} {}</span>',
-            _("? slots")  # no limits stored (yet)
-            if state.limit is None
-            else ngettext("%(n)d slot", "%(n)d slots", state.limit) % {"n": state.limit},
-            _("max queued"),
-            queue,
-        )
-        if state.parent is not None:
-            return format_html(
-                '{}<div class="runcell-keys">{} <a href="{}">{}</a></div>',
-                text,
-                _("key of"),
-                self._url("change", state.parent),
-                state.parent,
-            )
-        if not state.keyed:
-            return text
-        in_use = ngettext("%(n)d key in use", "%(n)d keys in use", state.keys_in_use) % {
-            "n": state.keys_in_use
-        }
-        return format_html(
-            '<span class="runcell-part">{}</span> {}<div class="runcell-keys">'
-            '<span class="runcell-part">{} · {}</span> · <a href="{}">{}</a></div>',
-            _("per key:"),
-            text,
-            _("keyed"),
-            in_use,
-            self._keys_url(obj.name),
-            _("busiest keys"),
-        )
+        """A keyed limiter's limits are each key's; a key's are its keyed limiter's."""
+        return self._cell("limits", obj)
 
     @admin.display(description=_("held / limit"), ordering="held_total")
     def occupancy(self, obj: Limiter) -> str:
@@ -269,34 +237,11 @@ class LimiterAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("keyed limiter"))
     def keyed_limiter(self, obj: Limiter) -> str:
-        if obj.parent is None:
-            return "-"
-        return format_html(
-            '<a href="{}">{}</a><div class="runcell-note" style="color:#666">{}</div>',
-            self._url("change", obj.parent),
-            obj.parent,
-            _(
-                "This is a key of a keyed limiter: its limits are the keyed limiter's "
-                "(each key has them for itself). Its row goes once the key is idle."
-            ),
-        )
+        return "-" if obj.parent is None else self._cell("key_notes", obj)
 
     @admin.display(description=_("keys"))
     def keys_summary(self, obj: Limiter) -> str:
-        state = self._state(obj)
-        in_use = ngettext(
-            "%(n)d key in use (slots held or requests waiting)",
-            "%(n)d keys in use (slots held or requests waiting)",
-            state.keys_in_use,
-        ) % {"n": state.keys_in_use}
-        stored = ngettext("%(n)d stored", "%(n)d stored", state.keys) % {"n": state.keys}
-        return format_html(
-            '{}, {} · <a href="{}">{}</a>',
-            in_use,
-            stored,
-            self._keys_url(obj.name),
-            _("all its keys, busiest first (searchable)"),
-        )
+        return self._cell("key_notes", obj)
 
     @admin.display(description=_("busiest keys"))
     def busiest_keys(self, obj: Limiter) -> str:
@@ -342,10 +287,7 @@ class LeaseAdmin(_HolderAdmin):
         "lease_id",
         "limiter_name",
         "workload",
-        "holder_name",
-        "run_id",
-        "root_run_id",
-        "parent_run_id",
+        *_RUN,
         "request_id",
         "held_with",
         "holder",
@@ -502,10 +444,7 @@ class QueueEntryAdmin(_HolderAdmin):
         "waited",
         "deadline_at",
         "deadline_left",
-        "holder_name",
-        "run_id",
-        "root_run_id",
-        "parent_run_id",
+        *_RUN,
         "holder",
         "granted_lease_id",
         "granted",
@@ -673,10 +612,7 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
     show_facets = admin.ShowFacets.NEVER
     fieldsets = (
         (None, {"fields": ("type", "occurred", "limiter", "limiters", "key", "workload")}),
-        (
-            _("run"),
-            {"fields": ("holder_name", "run_id", "root_run_id", "parent_run_id", "request_id")},
-        ),
+        (_("run"), {"fields": (*_RUN, "request_id")}),
         (
             _("slot"),
             {
