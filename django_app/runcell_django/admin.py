@@ -131,8 +131,8 @@ class LimiterAdmin(ReadOnlyAdmin):
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     # A limiter's page: the list's columns, its workloads, its token and times.
-    fields: tuple[str, ...] = (*list_display[:2], "workload_table", *list_display[2:])
-    fields += ("last_fencing_token", "created", "updated")
+    _times = ("last_fencing_token", "created", "updated")
+    fields = (*list_display[:2], "workload_table", *list_display[2:], *_times)
     readonly_fields = (*fields, "keyed_limiter", "keys_summary", "busiest_keys")
     created = timestamp_field(Limiter, "created_at")
     updated = timestamp_field(Limiter, "updated_at")
