@@ -6,6 +6,7 @@ import datetime
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from django.utils.translation import gettext as _
 
@@ -37,18 +38,20 @@ class Tick:
 @dataclass(frozen=True, slots=True)
 class Chart:
     title: str
-    width: int
-    height: int
-    left: int
-    right: float
-    top: int
-    bottom: float
     lines: tuple[Line, ...]
     y_ticks: tuple[Tick, ...]
     x_ticks: tuple[Tick, ...]
     empty: bool
     #: Said on an empty chart (the template's "no data" by default).
     empty_text: str = ""
+
+    # The plot area's geometry, in pixels (the template's too).
+    width: ClassVar[int] = WIDTH
+    height: ClassVar[int] = HEIGHT
+    left: ClassVar[int] = LEFT
+    right: ClassVar[int] = WIDTH - RIGHT
+    top: ClassVar[int] = TOP
+    bottom: ClassVar[int] = HEIGHT - BOTTOM
 
 
 def _nice_ceiling(value: float) -> float:
@@ -123,19 +126,7 @@ def line_chart(
         )
     y_ticks = tuple(Tick(y(y_max * i / 4), show(y_max * i / 4)) for i in range(5))
     x_ticks = tuple(Tick(x(at), label) for at, label in time_ticks(start, end))
-    return Chart(
-        title=title,
-        width=WIDTH,
-        height=HEIGHT,
-        left=LEFT,
-        right=WIDTH - RIGHT,
-        top=TOP,
-        bottom=HEIGHT - BOTTOM,
-        lines=tuple(lines),
-        y_ticks=y_ticks,
-        x_ticks=x_ticks,
-        empty=not values,
-    )
+    return Chart(title, tuple(lines), y_ticks, x_ticks, empty=not values)
 
 
 #: Steps between the time axis' labels, in seconds (the first giving few enough).
