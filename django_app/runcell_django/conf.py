@@ -29,24 +29,6 @@ from runcell_celery.registry import LimiterRegistry
 
 from . import databases
 
-__all__ = [
-    "SETTING",
-    "BrokerSettings",
-    "EventSettings",
-    "MetricsSettings",
-    "broker_settings",
-    "celery_settings_provider",
-    "database_alias",
-    "event_settings",
-    "metrics_settings",
-    "postgres_backend",
-    "registry",
-    "reset",
-    "resolve_database",
-    "runcell_settings",
-    "validate",
-]
-
 #: The name of the one Django setting this app reads.
 SETTING = "RUNCELL"
 

@@ -9,6 +9,7 @@ or an error is clipped by CSS, whole in the page and its tooltip; a large count 
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -28,18 +29,7 @@ COMPACT_FROM = 10_000
 def with_seconds(fmt: str) -> str:
     """Add seconds to a Django date format that stops at the minute (``P`` becomes
     ``g:i:s a``, ``i`` becomes ``i:s``); escaped letters stay literal."""
-    tokens: list[str] = []
-    escaped = False
-    for char in fmt:
-        if escaped:
-            tokens.append("\\" + char)
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        else:
-            tokens.append(char)
-    if escaped:
-        tokens.append("\\")
+    tokens = re.findall(r"\\.?|.", fmt, re.DOTALL)  # an escaped letter is one token
     if "s" in tokens:
         return fmt
     if "P" in tokens:

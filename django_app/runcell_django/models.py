@@ -29,17 +29,6 @@ from .managers import (
     QueueEntryManager,
 )
 
-__all__ = [
-    "APP_EVENT_TYPES",
-    "AdmissionCount",
-    "ConcurrencyEvent",
-    "Dashboard",
-    "Lease",
-    "Limiter",
-    "OccupancySample",
-    "QueueEntry",
-]
-
 EVENT_TYPE_CHOICES = [(t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES)]
 
 _READ_ONLY = ("view",)
