@@ -29,8 +29,6 @@ from .managers import (
     QueueEntryManager,
 )
 
-EVENT_TYPE_CHOICES = [(t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES)]
-
 _READ_ONLY = ("view",)
 
 
@@ -330,7 +328,9 @@ class ConcurrencyEvent(models.Model):
     """One recorded step of a slot's life (see :mod:`runcell_celery.events`)."""
 
     id = models.BigAutoField(primary_key=True)
-    type = models.CharField(_("type"), max_length=32, choices=EVENT_TYPE_CHOICES)
+    type = models.CharField(
+        _("type"), max_length=32, choices=[(t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES)]
+    )
     occurred_at = models.DateTimeField(_("occurred at"))
     limiter = models.CharField(
         _("limiter"), max_length=200, help_text=_("The first limiter of a request over several.")
