@@ -49,6 +49,14 @@ else:
 
 #: Search by identifiers uses exact matches, served by indexes.
 _ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
+#: The admission counters, each a column.
+_COUNTS = (
+    "deliveries",
+    "deferrals",
+    "provider_attempts",
+    "provider_failures",
+    "concurrency_failures",
+)
 #: A run's name and lineage, on the pages of a lease, a queued request and an event.
 _RUN = ("holder_name", "run_id", "root_run_id", "parent_run_id")
 
@@ -554,16 +562,7 @@ class AdmissionCountAdmin(ReadOnlyAdmin):
     list_display = (
         "task_label",
         "limiter",
-        *(
-            count_column(AdmissionCount, name)
-            for name in (
-                "deliveries",
-                "deferrals",
-                "provider_attempts",
-                "provider_failures",
-                "concurrency_failures",
-            )
-        ),
+        *(count_column(AdmissionCount, name) for name in _COUNTS),
         "last_counted",
     )
     list_display_links = None
