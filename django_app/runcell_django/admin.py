@@ -1,17 +1,14 @@
 """The admin: limiters, leases, the queue, events, admission counts and a dashboard.
 
-Everything here is read-only: leases, queue rows and counters are live state owned
-by the workers, and events are history. The one write is the **force release**
-action on leases, behind its own permission (``runcell_django.force_release_lease``),
-with a confirmation page and a ``force-released`` event naming the user.
-
-Nothing shows prompts or task arguments: a parked task's message
-(``runcell_queue.payload``) is mapped by no model, and events never carry them.
+Read-only (live state owned by the workers, and history), but for the **force release**
+of leases behind its own permission and a confirmation page. Nothing shows prompts or
+task arguments: a parked task's message (``runcell_queue.payload``) is mapped by no model.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
 
@@ -36,52 +33,49 @@ from runcell_celery.keys import split_key_name
 
 from . import conf
 from .backlog import broker_backlog
-from .display import (
-    clipped,
-    count_column,
-    short_time,
-    task_cell,
-    timestamp_field,
-)
+from .display import clipped, count_column, short_time, task_cell, timestamp_field
 from .filters import EventKeyFilter, KeyFilter, LimiterFilter, QueueStateFilter, WorkloadFilter
 from .force_release import force_release as release_leases
 from .managers import GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
-from .models import (
-    AdmissionCount,
-    ConcurrencyEvent,
-    Dashboard,
-    Lease,
-    Limiter,
-    QueueEntry,
-)
-from .queue_summary import queue_summary
+from .models import AdmissionCount, ConcurrencyEvent, Dashboard, Lease, Limiter, QueueEntry
 from .state import LimiterState, format_duration, format_ms
 from .views import dashboard_view
-from .waiting import Reason, counts, why_it_waits
+from .waiting import Reason, counts, queue_summary, why_it_waits
 
-__all__ = [
-    "AdmissionCountAdmin",
-    "ConcurrencyEventAdmin",
-    "DashboardAdmin",
-    "LeaseAdmin",
-    "LimiterAdmin",
-    "QueueEntryAdmin",
-]
-
-#: Search by identifiers uses exact matches, served by indexes.
 if TYPE_CHECKING:  # the stubs' ModelAdmin is generic; Django's class is not subscriptable
     _ModelAdmin = admin.ModelAdmin[Any]
 else:
     _ModelAdmin = admin.ModelAdmin
 
+#: Search by identifiers uses exact matches, served by indexes.
 _ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
-_ID_SEARCH_HELP = _("An exact run id (Celery task id), root run id or request id.")
+#: The admission counters, each a column.
+_COUNTS = (
+    "deliveries",
+    "deferrals",
+    "provider_attempts",
+    "provider_failures",
+    "concurrency_failures",
+)
+#: A run's name and lineage, on the pages of a lease, a queued request and an event.
+_RUN = ("holder_name", "run_id", "root_run_id", "parent_run_id")
 
 
 def _queued(state: LimiterState) -> str:
     """Requests waiting, with each workload's: ``4 (background 3, interactive 1)``."""
     parts = ", ".join(f"{w.name} {w.queued}" for w in state.workloads if w.queued)
     return format_html("{}{}", state.queued, f" ({parts})" if parts else "")
+
+
+def _read_at(start: str, elapsed: str) -> Callable[[Any], datetime.datetime | None]:
+    """The database's time when a row was read: its ``start`` plus the annotated
+    ``elapsed`` since then (so that "in 12 s" is not the web server's clock)."""
+
+    def now(obj: Any) -> datetime.datetime | None:
+        since: datetime.timedelta | None = getattr(obj, elapsed, None)
+        return None if since is None else getattr(obj, start) + since
+
+    return now
 
 
 class ReadOnlyAdmin(_ModelAdmin):
@@ -92,22 +86,41 @@ class ReadOnlyAdmin(_ModelAdmin):
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    has_change_permission = has_delete_permission = has_add_permission
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    def _url(self, view: str, *args: str) -> str:
+        opts = self.opts
+        name = f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_{view}"
+        return reverse(name, args=[quote(arg) for arg in args])
+
+    @admin.display(description=_("task and task id"), ordering="holder_name")
+    def task(self, obj: Any) -> str:
+        return task_cell(obj.holder_name, obj.run_id)
+
+
+class _HolderAdmin(ReadOnlyAdmin):
+    """Leases and queued requests: a holder's row on one limiter."""
+
+    @admin.display(description=_("limiter"), ordering="limiter")
+    def limiter_name(self, obj: Lease | QueueEntry) -> str:
+        return str(obj.limiter_id)
+
+    @admin.display(description=_("limiter / workload"), ordering="workload")
+    def limiter_workload(self, obj: Lease | QueueEntry) -> str:
+        return f"{obj.limiter_id} / {obj.workload}"
+
+    @admin.display(description=_("holder"))
+    def holder(self, obj: Lease | QueueEntry) -> str:
+        return f"{obj.holder_host or '?'} pid {obj.holder_pid or '?'}"
 
 
 @admin.register(Limiter)
 class LimiterAdmin(ReadOnlyAdmin):
     """Limiters with their live counts; a keyed limiter's keys on demand.
 
-    A keyed limiter's keys are limiter rows of their own (``tenant:acme``, 100,000 of
-    them in a big fleet): hidden unless the keys filter or a search asks for them. A
-    keyed limiter's row counts its keys in use and sums their slots; its page lists
-    the busiest keys. Queries per list page do not grow with the rows shown: the keys'
-    counts are subqueries of the rows' query, and live counts one statement.
+    A keyed limiter's keys are limiter rows of their own (100,000 in a big fleet),
+    hidden unless the keys filter or a search asks for them. Queries per page do not
+    grow with the rows: key counts are subqueries, live counts one statement.
     """
 
     list_display = (
@@ -125,22 +138,12 @@ class LimiterAdmin(ReadOnlyAdmin):
     # Not the total over every row (keys included), and no per-choice counts.
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
-    fields = (
-        "name",
-        "limits",
-        "workload_table",
-        "occupancy",
-        "queued",
-        "oldest_wait",
-        "p95_wait",
-        "settings_status",
-        "last_fencing_token",
-        "created",
-        "updated",
-    )
+    # A limiter's page: the list's columns, its workloads, its token and times.
+    _times = ("last_fencing_token", "created", "updated")
+    fields = (*list_display[:2], "workload_table", *list_display[2:], *_times)
     readonly_fields = (*fields, "keyed_limiter", "keys_summary", "busiest_keys")
-    created = timestamp_field(Limiter._meta.get_field("created_at"))
-    updated = timestamp_field(Limiter._meta.get_field("updated_at"))
+    created = timestamp_field(Limiter, "created_at")
+    updated = timestamp_field(Limiter, "updated_at")
 
     #: Rows of the busiest keys table on a keyed limiter's page.
     BUSIEST_KEYS = 20
@@ -174,55 +177,24 @@ class LimiterAdmin(ReadOnlyAdmin):
             state = obj._runcell_state = LimiterState.of(obj)  # type: ignore[attr-defined]
         return state
 
-    def _url(self, view: str, *args: str) -> str:
-        opts = self.opts
-        return reverse(
-            f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_{view}",
-            args=[quote(arg) for arg in args],
-        )
-
     def _keys_url(self, keyed: str) -> str:
         """The changelist of ``keyed``'s keys, busiest first (searchable)."""
         return f"{self._url('changelist')}?{urlencode({KeyFilter.parameter_name: keyed})}"
 
+    def _cell(self, template: str, obj: Limiter) -> str:
+        """A cell of a limiter's row, with links to its keyed limiter or to its keys."""
+        state = self._state(obj)
+        context = {
+            "state": state,
+            "parent_url": self._url("change", state.parent) if state.parent else "",
+            "keys_url": self._keys_url(obj.name),
+        }
+        return render_to_string(f"runcell_django/{template}.html", context)
+
     @admin.display(description=_("limits"))
     def limits(self, obj: Limiter) -> str:
-        """The limits; a keyed limiter's are each key's, with its keys in use and a link
-        to the busiest; a key's are its keyed limiter's, linked."""
-        state = self._state(obj)
-        queue = _("no limit") if state.max_queued is None else state.max_queued
-        # Wrapped, if at all, between the parts (a narrow window keeps each whole).
-        text = format_html(
-            '<span class="runcell-part">{}</span> · <span class="runcell-part">{} {}</span>',
-            _("? slots")  # no limits stored (yet)
-            if state.limit is None
-            else ngettext("%(n)d slot", "%(n)d slots", state.limit) % {"n": state.limit},
-            _("max queued"),
-            queue,
-        )
-        if state.parent is not None:
-            return format_html(
-                '{}<div class="runcell-keys">{} <a href="{}">{}</a></div>',
-                text,
-                _("key of"),
-                self._url("change", state.parent),
-                state.parent,
-            )
-        if not state.keyed:
-            return text
-        in_use = ngettext("%(n)d key in use", "%(n)d keys in use", state.keys_in_use) % {
-            "n": state.keys_in_use
-        }
-        return format_html(
-            '<span class="runcell-part">{}</span> {}<div class="runcell-keys">'
-            '<span class="runcell-part">{} · {}</span> · <a href="{}">{}</a></div>',
-            _("per key:"),
-            text,
-            _("keyed"),
-            in_use,
-            self._keys_url(obj.name),
-            _("busiest keys"),
-        )
+        """A keyed limiter's limits are each key's; a key's are its keyed limiter's."""
+        return self._cell("limits", obj)
 
     @admin.display(description=_("held / limit"), ordering="held_total")
     def occupancy(self, obj: Limiter) -> str:
@@ -249,10 +221,9 @@ class LimiterAdmin(ReadOnlyAdmin):
         if name not in registry.names():
             return str(_("not in RUNCELL"))
         mine = registry.config(name)
-        stored = obj.limits
-        if mine is None or stored is None:
+        if mine is None or obj.limits is None:
             return "-"
-        differences = mine.differences(stored)
+        differences = mine.differences(obj.limits)
         if not differences:
             return str(_("same as RUNCELL"))
         return format_html("{} {}", _("differs from RUNCELL:"), ", ".join(differences))
@@ -274,72 +245,35 @@ class LimiterAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("keyed limiter"))
     def keyed_limiter(self, obj: Limiter) -> str:
-        if obj.parent is None:
-            return "-"
-        return format_html(
-            '<a href="{}">{}</a><div class="runcell-note" style="color:#666">{}</div>',
-            self._url("change", obj.parent),
-            obj.parent,
-            _(
-                "This is a key of a keyed limiter: its limits are the keyed limiter's "
-                "(each key has them for itself). Its row goes once the key is idle."
-            ),
-        )
+        return "-" if obj.parent is None else self._cell("key_notes", obj)
 
     @admin.display(description=_("keys"))
     def keys_summary(self, obj: Limiter) -> str:
-        state = self._state(obj)
-        in_use = ngettext(
-            "%(n)d key in use (slots held or requests waiting)",
-            "%(n)d keys in use (slots held or requests waiting)",
-            state.keys_in_use,
-        ) % {"n": state.keys_in_use}
-        stored = ngettext("%(n)d stored", "%(n)d stored", state.keys) % {"n": state.keys}
-        return format_html(
-            '{}, {} · <a href="{}">{}</a>',
-            in_use,
-            stored,
-            self._keys_url(obj.name),
-            _("all its keys, busiest first (searchable)"),
-        )
+        return self._cell("key_notes", obj)
 
     @admin.display(description=_("busiest keys"))
     def busiest_keys(self, obj: Limiter) -> str:
         """The top keys by slots held, then requests waiting (two queries, LIMIT)."""
-        top = (
-            Limiter.objects.keys_of(obj.name)
-            .with_key_usage()
-            .with_live_stats()
-            .busiest_first()[: self.BUSIEST_KEYS]
-        )
-        rows = []
-        for key in top:
-            state = self._state(key)
-            rows.append(
-                {
-                    "key": split_key_name(key.name)[1] or key.name,
-                    "name": key.name,
-                    "url": self._url("change", key.name),
-                    "bars": state.bars(width=self.BAR_WIDTH),
-                    "queued": _queued(state),
-                    "oldest_wait": format_ms(state.oldest_wait_ms),
-                }
-            )
+        top = Limiter.objects.keys_of(obj.name).with_key_usage().with_live_stats()
+        rows = [
+            {
+                "key": split_key_name(key.name)[1] or key.name,
+                "name": key.name,
+                "url": self._url("change", key.name),
+                "bars": (state := self._state(key)).bars(width=self.BAR_WIDTH),
+                "queued": _queued(state),
+                "oldest_wait": format_ms(state.oldest_wait_ms),
+            }
+            for key in top.busiest_first()[: self.BUSIEST_KEYS]
+        ]
         context = {"rows": rows, "limit": self.BUSIEST_KEYS, "all_url": self._keys_url(obj.name)}
         return render_to_string("runcell_django/busiest_keys.html", context)
 
 
-def _lease_now(obj: Lease) -> datetime.datetime | None:
-    """The database's time when the lease was read (``acquired_at`` + ``age``)."""
-    age: datetime.timedelta | None = getattr(obj, "age", None)
-    return None if age is None else obj.acquired_at + age
-
-
 @admin.register(Lease)
-class LeaseAdmin(ReadOnlyAdmin):
-    """Slots held now. The list keeps what tells holders apart and how long they
-    have (task, process, token, age, expiry) within 1280 px; lineage, request id and
-    absolute times with seconds are on a lease's page, with its force release."""
+class LeaseAdmin(_HolderAdmin):
+    """Slots held now: the list tells holders apart within 1280 px; lineage, request id
+    and absolute times are on a lease's page, with its force release."""
 
     list_display = (
         "lease",
@@ -361,10 +295,7 @@ class LeaseAdmin(ReadOnlyAdmin):
         "lease_id",
         "limiter_name",
         "workload",
-        "holder_name",
-        "run_id",
-        "root_run_id",
-        "parent_run_id",
+        *_RUN,
         "request_id",
         "held_with",
         "holder",
@@ -379,10 +310,10 @@ class LeaseAdmin(ReadOnlyAdmin):
     readonly_fields = fields
 
     # Absolute times with seconds and how far from now (database time) they are.
-    acquired = timestamp_field(Lease._meta.get_field("acquired_at"), now=_lease_now)
-    renewed = timestamp_field(Lease._meta.get_field("renewed_at"), now=_lease_now)
-    expires = timestamp_field(Lease._meta.get_field("expires_at"), now=_lease_now)
-    picked_up = timestamp_field(Lease._meta.get_field("picked_up_at"), now=_lease_now)
+    acquired, renewed, expires, picked_up = (
+        timestamp_field(Lease, name, now=_read_at("acquired_at", "age"))
+        for name in ("acquired_at", "renewed_at", "expires_at", "picked_up_at")
+    )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         queryset = cast("LeaseQuerySet", super().get_queryset(request))
@@ -392,44 +323,18 @@ class LeaseAdmin(ReadOnlyAdmin):
     def lease(self, obj: Lease) -> str:
         return clipped(str(obj.lease_id))
 
-    @admin.display(description=_("limiter"), ordering="limiter")
-    def limiter_name(self, obj: Lease) -> str:
-        return str(obj.limiter_id)
-
-    @admin.display(description=_("limiter / workload"), ordering="workload")
-    def limiter_workload(self, obj: Lease) -> str:
-        return f"{obj.limiter_id} / {obj.workload}"
-
     @admin.display(description=_("held with"))
     def held_with(self, obj: Lease) -> str:
         """A lease of a request over several limiters: the others held with it."""
         others: list[GroupLease] = getattr(obj, "group_leases", [])
         if not others:
             return "-"
-        opts = self.opts
         links = format_html_join(
             ", ",
             '<a href="{}">{}</a>',
-            (
-                (
-                    reverse(
-                        f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_change",
-                        args=[quote(other.lease_id)],
-                    ),
-                    other.limiter,
-                )
-                for other in others
-            ),
+            ((self._url("change", other.lease_id), other.limiter) for other in others),
         )
         return format_html("{} {}", _("with"), links)
-
-    @admin.display(description=_("task and task id"), ordering="holder_name")
-    def task(self, obj: Lease) -> str:
-        return task_cell(obj.holder_name, obj.run_id)
-
-    @admin.display(description=_("holder"))
-    def holder(self, obj: Lease) -> str:
-        return f"{obj.holder_host or '?'} pid {obj.holder_pid or '?'}"
 
     @admin.display(description=_("age"), ordering="acquired_at")
     def age(self, obj: Lease) -> str:
@@ -456,8 +361,7 @@ class LeaseAdmin(ReadOnlyAdmin):
         form_url: str = "",
         extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
-        """A lease's page, with a force-release button for users allowed to: it posts
-        this lease to the list's force-release action (which asks to confirm)."""
+        """A lease's page, with a button posting it to the force-release action."""
         context = {
             "runcell_can_force_release": self.has_force_release_permission(request),
             "runcell_action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
@@ -466,48 +370,36 @@ class LeaseAdmin(ReadOnlyAdmin):
         return super().change_view(request, object_id, form_url, extra_context=context)
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
-        opts = self.opts
-        return bool(request.user.has_perm(f"{opts.app_label}.force_release_lease"))
+        return bool(request.user.has_perm(f"{self.opts.app_label}.force_release_lease"))
 
     @admin.action(permissions=["force_release"], description=_("Force-release selected leases"))
     def force_release(
         self, request: HttpRequest, queryset: QuerySet[Any]
     ) -> TemplateResponse | None:
-        if request.POST.get("post") == "yes":
-            if not self.has_force_release_permission(request):
-                raise PermissionDenied
-            released = release_leases(
-                [str(lease.lease_id) for lease in queryset], actor=request.user.get_username()
+        if request.POST.get("post") != "yes":
+            context = {
+                **self.admin_site.each_context(request),
+                "title": _("Force-release leases?"),
+                "leases": queryset,
+                "opts": self.opts,
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                "media": self.media,
+            }
+            return TemplateResponse(
+                request, "admin/runcell_django/lease/force_release_confirmation.html", context
             )
-            self.message_user(
-                request,
-                ngettext(
-                    "Released %(count)d lease; its holder loses the slot at its next renewal.",
-                    "Released %(count)d leases; their holders lose the slots at their next "
-                    "renewal.",
-                    len(released),
-                )
-                % {"count": len(released)},
-                messages.SUCCESS,
-            )
-            return None
-        context = {
-            **self.admin_site.each_context(request),
-            "title": _("Force-release leases?"),
-            "leases": queryset,
-            "opts": self.opts,
-            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "media": self.media,
-        }
-        return TemplateResponse(
-            request, "admin/runcell_django/lease/force_release_confirmation.html", context
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        released = release_leases(
+            [str(lease.lease_id) for lease in queryset], actor=request.user.get_username()
         )
-
-
-def _queue_now(obj: QueueEntry) -> datetime.datetime | None:
-    """The database's time when the row was read (``enqueued_at`` + ``waited``)."""
-    waited: datetime.timedelta | None = getattr(obj, "waited", None)
-    return None if waited is None else obj.enqueued_at + waited
+        message = ngettext(
+            "Released %(count)d lease; its holder loses the slot at its next renewal.",
+            "Released %(count)d leases; their holders lose the slots at their next renewal.",
+            len(released),
+        )
+        self.message_user(request, message % {"count": len(released)}, messages.SUCCESS)
+        return None
 
 
 def _reason(obj: QueueEntry) -> Reason | None:
@@ -523,9 +415,9 @@ def _reason(obj: QueueEntry) -> Reason | None:
 
 
 @admin.register(QueueEntry)
-class QueueEntryAdmin(ReadOnlyAdmin):
+class QueueEntryAdmin(_HolderAdmin):
     """Requests waiting or parked, each with its place and why it waits; above the
-    list, a summary per limiter and workload (waiting, parked, oldest wait, why)."""
+    list, a summary per limiter and workload."""
 
     list_display = (
         "place",
@@ -542,7 +434,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
     # The workload's priority comes from its limiter's stored limits.
     list_select_related = ("limiter",)
     search_fields = _ID_SEARCH
-    search_help_text = _ID_SEARCH_HELP
+    search_help_text = _("An exact run id (Celery task id), root run id or request id.")
     ordering = ("limiter", "position")
     fields = (
         "request_id",
@@ -560,10 +452,7 @@ class QueueEntryAdmin(ReadOnlyAdmin):
         "waited",
         "deadline_at",
         "deadline_left",
-        "holder_name",
-        "run_id",
-        "root_run_id",
-        "parent_run_id",
+        *_RUN,
         "holder",
         "granted_lease_id",
         "granted",
@@ -572,22 +461,14 @@ class QueueEntryAdmin(ReadOnlyAdmin):
     )
     readonly_fields = fields
 
-    enqueued = timestamp_field(QueueEntry._meta.get_field("enqueued_at"), now=_queue_now)
-    deadline_at = timestamp_field(QueueEntry._meta.get_field("deadline"), now=_queue_now)
-    granted = timestamp_field(QueueEntry._meta.get_field("granted_at"), now=_queue_now)
-    published = timestamp_field(QueueEntry._meta.get_field("published_at"), now=_queue_now)
+    enqueued, deadline_at, granted, published = (
+        timestamp_field(QueueEntry, name, now=_read_at("enqueued_at", "waited"))
+        for name in ("enqueued_at", "deadline", "granted_at", "published_at")
+    )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         queryset = cast("QueueEntryQuerySet", super().get_queryset(request))
         return queryset.select_related("limiter").with_place().with_group_waits()
-
-    @admin.display(description=_("limiter"), ordering="limiter")
-    def limiter_name(self, obj: QueueEntry) -> str:
-        return str(obj.limiter_id)
-
-    @admin.display(description=_("limiter / workload"), ordering="workload")
-    def limiter_workload(self, obj: QueueEntry) -> str:
-        return f"{obj.limiter_id} / {obj.workload}"
 
     @admin.display(description=_("with limiters"))
     def request_group(self, obj: QueueEntry) -> str:
@@ -624,26 +505,20 @@ class QueueEntryAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("why it waits"))
     def why(self, obj: QueueEntry) -> str:
-        """What holds it back, by the allocation rules: others ahead in line, its
-        workload's ceiling, slots reserved for other workloads, the limit, a workload
-        of higher priority; for a request over several limiters, the others too."""
+        """What holds it back, by the allocation rules; for a request over several
+        limiters, the others too."""
         if getattr(obj, "stale", False):
-            return format_html(
-                '<span class="runcell-why" data-reason="abandoned">{}</span>',
-                _("abandoned: its process stopped polling"),
-            )
-        reason = _reason(obj)
-        if reason is None:
+            code, text = "abandoned", str(_("abandoned: its process stopped polling"))
+        elif (reason := _reason(obj)) is None:
             return "-"
-        waits_on: list[str] | None = getattr(obj, "waits_on", None)
-        if waits_on is not None and obj.limiter_id not in waits_on and waits_on:
-            text = "{} {}".format(_("room here; waits on"), ", ".join(waits_on))
-            return format_html(
-                '<span class="runcell-why" data-reason="other-limiters">{}</span>', text
+        elif (waits_on := getattr(obj, "waits_on", None)) and obj.limiter_id not in waits_on:
+            code, text = (
+                "other-limiters",
+                "{} {}".format(_("room here; waits on"), ", ".join(waits_on)),
             )
-        return format_html(
-            '<span class="runcell-why" data-reason="{}">{}</span>', reason.code, reason.text
-        )
+        else:
+            code, text = reason.code, reason.text
+        return format_html('<span class="runcell-why" data-reason="{}">{}</span>', code, text)
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -674,15 +549,9 @@ class QueueEntryAdmin(ReadOnlyAdmin):
             return str(_("passed"))
         return format_duration(left)
 
-    @admin.display(description=_("task and task id"), ordering="holder_name")
-    def task(self, obj: QueueEntry) -> str:
-        return task_cell(obj.holder_name, obj.run_id)
-
     @admin.display(description=_("holder"))
-    def holder(self, obj: QueueEntry) -> str:
-        if obj.parked:
-            return str(_("none (parked)"))
-        return f"{obj.holder_host or '?'} pid {obj.holder_pid or '?'}"
+    def holder(self, obj: QueueEntry) -> str:  # type: ignore[override]
+        return str(_("none (parked)")) if obj.parked else super().holder(obj)
 
 
 @admin.register(AdmissionCount)
@@ -693,16 +562,7 @@ class AdmissionCountAdmin(ReadOnlyAdmin):
     list_display = (
         "task_label",
         "limiter",
-        *(
-            count_column(AdmissionCount, name)
-            for name in (
-                "deliveries",
-                "deferrals",
-                "provider_attempts",
-                "provider_failures",
-                "concurrency_failures",
-            )
-        ),
+        *(count_column(AdmissionCount, name) for name in _COUNTS),
         "last_counted",
     )
     list_display_links = None
@@ -745,16 +605,13 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
     )
     search_fields = (*_ID_SEARCH, "key__exact")
     search_help_text = _("An exact run id (Celery task id), root run id, request id or key.")
-    # The paginator counts the filtered rows; the unfiltered total is not counted again,
-    # and no per-choice counts are offered over a table this large.
+    # The paginator counts the filtered rows only, and no per-choice counts are offered
+    # over a table this large.
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     fieldsets = (
         (None, {"fields": ("type", "occurred", "limiter", "limiters", "key", "workload")}),
-        (
-            _("run"),
-            {"fields": ("holder_name", "run_id", "root_run_id", "parent_run_id", "request_id")},
-        ),
+        (_("run"), {"fields": (*_RUN, "request_id")}),
         (
             _("slot"),
             {
@@ -772,20 +629,12 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
         ),
         (_("recorded by"), {"fields": ("host", "pid", "actor", "dropped")}),
     )
-
-    wait_deadline = timestamp_field(ConcurrencyEvent._meta.get_field("deadline"))
-
+    wait_deadline = timestamp_field(ConcurrencyEvent, "deadline")
     readonly_fields = ("occurred", "wait_deadline")
 
     @admin.display(description=_("occurred at"), ordering="occurred_at")
     def occurred(self, obj: ConcurrencyEvent) -> str:
-        """On the list the time of day with seconds (its date unless today); on the
-        event's page the full date and time with seconds."""
         return short_time(obj.occurred_at)
-
-    @admin.display(description=_("task and task id"), ordering="holder_name")
-    def task(self, obj: ConcurrencyEvent) -> str:
-        return task_cell(obj.holder_name, obj.run_id)
 
     @admin.display(description=_("limiters"), ordering="limiter")
     def request_limiters(self, obj: ConcurrencyEvent) -> str:
@@ -810,8 +659,7 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("details"))
     def detail(self, obj: ConcurrencyEvent) -> str:
-        """Outcome, reason and who, then the error's first two lines (the whole error
-        is the tooltip, and on the event's page)."""
+        """Outcome, reason and who, then the error's start (whole as the tooltip)."""
         parts = [
             obj.outcome,
             obj.reason,
@@ -843,14 +691,8 @@ class DashboardAdmin(ReadOnlyAdmin):
     """The dashboard page, listed in the admin index under this app."""
 
     def get_urls(self) -> list[URLPattern]:
-        info = self.opts.app_label, self.opts.model_name
-        return [
-            path(
-                "",
-                self.admin_site.admin_view(self.changelist_view),
-                name="{}_{}_changelist".format(*info),
-            )
-        ]
+        name = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
+        return [path("", self.admin_site.admin_view(self.changelist_view), name=name)]
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None

@@ -11,15 +11,10 @@ class RunCellConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Validate ``settings.RUNCELL``, register the system checks (``checks``), share
-        the settings with Celery, start the event recorder.
-
-        Invalid settings do not raise here, where Django would show a traceback: the
-        system check ``runcell_django.E004`` reports them (``manage.py check``, and every
-        command that runs the checks refuses to go on), the recorder is not started, and
-        whatever uses the limiters raises the same
-        :class:`~runcell_celery.ConcurrencyConfigError`, naming the bad setting's path.
-        """
+        """Validate ``settings.RUNCELL``, register the system checks, share the settings
+        with Celery, start the event recorder. Invalid settings do not raise here (Django
+        would show a traceback): check ``runcell_django.E004`` reports them, and whatever
+        uses the limiters raises the same error."""
         from django.db.models.signals import post_migrate
 
         from runcell_celery import ConcurrencyConfigError
@@ -30,10 +25,9 @@ class RunCellConfig(AppConfig):
 
         try:
             conf.validate()
+            valid = True
         except ConcurrencyConfigError:
             valid = False  # reported by checks.check_settings
-        else:
-            valid = True
         post_migrate.connect(say_where_the_tables_go, sender=self)
         try:
             from runcell_celery.celery import set_settings_provider

@@ -1,22 +1,11 @@
 """The broker's backlog: messages of the limiter's queues that no worker has taken yet.
 
-The queue page shows the database's queue (requests waiting for a slot, tasks parked);
-tasks can also pile up *before* that, in the broker — published and not yet delivered
-(a worker short of processes, a granted queue nobody consumes). Read through kombu from
-``RUNCELL["BROKER"]["URL"]`` (by default Django's ``CELERY_BROKER_URL``), for the
-queues ``RUNCELL["BROKER"]["QUEUES"]`` names (by default Celery's default queue,
-``CELERY_TASK_DEFAULT_QUEUE`` or ``celery``, and its granted queue, where re-published
-parked tasks go: ``celery.runcell``).
-
-One passive ``queue_declare`` per queue, which both transports answer with the
-message count: RabbitMQ's own, and for Redis kombu's sum of ``LLEN`` over the queue's
-list and its priority-suffixed lists. A Redis queue without messages has no key (it
-reads 0); a RabbitMQ queue nobody declared is said to be so.
-
-Bounded and never failing the page: a short connect and socket timeout
-(``TIMEOUT_MS``), the answer (or the failure) kept for ``CACHE_MS``, and any error
-shown as "unavailable" with its reason, the broker URL's password masked
-(:mod:`runcell_celery.redaction`).
+Tasks can pile up before the database's queue, in the broker (a worker short of
+processes, a granted queue nobody consumes). One passive ``queue_declare`` per queue of
+``RUNCELL["BROKER"]`` gives the count (RabbitMQ's own; for Redis kombu's ``LLEN`` sum, a
+queue without messages having no key). Bounded and never failing the page: a short
+timeout, the answer or failure cached ``CACHE_MS``, an error shown with its reason and
+the URL's password masked.
 """
 
 from __future__ import annotations
@@ -31,8 +20,6 @@ from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.redaction import mask_dsn, scrub
 
 from . import conf
-
-__all__ = ["Backlog", "QueueBacklog", "broker_backlog", "forget_cached", "read_backlog"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +49,8 @@ class Backlog:
 
 
 def read_backlog(url: str, queues: Sequence[str], *, timeout_ms: int = 1_000) -> Backlog:
-    """Ask the broker at ``url`` how many messages each of ``queues`` holds.
-
-    Never raises: a failure is the result's ``error`` (secrets masked).
-    """
+    """Ask the broker at ``url`` how many messages each of ``queues`` holds; a failure is
+    the result's ``error`` (secrets masked), never raised."""
     from kombu import Connection
     from kombu.exceptions import ChannelError
     from kombu.transport.virtual import Channel as VirtualChannel

@@ -1,8 +1,4 @@
-"""Server-rendered SVG charts: geometry computed here, markup in templates.
-
-No JavaScript and nothing fetched from a CDN: a chart is a few ``<path>`` elements
-whose coordinates are computed from per-minute values.
-"""
+"""Server-rendered SVG charts: geometry computed here, markup in templates."""
 
 from __future__ import annotations
 
@@ -10,10 +6,9 @@ import datetime
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from django.utils.translation import gettext as _
-
-__all__ = ["Bar", "Chart", "Line", "bar", "line_chart", "time_ticks"]
 
 WIDTH = 560
 HEIGHT = 180
@@ -43,18 +38,20 @@ class Tick:
 @dataclass(frozen=True, slots=True)
 class Chart:
     title: str
-    width: int
-    height: int
-    left: int
-    right: float
-    top: int
-    bottom: float
     lines: tuple[Line, ...]
     y_ticks: tuple[Tick, ...]
     x_ticks: tuple[Tick, ...]
     empty: bool
     #: Said on an empty chart (the template's "no data" by default).
     empty_text: str = ""
+
+    # The plot area's geometry, in pixels (the template's too).
+    width: ClassVar[int] = WIDTH
+    height: ClassVar[int] = HEIGHT
+    left: ClassVar[int] = LEFT
+    right: ClassVar[int] = WIDTH - RIGHT
+    top: ClassVar[int] = TOP
+    bottom: ClassVar[int] = HEIGHT - BOTTOM
 
 
 def _nice_ceiling(value: float) -> float:
@@ -79,13 +76,9 @@ def line_chart(
 ) -> Chart:
     """Lay out bucketed ``series`` (label -> (color, {time: value})) over ``start..end``.
 
-    The chart has its own vertical scale, from 0 to a round number above its values
-    (and ``limit``): give each measure its own chart, or a small one vanishes under a
-    big one. ``limit`` draws a dashed horizontal line (label, value), e.g.
-    ``max_concurrent``, *under* the series: a series at the limit stays visible on
-    it. Buckets (``bucket_s`` seconds) without a value leave a gap. A series' legend
-    value is its latest point's. ``value_format`` writes values (ticks, legend):
-    the page's own duration format for waits, so the legend reads as the header.
+    The vertical scale runs from 0 to a round number above the values and ``limit``, a
+    dashed line (label, value) drawn *under* the series. Buckets without a value leave a
+    gap; a legend gives the latest value, written by ``value_format``.
     """
     show = value_format or _plain
     values = [v for _color, points in series.values() for v in points.values()]
@@ -133,23 +126,10 @@ def line_chart(
         )
     y_ticks = tuple(Tick(y(y_max * i / 4), show(y_max * i / 4)) for i in range(5))
     x_ticks = tuple(Tick(x(at), label) for at, label in time_ticks(start, end))
-    return Chart(
-        title=title,
-        width=WIDTH,
-        height=HEIGHT,
-        left=LEFT,
-        right=WIDTH - RIGHT,
-        top=TOP,
-        bottom=HEIGHT - BOTTOM,
-        lines=tuple(lines),
-        y_ticks=y_ticks,
-        x_ticks=x_ticks,
-        empty=not values,
-    )
+    return Chart(title, tuple(lines), y_ticks, x_ticks, empty=not values)
 
 
-#: Steps between the time axis' labels, in seconds: the first giving at most
-#: :data:`MAX_TIME_TICKS` labels over the window is used.
+#: Steps between the time axis' labels, in seconds (the first giving few enough).
 TIME_STEPS = (10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600)
 MAX_TIME_TICKS = 6
 
@@ -157,8 +137,7 @@ MAX_TIME_TICKS = 6
 def time_ticks(
     start: datetime.datetime, end: datetime.datetime
 ) -> list[tuple[datetime.datetime, str]]:
-    """Labels of the time axis, counted back from ``end`` ("now") in round steps that
-    suit the window: ``-30 s`` for a minute's run, ``-15 min`` for an hour."""
+    """Labels of the time axis, counted back from ``end`` ("now") in round steps."""
     span = max((end - start).total_seconds(), 1.0)
     step = next((s for s in TIME_STEPS if span / s <= MAX_TIME_TICKS - 1), TIME_STEPS[-1])
     ticks = []
@@ -186,11 +165,7 @@ def _plain(value: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Bar:
-    """A horizontal bar: ``active`` of ``limit`` slots (a small inline SVG).
-
-    :param name: what it measures (a workload, or all of them).
-    :param note: said after the numbers (e.g. the workload's reservation).
-    """
+    """A horizontal bar: slots held of a limit (a small inline SVG), and a note after it."""
 
     name: str
     width: int

@@ -1,23 +1,13 @@
-"""System checks (``manage.py check``): the app's tables in a PostgreSQL database, and
-``manage.py migrate`` putting them where the limiter, the admin and the commands use them.
+"""System checks (``manage.py check``): ``RUNCELL`` valid, the app's tables in PostgreSQL,
+and ``migrate`` putting them where the limiter, the admin and the commands use them.
 
-Both mistakes otherwise show up late and far from their cause: a SQLite ``default``
-passes ``check`` and then fails in migration 0001 with ``near "(": syntax error``; a
-limiter database other than ``default`` without the router gets the app's migrations
-applied to ``default`` instead. No check opens a connection: each reads settings and
-asks the routers.
-
-* ``runcell_django.E001`` — the database of the app's tables is not PostgreSQL.
-* ``runcell_django.E002`` — ``migrate`` would apply the app's migrations to a
-  ``default`` that is not PostgreSQL (they fail there) instead of the limiter's database.
-* ``runcell_django.E003`` — ``migrate --database <alias>`` would not create the tables
-  in the limiter's database, where the admin and the commands read them.
-* ``runcell_django.E004`` — ``RUNCELL`` is invalid (the message names the setting's
-  path and what would be valid).
-* ``runcell_django.W001`` — ``migrate`` would create the app's tables in ``default``
-  too, where nothing reads them, while the limiter's database is another one.
-* ``runcell_django.W002`` — the app is installed and settings have no ``RUNCELL``
-  (a typo such as ``RUNCEL``): no limiter is configured.
+Both mistakes otherwise show up late and far from their cause (a SQLite ``default``
+fails in migration 0001 with ``near "(": syntax error``). No check opens a connection.
+E001: the tables' database is not PostgreSQL. E002: ``migrate`` would apply the
+migrations to a non-PostgreSQL ``default``. E003: ``migrate --database <alias>`` would
+not create the tables in the limiter's database. E004: ``RUNCELL`` is invalid. W001:
+``migrate`` would create the tables in ``default`` too, where nothing reads them.
+W002: no ``RUNCELL`` setting (a typo such as ``RUNCEL``).
 """
 
 from __future__ import annotations
@@ -37,8 +27,6 @@ from . import conf
 from .models import Limiter
 from .routers import APP_LABEL
 
-__all__ = ["check_database", "check_settings"]
-
 ROUTER = "runcell_django.routers.RunCellRouter"
 
 
@@ -46,8 +34,8 @@ def _engine(alias: str) -> str:
     return str(connections.settings[alias]["ENGINE"])
 
 
-def _is_postgresql(alias: str) -> bool:
-    return connections[alias].vendor == "postgresql"
+def _mine(app_configs: Sequence[AppConfig] | None) -> bool:
+    return app_configs is None or any(c.label == APP_LABEL for c in app_configs)
 
 
 @register()
@@ -55,7 +43,7 @@ def check_settings(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
     """``RUNCELL`` is set and valid."""
-    if app_configs is not None and not any(c.label == APP_LABEL for c in app_configs):
+    if not _mine(app_configs):
         return []
     if not hasattr(settings, conf.SETTING):
         names = [name for name in dir(settings) if name.isupper()]
@@ -89,14 +77,14 @@ def check_database(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[CheckMessage]:
     """Where the app's tables live, and whether ``migrate`` puts them there."""
-    if app_configs is not None and not any(c.label == APP_LABEL for c in app_configs):
+    if not _mine(app_configs):
         return []
     try:
         alias = conf.database_alias()
     except ConcurrencyConfigError as exc:
         return [Error(exc.message, id="runcell_django.E001")]
     tables = alias if alias is not None else router.db_for_write(Limiter)
-    if not _is_postgresql(tables):
+    if connections[tables].vendor != "postgresql":
         return [
             Error(
                 f"runcell_django's tables are in the database {tables!r} "
@@ -133,7 +121,7 @@ def check_database(
             f"out of 'default', and manage.py migrate --database {tables} creates its "
             "tables in the limiter's database."
         )
-        if _is_postgresql(DEFAULT_DB_ALIAS):
+        if connections[DEFAULT_DB_ALIAS].vendor == "postgresql":
             messages.append(
                 Warning(
                     "manage.py migrate would create runcell_django's tables in 'default' "

@@ -1,12 +1,10 @@
 """The Django database alias of ``RUNCELL["DATABASE"]`` when it is a PostgreSQL DSN.
 
-The limiter connects to the DSN itself; the admin, the dashboard, the management
-commands and the event recorder go through Django's ORM, which knows databases only by
-alias. So that they read and write the limiter's own database rather than Django's
-``default``, the app registers the DSN as the database alias :data:`DSN_ALIAS`
-(``"runcell"``) when it first needs it (``ready()`` does, so ``manage.py migrate
---database runcell`` accepts it). :class:`runcell_django.routers.RunCellRouter` sends
-the app's models and migrations there, and nothing else.
+The limiter connects to the DSN itself, but the admin, the commands and the recorder go
+through Django's ORM, which knows databases only by alias: the app registers the DSN as
+:data:`DSN_ALIAS` when it first needs it (``ready()`` does, so that ``manage.py migrate
+--database runcell`` accepts it), and :class:`~runcell_django.routers.RunCellRouter`
+sends the app's models and migrations there.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from runcell_celery import ConcurrencyConfigError
 from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.postgres import check_dsn
-
-__all__ = ["DSN_ALIAS", "database_settings", "forget_dsn", "is_registered_dsn", "register_dsn"]
 
 #: The alias a DSN in ``RUNCELL["DATABASE"]`` is registered under.
 DSN_ALIAS = "runcell"
@@ -39,10 +35,7 @@ _REGISTERED = "django.databases.registered"
 
 
 def database_settings(dsn: str) -> dict[str, Any]:
-    """A ``DATABASES`` entry for the PostgreSQL DSN ``dsn`` (URI or ``key=value``).
-
-    :raises ConcurrencyConfigError: ``dsn`` cannot be parsed.
-    """
+    """A ``DATABASES`` entry for the PostgreSQL DSN ``dsn`` (URI or ``key=value``)."""
     params = check_dsn(dsn, setting='RUNCELL["DATABASE"]')  # masked if it is not one
     entry: dict[str, Any] = {"ENGINE": "django.db.backends.postgresql", "OPTIONS": {}}
     for keyword, value in params.items():
@@ -57,12 +50,8 @@ def database_settings(dsn: str) -> dict[str, Any]:
 
 
 def register_dsn(dsn: str) -> str:
-    """Register ``dsn`` as the database alias :data:`DSN_ALIAS`; return the alias.
-
-    Idempotent; a changed DSN replaces the entry (and closes this thread's connection).
-
-    :raises ConcurrencyConfigError: ``DATABASES`` already defines that alias.
-    """
+    """Register ``dsn`` as the database alias :data:`DSN_ALIAS` (again after a change, which
+    closes this thread's connection); refuse an alias ``DATABASES`` already defines."""
     with DEFAULT_REGISTRY.lock(_REGISTERED):
         _registered: Registered = DEFAULT_REGISTRY.value(_REGISTERED, None)
         current = connections.settings.get(DSN_ALIAS)

@@ -1,16 +1,15 @@
 """How the admin writes ids, counts and times so that a list reads at laptop width.
 
-A list page must fit 1280 px with the columns an operator on call needs, so long
-values are shortened on screen but never lost: an id or an error is clipped by CSS
-with the whole value still in the page (copy, find, a tooltip), a large count is
-written ``12.3k`` with the exact figure as its tooltip. Absolute times always carry
-seconds (a 30 s lease is renewed every 10 s: minutes say nothing), in the active
-locale's own format, and a relative time (``in 12 s``, ``3 s ago``) where it helps.
+A list must fit 1280 px, so long values are shortened on screen but never lost: an id
+or an error is clipped by CSS, whole in the page and its tooltip; a large count reads
+``12.3k`` with the exact figure as its tooltip. Absolute times always carry seconds (a
+30 s lease is renewed every 10 s: minutes say nothing), in the active locale's format.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -23,43 +22,14 @@ from django.utils.translation import gettext as _
 
 from .state import format_ms
 
-__all__ = [
-    "clipped",
-    "compact_count",
-    "count_column",
-    "relative",
-    "task_cell",
-    "timestamp",
-    "timestamp_field",
-    "with_seconds",
-]
-
-#: Shown of an id: enough to tell ids apart on one page, whole in the tooltip.
-ID_CHARACTERS = 8
 #: Counts from here on are written compactly (12.3k).
 COMPACT_FROM = 10_000
 
 
 def with_seconds(fmt: str) -> str:
-    """Add seconds to a Django date format that stops at the minute.
-
-    ``"N j, Y, P"`` (English: ``8:13 p.m.``) becomes ``"N j, Y, g:i:s a"``
-    (``8:13:05 p.m.``), ``"j. F Y H:i"`` becomes ``"j. F Y H:i:s"``. Backslash-escaped
-    letters are literal text and stay as they are; a format with seconds is returned
-    unchanged.
-    """
-    tokens: list[str] = []
-    escaped = False
-    for char in fmt:
-        if escaped:
-            tokens.append("\\" + char)
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        else:
-            tokens.append(char)
-    if escaped:
-        tokens.append("\\")
+    """Add seconds to a Django date format that stops at the minute (``P`` becomes
+    ``g:i:s a``, ``i`` becomes ``i:s``); escaped letters stay literal."""
+    tokens = re.findall(r"\\.?|.", fmt, re.DOTALL)  # an escaped letter is one token
     if "s" in tokens:
         return fmt
     if "P" in tokens:
@@ -69,16 +39,17 @@ def with_seconds(fmt: str) -> str:
     return "".join(tokens)
 
 
+def _local(value: datetime.datetime) -> datetime.datetime:
+    return timezone.localtime(value) if timezone.is_aware(value) else value
+
+
 def timestamp(value: datetime.datetime | None, *, now: datetime.datetime | None = None) -> str:
-    """``Dec. 1, 2026, 8:13:05 p.m.`` in the active locale; with ``now`` (database
-    time, when known) followed by how far it is: ``(in 12 s)`` or ``(3 s ago)``."""
+    """``Dec. 1, 2026, 8:13:05 p.m.``; with ``now`` (database time) followed by
+    ``(in 12 s)`` or ``(3 s ago)``."""
     if value is None:
         return "-"
-    local = timezone.localtime(value) if timezone.is_aware(value) else value
-    text = date_format(local, with_seconds(str(get_format("DATETIME_FORMAT"))))
-    if now is None:
-        return text
-    return f"{text} ({relative(value, now)})"
+    text = date_format(_local(value), with_seconds(str(get_format("DATETIME_FORMAT"))))
+    return text if now is None else f"{text} ({relative(value, now)})"
 
 
 def short_time(value: datetime.datetime | None, *, today: datetime.date | None = None) -> str:
@@ -86,13 +57,11 @@ def short_time(value: datetime.datetime | None, *, today: datetime.date | None =
     the full date and time as the tooltip."""
     if value is None:
         return "-"
-    local = timezone.localtime(value) if timezone.is_aware(value) else value
-    time_text = date_format(local, with_seconds(str(get_format("TIME_FORMAT"))))
+    local = _local(value)
+    text = date_format(local, with_seconds(str(get_format("TIME_FORMAT"))))
     if local.date() != (today or timezone.localdate()):
-        time_text = f"{date_format(local, str(get_format('SHORT_DATE_FORMAT')))} {time_text}"
-    return format_html(
-        '<span class="runcell-time" title="{}">{}</span>', timestamp(value), time_text
-    )
+        text = f"{date_format(local, str(get_format('SHORT_DATE_FORMAT')))} {text}"
+    return format_html('<span class="runcell-time" title="{}">{}</span>', timestamp(value), text)
 
 
 def relative(value: datetime.datetime, now: datetime.datetime) -> str:
@@ -104,12 +73,11 @@ def relative(value: datetime.datetime, now: datetime.datetime) -> str:
 
 
 def timestamp_field(
-    field: Field[Any, Any], *, now: Callable[[Any], datetime.datetime | None] | None = None
+    model: type[Model], name: str, *, now: Callable[[Any], datetime.datetime | None] | None = None
 ) -> Callable[[Any, Any], str]:
-    """A read-only admin field showing model field ``field`` with seconds (and, when
-    ``now`` gives database time for the object, how far from now it is), under the
-    field's own label. Use it as a ModelAdmin attribute named in ``fields``."""
-    name = field.name
+    """A read-only ModelAdmin attribute (named in ``fields``) showing ``model``'s field
+    ``name`` with seconds under its own label, and how far from ``now(obj)`` it is."""
+    field = cast("Field[Any, Any]", model._meta.get_field(name))
 
     @admin.display(description=field.verbose_name, ordering=name)
     def show(model_admin: Any, obj: Any) -> str:
@@ -119,16 +87,14 @@ def timestamp_field(
 
 
 def clipped(value: str | None, *, css: str = "runcell-id") -> str:
-    """``value`` whole in the page and as its tooltip, clipped on screen by ``css``
-    (one line, cut with an ellipsis)."""
+    """``value`` whole in the page and as its tooltip, clipped on screen by ``css``."""
     if not value:
         return "-"
     return format_html('<span class="{}" title="{}">{}</span>', css, value, value)
 
 
 def task_cell(name: str | None, run_id: str | None) -> str:
-    """A task's name (its last dotted part; the whole name as the tooltip) above its
-    id (the run id, clipped to its start, whole as the tooltip)."""
+    """A task's name (its last dotted part; whole as the tooltip) above its run id."""
     short = (name or "-").rpartition(".")[2] or "-"
     return format_html(
         '<span class="runcell-task-name" title="{}">{}</span><br>{}',
@@ -156,13 +122,11 @@ def compact_count(value: int | None) -> str:
 
 
 def count_column(model: type[Model], name: str) -> Callable[[Any], str]:
-    """A ``list_display`` entry showing the integer field ``name`` of ``model`` with
-    :func:`compact_count`, under the field's own label and CSS classes
-    (``column-<name>``, ``field-<name>``).
+    """A ``list_display`` entry showing integer field ``name`` with :func:`compact_count`.
 
     A callable, not a ModelAdmin method: a method named like a model field is never
     called (the admin reads the field first), and another name would rename the
-    column's classes."""
+    column's CSS classes."""
     field = cast("Field[Any, Any]", model._meta.get_field(name))
 
     @admin.display(description=field.verbose_name, ordering=name)

@@ -15,11 +15,8 @@ else:
 
 
 class EndlessDateTimeField(_DateTimeField):
-    """A ``timestamptz`` that may hold ``'infinity'`` (a parked request never expires).
-
-    Python's ``datetime`` has no infinity, so the column is read as ``NULL`` then;
-    comparisons in SQL still see the stored value.
-    """
+    """A ``timestamptz`` that may hold ``'infinity'`` (a parked request never expires),
+    read as ``NULL`` (``datetime`` has no infinity); SQL still compares the stored value."""
 
     def select_format(self, compiler: Any, sql: str, params: Any) -> tuple[str, Any]:
         return f"NULLIF({sql}, 'infinity'::timestamptz)", params

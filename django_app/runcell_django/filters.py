@@ -1,6 +1,6 @@
-"""List filters of the admin pages: limiter and workload from the stored limits (one
-query per page, cached on the request), a queued request's state, which keys of
-keyed limiters the limiters page lists, and the events of one key."""
+"""List filters: limiter and workload from the stored limits (one query per page, cached
+on the request), a queued request's state, the keys the limiters page lists, and the
+events of one key."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from runcell_celery import LimiterConfig
 from runcell_celery.config import KEY_SEPARATOR
 
 from .models import Limiter
-
-__all__ = ["EventKeyFilter", "KeyFilter", "LimiterFilter", "QueueStateFilter", "WorkloadFilter"]
 
 
 def _stored_limits(request: HttpRequest) -> dict[str, LimiterConfig | None]:
@@ -92,9 +90,8 @@ class QueueStateFilter(admin.SimpleListFilter):
 
 
 class KeyFilter(admin.SimpleListFilter):
-    """Which keys of keyed limiters the limiters page lists: none by default (a fleet
-    may have 100,000, and they would bury the limiters), those of one keyed limiter,
-    or all. A search lists the key rows it finds even when keys are hidden."""
+    """Which keys of keyed limiters the limiters page lists: none by default (a fleet may
+    have 100,000), one keyed limiter's, or all; a search finds key rows even so."""
 
     title = _("keys")
     parameter_name = "keys_of"
@@ -130,11 +127,8 @@ class KeyFilter(admin.SimpleListFilter):
 
 
 class EventKeyFilter(admin.SimpleListFilter):
-    """Events of one key (a tenant): chosen from an event's key (a link) or by URL.
-
-    Keys are not listed to choose from (a fleet may have 100,000, and finding them
-    would read the whole table); the filter shows once one is chosen. The index
-    ``runcell_event_for_key`` serves it."""
+    """Events of one key (a tenant), chosen by an event's key link: keys are not listed
+    (finding them would read the whole table)."""
 
     title = _("key")
     parameter_name = "key"

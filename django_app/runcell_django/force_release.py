@@ -1,8 +1,8 @@
 """Force release: an operator takes stuck slots back, and the app records who did it.
 
-The limiter's tables belong to the limiter: the release itself is the PostgreSQL
-backend's (:meth:`runcell_celery.postgres.PostgresBackend.force_release`). This app
-only writes its own audit events.
+The release itself is the PostgreSQL backend's
+(:meth:`runcell_celery.postgres.PostgresBackend.force_release`); this app only writes
+its own audit events.
 """
 
 from __future__ import annotations
@@ -21,22 +21,15 @@ from . import conf
 from .event_types import FORCE_RELEASED
 from .models import ConcurrencyEvent
 
-__all__ = ["ReleasedLease", "force_release"]
-
 logger = logging.getLogger("runcell_django.force_release")
 
 
 def force_release(lease_ids: Sequence[str], *, actor: str) -> list[ReleasedLease]:
-    """Take slots back from their holders now and give them to the next waiters.
+    """Take slots back from their holders now, give them to the next waiters, and record
+    a ``force-released`` event naming ``actor`` for each; return the leases released.
 
-    The backend expires the leases (database time) and runs an allocation pass on each
-    limiter, as when a crashed holder's lease runs out. The holder finds out at its
-    next renewal and its provider call is aborted with ``ConcurrencyLeaseLostError``;
-    until then its call may still run, so the fencing token is what protects the
-    provider. Each release is recorded as a ``force-released`` event naming ``actor``.
-
-    :returns: the leases released (those already gone are left out).
-    :raises ConcurrencyConfigError: no PostgreSQL backend is configured.
+    The holder finds out at its next renewal (``ConcurrencyLeaseLostError``); until then
+    its call may still run, so the fencing token is what protects the provider.
     """
     released = conf.postgres_backend().force_release([str(i) for i in lease_ids], actor=actor)
     now = timezone.now()

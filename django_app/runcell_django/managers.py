@@ -1,9 +1,7 @@
 """Managers: the queries the admin, the dashboard and the commands share.
 
-Every manager reads the database ``RUNCELL["DATABASE"]`` names when it is an alias
-(see :func:`runcell_django.conf.database_alias`); otherwise Django's routers choose.
-Times come from the database (``statement_timestamp()``, Django's ``Now()``), as the
-limiter's expiry does, never from the web server's clock.
+They read the database ``RUNCELL["DATABASE"]`` names when it is an alias (else Django's
+routers choose), and take times from the database (``Now()``), never the web server.
 """
 
 from __future__ import annotations
@@ -36,17 +34,6 @@ from runcell_celery import LimiterConfig
 from . import conf, sql
 from .event_types import EVENTS_DROPPED
 
-__all__ = [
-    "AdmissionCountManager",
-    "EventManager",
-    "GroupLease",
-    "LeaseManager",
-    "LimiterManager",
-    "OccupancyManager",
-    "QueueEntryManager",
-    "group_of",
-]
-
 #: The window of the Limiters page's wait-time percentile.
 P95_WINDOW_MINUTES = 15
 
@@ -60,30 +47,48 @@ class _RunCellManager(models.Manager[Any]):
         return queryset.using(alias) if alias is not None and self._db is None else queryset
 
 
-class LimiterQuerySet(models.QuerySet[Any]):
-    """Stored limiters; :meth:`with_live_stats` adds their live counts when fetched."""
+class _CompletedQuerySet(models.QuerySet[Any]):
+    """Rows completed by one more read for all of them once fetched (as prefetching is)."""
 
-    _live_states = False
+    _complete = False
 
-    def with_live_stats(self) -> LimiterQuerySet:
-        """Annotate the p95 wait of the last 15 minutes, and attach each row's live
-        counts as ``live_state`` (a :class:`runcell_celery.postgres.LimiterState`):
-        the backend counts them, as it does for its limiters. Two queries for any
-        number of limiters: this one, and one on the backend's pool when fetched."""
-        queryset = cast(
-            LimiterQuerySet,
-            self.annotate(
-                p95_wait_ms=RawSQL(
-                    sql.P95_WAIT_MS, (P95_WINDOW_MINUTES,), output_field=FloatField()
-                )
-            ),
-        )
-        queryset._live_states = True
+    def _completed(self) -> Any:
+        queryset = self.all()
+        queryset._complete = True
         return queryset
 
+    def _clone(self) -> Any:
+        clone = super()._clone()  # type: ignore[misc]
+        clone._complete = self._complete
+        return clone
+
+    def _fetch_all(self) -> None:
+        fetched = self._result_cache is None
+        super()._fetch_all()
+        if fetched and self._complete and self._result_cache:
+            rows = [row for row in self._result_cache if isinstance(row, self.model)]
+            if rows:
+                self._complete_rows(rows)
+
+    def _complete_rows(self, rows: list[Any]) -> None:
+        raise NotImplementedError
+
+
+class LimiterQuerySet(_CompletedQuerySet):
+    def with_live_stats(self) -> LimiterQuerySet:
+        """Annotate the p95 wait of the last 15 minutes, and attach each row's live counts
+        (``live_state``, a :class:`runcell_celery.postgres.LimiterState`) as the backend
+        counts them: one more query on the backend's pool for any number of rows."""
+        p95 = RawSQL(sql.P95_WAIT_MS, (P95_WINDOW_MINUTES,), output_field=FloatField())
+        return cast(LimiterQuerySet, self.annotate(p95_wait_ms=p95)._completed())
+
+    def _complete_rows(self, rows: list[Any]) -> None:
+        states = conf.postgres_backend().limiter_states([row.name for row in rows])
+        for row in rows:
+            row.live_state = states.get(row.name)
+
     def without_keys(self) -> LimiterQuerySet:
-        """Limiters only: not the rows of a keyed limiter's keys (a fleet may have
-        100,000 of those)."""
+        """Limiters only, not the rows of keyed limiters' keys (a fleet may have 100,000)."""
         return self.filter(parent__isnull=True)
 
     def keys_of(self, keyed: str) -> LimiterQuerySet:
@@ -91,10 +96,9 @@ class LimiterQuerySet(models.QuerySet[Any]):
         return self.filter(parent=keyed)
 
     def with_key_usage(self) -> LimiterQuerySet:
-        """Annotate ``held_total`` and ``waiting_total`` (each row's own, all workloads
-        together) and, on a keyed limiter's row, ``key_usage``: its keys stored, in use
-        and their counts per workload, summed (:data:`runcell_django.sql.KEY_USAGE`).
-        No query of its own: subqueries of the rows' query, bounded by an index."""
+        """Annotate ``held_total`` and ``waiting_total`` (the row's own) and, on a keyed
+        limiter's row, ``key_usage`` (:data:`runcell_django.sql.KEY_USAGE`): subqueries of
+        the rows' query, bounded by an index."""
         return cast(
             LimiterQuerySet,
             self.annotate(
@@ -105,32 +109,13 @@ class LimiterQuerySet(models.QuerySet[Any]):
         )
 
     def busiest_first(self) -> LimiterQuerySet:
-        """Most slots held first, then most requests waiting, then by name (as the
-        backend's ``key_stats`` orders keys); needs :meth:`with_key_usage`."""
+        """Most slots held, then most requests waiting, then by name (as the backend's
+        ``key_stats`` orders keys); needs :meth:`with_key_usage`."""
         return self.order_by("-held_total", "-waiting_total", "name")
 
-    def _clone(self) -> LimiterQuerySet:
-        clone = cast(LimiterQuerySet, super()._clone())  # type: ignore[misc]
-        clone._live_states = self._live_states
-        return clone
-
-    def _fetch_all(self) -> None:
-        """Fetch the rows, then their live counts in one call (as prefetching does)."""
-        fetched = self._result_cache is None
-        super()._fetch_all()
-        if not (fetched and self._live_states and self._result_cache):
-            return
-        rows = [row for row in self._result_cache if isinstance(row, self.model)]
-        if rows:
-            states = conf.postgres_backend().limiter_states([row.name for row in rows])
-            for row in rows:
-                row.live_state = states.get(row.name)
-
     def stored_limits(self) -> dict[str, LimiterConfig | None]:
-        """Each limiter's parsed stored limits by name (``None``: unreadable), one query.
-
-        Keys of keyed limiters are left out: they have their keyed limiter's limits,
-        and there may be 100,000 of them."""
+        """Each limiter's parsed stored limits by name (``None``: unreadable), keys left
+        out (they have their keyed limiter's limits), in one query."""
         rows = self.without_keys().order_by("name").only("name", "config", "parent")
         return {row.name: row.limits for row in rows}
 
@@ -145,34 +130,19 @@ class GroupLease:
 
 
 def group_of(request_id: str) -> str | None:
-    """The request over several limiters a lease or queue row's request id belongs to
+    """The request over several limiters a lease's request id belongs to
     (``"<request id>|<limiter>"``), or ``None``."""
     group, separator, _limiter = request_id.rpartition("|")
     return group if separator else None
 
 
-class LeaseQuerySet(models.QuerySet[Any]):
-    _group_leases = False
-
+class LeaseQuerySet(_CompletedQuerySet):
     def with_group_leases(self) -> LeaseQuerySet:
-        """Attach to each lease of a request over several limiters the leases held with
-        it (``group_leases``: the others, by limiter name; ``[]`` for any other lease),
-        read in one query for all the rows fetched, and none when no row is of one."""
-        queryset = self.all()
-        queryset._group_leases = True
-        return queryset
+        """Attach to each lease of a request over several limiters the others held with it
+        (``group_leases``; ``[]`` for any other lease), in one query when one is needed."""
+        return cast(LeaseQuerySet, self._completed())
 
-    def _clone(self) -> LeaseQuerySet:
-        clone = cast(LeaseQuerySet, super()._clone())  # type: ignore[misc]
-        clone._group_leases = self._group_leases
-        return clone
-
-    def _fetch_all(self) -> None:
-        fetched = self._result_cache is None
-        super()._fetch_all()
-        if not (fetched and self._group_leases and self._result_cache):
-            return
-        rows = [row for row in self._result_cache if isinstance(row, self.model)]
+    def _complete_rows(self, rows: list[Any]) -> None:
         groups = {group for row in rows if (group := group_of(row.request_id)) is not None}
         held: dict[str, list[GroupLease]] = {}
         if groups:
@@ -182,9 +152,8 @@ class LeaseQuerySet(models.QuerySet[Any]):
                     held.setdefault(group, []).append(GroupLease(str(lease_id), limiter, workload))
         for row in rows:
             group = group_of(row.request_id)
-            mine = str(row.lease_id)
             others = held.get(group, []) if group is not None else []
-            row.group_leases = [lease for lease in others if lease.lease_id != mine]
+            row.group_leases = [lease for lease in others if lease.lease_id != str(row.lease_id)]
 
     def with_age(self) -> LeaseQuerySet:
         """Annotate ``age`` (since acquired) and ``expires_in``, in database time."""
@@ -199,9 +168,8 @@ class LeaseQuerySet(models.QuerySet[Any]):
 
 class QueueEntryQuerySet(models.QuerySet[Any]):
     def with_group_waits(self) -> QueueEntryQuerySet:
-        """Annotate ``waits_on``: on a waiting row of a request over several limiters,
-        the limiters of the request it waits on (:data:`runcell_django.sql.GROUP_WAITS_ON`);
-        ``None`` on any other row. Part of the rows' query: no query of its own."""
+        """Annotate ``waits_on``: the limiters a waiting member of a request over several
+        waits on (:data:`runcell_django.sql.GROUP_WAITS_ON`); ``None`` on any other row."""
         return cast(
             QueueEntryQuerySet,
             self.annotate(
@@ -250,39 +218,34 @@ AdmissionCountManager = _RunCellManager
 
 class OccupancyManager(_RunCellManager):
     def sample(self, interval_ms: int) -> None:
-        """Record slots held and queued per configured workload, once per interval for
-        the whole fleet: the first process to reach an interval writes it."""
-        alias = write_alias(self.model)
-        with connections[alias].cursor() as cursor:
+        """Record slots held and queued per workload, once per interval for the fleet."""
+        with connections[write_alias(self.model)].cursor() as cursor:
             cursor.execute(sql.SAMPLE_OCCUPANCY, {"interval_ms": interval_ms})
 
 
 class EventManager(_RunCellManager):
-    def _raw(self, query: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        alias = self.get_queryset().db
-        with connections[alias].cursor() as cursor:
+    def _raw(self, query: Any, **params: Any) -> list[tuple[Any, ...]]:
+        with connections[self.get_queryset().db].cursor() as cursor:
             cursor.execute(query, params)
             return list(cursor.fetchall())
 
     def wait_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
-        """``(limiter, bucket, p50, p95, max, count, longest)``: acquired slots' waits,
-        and the longest wait during the bucket, waits in progress included."""
-        return self._raw(sql.WAIT_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
+        """``(limiter, bucket, p50, p95, max, count, longest)`` (waits in progress too)."""
+        return self._raw(sql.WAIT_PER_BUCKET, minutes=minutes, bucket_s=bucket_s)
 
     def occupancy_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
         """``(limiter, bucket, most active, most queued)`` from occupancy samples."""
-        return self._raw(sql.OCCUPANCY_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
+        return self._raw(sql.OCCUPANCY_PER_BUCKET, minutes=minutes, bucket_s=bucket_s)
 
     def failures_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
-        """``(limiter, event type, bucket, count)``: the runs that failed, by kind
-        (``timed-out``, ``queue-full``, ``limiter-error``, ``config-error``,
-        ``lease-lost``)."""
-        return self._raw(sql.FAILURES_PER_BUCKET, {"minutes": minutes, "bucket_s": bucket_s})
+        """``(limiter, event type, bucket, count)``: the runs that failed, by kind."""
+        return self._raw(sql.FAILURES_PER_BUCKET, minutes=minutes, bucket_s=bucket_s)
 
     def dropped_per_limiter(self, minutes: int) -> dict[str, int]:
         """Events dropped by full recorder buffers in the window, per limiter."""
-        rows = self._raw(sql.DROPPED_PER_LIMITER, {"minutes": minutes})
-        return {limiter: int(n) for limiter, n in rows}
+        return {
+            limiter: int(n) for limiter, n in self._raw(sql.DROPPED_PER_LIMITER, minutes=minutes)
+        }
 
     def dropped_since(self, since: datetime.datetime) -> int:
         """Events full recorder buffers dropped since ``since``, all limiters together."""
@@ -293,17 +256,14 @@ class EventManager(_RunCellManager):
         """Delete events and occupancy samples older than ``before``, in batches of
         ``batch_size`` (short transactions); return how many of each were deleted."""
         alias = self.get_queryset().db
-        counts = []
-        for query in (sql.PURGE_EVENTS, sql.PURGE_OCCUPANCY):
-            total = 0
-            while True:
+        counts = [0, 0]
+        for i, query in enumerate((sql.PURGE_EVENTS, sql.PURGE_OCCUPANCY)):
+            deleted = batch_size
+            while deleted >= batch_size:
                 with connections[alias].cursor() as cursor:
                     cursor.execute(query, {"before": before, "limit": batch_size})
                     deleted = cursor.rowcount
-                total += deleted
-                if deleted < batch_size:
-                    break
-            counts.append(total)
+                counts[i] += deleted
         return counts[0], counts[1]
 
 

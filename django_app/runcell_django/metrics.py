@@ -1,20 +1,10 @@
-"""The Prometheus metrics view, to mount in your ``urls.py``.
+"""The Prometheus metrics view: ``path("metrics", metrics_view)`` in your ``urls.py``.
 
-.. code-block:: python
-
-    from runcell_django.metrics import metrics_view
-
-    urlpatterns = [..., path("metrics", metrics_view)]
-
-It serves the event metrics of the workers (from ``PROMETHEUS_MULTIPROC_DIR`` or
-``RUNCELL["METRICS"]["MULTIPROCESS_DIR"]``: the directory the workers of this host
-write to) and the limiters' live gauges read from the database of
-``RUNCELL["DATABASE"]`` (one query per scrape, cached ``CACHE_MS``).
-
-Who may read it (``RUNCELL["METRICS"]``): a scrape bearing ``Authorization: Bearer
-<TOKEN>``, and a logged-in staff user (``ALLOW_STAFF``, on by default). A request
-with a wrong token gets 401; one with no token and no staff session gets 401 when a
-token is configured (Prometheus was not given it), else 403.
+It serves the workers' event metrics (``PROMETHEUS_MULTIPROC_DIR`` or
+``RUNCELL["METRICS"]["MULTIPROCESS_DIR"]``) and the limiters' live gauges (one query per
+scrape, cached ``CACHE_MS``) to a scrape bearing ``Authorization: Bearer <TOKEN>`` and to
+staff users (``ALLOW_STAFF``). A wrong token gets 401; no token and no staff session 401
+when a token is configured, else 403.
 """
 
 from __future__ import annotations
@@ -102,7 +92,6 @@ def _registry(settings: conf.MetricsSettings) -> CollectorRegistry:
 
 
 def _backend() -> PostgresBackend | None:
-    """The PostgreSQL backend of ``RUNCELL``, or ``None`` (limiters in memory: no
-    fleet-wide state to read)."""
+    """The PostgreSQL backend of ``RUNCELL``, or ``None`` (no fleet-wide state to read)."""
     backend = conf.registry().backend
     return backend if isinstance(backend, PostgresBackend) else None

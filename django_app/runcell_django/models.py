@@ -1,19 +1,15 @@
 """Models over the PostgreSQL limiter's tables, and the event recorder's own tables.
 
-The limiter's tables (``runcell_limiter``, ``runcell_lease``, ``runcell_queue``,
-``runcell_admission_counter``) have one source of truth: the DDL of
-:func:`runcell_celery.postgres.postgres_concurrency_schema_sql`, which the migration
-applies. Their models are unmanaged and mirror it; ``tests/django`` proves they
-agree. They are live state written by the workers: the admin only reads them.
-
-``runcell_queue.payload`` (a parked task's message, with its arguments) is mapped by
-no model on purpose, so no query made through Django can show task arguments.
-
-The recorder's tables (``runcell_event``, ``runcell_occupancy``) belong to this app
-and are managed by its migrations, with index names that say which query they serve.
+The limiter's tables are unmanaged models mirroring the DDL of
+:func:`runcell_celery.postgres.postgres_concurrency_schema_sql` (``tests/django`` proves
+they agree): live state the workers write and the admin only reads. ``runcell_queue.payload``
+(a parked task's message, with its arguments) is mapped by no model on purpose. The
+recorder's tables (``runcell_event``, ``runcell_occupancy``) are managed by the migrations.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
@@ -33,20 +29,12 @@ from .managers import (
     QueueEntryManager,
 )
 
-__all__ = [
-    "APP_EVENT_TYPES",
-    "AdmissionCount",
-    "ConcurrencyEvent",
-    "Dashboard",
-    "Lease",
-    "Limiter",
-    "OccupancySample",
-    "QueueEntry",
-]
-
-EVENT_TYPE_CHOICES = tuple((t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES))
-
 _READ_ONLY = ("view",)
+
+
+def _optional(field: Any, *args: Any, **options: Any) -> Any:
+    """An event column most events leave empty."""
+    return field(*args, null=True, blank=True, **options)
 
 
 class Limiter(models.Model):
@@ -125,19 +113,12 @@ class Limiter(models.Model):
 
     @cached_property
     def limits(self) -> LimiterConfig | None:
-        """The stored limits, parsed: the one place the app reads the stored JSON.
-
-        ``None`` when they do not parse (a newer version of the library wrote them).
-        """
+        """The stored limits, parsed (``None``: a newer version of the library wrote them)."""
         try:
             # A key's row carries its keyed limiter's limits, under that name.
             return LimiterConfig.from_mapping(self.config, name=self.parent or self.name)
         except ConcurrencyConfigError:
             return None
-
-    @property
-    def workload_names(self) -> list[str]:
-        return sorted(self.limits.workloads) if self.limits is not None else []
 
 
 class _Holder(models.Model):
@@ -304,12 +285,8 @@ class QueueEntry(_Holder):
 
 
 class AdmissionCount(models.Model):
-    """Fleet-wide admission counts of one task name on one limiter.
-
-    Read through the view ``runcell_admission`` (made by this app's migration) over
-    ``runcell_admission_counter``, whose key is (task name, limiter): the view gives
-    each row the single-column key Django needs.
-    """
+    """Fleet-wide admission counts of one task name on one limiter, read through the view
+    ``runcell_admission``, which gives each counter row the single-column key Django needs."""
 
     id = models.TextField(primary_key=True)
     task_name = models.TextField(_("task"))
@@ -351,66 +328,60 @@ class ConcurrencyEvent(models.Model):
     """One recorded step of a slot's life (see :mod:`runcell_celery.events`)."""
 
     id = models.BigAutoField(primary_key=True)
-    type = models.CharField(_("type"), max_length=32, choices=EVENT_TYPE_CHOICES)
+    type = models.CharField(
+        _("type"), max_length=32, choices=[(t, t) for t in (*EVENT_TYPES, *APP_EVENT_TYPES)]
+    )
     occurred_at = models.DateTimeField(_("occurred at"))
     limiter = models.CharField(
-        _("limiter"),
-        max_length=200,
-        help_text=_("The first limiter of a request over several."),
+        _("limiter"), max_length=200, help_text=_("The first limiter of a request over several.")
     )
-    limiters = ArrayField(
+    limiters = _optional(
+        ArrayField,
         models.CharField(max_length=200),
         verbose_name=_("limiters"),
-        null=True,
-        blank=True,
         help_text=_("Every limiter of a request over several, in the order given."),
     )
-    key = models.CharField(
+    key = _optional(
+        models.CharField,
         _("key"),
         max_length=255,
-        null=True,
-        blank=True,
         help_text=_("The request's fairness key (a tenant), if it has one."),
     )
-    workload = models.CharField(_("workload"), max_length=200, null=True, blank=True)
-    run_id = models.CharField(
+    workload = _optional(models.CharField, _("workload"), max_length=200)
+    run_id = _optional(
+        models.CharField,
         _("run id"),
         max_length=255,
-        null=True,
-        blank=True,
         help_text=_("For a Celery task, the task id."),
     )
-    root_run_id = models.CharField(_("root run id"), max_length=255, null=True, blank=True)
-    parent_run_id = models.CharField(_("parent run id"), max_length=255, null=True, blank=True)
-    request_id = models.CharField(_("request id"), max_length=255, null=True, blank=True)
-    holder_name = models.CharField(
+    root_run_id = _optional(models.CharField, _("root run id"), max_length=255)
+    parent_run_id = _optional(models.CharField, _("parent run id"), max_length=255)
+    request_id = _optional(models.CharField, _("request id"), max_length=255)
+    holder_name = _optional(
+        models.CharField,
         _("task"),
         max_length=255,
-        null=True,
-        blank=True,
         help_text=_("The run's name: the Celery task name."),
     )
-    host = models.CharField(_("host"), max_length=255, null=True, blank=True)
-    pid = models.IntegerField(_("process id"), null=True, blank=True)
-    deadline = models.DateTimeField(_("wait deadline"), null=True, blank=True)
-    lease_id = models.CharField(_("lease id"), max_length=100, null=True, blank=True)
-    fencing_token = models.BigIntegerField(_("fencing token"), null=True, blank=True)
-    wait_ms = models.FloatField(_("wait (ms)"), null=True, blank=True)
-    hold_ms = models.FloatField(_("hold (ms)"), null=True, blank=True)
-    outcome = models.CharField(_("outcome"), max_length=32, null=True, blank=True)
-    reason = models.CharField(_("reason"), max_length=32, null=True, blank=True)
-    error = models.TextField(_("error"), null=True, blank=True)
-    actor = models.CharField(
+    host = _optional(models.CharField, _("host"), max_length=255)
+    pid = _optional(models.IntegerField, _("process id"))
+    deadline = _optional(models.DateTimeField, _("wait deadline"))
+    lease_id = _optional(models.CharField, _("lease id"), max_length=100)
+    fencing_token = _optional(models.BigIntegerField, _("fencing token"))
+    wait_ms = _optional(models.FloatField, _("wait (ms)"))
+    hold_ms = _optional(models.FloatField, _("hold (ms)"))
+    outcome = _optional(models.CharField, _("outcome"), max_length=32)
+    reason = _optional(models.CharField, _("reason"), max_length=32)
+    error = _optional(models.TextField, _("error"))
+    actor = _optional(
+        models.CharField,
         _("user"),
         max_length=150,
-        null=True,
-        blank=True,
         help_text=_("Who forced a release (force-released events)."),
     )
-    dropped = models.IntegerField(
+    dropped = _optional(
+        models.IntegerField,
         _("dropped events"),
-        null=True,
-        blank=True,
         help_text=_("Events a full recorder buffer dropped (events-dropped)."),
     )
 
@@ -442,11 +413,8 @@ class ConcurrencyEvent(models.Model):
 
 
 class OccupancySample(models.Model):
-    """Slots held and requests queued per workload at one moment (for the dashboard).
-
-    Each recorder tries to sample once per interval; the unique key keeps one row per
-    workload and interval for the whole fleet.
-    """
+    """Slots held and requests queued per workload at one moment (for the dashboard);
+    the unique key keeps one row per workload and interval for the whole fleet."""
 
     id = models.BigAutoField(primary_key=True)
     limiter = models.CharField(_("limiter"), max_length=200)

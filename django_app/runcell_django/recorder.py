@@ -1,22 +1,11 @@
 """The event recorder: concurrency events to ``runcell_event``, off the hot path.
 
-The recorder is an event listener (:func:`runcell_celery.add_event_listener`) that
-only appends the event to a bounded in-memory buffer: the thread that emitted it (a
-provider call's, or the lease keeper's) never waits on the database. A named daemon
-thread, ``runcell-event-recorder``, writes the buffer in batches (``bulk_create``)
-every ``FLUSH_INTERVAL_MS``, or sooner when a batch is ready. When the buffer is full
-(the database is slow or down), new events are dropped and counted; the counts are
-written as ``events-dropped`` rows, so the admin shows what is missing.
-
-The same thread samples slot occupancy every ``SAMPLE_INTERVAL_MS`` for the dashboard
-(one sample per interval for the whole fleet, whichever process is first).
-
-Fork-safe by the library's one policy (:mod:`runcell_celery.background`): the buffer
-and its counters are a :class:`~runcell_celery.background.ProcessLocal`, so a child
-process (Celery prefork) starts with an empty buffer, and the writer is a
-:class:`~runcell_celery.background.BackgroundLoop`, started again in the child on its
-first event with its own database connection. The parent's buffered events are the
-parent's to write.
+An event listener that only appends to a bounded buffer, so the emitting thread never
+waits on the database; the thread ``runcell-event-recorder`` writes batches every
+``FLUSH_INTERVAL_MS`` (sooner when a batch is ready) and samples occupancy every
+``SAMPLE_INTERVAL_MS``. A full buffer drops events and counts them as ``events-dropped``
+rows. Fork-safe: the buffer is a :class:`~runcell_celery.background.ProcessLocal`, and a
+child starts its own writer on its first event (the parent's buffer is the parent's).
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ from .event_types import EVENTS_DROPPED
 from .managers import write_alias
 from .models import ConcurrencyEvent, OccupancySample
 
-__all__ = ["EventRecorder", "RecorderStats", "get_recorder", "start_recorder", "stop_recorder"]
+__all__ = ["EventRecorder", "RecorderStats", "start_recorder", "stop_recorder"]
 
 logger = logging.getLogger("runcell_django.recorder")
 
@@ -67,6 +56,21 @@ def _when(timestamp: float) -> datetime.datetime:
     return moment if settings.USE_TZ else timezone.make_naive(moment)
 
 
+#: The event's text attributes kept as they are, cut to their column's length.
+_CUT = (
+    ("key", 255),
+    ("workload", 200),
+    ("run_id", 255),
+    ("root_run_id", 255),
+    ("parent_run_id", 255),
+    ("request_id", 255),
+    ("holder_name", 255),
+    ("lease_id", 100),
+    ("outcome", 32),
+    ("reason", 32),
+)
+
+
 def _cut(value: str | None, length: int) -> str | None:
     return value if value is None or len(value) <= length else value[:length]
 
@@ -87,13 +91,8 @@ class _Buffer:
 
 
 class EventRecorder:
-    """Records the concurrency events of this process in PostgreSQL.
-
-    :param buffer_size: most events held before new ones are dropped (and counted).
-    :param flush_interval_ms: how often the thread writes the buffer.
-    :param batch_size: most rows per ``INSERT``; a full batch wakes the thread early.
-    :param sample_interval_ms: how often to sample occupancy; ``0``: never.
-    """
+    """Records the concurrency events of this process in PostgreSQL (options as
+    ``RUNCELL["EVENTS"]``'s; ``sample_interval_ms=0``: no occupancy samples)."""
 
     def __init__(
         self,
@@ -112,8 +111,6 @@ class EventRecorder:
         self._buffer = ProcessLocal(lambda: _Buffer(sample_interval_ms))
         self._loop = BackgroundLoop(THREAD_NAME, self, _write_step)
 
-    # -- the listener: the only part on the hot path ----------------------------------
-
     def __call__(self, event: CoreEvent) -> None:
         """Buffer ``event`` for the writer thread; drop and count it if the buffer is full."""
         buffer = self._buffer.get()
@@ -128,8 +125,6 @@ class EventRecorder:
             buffer.wake.set()
         if self._listening and not self._loop.running:
             self._loop.start()  # first event after a fork: this process's own thread
-
-    # -- lifecycle --------------------------------------------------------------------
 
     @property
     def running(self) -> bool:
@@ -156,8 +151,6 @@ class EventRecorder:
         except Exception:
             logger.exception("runcell: writing the last events failed")
 
-    # -- writing ----------------------------------------------------------------------
-
     def stats(self) -> RecorderStats:
         buffer = self._buffer.get()
         with buffer.lock:
@@ -169,10 +162,8 @@ class EventRecorder:
             )
 
     def flush(self) -> int:
-        """Write every buffered event now; return how many were written.
-
-        :raises Exception: the database failed; the batch is counted as dropped.
-        """
+        """Write every buffered event now; return how many were written (if the database
+        fails, the batch is counted as dropped and the error raised)."""
         buffer = self._buffer.get()
         written = 0
         while True:
@@ -216,31 +207,22 @@ class EventRecorder:
                 logger.warning("runcell: recording events failed (will retry): %s", exc)
 
     def _row(self, event: CoreEvent) -> ConcurrencyEvent:
-        return ConcurrencyEvent(
+        row = ConcurrencyEvent(
             type=event.type,
             occurred_at=_when(event.timestamp),
             limiter=_cut(event.limiter, 200) or "",
-            limiters=None
-            if event.limiters is None
-            else [_cut(name, 200) or "" for name in event.limiters],
-            key=_cut(event.key, 255),
-            workload=_cut(event.workload, 200),
-            run_id=_cut(event.run_id, 255),
-            root_run_id=_cut(event.root_run_id, 255),
-            parent_run_id=_cut(event.parent_run_id, 255),
-            request_id=_cut(event.request_id, 255),
-            holder_name=_cut(event.holder_name, 255),
+            limiters=None if event.limiters is None else [n[:200] for n in event.limiters],
             host=_cut(self._host, 255),
             pid=os.getpid(),
             deadline=None if event.deadline is None else _when(event.deadline),
-            lease_id=_cut(event.lease_id, 100),
             fencing_token=event.fencing_token,
             wait_ms=None if event.wait_ms is None else round(event.wait_ms, 3),
             hold_ms=None if event.hold_ms is None else round(event.hold_ms, 3),
-            outcome=_cut(event.outcome, 32),
-            reason=_cut(event.reason, 32),
             error=event.error,
         )
+        for name, length in _CUT:
+            setattr(row, name, _cut(getattr(event, name), length))
+        return row
 
     def _drop_rows(self, drops: dict[str, int]) -> list[ConcurrencyEvent]:
         now = _when(time.time())
@@ -286,11 +268,6 @@ def start_recorder() -> EventRecorder | None:
             _recorder.start()
             DEFAULT_REGISTRY.put("django.recorder", _recorder)
         return _recorder
-
-
-def get_recorder() -> EventRecorder | None:
-    """This process's recorder, if :func:`start_recorder` started one."""
-    return DEFAULT_REGISTRY.value("django.recorder", None)
 
 
 def stop_recorder() -> None:

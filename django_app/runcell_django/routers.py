@@ -4,14 +4,10 @@
 
     DATABASE_ROUTERS = ["runcell_django.routers.RunCellRouter"]
 
-With ``RUNCELL["DATABASE"]`` a PostgreSQL DSN (registered as the alias ``"runcell"``,
-see :mod:`runcell_django.databases`) or an alias other than ``default``, the app's
-tables belong in that database: the limiter writes them there and the admin reads them
-there. Without this router ``manage.py migrate`` would apply the app's migrations to
-``default`` (and fail there if it is not PostgreSQL: they are PostgreSQL DDL). With it,
-``manage.py migrate`` leaves the app out of ``default`` and ``manage.py migrate
---database runcell`` creates the tables in the limiter's database, and no other app's.
-The system checks (:mod:`runcell_django.checks`) say when it is missing.
+With ``RUNCELL["DATABASE"]`` a DSN (alias ``"runcell"``) or another alias than
+``default``, the app's tables belong there: ``manage.py migrate`` then leaves the app out
+of ``default`` (where its PostgreSQL DDL may fail), and ``manage.py migrate --database
+runcell`` creates them. The system checks say when the router is missing.
 """
 
 from __future__ import annotations
@@ -30,17 +26,13 @@ APP_LABEL = "runcell_django"
 
 
 class RunCellRouter:
-    """Send ``runcell_django``'s reads, writes and migrations to the limiter's database.
-
-    Every method answers ``None`` ("no opinion") for what is not its business, so it can
-    stand beside the project's own routers in any order.
-    """
+    """Send ``runcell_django``'s reads, writes and migrations to the limiter's database,
+    with no opinion (``None``) on anything else: it stands beside any other router."""
 
     def db_for_read(self, model: type[models.Model], **hints: Any) -> str | None:
         return conf.database_alias() if model._meta.app_label == APP_LABEL else None
 
-    def db_for_write(self, model: type[models.Model], **hints: Any) -> str | None:
-        return conf.database_alias() if model._meta.app_label == APP_LABEL else None
+    db_for_write = db_for_read
 
     def allow_relation(self, obj1: models.Model, obj2: models.Model, **hints: Any) -> bool | None:
         labels = {obj1._meta.app_label, obj2._meta.app_label}
@@ -48,7 +40,7 @@ class RunCellRouter:
 
     def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool | None:
         """The app's migrations only in the limiter's database; no other app's in the
-        database registered for a DSN (the project never asked for it)."""
+        database registered for a DSN."""
         alias = conf.database_alias()
         if alias is None:
             return None
@@ -62,12 +54,8 @@ class RunCellRouter:
 def say_where_the_tables_go(
     *, using: str, plan: list[tuple[Any, bool]] | None = None, verbosity: int = 1, **kwargs: Any
 ) -> None:
-    """After ``manage.py migrate`` applied the app's migrations to a database the router
-    kept them out of, say which command creates the tables (a ``post_migrate`` receiver).
-
-    Only a migration run that planned the app's migrations (not ``flush``, not a run with
-    nothing to do) says it, on the command's own output.
-    """
+    """After a ``migrate`` that planned the app's migrations for a database the router
+    kept them out of, say which command creates the tables (a ``post_migrate`` receiver)."""
     alias = conf.database_alias()
     if alias is None or alias == using or verbosity < 1 or not plan:
         return

@@ -1,21 +1,14 @@
 """The SQL the app sends that the ORM cannot say simply, named after what it does.
 
-Parameters are always bound (``%(name)s`` or ``%s``), never formatted into the text.
-Reads compare with ``statement_timestamp()``, as Django's ``Now()`` does: unlike the
-limiter's ``clock_timestamp()`` it is stable within a statement, so ranges on it use
-indexes, and unlike ``now()`` it is not the start of a long transaction. Nothing here
-writes the limiter's tables (force release is the backend's), and live counts are the
-backend's too (``PostgresBackend.limiter_states``). Every query here is bounded by an
-index: the limiter's own (``runcell_lease_for_counts``, ``runcell_queue_for_allocation``)
-or this app's (``runcell_event_for_stats``, ``runcell_event_for_type``,
-``runcell_occupancy_for_chart``).
+Parameters are always bound. Reads compare with ``statement_timestamp()``, as Django's
+``Now()`` does: stable within a statement (ranges use indexes), unlike ``now()`` not the
+start of a long transaction. Nothing here writes the limiter's tables, and every query
+is bounded by an index (the limiter's own, or ``runcell_event_for_*``/``_occupancy_for_chart``).
 """
 
 from __future__ import annotations
 
 from typing import LiteralString
-
-# -- wait times of each limiter (an annotation on runcell_limiter rows) ----------------
 
 #: The 95th percentile of the waits of slots acquired in the last ``%s`` minutes.
 P95_WAIT_MS: LiteralString = """
@@ -25,11 +18,8 @@ WHERE runcell_event.limiter = runcell_limiter.name AND runcell_event.type = 'acq
   AND runcell_event.occurred_at > statement_timestamp() - %s * interval '1 minute'
 """
 
-# -- keyed limiters (annotations on runcell_limiter rows) -------------------------------
-
-#: A keyed limiter's keys, in one scan of their rows (index ``runcell_limiter_keys``):
-#: ``{"keys": stored, "in_use": holding or waiting, "workloads": {name: [held, waiting]}}``
-#: summed over its keys; NULL for any other row (nothing is read for those).
+#: A keyed limiter's keys summed, in one scan of their rows (``runcell_limiter_keys``):
+#: ``{"keys": stored, "in_use": holding or waiting, "workloads": {name: [held, waiting]}}``.
 KEY_USAGE: LiteralString = """
 CASE WHEN runcell_limiter.parent IS NULL
           AND coalesce((runcell_limiter.config ->> 'keyed')::boolean, false) THEN (
@@ -49,25 +39,17 @@ CASE WHEN runcell_limiter.parent IS NULL
 END
 """
 
-#: Slots a limiter row holds now, all workloads together (the busiest keys come first).
+#: Slots held and requests waiting on a limiter row now, all workloads together.
 HELD_TOTAL: LiteralString = "(SELECT coalesce(sum(a), 0) FROM unnest(runcell_limiter.active) AS a)"
 
-#: Requests waiting on a limiter row now, all workloads together.
 WAITING_TOTAL: LiteralString = (
     "(SELECT coalesce(sum(w), 0) FROM unnest(runcell_limiter.waiting) AS w)"
 )
 
-# -- requests over several limiters ----------------------------------------------------
-
-#: On a queue row of a request over several limiters (``group_id``), still waiting: the
-#: limiters of the request it waits on, by name. In each of them, a request over that
-#: limiter alone waits ahead of its member row, or its workload has no room (at its
-#: ceiling, with the slots set aside for requests over several limiters ahead of it that
-#: hold their place, or the slots go to a workload of higher priority that waits), read
-#: with the functions allocation decides with (``runcell_group_may_take``,
-#: ``runcell_has_room``).
-#: Empty: the group pass grants it next. NULL on any other row (nothing is read for
-#: those). An annotation: probes by primary key, no query of its own.
+#: On a waiting member row of a request over several limiters: the limiters it waits on,
+#: asked with the functions allocation decides with (``runcell_group_may_take``,
+#: ``runcell_has_room``): no room for it there, or a higher-priority workload waits with
+#: room. Empty: the group pass grants it next. Probes by primary key.
 GROUP_WAITS_ON: LiteralString = """
 CASE WHEN runcell_queue.group_id IS NOT NULL AND runcell_queue.granted_lease_id IS NULL THEN
 ARRAY(
@@ -88,9 +70,8 @@ ARRAY(
 END
 """
 
-#: The leases of the requests over several limiters ``%(groups)s`` (request ids): their
-#: leases' request ids are ``"<request id>|<limiter>"``. One read of the leases for a
-#: page of them (one row per slot held: as many as the fleet's limits allow).
+#: The leases of the requests over several limiters ``%(groups)s``: their leases' request
+#: ids are ``"<request id>|<limiter>"``.
 GROUP_LEASES: LiteralString = r"""
 SELECT substring(request_id FROM '^(.*)\|') AS group_id, lease_id, limiter, workload
 FROM runcell_lease
@@ -99,10 +80,8 @@ WHERE strpos(request_id, '|') > 0
 ORDER BY group_id, limiter
 """
 
-# -- dashboard ------------------------------------------------------------------------
-
 #: Per limiter and time bucket (``bucket_s`` seconds): the most slots held and requests
-#: queued at any sample. Buckets are short so that a few minutes already draw a line.
+#: queued at any sample.
 OCCUPANCY_PER_BUCKET: LiteralString = """
 SELECT limiter,
        to_timestamp(floor(extract(epoch FROM sampled_at) / %(bucket_s)s) * %(bucket_s)s) AS bucket,
@@ -116,14 +95,10 @@ ORDER BY limiter, bucket
 """
 
 #: Per limiter and time bucket: p50, p95 and maximum wait of the slots acquired, their
-#: number, and the longest wait *in progress or finished* during the bucket. Finished
-#: waits alone hide a stuck line (three requests stuck 85 s while others pass in 11 ms
-#: read "p95 11 ms"), so each wait counts in every bucket it spans: a finished one from
-#: its end event (its start is its end less ``wait_ms``: acquired, timed out or
-#: cancelled), one in progress from its queue row (waiting or parked, as the limiter
-#: counts it: not granted, budget not ended; a key's row under its keyed limiter).
-#: The last bucket's longest is thus the oldest wait now. Index ``runcell_event_for_type``
-#: bounds the events read; a wait spans at most the window's buckets.
+#: number, and the longest wait *in progress or finished* during the bucket: finished
+#: waits alone hide a stuck line, so each wait counts in every bucket it spans (a finished
+#: one from its end event, one in progress from its queue row, a key's under its keyed
+#: limiter). The last bucket's longest is thus the oldest wait now.
 WAIT_PER_BUCKET: LiteralString = """
 WITH finished AS (
     SELECT limiter, type, occurred_at, wait_ms
@@ -172,10 +147,8 @@ FULL JOIN longest AS w ON w.limiter = a.limiter AND w.bucket = a.bucket
 ORDER BY 1, 2
 """
 
-#: Per limiter, failure kind and time bucket: how many runs failed (the failure events
-#: a slot request or a task that stopped before asking for one emits; a request over
-#: several limiters is counted under its first). Index ``runcell_event_for_type``
-#: bounds the events read to the window's failures; no join, so no JIT plan.
+#: Per limiter, failure kind and time bucket: how many runs failed (a request over
+#: several limiters under its first). No join, so no JIT plan.
 FAILURES_PER_BUCKET: LiteralString = """
 SELECT limiter, type,
        to_timestamp(floor(extract(epoch FROM occurred_at) / %(bucket_s)s) * %(bucket_s)s)
@@ -197,12 +170,9 @@ WHERE type = 'events-dropped'
 GROUP BY limiter
 """
 
-# -- recorder -------------------------------------------------------------------------
-
-#: One occupancy sample per configured workload, once per interval for the whole fleet:
-#: the first recorder to reach an interval writes it; the others find it and skip. A
-#: keyed limiter is sampled as the sum over its keys (read from their kept counts);
-#: its keys are not sampled one by one, since a fleet may have 100,000 of them.
+#: One occupancy sample per configured workload, once per interval for the whole fleet
+#: (the first recorder to reach an interval writes it); a keyed limiter as the sum over
+#: its keys, which are not sampled one by one.
 SAMPLE_OCCUPANCY: LiteralString = """
 WITH sample AS (
     SELECT to_timestamp(floor(extract(epoch FROM statement_timestamp()) * 1000
@@ -234,9 +204,7 @@ WHERE NOT EXISTS (SELECT 1 FROM runcell_occupancy AS o WHERE o.sampled_at = samp
 ON CONFLICT (limiter, workload, sampled_at) DO NOTHING
 """
 
-# -- retention ------------------------------------------------------------------------
-
-#: Delete at most ``limit`` events older than ``before`` (purge in short transactions).
+#: Delete at most ``limit`` rows older than ``before`` (purge in short transactions).
 PURGE_EVENTS: LiteralString = """
 DELETE FROM runcell_event WHERE id IN (
     SELECT id FROM runcell_event WHERE occurred_at < %(before)s LIMIT %(limit)s

@@ -13,8 +13,6 @@ from runcell_celery.postgres import LimiterState as BackendLimiterState
 from .charts import Bar, bar
 from .models import Limiter
 
-__all__ = ["LimiterState", "WorkloadState", "format_duration", "format_ms", "live_states"]
-
 
 @dataclass(frozen=True, slots=True)
 class WorkloadState:
@@ -51,8 +49,8 @@ class LimiterState:
 
     @classmethod
     def of(cls, limiter: Limiter) -> LimiterState:
-        """Build from a row of ``Limiter.objects.with_live_stats()``: its stored limits,
-        and the live counts the backend gave it (none for a row fetched otherwise)."""
+        """Build from a row of ``Limiter.objects.with_live_stats()`` (its stored limits and
+        the live counts the backend gave it)."""
         limits = limiter.limits
         configured = limits.workloads if limits is not None else {}
         live: BackendLimiterState | None = getattr(limiter, "live_state", None)
@@ -92,11 +90,8 @@ class LimiterState:
         )
 
     def bars(self, width: int = 120) -> tuple[Bar, ...]:
-        """Slots held against the limit: all workloads, then each workload's ceiling
-        (bars ``width`` pixels long).
-
-        A keyed limiter's counts are its keys' summed, which no single limit bounds:
-        numbers without bars (each key's limit is said once)."""
+        """Slots held against the limit: all workloads, then each against its ceiling; a
+        keyed limiter's (its keys' summed, which no limit bounds) as numbers without bars."""
         if self.keyed:
             per_key = _("%s per key") % self.limit if self.limit is not None else ""
             return (
@@ -124,8 +119,8 @@ def _count(usage: Mapping[str, object] | None, name: str) -> int:
 
 
 def _key_totals(usage: Mapping[str, object]) -> tuple[dict[str, int], dict[str, int]]:
-    """Slots held and requests waiting per workload, summed over a keyed limiter's keys
-    (``key_usage["workloads"]``: ``{workload: [held, waiting]}``)."""
+    """Slots held and requests waiting per workload over a keyed limiter's keys, from
+    ``key_usage["workloads"]`` (``{workload: [held, waiting]}``)."""
     per_workload = usage.get("workloads")
     active: dict[str, int] = {}
     queued: dict[str, int] = {}
@@ -140,8 +135,7 @@ def _key_totals(usage: Mapping[str, object]) -> tuple[dict[str, int], dict[str, 
 
 
 def live_states(limiters: Iterable[Limiter] | None = None) -> list[LimiterState]:
-    """The live state of every stored limiter (one query), keys left out: a keyed
-    limiter's state sums its keys'."""
+    """The live state of every stored limiter, keys left out (a keyed limiter sums them)."""
     rows = (
         Limiter.objects.without_keys().with_key_usage().with_live_stats()
         if limiters is None

@@ -1,24 +1,23 @@
-"""The dashboard: per-limiter occupancy, queue and wait time, as SVG.
+"""The dashboard: per limiter, occupancy, queue, waits and failures, as SVG.
 
-Rendered on the server (no JavaScript, nothing from a CDN) and refreshed by the
-browser every ``REFRESH_SECONDS``. Five queries whatever the number of limiters:
-live state, occupancy samples, waits per 15 s (finished and in progress), failures
-by kind (:mod:`.failures`), drops.
+Rendered on the server (no JavaScript, nothing from a CDN), refreshed every
+``REFRESH_SECONDS``; five queries whatever the number of limiters. Each measure has its
+own chart and scale (a limit of 3 beside 200 queued would flatten the held line), the
+time axis fits the data or a chosen window, and each line ends at the live figure the
+header says "now".
 
-Each measure has its own chart and scale: slots held against the limit (a limit of
-3 next to 200 queued requests would flatten the held line onto the limit line), the
-queue, the waits, the failures. The time axis fits the data (a one-minute run fills
-the chart, not its rightmost 3 %), or a window chosen above the charts. The figures said "now" in
-the header and at the end of each line are one reading of the live state, so the
-header and the legends agree.
+Failures are the events a run stops with, one line per kind; a kind with failures is
+drawn over every bucket (a bucket without any reads 0, so a burst stands out), its
+legend saying how many failed in the window.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.contrib.admin import ModelAdmin
@@ -29,19 +28,8 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
 from .charts import Chart, line_chart
-from .failures import failure_points, failures_chart, failures_per_limiter
 from .models import ConcurrencyEvent
 from .state import LimiterState, format_ms, live_states
-
-__all__ = [
-    "REFRESH_SECONDS",
-    "WINDOWS",
-    "WINDOW_MINUTES",
-    "Panel",
-    "Window",
-    "dashboard_panels",
-    "dashboard_view",
-]
 
 #: The longest window the fitted axis looks back over.
 WINDOW_MINUTES = 60
@@ -106,6 +94,50 @@ class Panel:
         return format_ms(self.state.oldest_wait_ms) if self.state.oldest_wait_ms else "-"
 
 
+#: The kinds of failure in the legend's order: event type, label, color.
+FAILURE_KINDS = (
+    ("timed-out", gettext_lazy("timeout"), "#e6a23c"),
+    ("queue-full", gettext_lazy("queue full"), "#ba2121"),
+    ("limiter-error", gettext_lazy("limiter error"), "#7b3294"),
+    ("config-error", gettext_lazy("config error"), "#264b5d"),
+    ("lease-lost", gettext_lazy("lease lost"), "#8c564b"),
+)
+
+
+def _buckets(
+    start: datetime.datetime, end: datetime.datetime, bucket_s: int
+) -> list[datetime.datetime]:
+    """The buckets of the axis as the query aligns them (multiples of ``bucket_s``
+    seconds since the epoch), in the time zone of ``end``."""
+    aware = timezone.is_aware(end)
+    buckets = []
+    at = math.floor(start.timestamp() / bucket_s) * bucket_s
+    while at <= end.timestamp():
+        moment = datetime.datetime.fromtimestamp(at, tz=datetime.UTC)
+        buckets.append(moment if aware else timezone.make_naive(moment))
+        at += bucket_s
+    return buckets
+
+
+def failures_chart(
+    per_type: Mapping[str, Mapping[datetime.datetime, float]], **axis: Any
+) -> tuple[Chart, int]:
+    """One limiter's failures chart over the ``axis``, and its failures in the window."""
+    buckets = _buckets(axis["start"], axis["end"], axis["bucket_s"])
+    series: dict[str, tuple[str, dict[datetime.datetime, float]]] = {}
+    totals: dict[str, int] = {}
+    for type_, label, color in FAILURE_KINDS:
+        points = {at: n for at, n in per_type.get(type_, {}).items() if at >= buckets[0]}
+        totals[str(label)] = int(sum(points.values()))
+        series[str(label)] = (color, {at: points.get(at, 0.0) for at in buckets} if points else {})
+    per = _("per %(seconds)d s") % {"seconds": axis["bucket_s"]}
+    title = _("Runs failed, by kind (%(per)s; legend: in the window)") % {"per": per}
+    chart = line_chart(title, series=series, **axis)
+    lines = tuple(replace(line, last=str(totals[line.label])) for line in chart.lines)
+    empty_text = _("No run failed in this window.") if chart.empty else ""
+    return replace(chart, lines=lines, empty_text=empty_text), sum(totals.values())
+
+
 def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
     """Build each stored limiter's charts over ``window``."""
     end = timezone.now()
@@ -129,62 +161,46 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
             acquired[limiter] += int(count)
         if most_ms is not None:
             longest[limiter][at] = float(most_ms)
-    failed = failures_per_limiter(events.failures_per_bucket(minutes, bucket_s))
+    failed: dict[str, Series] = defaultdict(lambda: defaultdict(dict))
+    failed_at: Series = defaultdict(dict)  # any kind: to fit the time axis
+    for limiter, type_, at, count in events.failures_per_bucket(minutes, bucket_s):
+        failed[limiter][type_][at] = failed_at[limiter][at] = float(count)
     dropped = events.dropped_per_limiter(minutes)
-    states = live_states()
     start = end - datetime.timedelta(minutes=minutes)
     if window.fitted:
-        start = _fitted_start(
-            start, end, bucket_s, active, queued, p50, longest, failure_points(failed)
-        )
+        start = _fitted_start(start, end, bucket_s, active, queued, p50, longest, failed_at)
+    axis: dict[str, Any] = {"start": start, "end": end, "bucket_s": bucket_s}
+    per = _("per %(seconds)d s") % {"seconds": bucket_s}
     panels = []
-    for state in states:
+    for state in live_states():
         name = state.name
         # Each line ends now, at the live figure the header says.
-        now_held = {**active[name], end: float(state.active)}
-        now_queued = {**queued[name], end: float(state.queued)}
-        now_longest = {**longest[name], end: float(state.oldest_wait_ms or 0)}
-        per = _("per %(seconds)d s") % {"seconds": bucket_s}
-        held_chart = line_chart(
+        held = line_chart(
             _("Slots held against the limit (most %(per)s; last point: now)") % {"per": per},
-            start=start,
-            end=end,
-            series={_("held"): ("#417690", now_held)},
+            series={_("held"): ("#417690", {**active[name], end: float(state.active)})},
             limit=(_("limit"), float(state.limit)) if state.limit and not state.keyed else None,
-            bucket_s=bucket_s,
+            **axis,
         )
-        queued_chart = line_chart(
+        waiting = line_chart(
             _("Requests queued: waiting or parked (most %(per)s; last point: now)") % {"per": per},
-            start=start,
-            end=end,
-            series={_("queued"): ("#e6a23c", now_queued)},
-            bucket_s=bucket_s,
+            series={_("queued"): ("#e6a23c", {**queued[name], end: float(state.queued)})},
+            **axis,
         )
+        now_longest = {**longest[name], end: float(state.oldest_wait_ms or 0)}
         waits = line_chart(
             _("Wait for a slot (%(per)s; last point: now)") % {"per": per},
-            start=start,
-            end=end,
             series={
                 _("p50 of waits ended"): ("#79aec8", p50[name]),
                 _("p95 of waits ended"): ("#264b5d", p95[name]),
                 _("longest, waits in progress included"): ("#ba2121", now_longest),
             },
             value_format=format_ms,
-            bucket_s=bucket_s,
+            **axis,
         )
-        failures, failed_total = failures_chart(
-            failed.get(name, {}), start=start, end=end, bucket_s=bucket_s
-        )
+        failures, total = failures_chart(failed.get(name, {}), **axis)
         panels.append(
             Panel(
-                state=state,
-                held=held_chart,
-                queued=queued_chart,
-                waits=waits,
-                acquired=acquired[name],
-                dropped=dropped.get(name, 0),
-                failures=failures,
-                failed=failed_total,
+                state, held, waiting, waits, acquired[name], dropped.get(name, 0), failures, total
             )
         )
     return panels

@@ -1,9 +1,5 @@
-"""``manage.py runcell_purge_events [--days N]``: delete old events and samples.
-
-Keeps ``RUNCELL["EVENTS"]["RETENTION_DAYS"]`` days (default 7) unless ``--days`` says
-otherwise; deletes in batches so no long transaction holds the table. Run it daily
-(cron, Celery beat).
-"""
+"""``manage.py runcell_purge_events [--days N]``: delete old events and samples, in
+batches (no long transaction). Run it daily (cron, Celery beat)."""
 
 from __future__ import annotations
 

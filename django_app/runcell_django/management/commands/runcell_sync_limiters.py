@@ -1,10 +1,7 @@
 """``manage.py runcell_sync_limiters [--replace]``: store the limits of ``RUNCELL``.
 
-Workers store a limiter's limits on first use; this stores them at deploy time and
-says what differs. Without ``--replace`` a stored limiter whose limits differ is an
-error (as it is for a worker); with it, the stored limits are replaced. A worker
-still running with the old limits then works on the stored ones if it runs with
-``on_conflict="use_stored"``, and otherwise fails every acquire until it restarts
+Workers store a limiter's limits on first use; this stores them at deploy time and says
+what differs. A stored limiter whose limits differ is an error unless ``--replace``
 (README, "Changing limits on a running fleet").
 """
 
