@@ -1,10 +1,7 @@
 """Per-app wiring, done once: header propagation, counters, re-publication, the bootstep.
 
 Signal receivers' errors are swallowed by Celery, so nothing that releases a slot
-lives here: releases happen in the task's own ``with slot()`` blocks. What does live
-here is best-effort by nature: adding the parent run's headers to outgoing messages,
-counting, and writing a pool process's last counts when it ends. Loops that run
-beside a worker are started by :class:`~runcell_celery.celery.bootsteps.RunCellStep`.
+lives here; only best-effort work (headers, counting, a pool process's last counts).
 """
 
 from __future__ import annotations
@@ -61,7 +58,6 @@ def _flush_counters(**_: Any) -> None:
 
 
 def _connect_process_signals() -> None:
-    """Connect the receivers every app shares, once per process."""
     global _process_signals_connected
     with _lock:
         if _process_signals_connected:
@@ -83,7 +79,7 @@ def ensure_wired(app: Celery) -> AppState:
 
 def _wire_locked(app: Celery, state: AppState) -> None:
     if state.wired:
-        return  # another thread wired it while we waited for the lock
+        return  # another thread wired it meanwhile
     add_event_listener(state.counters.on_event)
     state.publisher = wire_publisher(app, state.registry)
     app.steps["worker"].add(RunCellStep)
