@@ -42,15 +42,8 @@ def body_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     except (TypeError, ValueError):
         return None
     parameters = list(signature.parameters.values())
-    if (
-        bound
-        and parameters
-        and parameters[0].kind
-        in (
-            inspect.Parameter.POSITIONAL_ONLY,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        )
-    ):
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if bound and parameters and parameters[0].kind in positional:
         parameters = parameters[1:]
     return signature.replace(parameters=parameters)
 

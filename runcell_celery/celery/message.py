@@ -88,15 +88,12 @@ def delivered_queue(app: Celery, exchange: str, routing_key: str) -> str:
     from, if it has a granted queue; ``""`` otherwise (re-published as it was sent)."""
     for queue in app.amqp.queues.consume_from.values():
         bound = queue.exchange
-        if not exchange:  # the default exchange routes by queue name
-            found = queue.name == routing_key
-        else:
-            found = (
-                bound is not None
-                and bound.name == exchange
-                and bound.type == "direct"
-                and queue.routing_key == routing_key
-            )
+        found = (  # the default exchange routes by queue name
+            queue.name == routing_key
+            if not exchange
+            else bound is not None
+            and (bound.name, bound.type, queue.routing_key) == (exchange, "direct", routing_key)
+        )
         if found:
             return str(queue.name) if has_granted_queue(queue) else ""
     return ""
@@ -149,22 +146,15 @@ class DeliveredMessage:
     def to_payload(self) -> str:
         """The message as JSON text for a ``jsonb`` column; headers too are base64 (of
         kombu's JSON): PostgreSQL text cannot hold the U+0000 an ``argsrepr`` may."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         headers = str(kombu_dumps(dict(self.headers))).encode()
-        return str(
-            kombu_dumps(
-                {
-                    "format": FORMAT,
-                    "body": base64.b64encode(self.body).decode("ascii"),
-                    "content_type": self.content_type,
-                    "content_encoding": self.content_encoding,
-                    "headers": base64.b64encode(headers).decode("ascii"),
-                    "properties": dict(self.properties),
-                    "exchange": self.exchange,
-                    "routing_key": self.routing_key,
-                    "queue": self.queue,
-                }
-            )
+        data.update(
+            format=FORMAT,
+            body=base64.b64encode(self.body).decode("ascii"),
+            headers=base64.b64encode(headers).decode("ascii"),
+            properties=dict(self.properties),
         )
+        return str(kombu_dumps(data))
 
     @classmethod
     def from_payload(cls, payload: str) -> DeliveredMessage:
@@ -174,18 +164,11 @@ class DeliveredMessage:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise MessageFormatError(f"parked payload format {found!r}; expected {FORMAT!r}")
         try:
-            body = base64.b64decode(data["body"], validate=True)
-            headers = kombu_loads(base64.b64decode(data["headers"], validate=True))
-            return cls(
-                body=body,
-                content_type=data["content_type"],
-                content_encoding=data["content_encoding"],
-                headers=headers,
-                properties=data["properties"],
-                exchange=data["exchange"],
-                routing_key=data["routing_key"],
-                queue=str(data.get("queue") or ""),  # absent in rows parked before it
-            )
+            fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "queue"}
+            fields["body"] = base64.b64decode(data["body"], validate=True)
+            fields["headers"] = kombu_loads(base64.b64decode(data["headers"], validate=True))
+            # ``queue`` is absent in rows parked before it.
+            return cls(**fields, queue=str(data.get("queue") or ""))
         except (KeyError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
             raise MessageFormatError(f"parked payload is incomplete: {exc!r}") from exc
 

@@ -58,20 +58,19 @@ def _duration(where: str, options: Mapping[str, Any], key: str, **rule: Any) -> 
     return None if value is None else check_duration_ms(value, field=f"{where}[{key!r}]", **rule)
 
 
+def _invalid(where: str, key: str, value: object, rule: str) -> ConcurrencyConfigError:
+    return ConcurrencyConfigError(f"{where}[{key!r}] = {value!r} is invalid: {rule}")
+
+
 def _choice(where: str, key: str, value: object, choices: tuple[str, ...]) -> Any:
     if value not in choices:
-        raise ConcurrencyConfigError(
-            f"{where}[{key!r}] = {value!r} is invalid: must be one of "
-            + ", ".join(repr(c) for c in choices)
-        )
+        raise _invalid(where, key, value, "must be one of " + ", ".join(map(repr, choices)))
     return value
 
 
 def _name(where: str, key: str, value: object) -> str:
     if not isinstance(value, str) or not value:
-        raise ConcurrencyConfigError(
-            f"{where}[{key!r}] = {value!r} is invalid: must be a non-empty string"
-        )
+        raise _invalid(where, key, value, "must be a non-empty string")
     return value
 
 
@@ -80,21 +79,15 @@ def _limiter_names(where: str, value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         return (_name(where, "limiter", value),)
     if not isinstance(value, list | tuple) or not value:
-        raise ConcurrencyConfigError(
-            f"{where}['limiter'] = {value!r} is invalid: must be a limiter name or a "
-            "non-empty list of limiter names"
-        )
+        rule = "must be a limiter name or a non-empty list of limiter names"
+        raise _invalid(where, "limiter", value, rule)
     names: list[str] = []
     for item in value:
         if not isinstance(item, str) or not item:
-            raise ConcurrencyConfigError(
-                f"{where}['limiter'] = {value!r} is invalid: {item!r} is not a limiter name "
-                "(a non-empty string)"
-            )
+            rule = f"{item!r} is not a limiter name (a non-empty string)"
+            raise _invalid(where, "limiter", value, rule)
         if item in names:
-            raise ConcurrencyConfigError(
-                f"{where}['limiter'] = {value!r} is invalid: {item!r} is named twice"
-            )
+            raise _invalid(where, "limiter", value, f"{item!r} is named twice")
         names.append(item)
     return tuple(names)
 
@@ -118,39 +111,38 @@ class RunKey:
     def parse(cls, where: str, value: object) -> RunKey:
         if callable(value):
             return cls(function=value)
+
+        def invalid(rule: str) -> ConcurrencyConfigError:
+            return _invalid(where, "key", value, rule)
+
         if not isinstance(value, str) or not value.strip():
-            raise ConcurrencyConfigError(
-                f"{where}['key'] = {value!r} is invalid: must be a str.format template over "
-                "the task's parameters (e.g. '{tenant_id}') or a callable (args, kwargs) -> str"
+            raise invalid(
+                "must be a str.format template over the task's parameters (e.g. "
+                "'{tenant_id}') or a callable (args, kwargs) -> str"
             )
         fields: list[str] = []
         try:
             parsed = list(string.Formatter().parse(value))
         except ValueError as exc:
-            raise ConcurrencyConfigError(
-                f"{where}['key'] = {value!r} is invalid: not a str.format template ({exc})"
-            ) from None
+            raise invalid(f"not a str.format template ({exc})") from None
         for _literal, field_name, spec, _conversion in parsed:
             if field_name is None:
                 continue
             root = _FIELD_ROOT.match(field_name)
             name = root.group() if root is not None else ""
             if not name.isidentifier():
-                raise ConcurrencyConfigError(
-                    f"{where}['key'] = {value!r} is invalid: field {{{field_name}}} must start "
-                    "with a parameter name (positional fields like {} or {0} are not supported)"
+                raise invalid(
+                    f"field {{{field_name}}} must start with a parameter name (positional "
+                    "fields like {} or {0} are not supported)"
                 )
             if spec and "{" in spec:
-                raise ConcurrencyConfigError(
-                    f"{where}['key'] = {value!r} is invalid: nested fields in a format spec "
-                    "are not supported"
-                )
+                raise invalid("nested fields in a format spec are not supported")
             if name not in fields:
                 fields.append(name)
         if not fields:
-            raise ConcurrencyConfigError(
-                f"{where}['key'] = {value!r} is invalid: the template has no field, so every "
-                "call would have the same key; name a parameter, e.g. '{tenant_id}'"
+            raise invalid(
+                "the template has no field, so every call would have the same key; name a "
+                "parameter, e.g. '{tenant_id}'"
             )
         return cls(template=value, fields=tuple(fields))
 
@@ -318,10 +310,8 @@ class TaskConcurrency:
             ),
         )
         if spec.workload is not None and spec.limiter is None:
-            raise ConcurrencyConfigError(
-                f"{where}['workload'] = {spec.workload!r} is invalid: a workload needs a "
-                "'limiter' to belong to"
-            )
+            rule = "a workload needs a 'limiter' to belong to"
+            raise _invalid(where, "workload", spec.workload, rule)
         if spec.key is not None and spec.limiter is None:
             raise ConcurrencyConfigError(
                 f"{where}['key'] = {spec.key.describe()} is invalid: a key needs a keyed "

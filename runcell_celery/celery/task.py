@@ -178,12 +178,8 @@ class RunCellTask(_Task):
         if selected is not None:
             override = RunOverride.parse(selected, task_name=self.name)
             if override.workload is not None and spec is not None and spec.limiters:
-                validate_workload(
-                    registry_for(self.app),
-                    spec.limiters,
-                    override.workload,
-                    f"{self.name}.apply_async(concurrency=...)",
-                )
+                where = f"{self.name}.apply_async(concurrency=...)"
+                validate_workload(registry_for(self.app), spec.limiters, override.workload, where)
             added[headers.SELECT] = override.to_header()
         if spec is not None and spec.key is not None:
             added[headers.KEY] = self._form_key(spec, args, kwargs)
@@ -255,7 +251,16 @@ class RunCellTask(_Task):
                 )
                 _log_deferral(self.name, request.id, admission, context.workload, admitted.parked)
                 raise DeliverySetAside(request.id)
-            return self._run_body(spec, admission, args, kwargs)
+            try:
+                with slot() if spec.hold == "task" else contextlib.nullcontext():
+                    result = super().__call__(*args, **kwargs)
+            except BaseException as exc:
+                if admission is not None:
+                    admission.end(exc)  # gives back a first slot the body did not adopt
+                raise
+            if admission is not None:
+                admission.end(None)
+            return result
 
     def _report_failure(
         self,
@@ -281,25 +286,6 @@ class RunCellTask(_Task):
         if emitted not in COUNTED_FAILURES:
             counters = ensure_wired(self.app).counters
             counters.add(self.name, _limiter_name(spec, parent), "concurrency_failures")
-
-    def _run_body(
-        self,
-        spec: TaskConcurrency,
-        admission: Admission | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Run the body; then give back a pre-admitted first slot it did not adopt."""
-        try:
-            with slot() if spec.hold == "task" else contextlib.nullcontext():
-                result = super().__call__(*args, **kwargs)
-        except BaseException as exc:
-            if admission is not None:
-                admission.end(exc)
-            raise
-        if admission is not None:
-            admission.end(None)
-        return result
 
     def _start_run(
         self,
