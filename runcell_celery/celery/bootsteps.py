@@ -29,10 +29,6 @@ __all__ = ["RunCellStep"]
 STOP_TIMEOUT_S = 5.0
 
 
-def _revoked() -> list[str]:
-    return list(worker_state.revoked)
-
-
 def consume_granted_queues(app: Any) -> None:
     """Consume the granted queue of every queue the worker consumes that has one."""
     queues = app.amqp.queues
@@ -63,7 +59,7 @@ class RunCellStep(bootsteps.StartStopStep):
         self.sweeper.start()
         store = state.revocations.store()
         if store is not None:
-            self.publisher = RevocationPublisher(store, _revoked)
+            self.publisher = RevocationPublisher(store, lambda: list(worker_state.revoked))
             self.publisher.start()
 
     def stop(self, parent: Any) -> None:

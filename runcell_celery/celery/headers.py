@@ -123,11 +123,8 @@ def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> Carri
             raise invalid(SELECT, select, "must be a dict with 'workload' and/or 'timeout_ms'")
         workload = select.get("workload")
         if workload is not None and (not isinstance(workload, str) or not workload):
-            raise invalid(
-                SELECT,
-                select,
-                f"its 'workload' = {_shown.repr(workload)} must be a non-empty string",
-            )
+            rule = f"its 'workload' = {_shown.repr(workload)} must be a non-empty string"
+            raise invalid(SELECT, select, rule)
         timeout_ms = select.get("timeout_ms")
         if timeout_ms is not None:
             try:
@@ -144,8 +141,7 @@ def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> Carri
                 check_key(limiter, key)
         except ConcurrencyConfigError as exc:
             raise ConcurrencyHeaderError(
-                f"task {task_name!r}: message header {KEY!r} is invalid: {exc.message}",
-                **lineage,
+                f"task {task_name!r}: message header {KEY!r} is invalid: {exc.message}", **lineage
             ) from None
     return CarriedRun(parent=parent, select=override, deadline=deadline, key=key)
 

@@ -238,7 +238,8 @@ class RunCellRequest(Request):
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(message, *args, **kwargs)
         # ``content_type`` is None when the worker decoded the body itself (protocol 1).
-        if self.content_type is not None and _may_park(self.task):
+        spec = getattr(type(self.task), "_runcell", None)  # set when RunCellTask is bound
+        if self.content_type is not None and getattr(spec, "admission", None) == "defer":
             info = message.delivery_info or {}
             app = self.app
             queue = (
@@ -249,8 +250,3 @@ class RunCellRequest(Request):
             self.request_dict[REQUEST_KEY] = DeliveredMessage.capture(
                 message, self.body, queue=queue
             )
-
-
-def _may_park(task: Any) -> bool:
-    spec = getattr(type(task), "_runcell", None)  # set when RunCellTask is bound
-    return getattr(spec, "admission", None) == "defer"

@@ -197,10 +197,11 @@ class RunKey:
         else:
             assert self.template is not None
             namespace = _arguments(call_args, call_kwargs, signature)
+            for name in self.fields:
+                if name not in namespace:
+                    raise cannot(f"no argument {name!r} in this call")
             try:
-                key = self.template.format_map(_Fields(namespace))
-            except _MissingArgumentError as exc:
-                raise cannot(f"no argument {exc.name!r} in this call") from None
+                key = self.template.format_map(namespace)
             except (LookupError, AttributeError, ValueError, TypeError) as exc:
                 raise cannot(f"{type(exc).__name__}: {exc}") from None
         try:
@@ -211,19 +212,6 @@ class RunKey:
             raise cannot(exc.message) from None
         assert isinstance(key, str)
         return key
-
-
-class _MissingArgumentError(LookupError):
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-
-class _Fields(dict[str, Any]):
-    """The call's arguments by name; a missing one says which."""
-
-    def __missing__(self, name: str) -> Any:
-        raise _MissingArgumentError(name)
 
 
 def _arguments(

@@ -102,16 +102,6 @@ class GrantPublisher:
             return 0
         return self._publish(work, lease_ids, stale_ms)
 
-    def _leave_to_others(self, app: Celery, brokers: set[str]) -> None:
-        for broker in sorted(brokers - self._left_to_others):
-            self._left_to_others.add(broker)
-            logger.info(
-                "runcell: this limiter database holds tasks parked for another broker "
-                "(%s); this worker publishes to %s and leaves them to the workers of theirs",
-                broker,
-                broker_identity(app),
-            )
-
     def _publish(self, work: _Work, lease_ids: list[str], stale_ms: int | None) -> float:
         app = self._app()
         store = self._store()
@@ -125,11 +115,20 @@ class GrantPublisher:
             broker=broker_identity(app),
             others=others,
         )
-        self._leave_to_others(app, others)
+        for broker in sorted(others - self._left_to_others):  # said once per broker
+            self._left_to_others.add(broker)
+            logger.info(
+                "runcell: this limiter database holds tasks parked for another broker "
+                "(%s); this worker publishes to %s and leaves them to the workers of theirs",
+                broker,
+                broker_identity(app),
+            )
         if not claimed:
             return 0
         try:
-            unsent = self._send(app, self._producer(app, work), claimed)
+            if work.connection is None:
+                work.connection = app.connection_for_write()
+            unsent = self._send(app, Producer(work.connection), claimed)
         except Exception as exc:  # no connection at all: nothing was sent
             logger.debug("runcell publisher: no broker connection: %r", exc)
             unsent = list(claimed)
@@ -151,12 +150,6 @@ class GrantPublisher:
                 len(unsent),
             )
         return RETRY_AFTER_S
-
-    def _producer(self, app: Celery, work: _Work) -> Producer:
-        connection = work.connection
-        if connection is None:
-            connection = work.connection = app.connection_for_write()
-        return Producer(connection)
 
     def _close(self, work: _Work) -> None:
         connection, work.connection = work.connection, None

@@ -8,6 +8,7 @@ roots and parents there (:class:`RevocationWatcher`) and cancels them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -31,7 +32,7 @@ class _Watched:
     def __init__(self, owner: RevocationWatcher) -> None:
         self.lock = threading.Lock()
         self.runs: dict[int, tuple[frozenset[str], CancellationToken]] = {}
-        self.next_key = 0
+        self.keys = itertools.count()
         self.loop = BackgroundLoop("runcell-revocation-watcher", owner, RevocationWatcher._step)
 
 
@@ -54,8 +55,7 @@ class RevocationWatcher:
             return lambda: None
         watched = self._local.get()
         with watched.lock:
-            key = watched.next_key
-            watched.next_key += 1
+            key = next(watched.keys)
             watched.runs[key] = (ids, token)
         watched.loop.start()
 

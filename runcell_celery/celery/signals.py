@@ -12,6 +12,5 @@ from celery.utils.dispatch import Signal
 __all__ = ["task_deferred"]
 
 task_deferred = Signal(
-    name="runcell_task_deferred",
-    providing_args=["task_id", "limiter", "workload"],
+    name="runcell_task_deferred", providing_args=["task_id", "limiter", "workload"]
 )

@@ -16,7 +16,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from billiard.exceptions import Terminated
 from celery import Celery, Task
@@ -35,11 +35,7 @@ from ..errors import (
 )
 from ..patience import database_patience
 from ..ports import Parked, RunStore, SupportsSeveralParking
-from ..protocol import (
-    ConcurrencyLimiter,
-    SupportsStats,
-    SupportsWithdraw,
-)
+from ..protocol import ConcurrencyLimiter, SupportsStats, SupportsWithdraw
 from ..registry import LimiterRegistry
 from ..request import report_failure
 from ..several import resolve_workloads
@@ -107,11 +103,9 @@ class RunCellTask(_Task):
 
     @classmethod
     def _bind_concurrency(cls, app: Celery) -> None:
-        spec = (
-            TaskConcurrency.parse(cls.concurrency, task_name=cls.name)
-            if cls.concurrency is not None
-            else TaskConcurrency()
-        )
+        spec = TaskConcurrency()
+        if cls.concurrency is not None:
+            spec = TaskConcurrency.parse(cls.concurrency, task_name=cls.name)
         where = f"task {cls.name!r} concurrency"
         keyed: tuple[str, ...] = ()
         signature = body_signature(cls)
@@ -284,8 +278,9 @@ class RunCellTask(_Task):
             parent_run_id=request.parent_id,
         )
         if emitted not in COUNTED_FAILURES:
-            counters = ensure_wired(self.app).counters
-            counters.add(self.name, _limiter_name(spec, parent), "concurrency_failures")
+            ensure_wired(self.app).counters.add(
+                self.name, _limiter_name(spec, parent), "concurrency_failures"
+            )
 
     def _start_run(
         self,
@@ -334,19 +329,17 @@ class RunCellTask(_Task):
         )
         inherited = current_run()
         effective = limiters or (inherited.limiters if inherited is not None else ())
-        budget = self._budget(request, timeout_ms, bound, registry)
+        deadline, carried_at = self._budget(request, timeout_ms, bound, registry)
         admission = None
         if spec.admission == "defer" and effective and not request.is_eager:
-            admission = TaskAdmission(
-                self, request, effective, spec, deadline_at=budget.carried_unix()
-            )
+            admission = TaskAdmission(self, request, effective, spec, deadline_at=carried_at)
         context = stack.enter_context(
             run(
                 limiter=limiter_argument(limiters),
                 key=key if len(limiters) > 1 else None,
                 workload=carried.select.workload,
                 default_workload=spec.workload,
-                deadline=budget.deadline,
+                deadline=deadline,
                 cancel=CancellationToken(),
                 run_id=request.id,
                 root_run_id=request.root_id or request.id,
@@ -383,8 +376,9 @@ class RunCellTask(_Task):
         timeout_ms: float | None,
         bound: Deadline | None,
         registry: LimiterRegistry,
-    ) -> _Budget:
-        """This run's own deadline, fixed at its first start.
+    ) -> tuple[Deadline | None, float | None]:
+        """This run's own deadline, fixed at its first start, and the one (Unix time) a
+        re-publication must carry when nothing else can tell a later delivery it.
 
         With a :class:`~runcell_celery.ports.RunStore` the budget is counted from the
         run's first start in the store's clock, so no host's wall clock moves it; a
@@ -392,7 +386,7 @@ class RunCellTask(_Task):
         keyed by the run id, so a retry after a lost reply gets the stored deadline.
         """
         if timeout_ms is None:
-            return _Budget(bound, kept=True)  # nothing of its own; the header stays
+            return bound, None  # nothing of its own; the header stays
         store: object = registry.backend  # a Backend that may also be a RunStore
         if isinstance(store, RunStore) and request.id is not None and not request.is_eager:
             try:
@@ -404,9 +398,10 @@ class RunCellTask(_Task):
                     root_run_id=request.root_id,
                     parent_run_id=request.parent_id,
                 ) from exc
-            return _Budget(Deadline.earliest(Deadline.after_ms(remaining_ms), bound), kept=True)
+            return Deadline.earliest(Deadline.after_ms(remaining_ms), bound), None
         # Nothing records this run: only a header can tell a re-publication its budget.
-        return _Budget(Deadline.earliest(Deadline.after_ms(timeout_ms), bound), kept=False)
+        deadline = Deadline.earliest(Deadline.after_ms(timeout_ms), bound)
+        return deadline, deadline.to_unix() if deadline is not None else None
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Retry, except after a ``ConcurrencyError`` (``autoretry_for`` calls this too)."""
@@ -422,18 +417,6 @@ def _header_bound(unix: float | None) -> Deadline | None:
     if unix is None:
         return None
     return Deadline.earliest(Deadline.from_unix(unix), Deadline.after_ms(MAX_DURATION_MS))
-
-
-class _Budget(NamedTuple):
-    """A run's own deadline; ``kept``: a later delivery finds it without a header (the
-    store records it, or the run has none of its own), so a re-publication carries
-    ``runcell_deadline`` only otherwise."""
-
-    deadline: Deadline | None
-    kept: bool
-
-    def carried_unix(self) -> float | None:
-        return None if self.kept or self.deadline is None else self.deadline.to_unix()
 
 
 class DeliverySetAside(Ignore):
