@@ -267,6 +267,11 @@ class TaskConcurrency:
         """The first limiter's name."""
         return self.limiters[0] if self.limiters else None
 
+    @property
+    def label(self) -> str | None:
+        """The limiters as counters and log lines name them: ``"openai+tenant"``."""
+        return "+".join(self.limiters) if self.limiters else None
+
     @classmethod
     def parse(cls, options: object, *, task_name: str) -> TaskConcurrency:
         where = f"task {task_name!r} concurrency"

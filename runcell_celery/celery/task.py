@@ -465,9 +465,7 @@ def _limiter_names(spec: TaskConcurrency, parent: headers.ParentHeader | None) -
 def _limiter_name(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> str:
     """The label a delivery is counted under: ``"openai+tenant"``, a key's limiter by
     its keyed limiter's name (:func:`.counters.counter_label`)."""
-    if spec.limiters:
-        return "+".join(spec.limiters)
-    return counter_label(_limiter_names(spec, parent))
+    return spec.label or counter_label(_limiter_names(spec, parent))
 
 
 def _log_deferral(
