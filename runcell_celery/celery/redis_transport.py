@@ -53,10 +53,8 @@ def patch_redis_transport() -> bool:
     with _lock:
         if _patched:
             return True
-        try:
-            from kombu.transport import redis as kombu_redis
-        except ImportError:  # pragma: no cover - kombu always has the module
-            return False
+        from kombu.transport import redis as kombu_redis  # imports without redis-py
+
         if getattr(kombu_redis, "redis", None) is None:  # the redis package is missing
             return False
         channel_class: Any = kombu_redis.Channel

@@ -349,26 +349,17 @@ class RunCellTask(_Task):
             )
         )
         stack.enter_context(database_patience(context.deadline))
-        self._watch_revocation(request, context.cancel, admission, stack)
-        return context, admission
-
-    def _watch_revocation(
-        self,
-        request: Any,
-        cancel: CancellationToken | None,
-        admission: Admission | None,
-        stack: contextlib.ExitStack,
-    ) -> None:
-        """Cancel this run if its root or parent run is revoked (now or later)."""
+        # Cancel this run if its root or parent run is revoked (now or later).
         ancestors = {request.root_id, request.parent_id} - {None, request.id}
-        if not ancestors or cancel is None:
-            return
-        watcher = ensure_wired(self.app).revocations
-        stack.callback(watcher.watch(ancestors, cancel))
-        store = watcher.store()
-        if store is not None and store.revoked_among(ancestors):
-            cancel.cancel("a parent run was revoked")
-            _withdraw(admission)
+        cancel = context.cancel
+        if ancestors and cancel is not None:
+            watcher = ensure_wired(self.app).revocations
+            stack.callback(watcher.watch(ancestors, cancel))
+            store = watcher.store()
+            if store is not None and store.revoked_among(ancestors):
+                cancel.cancel("a parent run was revoked")
+                _withdraw(admission)
+        return context, admission
 
     def _budget(
         self,
