@@ -1,36 +1,12 @@
 """The worker bootstep: what runs beside a worker while it consumes.
 
-Celery's documented way to run something for a worker's lifetime is a bootstep in
-the worker blueprint (``app.steps["worker"].add(...)``, added by
-:func:`~runcell_celery.celery.wiring.ensure_wired`). :class:`RunCellStep` starts, in
-the worker's main process and after the pool (so prefork children are already
-forked and inherit none of these threads):
-
-* the :class:`~runcell_celery.celery.deferral.Sweeper` (``runcell-sweeper``), which
-  re-publishes parked tasks whose wake-up was lost, when the backend parks tasks;
-* the :class:`~runcell_celery.celery.revocation.RevocationPublisher`
-  (``runcell-revocation-publisher``), which shares the worker's revoked task ids, when
-  the backend stores revocations.
-
-It warns, once, of each task waiting for a keyed limiter whose waiters could take every
-process of the worker (:mod:`~runcell_celery.celery.fairness`).
-
-It also makes the worker consume the **granted queue** of each task queue it
-consumes (``<queue>.runcell``, see :func:`~runcell_celery.celery.message.granted_queue`),
-where parked tasks granted a slot are re-published: the worker takes from its queues
-in turn, so a granted task does not wait behind the backlog of its own queue.
-
-Before any of that, while the worker's blueprint is built (in the main process,
-before the pool forks and before the consumer takes a message), it checks the
-configured limits against the stored ones: a worker whose limits conflict under
-``on_conflict="error"`` refuses to start (:func:`~.conflicts.refuse_conflicting_limits`:
-one CRITICAL message, exit status 78).
-
-It also applies :func:`~runcell_celery.celery.redis_transport.patch_redis_transport`
-(a workaround for kombu's Redis transport, which otherwise stops a worker whose broker
-connection drops while it holds unacked messages) before the consumer connects.
-
-On stop it stops both and writes the main process's last admission counts.
+:class:`RunCellStep` (added by :func:`~.wiring.ensure_wired`), while the blueprint is
+built (main process, before the pool forks or a message is taken), refuses to start a
+worker whose limits conflict with the stored ones (:mod:`.conflicts`), makes the
+worker consume each queue's granted queue (``<queue>.runcell``) and patches kombu's
+Redis transport (:mod:`.redis_transport`). After the pool starts it warns of keyed
+waits (:mod:`.fairness`) and starts the sweeper and the revocation publisher; on stop
+it stops them and writes the main process's last admission counts.
 """
 
 from __future__ import annotations
@@ -50,19 +26,11 @@ from .state import state_for
 
 __all__ = ["RunCellStep"]
 
-#: How long stopping waits for a loop's current round to end.
 STOP_TIMEOUT_S = 5.0
 
 
-def _revoked() -> list[str]:
-    return list(worker_state.revoked)
-
-
 def consume_granted_queues(app: Any) -> None:
-    """Add the granted queue of every task queue the worker consumes to what it
-    consumes (before its consumer starts: the blueprint's steps are made after the
-    worker selected its queues); see :func:`~.message.has_granted_queue` for the
-    queues that have none."""
+    """Consume the granted queue of every queue the worker consumes that has one."""
     queues = app.amqp.queues
     for queue in list(queues.consume_from.values()):
         if has_granted_queue(queue):
@@ -79,10 +47,9 @@ class RunCellStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.sweeper: Sweeper | None = None
         self.publisher: RevocationPublisher | None = None
-        # Raises WorkerRefused (SystemExit) before anything started.
-        refuse_conflicting_limits(parent.app)
+        refuse_conflicting_limits(parent.app)  # WorkerRefused before anything started
         consume_granted_queues(parent.app)
-        patch_redis_transport()  # before the consumer connects; see .redis_transport
+        patch_redis_transport()  # before the consumer connects
 
     def start(self, parent: Any) -> None:
         app = parent.app
@@ -92,7 +59,7 @@ class RunCellStep(bootsteps.StartStopStep):
         self.sweeper.start()
         store = state.revocations.store()
         if store is not None:
-            self.publisher = RevocationPublisher(store, _revoked)
+            self.publisher = RevocationPublisher(store, lambda: list(worker_state.revoked))
             self.publisher.start()
 
     def stop(self, parent: Any) -> None:

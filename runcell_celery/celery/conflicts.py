@@ -1,24 +1,12 @@
 """Limits that conflict with the stored ones: refused at worker start, reported once after.
 
-Every worker sharing a limiter must grant by the same limits, so the first one stores
-them and the others are checked against them (``RUNCELL["POSTGRES"]["on_conflict"]``).
-Under ``"error"`` (the default) a worker whose settings differ would fail every task it
-took, so :func:`refuse_conflicting_limits` checks every configured limiter when the
-worker starts, in its main process and before its pool forks or its consumer takes a
-message (the :class:`~.bootsteps.RunCellStep` calls it while the worker's blueprint is
-built): on a conflict it logs one CRITICAL message naming each limiter, the differing
-fields (stored and given) and what to do, and ends the ``celery worker`` with exit
-status 78 (``EX_CONFIG``). The rest of the fleet serves on.
-
-Only a definite conflict refuses: a database that cannot be reached at start is left
-to the task's own retries (a warning says the check was skipped), and ``"replace"`` or
-``"use_stored"`` never refuse.
-
-A conflict can still reach a running worker: another worker replaced the limits after
-this one started (or the check was skipped). A task that then cannot create its
-limiter fails with :class:`~runcell_celery.errors.ConcurrencyConfigError` and a
-``config-error`` event (emitted by the task); the worker logs it once per
-limiter and change, and its sweeper too (:class:`SaidOnce`), not at every task or tick.
+Every worker sharing a limiter must grant by the same limits. Under
+``on_conflict="error"`` a worker whose settings differ would fail every task, so
+:func:`refuse_conflicting_limits` checks them when the worker starts and, on a
+definite conflict, logs one CRITICAL message and exits with status 78 (``EX_CONFIG``);
+an unreachable database only warns. A conflict met later (another worker replaced the
+limits) fails the task with a ``config-error`` event and is logged once per limiter
+and change (:class:`SaidOnce`).
 """
 
 from __future__ import annotations
@@ -45,18 +33,13 @@ __all__ = [
 
 logger = logging.getLogger("runcell_celery.celery")
 
-#: The exit status of a worker that refuses to start (``sysexits.h``: configuration
-#: error). A supervisor can be told not to restart on it (systemd:
-#: ``RestartPreventExitStatus=78``).
+#: ``sysexits.h``'s configuration error (systemd: ``RestartPreventExitStatus=78``).
 EX_CONFIG = 78
 
 
 class WorkerRefused(SystemExit):
-    """The worker refuses to start: its limits conflict with the stored ones.
-
-    A :class:`SystemExit` with status :data:`EX_CONFIG`, so ``celery worker`` exits
-    with it; ``message`` is what was logged.
-    """
+    """The worker refuses to start (exit status :data:`EX_CONFIG`): its limits
+    conflict with the stored ones; ``message`` is what was logged."""
 
     def __init__(self, message: str, conflicts: Sequence[LimitsConflict]) -> None:
         super().__init__(EX_CONFIG)
@@ -68,7 +51,6 @@ class WorkerRefused(SystemExit):
 
 
 def refusal_message(conflicts: Sequence[LimitsConflict], settings_path: str) -> str:
-    """The one message a refusing worker logs: each limiter and field, and what to do."""
     details = "; ".join(
         f"limiter {conflict.limiter!r} is stored with different limits: {conflict.differences}"
         for conflict in conflicts
@@ -88,11 +70,8 @@ def refusal_message(conflicts: Sequence[LimitsConflict], settings_path: str) -> 
 
 
 def refuse_conflicting_limits(app: Celery) -> None:
-    """Refuse to start a worker whose configured limits conflict with the stored ones.
-
-    :raises WorkerRefused: a limiter is stored with other limits and its backend would
-        refuse it (``on_conflict="error"``), after logging one CRITICAL message.
-    """
+    """Raise :class:`WorkerRefused` (after one CRITICAL line) when a configured
+    limiter is stored with other limits and its backend would refuse it."""
     registry = state_for(app).registry
     configs = registry.configured()
     if not configs:
@@ -116,15 +95,13 @@ def refuse_conflicting_limits(app: Celery) -> None:
 
 
 class SaidOnce:
-    """What a process already said about each limiter: one line per limiter and change
-    (a message that differs is a change), not one per task or per sweeper tick."""
+    """What a process already said about each limiter: one line per limiter and change."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._said: dict[str, str] = {}
 
     def first(self, limiter: str, message: str) -> bool:
-        """Whether ``message`` is new for ``limiter`` (then it counts as said)."""
         with self._lock:
             if self._said.get(limiter) == message:
                 return False
@@ -142,14 +119,8 @@ def _started() -> SaidOnce:
 
 
 def log_start_conflict(error: ConcurrencyError, task_name: str) -> None:
-    """Log, once per limiter and change, a delivery whose run failed before asking for
-    a slot with a configuration error naming a limiter (typically: its limiter could
-    not be created, the stored limits having changed since the worker started).
-
-    The delivery's ``config-error`` event is the task's to emit, as for every failure
-    before a slot (:func:`runcell_celery.request.report_failure`); this only keeps the
-    log to one line per change however many tasks meet it.
-    """
+    """Log, once per limiter and change, a run that failed before its first slot with
+    a configuration error naming a limiter (its ``config-error`` event is the task's)."""
     if not isinstance(error, ConcurrencyConfigError) or error.limiter is None:
         return
     if _started().first(error.limiter, error.message):

@@ -1,38 +1,18 @@
 """Admission counters: deliveries, deferrals and failures, counted apart.
 
-Users of other job queues' limiters complain most that an over-limit job "fails" or
-burns a retry. Here a deferral is not a failure, and the numbers show it: per task
-name and limiter we count
+A deferral is not a failure, and the numbers show it: per task name and limiter we
+count deliveries (every time a message reached a worker, counted before anything can
+fail), admission deferrals, provider attempts (slots acquired), provider failures
+(slots whose call raised) and concurrency failures (runs stopped by a
+``ConcurrencyError``; those before any slot request are counted by the task, the rest
+from events). A run over several limiters counts under ``openai+tenant``; a keyed
+limiter under its own name, never one row per key.
 
-* **deliveries** — times a message of the task reached a worker (first delivery,
-  redelivery, re-publication), counted before anything can fail, so they add up to
-  what was sent and re-published;
-* **admission deferrals** — times it was parked because no slot was free;
-* **provider attempts** — slots it acquired (one per provider request);
-* **provider failures** — slots whose provider call raised;
-* **concurrency failures** — runs stopped by a ``ConcurrencyError`` (timeout, full
-  queue, limiter down, lost lease, bad workload), including a delivery that failed
-  before its run asked for a slot (its limiter could not be created, a malformed
-  ``runcell_*`` header): no event reports those, so the task counts them itself
-  (:meth:`AdmissionCounters.add`); the rest are counted from events
-  (:meth:`AdmissionCounters.on_event`).
-
-A task over several limiters is counted under their names joined (``openai+tenant``),
-and a keyed limiter under its own name, never one row per key (``tenant``, not
-``tenant:acme``): 100,000 tenants make one row, the same one the task's deliveries
-are counted under.
-
-Counts are kept in memory, per process, and added to the backend's
-:class:`~runcell_celery.ports.CounterStore` by a background loop
-(``runcell-counter-flusher``) about once a second, so the task path never waits on
-the database for them; :func:`~runcell_celery.celery.admission_counts` reads the
-fleet-wide totals. A process killed with SIGKILL loses at most its last second of
-counts. A forked child starts with no counts: the parent's are the parent's to write.
-
-A write that fails (the database restarting) is never the task's concern: the batch is
-kept, under the id it was first sent with, and sent again at the next round (a warning
-each time) until it is written; the store adds a batch once whatever the number of
-attempts, so a retry after a lost reply counts nothing twice.
+Counts are kept per process and added to the backend's
+:class:`~runcell_celery.ports.CounterStore` about once a second by
+``runcell-counter-flusher``, so the task path never waits on the database. A batch
+whose write fails is sent again under its first id, and the store adds a batch once,
+so a retry after a lost reply counts nothing twice.
 """
 
 from __future__ import annotations
@@ -47,13 +27,7 @@ from ..events import ConcurrencyEvent
 from ..keys import split_key_name
 from ..ports import AdmissionCount, CounterStore
 
-__all__ = [
-    "COUNTED_FAILURES",
-    "AdmissionCount",
-    "AdmissionCounters",
-    "counted_as",
-    "counter_label",
-]
+__all__ = ["COUNTED_FAILURES", "AdmissionCount", "AdmissionCounters", "counted_as", "counter_label"]
 
 logger = logging.getLogger("runcell_celery.celery.counters")
 
@@ -78,20 +52,15 @@ StoreFactory = Callable[[], object]
 
 
 def counter_label(names: Sequence[str]) -> str:
-    """The limiter a run over ``names`` is counted under: the names joined with
-    ``"+"``, a key's limiter by its keyed limiter's name (``["openai", "tenant:acme"]``
-    -> ``"openai+tenant"``); ``"-"`` for none."""
+    """``["openai", "tenant:acme"]`` -> ``"openai+tenant"``; ``"-"`` for none."""
     return "+".join(split_key_name(name)[0] for name in names) or "-"
 
 
 def counted_as(event: ConcurrencyEvent) -> str:
-    """The limiter an event is counted under (:func:`counter_label` of its limiters)."""
     return counter_label(event.limiters or (event.limiter,))
 
 
 class _ProcessCounts:
-    """One process's counts: written or not, and the loop that writes them."""
-
     def __init__(self, owner: AdmissionCounters) -> None:
         self.lock = threading.Lock()
         self.pending: dict[Key, list[int]] = {}
@@ -102,19 +71,14 @@ class _ProcessCounts:
 
 
 class AdmissionCounters:
-    """This process's counts not yet written, and the loop that writes them.
-
-    :param store: returns where to write: the registry's backend. Counts stay in
-        memory when it is not a :class:`~runcell_celery.ports.CounterStore` (the
-        in-memory backend).
-    """
+    """This process's counts, and the loop that writes them to ``store()`` when it is
+    a :class:`~runcell_celery.ports.CounterStore` (else they stay in memory)."""
 
     def __init__(self, store: StoreFactory) -> None:
         self._store = store
         self._local: ProcessLocal[_ProcessCounts] = ProcessLocal(lambda: _ProcessCounts(self))
 
     def add(self, task_name: str, limiter: str, field: str, n: int = 1) -> None:
-        """Count ``n`` of ``field`` for a task and limiter."""
         index = FIELDS.index(field)
         key = (task_name, limiter)
         counts = self._local.get()
@@ -142,8 +106,8 @@ class AdmissionCounters:
         return [AdmissionCount(task, limiter, *values) for (task, limiter), values in items]
 
     def flush(self) -> None:
-        """Write pending counts now (also done every second in the background): first
-        a batch whose write failed (under its first id), then the counts since."""
+        """Write pending counts now: first a batch whose write failed (under its first
+        id), then the counts since."""
         counts = self._local.peek()
         if counts is None:
             return  # nothing counted in this process

@@ -1,39 +1,21 @@
-"""Message headers that carry a run between processes.
+"""Message headers that carry a run between processes (never a global variable).
 
-A task message is the only thing a parent run and its child (on another worker,
-another host) share, so everything a child inherits travels in headers, never in a
-global variable:
-
-* ``runcell_parent`` — set on every message sent from inside a run: the parent's
-  limiter name, workload, deadline (Unix time on the sender's clock) and name, and for
-  a run over several limiters all their names (``limiters``) and its key (``key``). The
-  child inherits them as the spec's nested runs do.
+* ``runcell_parent`` — on every message sent from inside a run: the parent's limiter
+  (and all its ``limiters`` and ``key`` over several), workload, deadline (Unix time,
+  sender's clock) and name, inherited as the spec's nested runs are.
 * ``runcell_select`` — what one call selected (``apply_async(concurrency=...)``).
-* ``runcell_deadline`` — a deadline (Unix time on the sender's clock) that a
-  re-publication carries when nothing else can tell the next delivery its budget.
-* ``runcell_admission`` — the request id a parked delivery asked with, carried by its
-  re-publication so that it claims the grant made to that delivery.
-* ``runcell_publication`` — which re-publication of a parked run this message is; only
-  that publication may take the granted lease.
-* ``runcell_key`` — the run's key (of its keyed limiters), formed from the task's
-  arguments when it was sent (``concurrency={"key": ...}``); re-checked as a key on
-  delivery. A message without it (sent by something else) has its key formed from the
-  delivered arguments.
+* ``runcell_deadline`` — a deadline a re-publication carries when nothing else can
+  tell the next delivery its budget.
+* ``runcell_admission`` / ``runcell_publication`` — the request id a parked delivery
+  asked with, and which re-publication this is (only that one takes the grant).
+* ``runcell_key`` — the run's key, formed when sent; re-checked on delivery.
 
-**Headers only shorten a budget.** Anyone who can publish to the broker can write
-headers, and a Unix time read on another host is off by that host's clock error. So
-a run's budget is a *duration* recorded in database time: with a backend that records
-runs (:class:`~runcell_celery.ports.RunStore`) every delivery asks the store for the
-milliseconds left since the run's first start. A deadline header is only a bound
-taken together with it — the earlier wins — so a forged or skewed header can end a
-run sooner, never later. A re-publication whose budget the store keeps writes no
-``runcell_deadline`` at all, so no host's clock enters it.
-
-:func:`parse` validates every header before a run starts: a value no sender writes
-(wrong type, NaN, infinity, wrong shape) fails the delivery with
-:class:`~runcell_celery.errors.ConcurrencyHeaderError` naming the header and the
-value, and the task body does not run. Keys a newer sender adds to a header dict are
-ignored, so a fleet can be upgraded one worker at a time.
+**Headers only shorten a budget**: anyone who can publish can write them, and another
+host's clock is off by its error, so a deadline header is only a bound taken with the
+budget the :class:`~runcell_celery.ports.RunStore` keeps in database time. :func:`parse`
+validates every header before a run starts (a bad one raises
+:class:`~runcell_celery.errors.ConcurrencyHeaderError` and the body does not run);
+unknown keys in a header dict are ignored, so a fleet can be upgraded gradually.
 """
 
 from __future__ import annotations
@@ -83,21 +65,13 @@ class ParentHeader(TypedDict, total=False):
     workload: str | None
     deadline: float | None
     name: str | None
-    #: Every limiter of a parent over several (``limiter`` is the first).
-    limiters: list[str] | None
-    #: The parent's key (its fairness key over several limiters).
+    limiters: list[str] | None  # of a parent over several (``limiter`` is the first)
     key: str | None
 
 
 @dataclass(frozen=True, slots=True)
 class CarriedRun:
-    """What one message's headers say about its run, validated.
-
-    :param parent: the parent run, when the message was sent from inside one.
-    :param select: what the sending call selected (empty when nothing).
-    :param deadline: a bound on the run's deadline (Unix time, another host's clock).
-    :param key: the run's key, formed when the message was sent (``None``: not sent).
-    """
+    """What one message's headers say about its run, validated."""
 
     parent: ParentHeader | None = None
     select: RunOverride = field(default_factory=RunOverride)
@@ -115,13 +89,8 @@ def read(request: Any, name: str) -> Any:
 
 
 def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> CarriedRun:
-    """Read and validate the run headers of a delivery.
-
-    :param keyed: the task's keyed limiters: ``runcell_key`` must be a valid key of each
-        (:func:`runcell_celery.keys.check_key`).
-    :raises ConcurrencyHeaderError: a header holds a value no sender writes; the
-        message names the task, the header and the value, and carries the run's ids.
-    """
+    """Read and validate the run headers of a delivery (``runcell_key`` must be a key
+    of each ``keyed`` limiter); errors name the task, header and value."""
     lineage = {
         "run_id": getattr(request, "id", None),
         "root_run_id": getattr(request, "root_id", None),
@@ -154,11 +123,8 @@ def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> Carri
             raise invalid(SELECT, select, "must be a dict with 'workload' and/or 'timeout_ms'")
         workload = select.get("workload")
         if workload is not None and (not isinstance(workload, str) or not workload):
-            raise invalid(
-                SELECT,
-                select,
-                f"its 'workload' = {_shown(workload)} must be a non-empty string",
-            )
+            rule = f"its 'workload' = {_shown(workload)} must be a non-empty string"
+            raise invalid(SELECT, select, rule)
         timeout_ms = select.get("timeout_ms")
         if timeout_ms is not None:
             try:
@@ -175,14 +141,12 @@ def parse(request: Any, *, task_name: str, keyed: tuple[str, ...] = ()) -> Carri
                 check_key(limiter, key)
         except ConcurrencyConfigError as exc:
             raise ConcurrencyHeaderError(
-                f"task {task_name!r}: message header {KEY!r} is invalid: {exc.message}",
-                **lineage,
+                f"task {task_name!r}: message header {KEY!r} is invalid: {exc.message}", **lineage
             ) from None
     return CarriedRun(parent=parent, select=override, deadline=deadline, key=key)
 
 
 def _is_time(value: object) -> bool:
-    """A finite number that is not a bool (JSON carries ``true`` as a number in Python)."""
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 

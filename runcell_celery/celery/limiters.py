@@ -1,11 +1,5 @@
 """A task's limiters: the names it declares, checked when it is bound, and the
-limiters a delivery runs with.
-
-``concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"}``: each name must
-be known to the registry; a keyed one (``"keyed": True``) is resolved, for each run, to
-the limiter of the run's key (``registry.get("tenant").key("acme")``, named
-``"tenant:acme"``); the others are used as they are.
-"""
+limiters a delivery runs with (a keyed one's: the key's, ``"tenant:acme"``)."""
 
 from __future__ import annotations
 
@@ -48,41 +42,27 @@ def body_signature(cls: type[Task[Any, Any]]) -> inspect.Signature | None:
     except (TypeError, ValueError):
         return None
     parameters = list(signature.parameters.values())
-    if (
-        bound
-        and parameters
-        and parameters[0].kind
-        in (
-            inspect.Parameter.POSITIONAL_ONLY,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        )
-    ):
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if bound and parameters and parameters[0].kind in positional:
         parameters = parameters[1:]
     return signature.replace(parameters=parameters)
 
 
 def declared_at(cls: type[Task[Any, Any]]) -> str | None:
-    """``agents/tasks.py:42``: where the task's body is declared (its decorator's line),
-    so that an error raised when Celery binds the task (at app finalisation, far from
-    the decorator) still leads to the declaration; ``None`` if unknown."""
+    """``agents/tasks.py:42``: where the task's body is declared; ``None`` if unknown."""
     raw = inspect.getattr_static(cls, "run", None)
     function = getattr(raw, "__func__", raw)
     code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
     if code is None:
         return None
-    return f"{_shown_path(code.co_filename)}:{code.co_firstlineno}"
-
-
-def _shown_path(filename: str) -> str:
-    """A file name relative to the working directory when it is below it."""
     try:
-        return os.path.relpath(filename)
+        path = os.path.relpath(code.co_filename)
     except ValueError:  # another drive (Windows)
-        return filename
+        path = code.co_filename
+    return f"{path}:{code.co_firstlineno}"
 
 
 def require(registry: LimiterRegistry, name: str, where: str) -> None:
-    """Raise unless the registry knows ``name``; the error names the task."""
     try:
         registry.require(name)
     except ConcurrencyConfigError as exc:
@@ -90,8 +70,7 @@ def require(registry: LimiterRegistry, name: str, where: str) -> None:
 
 
 def is_keyed(registry: LimiterRegistry, name: str) -> bool:
-    """Whether ``name`` is a keyed limiter: its configured limits say so, or (registered
-    in code without limits) the limiter has keys."""
+    """Whether ``name`` is keyed: by its configured limits, else by its having keys."""
     config = registry.config(name)
     if config is not None:
         return config.keyed
@@ -101,13 +80,8 @@ def is_keyed(registry: LimiterRegistry, name: str) -> bool:
 def validate_workload(
     registry: LimiterRegistry, names: Sequence[str], workload: str | None, where: str
 ) -> None:
-    """Raise unless ``workload`` can be used with the limiters ``names``.
-
-    One limiter: it must have the workload. Several: a request's workload applies in
-    each limiter that has it, else that limiter's default workload (see
-    :mod:`runcell_celery.allocation`), so at least one must have it and the others a
-    default.
-    """
+    """Raise unless ``workload`` can be used with the limiters ``names``: one must have
+    it; over several, at least one, and the others a default workload."""
     if len(names) == 1:
         try:
             registry.validate(names[0], workload)
@@ -150,7 +124,6 @@ def validate_workload(
 def key_of(
     limiter: ConcurrencyLimiter, name: str, key: str, *, task_name: str
 ) -> ConcurrencyLimiter:
-    """The limiter of ``key`` in the keyed limiter ``name``."""
     if not supports(limiter, SupportsKeys):
         raise ConcurrencyConfigError(
             f"task {task_name!r}: limiter {name!r} is declared keyed, but the limiter its "
@@ -172,9 +145,7 @@ def by_name(registry: LimiterRegistry, name: str) -> ConcurrencyLimiter:
 def limiter_argument(
     limiters: tuple[ConcurrencyLimiter, ...],
 ) -> ConcurrencyLimiter | tuple[ConcurrencyLimiter, ...] | None:
-    """``run(limiter=...)`` for a task's limiters: none, one as before (a keyed one is
-    already its key's limiter, ``tenant:acme``), or several as a sequence (every slot
-    takes one in each, together; the run then gets the key as its fairness ``key=``)."""
+    """``run(limiter=...)`` for a task's limiters: none, one, or several as a sequence."""
     if not limiters:
         return None
     return limiters[0] if len(limiters) == 1 else limiters

@@ -1,36 +1,17 @@
 """A deferred task's message, kept exactly as the broker delivered it and sent again.
 
-A parked run (:mod:`.deferral`) is re-published later, perhaps by another process. If
-the message were rebuilt from the decoded request and serialised again, every
-serializer would have to survive a round trip through the library: a ``set`` is not
-JSON, a pickled instance is not msgpack, and a task that cannot be re-encoded would
-fail even with a free slot. So the library never decodes task arguments for parking:
+Task arguments are never decoded for parking: re-encoding them would make every
+serializer survive a round trip (a ``set`` is not JSON, a pickled instance is not
+msgpack). :class:`RunCellRequest` keeps the delivered message (body bytes, content
+type and encoding, headers, properties, exchange and routing key) in the request of a
+task that may park; :meth:`DeliveredMessage.to_payload` stores it as JSON in the
+parked row; :func:`republish` sends the same bytes to the **granted queue**
+(``<queue>.runcell``, :func:`granted_queue`), which workers consume beside ``<queue>``,
+so a granted task overtakes the original queue's backlog while its slot waits.
 
-1. :class:`RunCellRequest` — the worker's request class for
-   :class:`~runcell_celery.celery.RunCellTask` (``Task.Request``) — adds the message
-   as delivered (body bytes, content type and encoding, headers, the properties a
-   task message uses, exchange and routing key) to the request of a task that may
-   park, under :data:`REQUEST_KEY`. The request dict is what a prefork worker hands
-   its pool process; the body object is the one Celery already sends beside it, so
-   pickling them together sends the bytes once.
-2. :meth:`DeliveredMessage.to_payload` turns it into JSON for the parked row's
-   ``jsonb`` column (body and headers in base64), after the deferral changed only
-   the runcell headers it must; its size is bounded (:data:`MAX_PARKED_MESSAGE_BYTES`).
-3. :func:`republish` sends those bytes again with kombu's producer: a ``bytes`` body
-   with a content type is published without being serialised. It goes to the
-   **granted queue** of the queue the message was delivered from (``<queue>.runcell``,
-   :func:`granted_queue`), which every worker consuming ``<queue>`` also consumes
-   (:class:`~runcell_celery.celery.bootsteps.RunCellStep` adds it): a worker takes
-   from its queues in turn, so a granted task overtakes a backlog of the original
-   queue instead of waiting behind it while its slot stays idle. A message whose
-   queue is unknown (another exchange type, a row parked by an older version) is
-   sent to the exchange and routing key it was delivered from.
-
-Only Celery's message protocol 2 (the default since Celery 4) is supported: its body
-is the serialised ``(args, kwargs, embed)`` and everything else travels in headers.
-A protocol 1 message is decoded by the worker before the request exists, so there
-are no bytes to keep: :func:`from_request` finds none and the deferral fails the run
-with an error that says so, rather than re-encode its arguments.
+Only Celery's message protocol 2 is supported: a protocol 1 message is decoded before
+the request exists, so :func:`from_request` finds no bytes and the deferral fails the
+run with an error saying so.
 """
 
 from __future__ import annotations
@@ -61,24 +42,19 @@ __all__ = [
     "republish",
 ]
 
-#: Where :class:`RunCellRequest` puts the delivered message in the request dict (and
-#: so, in the task, ``self.request.runcell_message``).
+#: Where :class:`RunCellRequest` puts the delivered message in the request dict.
 REQUEST_KEY: Final = "runcell_message"
 
-#: The largest parked payload (the message as stored: base64 body plus metadata, in
-#: bytes of JSON). Every parked row holds one; larger inputs belong in storage that
+#: The largest parked payload (bytes of JSON); larger inputs belong in storage that
 #: the task reads by reference.
 MAX_PARKED_MESSAGE_BYTES: Final = 1_048_576
 
 #: The stored format; another value is refused rather than guessed at.
 FORMAT: Final = "runcell-message/1"
 
-#: The message properties a Celery task message uses and a re-publication keeps.
-#: Transport bookkeeping (delivery tags, the Redis envelope's body encoding) is left
-#: out: the transport sets its own on the new message.
+#: The message properties a re-publication keeps (the transport sets the others).
 PROPERTIES: Final = ("correlation_id", "reply_to", "priority", "delivery_mode")
 
-#: The granted queue of queue ``q`` is ``q`` + this suffix (see :func:`granted_queue`).
 GRANTED_QUEUE_SUFFIX: Final = ".runcell"
 
 
@@ -88,12 +64,8 @@ def granted_queue_name(queue: str) -> str:
 
 
 def granted_queue(app: Celery, queue: str) -> Queue:
-    """The granted queue of ``queue`` as the app declares it (Celery's default exchange
-    and queue arguments, as for its own queues); added to the app's queues if missing.
-
-    Workers consume it beside ``queue``; publishers send to it by name (the default
-    exchange), so it needs no binding of its own.
-    """
+    """The granted queue of ``queue``, added to the app's queues if missing; it is sent
+    to by name (the default exchange), so it needs no binding of its own."""
     name = granted_queue_name(queue)
     queues = app.amqp.queues
     if name not in queues:  # a plain lookup: ``queues[name]`` may create a missing queue
@@ -103,10 +75,8 @@ def granted_queue(app: Celery, queue: str) -> Queue:
 
 
 def has_granted_queue(queue: Queue) -> bool:
-    """Whether workers consuming ``queue`` also consume a granted queue for it: not for
-    broadcast (fanout) queues, nor for queues that live only as long as their consumer
-    (``auto_delete``, ``exclusive``: a worker's own direct queue), which would leave a
-    durable granted queue behind."""
+    """Whether ``queue`` has a granted queue: not a fanout queue, nor one that lives
+    only as long as its consumer (it would leave a durable granted queue behind)."""
     exchange = queue.exchange
     if exchange is not None and exchange.type == "fanout":
         return False
@@ -114,20 +84,16 @@ def has_granted_queue(queue: Queue) -> bool:
 
 
 def delivered_queue(app: Celery, exchange: str, routing_key: str) -> str:
-    """The queue a message sent to ``exchange`` with ``routing_key`` was consumed from,
-    among the queues this worker consumes, if it has a granted queue; ``""`` otherwise
-    (the message is then re-published as it was sent)."""
+    """The consumed queue a message sent to ``exchange`` with ``routing_key`` came
+    from, if it has a granted queue; ``""`` otherwise (re-published as it was sent)."""
     for queue in app.amqp.queues.consume_from.values():
         bound = queue.exchange
-        if not exchange:  # the default exchange routes by queue name
-            found = queue.name == routing_key
-        else:
-            found = (
-                bound is not None
-                and bound.name == exchange
-                and bound.type == "direct"
-                and queue.routing_key == routing_key
-            )
+        found = (  # the default exchange routes by queue name
+            queue.name == routing_key
+            if not exchange
+            else bound is not None
+            and (bound.name, bound.type, queue.routing_key) == (exchange, "direct", routing_key)
+        )
         if found:
             return str(queue.name) if has_granted_queue(queue) else ""
     return ""
@@ -139,12 +105,8 @@ class MessageFormatError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeliveredMessage:
-    """A task message as the broker delivered it.
-
-    ``body`` is the serialised body after transport decoding and decompression (what
-    ``kombu.Message.body`` holds); a ``compression`` header, if any, stays in
-    ``headers`` and the body is compressed again when published.
-    """
+    """A task message as the broker delivered it: ``body`` decompressed (a
+    ``compression`` header stays and is applied again when published)."""
 
     body: bytes
     content_type: str
@@ -153,14 +115,10 @@ class DeliveredMessage:
     properties: Mapping[str, Any]
     exchange: str
     routing_key: str
-    #: The queue it was consumed from (``""``: unknown); its re-publication goes to
-    #: that queue's granted queue.
     queue: str = ""
 
     @classmethod
     def capture(cls, message: Any, body: Any, *, queue: str = "") -> DeliveredMessage:
-        """Keep ``message`` (a ``kombu.Message``) with ``body``, its raw body, delivered
-        from ``queue``."""
         content_encoding = message.content_encoding or "binary"
         if isinstance(body, str):  # a transport that hands text: send it back as sent
             content_encoding = message.content_encoding or "utf-8"
@@ -181,73 +139,42 @@ class DeliveredMessage:
     def with_headers(
         self, changes: Mapping[str, Any], *, remove: tuple[str, ...] = ()
     ) -> DeliveredMessage:
-        """A copy with headers set (``changes``) and removed (``remove``); the body and
-        every other header are the same objects."""
         headers = {k: v for k, v in self.headers.items() if k not in remove}
         headers.update(changes)
         return dataclasses.replace(self, headers=headers)
 
     def to_payload(self) -> str:
-        """The message as JSON text for a ``jsonb`` column.
-
-        The body is base64. So are the headers, written first in kombu's JSON (which
-        keeps the dates, decimals and UUIDs AMQP headers may carry): PostgreSQL text
-        cannot hold U+0000, and a header such as ``argsrepr`` may contain it (Celery
-        writes a ``bytes`` argument's repr as its decoded text).
-        """
+        """The message as JSON text for a ``jsonb`` column; headers too are base64 (of
+        kombu's JSON): PostgreSQL text cannot hold the U+0000 an ``argsrepr`` may."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         headers = str(kombu_dumps(dict(self.headers))).encode()
-        return str(
-            kombu_dumps(
-                {
-                    "format": FORMAT,
-                    "body": base64.b64encode(self.body).decode("ascii"),
-                    "content_type": self.content_type,
-                    "content_encoding": self.content_encoding,
-                    "headers": base64.b64encode(headers).decode("ascii"),
-                    "properties": dict(self.properties),
-                    "exchange": self.exchange,
-                    "routing_key": self.routing_key,
-                    "queue": self.queue,
-                }
-            )
+        data.update(
+            format=FORMAT,
+            body=base64.b64encode(self.body).decode("ascii"),
+            headers=base64.b64encode(headers).decode("ascii"),
+            properties=dict(self.properties),
         )
+        return str(kombu_dumps(data))
 
     @classmethod
     def from_payload(cls, payload: str) -> DeliveredMessage:
-        """Read what :meth:`to_payload` wrote.
-
-        :raises MessageFormatError: the payload is of another format (a row parked
-            by an older version, say).
-        """
+        """Read what :meth:`to_payload` wrote (else :class:`MessageFormatError`)."""
         data = kombu_loads(payload)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise MessageFormatError(f"parked payload format {found!r}; expected {FORMAT!r}")
         try:
-            body = base64.b64decode(data["body"], validate=True)
-            headers = kombu_loads(base64.b64decode(data["headers"], validate=True))
-            return cls(
-                body=body,
-                content_type=data["content_type"],
-                content_encoding=data["content_encoding"],
-                headers=headers,
-                properties=data["properties"],
-                exchange=data["exchange"],
-                routing_key=data["routing_key"],
-                queue=str(data.get("queue") or ""),  # absent in rows parked before it
-            )
+            fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "queue"}
+            fields["body"] = base64.b64decode(data["body"], validate=True)
+            fields["headers"] = kombu_loads(base64.b64decode(data["headers"], validate=True))
+            # ``queue`` is absent in rows parked before it.
+            return cls(**fields, queue=str(data.get("queue") or ""))
         except (KeyError, TypeError, ValueError) as exc:  # binascii.Error is a ValueError
             raise MessageFormatError(f"parked payload is incomplete: {exc!r}") from exc
 
     def publish(self, app: Celery, producer: Producer) -> None:
-        """Send the message again, unchanged but for its headers' own changes.
-
-        The body goes out as the bytes it is (``content_type`` set: kombu does not
-        serialise it), to the granted queue of the queue it was delivered from (by
-        name, through the default exchange; declared first, as Celery declares its
-        own queues) or, when that queue is unknown, to the exchange and routing key it
-        was delivered from; with the app's publish retry policy, as Celery sends a task.
-        """
+        """Send the body bytes again (kombu does not serialise them) to the granted
+        queue of its queue, or else where it was sent, with the app's retry policy."""
         headers = dict(self.headers)
         compression = headers.pop("compression", None)  # kombu compresses and sets it
         declare = []
@@ -280,12 +207,9 @@ class DeliveredMessage:
 def republish(app: Celery, producer: Producer, payload: str, changes: Mapping[str, Any]) -> None:
     """Publish a parked payload again, with the headers ``changes`` set.
 
-    A row parked by a version that rebuilt the message holds a Celery signature as
-    JSON instead: it is sent as that version did (``apply_async``), so tasks parked
-    across an upgrade still run and the old rows drain. Anything else is refused (the
-    caller logs it; the grant then expires as any unpublished one does).
-
-    :raises MessageFormatError: the payload is neither.
+    A row parked by an older version holds a Celery signature as JSON: it is sent as
+    that version did (``apply_async``), so old rows drain; anything else raises
+    :class:`MessageFormatError`.
     """
     try:
         message = DeliveredMessage.from_payload(payload)
@@ -302,26 +226,20 @@ def republish(app: Celery, producer: Producer, payload: str, changes: Mapping[st
 
 
 def from_request(request: Any) -> DeliveredMessage | None:
-    """The message a task's request was delivered in, if :class:`RunCellRequest` kept
-    it (a deferrable task, protocol 2, run by a worker)."""
+    """The message a task's request was delivered in, if :class:`RunCellRequest` kept it."""
     raw = request.get(REQUEST_KEY) if hasattr(request, "get") else None
-    if not isinstance(raw, DeliveredMessage):
-        return None
-    return raw
+    return raw if isinstance(raw, DeliveredMessage) else None
 
 
 class RunCellRequest(Request):
-    """The worker's request for a :class:`~runcell_celery.celery.RunCellTask`.
-
-    For a task that may park (admission ``"defer"``) it keeps the delivered message in
-    the request dict, which every pool (prefork, threads, solo) passes to the task:
-    there it is ``self.request.runcell_message``. Other tasks pay nothing.
-    """
+    """The worker's request for a ``RunCellTask``: for a task that may park, it keeps
+    the delivered message in the request dict, which every pool passes to the task."""
 
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(message, *args, **kwargs)
         # ``content_type`` is None when the worker decoded the body itself (protocol 1).
-        if self.content_type is not None and _may_park(self.task):
+        spec = getattr(type(self.task), "_runcell", None)  # set when RunCellTask is bound
+        if self.content_type is not None and getattr(spec, "admission", None) == "defer":
             info = message.delivery_info or {}
             app = self.app
             queue = (
@@ -332,8 +250,3 @@ class RunCellRequest(Request):
             self.request_dict[REQUEST_KEY] = DeliveredMessage.capture(
                 message, self.body, queue=queue
             )
-
-
-def _may_park(task: Any) -> bool:
-    spec = getattr(type(task), "_runcell", None)  # set when RunCellTask is bound
-    return getattr(spec, "admission", None) == "defer"

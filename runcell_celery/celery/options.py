@@ -1,25 +1,10 @@
 """The ``concurrency={...}`` task option, parsed and validated once per task.
 
-.. code-block:: python
-
-    @app.task(base=RunCellTask, bind=True,
-              concurrency={"limiter": "claude", "workload": "background",
-                           "timeout_ms": 120_000, "admission": "defer", "hold": "slot"})
-
-    @app.task(base=RunCellTask,
-              concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"})
-    def answer(tenant_id, question): ...
-
 ``limiter`` is one registry name or a list of distinct names (every slot of the run
-takes a slot in each, all together). ``key`` names the key of the keyed limiters among
-them: a :meth:`str.format` template over the task's parameters (``"{tenant_id}"``,
-``"{org}/{user}"``, ``"{payload[tenant]}"``) or a callable ``(args, kwargs) -> str``
-(:class:`RunKey`).
-
-Validation runs when the task is bound to its app (decoration, or app finalisation
-for lazily evaluated tasks), so an unknown limiter or workload fails at startup,
-never when the first message arrives; a key is formed when the task is sent, and one
-that cannot be formed fails the call before anything is sent.
+takes a slot in each, together); ``key`` forms the key of the keyed limiters among
+them (:class:`RunKey`). Validation runs when the task is bound, so an unknown limiter
+or workload fails at startup; a key that cannot be formed fails the call before
+anything is sent.
 """
 
 from __future__ import annotations
@@ -39,8 +24,7 @@ from ..ports import DEFAULT_DEFER_AFTER_MS
 
 __all__ = ["DEFAULT_DEFER_AFTER_MS", "KeyFunction", "RunKey", "RunOverride", "TaskConcurrency"]
 
-#: ``concurrency["key"]`` as a callable: the call's positional and keyword arguments
-#: in, the key out.
+#: ``concurrency["key"]`` as a callable: ``(args, kwargs) -> key``.
 KeyFunction = Callable[[tuple[Any, ...], dict[str, Any]], object]
 
 Admission = Literal["wait", "defer"]
@@ -69,24 +53,24 @@ def _unknown(where: str, key: object, allowed: tuple[str, ...]) -> ConcurrencyCo
     )
 
 
-def _positive_number(where: str, key: str, value: object, *, allow_zero: bool) -> float:
-    return check_duration_ms(value, field=f"{where}[{key!r}]", allow_zero=allow_zero)
+def _duration(where: str, options: Mapping[str, Any], key: str, **rule: Any) -> Any:
+    value = options.get(key, rule.pop("default", None))
+    return None if value is None else check_duration_ms(value, field=f"{where}[{key!r}]", **rule)
+
+
+def _invalid(where: str, key: str, value: object, rule: str) -> ConcurrencyConfigError:
+    return ConcurrencyConfigError(f"{where}[{key!r}] = {value!r} is invalid: {rule}")
 
 
 def _choice(where: str, key: str, value: object, choices: tuple[str, ...]) -> Any:
     if value not in choices:
-        raise ConcurrencyConfigError(
-            f"{where}[{key!r}] = {value!r} is invalid: must be one of "
-            + ", ".join(repr(c) for c in choices)
-        )
+        raise _invalid(where, key, value, "must be one of " + ", ".join(map(repr, choices)))
     return value
 
 
 def _name(where: str, key: str, value: object) -> str:
     if not isinstance(value, str) or not value:
-        raise ConcurrencyConfigError(
-            f"{where}[{key!r}] = {value!r} is invalid: must be a non-empty string"
-        )
+        raise _invalid(where, key, value, "must be a non-empty string")
     return value
 
 
@@ -95,21 +79,15 @@ def _limiter_names(where: str, value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         return (_name(where, "limiter", value),)
     if not isinstance(value, list | tuple) or not value:
-        raise ConcurrencyConfigError(
-            f"{where}['limiter'] = {value!r} is invalid: must be a limiter name or a "
-            "non-empty list of limiter names"
-        )
+        rule = "must be a limiter name or a non-empty list of limiter names"
+        raise _invalid(where, "limiter", value, rule)
     names: list[str] = []
     for item in value:
         if not isinstance(item, str) or not item:
-            raise ConcurrencyConfigError(
-                f"{where}['limiter'] = {value!r} is invalid: {item!r} is not a limiter name "
-                "(a non-empty string)"
-            )
+            rule = f"{item!r} is not a limiter name (a non-empty string)"
+            raise _invalid(where, "limiter", value, rule)
         if item in names:
-            raise ConcurrencyConfigError(
-                f"{where}['limiter'] = {value!r} is invalid: {item!r} is named twice"
-            )
+            raise _invalid(where, "limiter", value, f"{item!r} is named twice")
         names.append(item)
     return tuple(names)
 
@@ -120,19 +98,10 @@ _FIELD_ROOT = re.compile(r"[^.\[]*")
 
 @dataclass(frozen=True, slots=True)
 class RunKey:
-    """How a run's key is formed from the arguments it is called with.
-
-    Either a :meth:`str.format` template whose fields are the task's parameters by
-    name (``"{tenant_id}"``, ``"{org}/{user}"``, ``"{payload[tenant]}"``,
-    ``"{doc.owner}"``; conversions and format specs as :meth:`str.format` has them;
-    no positional ``{}`` or ``{0}``), or a callable ``(args, kwargs) -> str``.
-    The key formed must be a valid key (:func:`runcell_celery.keys.check_key`) of
-    every keyed limiter the task names.
-
-    :param template: the template, or ``None`` for a callable.
-    :param function: the callable, or ``None`` for a template.
-    :param fields: the parameters the template reads (empty for a callable).
-    """
+    """How a run's key is formed from its call's arguments: a :meth:`str.format`
+    template over the task's parameters by name (``"{tenant_id}"``,
+    ``"{payload[tenant]}"``, ``"{doc.owner}"``; no positional fields), or a callable
+    ``(args, kwargs) -> str``. ``fields``: the parameters the template reads."""
 
     template: str | None = None
     function: KeyFunction | None = None
@@ -140,42 +109,40 @@ class RunKey:
 
     @classmethod
     def parse(cls, where: str, value: object) -> RunKey:
-        """Parse ``concurrency["key"]``; errors name ``where`` and what is wrong."""
         if callable(value):
             return cls(function=value)
+
+        def invalid(rule: str) -> ConcurrencyConfigError:
+            return _invalid(where, "key", value, rule)
+
         if not isinstance(value, str) or not value.strip():
-            raise ConcurrencyConfigError(
-                f"{where}['key'] = {value!r} is invalid: must be a str.format template over "
-                "the task's parameters (e.g. '{tenant_id}') or a callable (args, kwargs) -> str"
+            raise invalid(
+                "must be a str.format template over the task's parameters (e.g. "
+                "'{tenant_id}') or a callable (args, kwargs) -> str"
             )
         fields: list[str] = []
         try:
             parsed = list(string.Formatter().parse(value))
         except ValueError as exc:
-            raise ConcurrencyConfigError(
-                f"{where}['key'] = {value!r} is invalid: not a str.format template ({exc})"
-            ) from None
+            raise invalid(f"not a str.format template ({exc})") from None
         for _literal, field_name, spec, _conversion in parsed:
             if field_name is None:
                 continue
             root = _FIELD_ROOT.match(field_name)
             name = root.group() if root is not None else ""
             if not name.isidentifier():
-                raise ConcurrencyConfigError(
-                    f"{where}['key'] = {value!r} is invalid: field {{{field_name}}} must start "
-                    "with a parameter name (positional fields like {} or {0} are not supported)"
+                raise invalid(
+                    f"field {{{field_name}}} must start with a parameter name (positional "
+                    "fields like {} or {0} are not supported)"
                 )
             if spec and "{" in spec:
-                raise ConcurrencyConfigError(
-                    f"{where}['key'] = {value!r} is invalid: nested fields in a format spec "
-                    "are not supported"
-                )
+                raise invalid("nested fields in a format spec are not supported")
             if name not in fields:
                 fields.append(name)
         if not fields:
-            raise ConcurrencyConfigError(
-                f"{where}['key'] = {value!r} is invalid: the template has no field, so every "
-                "call would have the same key; name a parameter, e.g. '{tenant_id}'"
+            raise invalid(
+                "the template has no field, so every call would have the same key; name a "
+                "parameter, e.g. '{tenant_id}'"
             )
         return cls(template=value, fields=tuple(fields))
 
@@ -187,8 +154,7 @@ class RunKey:
         return f"callable {name}"
 
     def check_parameters(self, where: str, signature: inspect.Signature | None) -> None:
-        """Raise unless every field of the template is a parameter of ``signature``
-        (any name passes a signature with ``**kwargs``; ``None``: not known)."""
+        """Raise unless every field of the template is a parameter of ``signature``."""
         if signature is None or self.template is None:
             return
         parameters = signature.parameters
@@ -213,12 +179,7 @@ class RunKey:
         limiters: Sequence[str],
         task_name: str,
     ) -> str:
-        """The key of one call, checked as a key of every limiter in ``limiters``.
-
-        :raises ConcurrencyConfigError: naming the task, the key option and the reason:
-            an argument the template reads is missing, the callable raised, or the
-            result is not a valid key.
-        """
+        """The key of one call, checked as a key of every limiter in ``limiters``."""
         call_args = tuple(args or ())
         call_kwargs = dict(kwargs or {})
 
@@ -236,10 +197,11 @@ class RunKey:
         else:
             assert self.template is not None
             namespace = _arguments(call_args, call_kwargs, signature)
+            for name in self.fields:
+                if name not in namespace:
+                    raise cannot(f"no argument {name!r} in this call")
             try:
-                key = self.template.format_map(_Fields(namespace))
-            except _MissingArgumentError as exc:
-                raise cannot(f"no argument {exc.name!r} in this call") from None
+                key = self.template.format_map(namespace)
             except (LookupError, AttributeError, ValueError, TypeError) as exc:
                 raise cannot(f"{type(exc).__name__}: {exc}") from None
         try:
@@ -252,27 +214,11 @@ class RunKey:
         return key
 
 
-class _MissingArgumentError(LookupError):
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-
-class _Fields(dict[str, Any]):
-    """The call's arguments by name; a missing one says which."""
-
-    def __missing__(self, name: str) -> Any:
-        raise _MissingArgumentError(name)
-
-
 def _arguments(
     args: tuple[Any, ...], kwargs: dict[str, Any], signature: inspect.Signature | None
 ) -> dict[str, Any]:
-    """The call's arguments by parameter name, defaults included (``**kwargs`` flattened).
-
-    Arguments that do not fit the signature (Celery rejects those before sending when
-    the task is typed) are taken as given: keyword arguments by name.
-    """
+    """The call's arguments by parameter name, defaults included (``**kwargs``
+    flattened); arguments that do not fit the signature: the keyword ones as given."""
     if signature is None:
         return dict(kwargs)
     try:
@@ -293,45 +239,33 @@ def _arguments(
 class TaskConcurrency:
     """A task's declared concurrency settings.
 
-    :param limiter: the registry name of the (first) limiter; ``None`` inherits the
-        parent run's limiter (a task sent from inside a limited task).
-    :param limiters: every limiter the run's slots take a slot in, in the order given
-        (``limiter`` first); a single name gives a one-element tuple.
-    :param key: how the run's key (the key of its keyed limiters) is formed from the
-        task's arguments; ``None`` when no limiter is keyed.
-    :param workload: the task's *default* workload: a parent's workload wins over it,
-        a per-call override wins over both.
+    :param limiters: the limiters every slot of the run takes a slot in, in order;
+        none: the parent run's (a task sent from inside a limited task).
+    :param workload: the task's *default*: a parent's wins over it, a per-call
+        override over both.
     :param timeout_ms: the run's total budget, counted from its first start.
-    :param admission: ``"wait"`` blocks the worker until a slot is free (or the
-        deadline passes); ``"defer"`` parks the run when its first slot finds no room.
-    :param hold: ``"slot"``: the body takes slots with ``slot()``; ``"task"``: the
-        whole body runs inside one slot.
-    :param admission_wait_ms: with ``"defer"``, a fixed wait for the first slot
-        before the run is parked, replacing the rule below (``None``: the rule).
-    :param defer_after_ms: with ``"defer"``, the rule's threshold: the run parks at
-        once when its first slot's expected wait ((place in line) x (mean hold) /
-        (workload's slots)) exceeds it, and otherwise waits up to it, then parks; so
-        a worker process is blocked at most this long.
+    :param admission: ``"wait"`` blocks the worker until a slot is free; ``"defer"``
+        parks the run when its first slot finds no room.
+    :param hold: ``"slot"``: the body takes slots; ``"task"``: it runs inside one.
+    :param admission_wait_ms: with ``"defer"``, a fixed wait before parking that
+        replaces the ``defer_after_ms`` rule.
+    :param defer_after_ms: park at once when the first slot's expected wait exceeds
+        it, else wait up to it: a worker process is blocked at most this long.
     """
 
-    limiter: str | None = None
+    limiters: tuple[str, ...] = ()
     workload: str | None = None
     timeout_ms: float | None = None
     admission: Admission = "wait"
     hold: Hold = "slot"
     admission_wait_ms: float | None = DEFAULT_ADMISSION_WAIT_MS
     defer_after_ms: float = DEFAULT_DEFER_AFTER_MS
-    limiters: tuple[str, ...] = ()
     key: RunKey | None = field(default=None, compare=False)
 
-    def __post_init__(self) -> None:
-        # One source for both spellings: ``limiter`` is always ``limiters[0]``.
-        if not self.limiters and self.limiter is not None:
-            object.__setattr__(self, "limiters", (self.limiter,))
-        elif self.limiters and self.limiter is None:
-            object.__setattr__(self, "limiter", self.limiters[0])
-        if self.limiters and self.limiter != self.limiters[0]:
-            raise ValueError("TaskConcurrency: limiter must be limiters[0]")
+    @property
+    def limiter(self) -> str | None:
+        """The first limiter's name."""
+        return self.limiters[0] if self.limiters else None
 
     @property
     def label(self) -> str | None:
@@ -340,7 +274,6 @@ class TaskConcurrency:
 
     @classmethod
     def parse(cls, options: object, *, task_name: str) -> TaskConcurrency:
-        """Parse a task's ``concurrency`` option; errors name the task and the key."""
         where = f"task {task_name!r} concurrency"
         if not isinstance(options, Mapping):
             raise ConcurrencyConfigError(f"{where} = {options!r} is invalid: must be a dict")
@@ -348,42 +281,30 @@ class TaskConcurrency:
             if key not in _TASK_KEYS:
                 raise _unknown(where, key, _TASK_KEYS)
         limiter = options.get("limiter")
-        limiters = () if limiter is None else _limiter_names(where, limiter)
         key = options.get("key")
         workload = options.get("workload")
-        timeout_ms = options.get("timeout_ms")
-        admission_wait_ms = options.get("admission_wait_ms")
-        if admission_wait_ms is not None and "defer_after_ms" in options:
+        if options.get("admission_wait_ms") is not None and "defer_after_ms" in options:
             raise ConcurrencyConfigError(
                 f"{where}['defer_after_ms'] is invalid beside 'admission_wait_ms': a fixed "
                 "admission wait replaces the expected-wait rule; set one of the two"
             )
         spec = cls(
-            limiters=limiters,
+            limiters=() if limiter is None else _limiter_names(where, limiter),
             key=None if key is None else RunKey.parse(where, key),
             workload=None if workload is None else _name(where, "workload", workload),
-            timeout_ms=None
-            if timeout_ms is None
-            else _positive_number(where, "timeout_ms", timeout_ms, allow_zero=False),
+            timeout_ms=_duration(where, options, "timeout_ms", allow_zero=False),
             admission=_choice(
                 where, "admission", options.get("admission", "wait"), ("wait", "defer")
             ),
             hold=_choice(where, "hold", options.get("hold", "slot"), ("slot", "task")),
-            admission_wait_ms=None
-            if admission_wait_ms is None
-            else _positive_number(where, "admission_wait_ms", admission_wait_ms, allow_zero=True),
-            defer_after_ms=_positive_number(
-                where,
-                "defer_after_ms",
-                options.get("defer_after_ms", DEFAULT_DEFER_AFTER_MS),
-                allow_zero=True,
+            admission_wait_ms=_duration(where, options, "admission_wait_ms", allow_zero=True),
+            defer_after_ms=_duration(
+                where, options, "defer_after_ms", allow_zero=True, default=DEFAULT_DEFER_AFTER_MS
             ),
         )
         if spec.workload is not None and spec.limiter is None:
-            raise ConcurrencyConfigError(
-                f"{where}['workload'] = {spec.workload!r} is invalid: a workload needs a "
-                "'limiter' to belong to"
-            )
+            rule = "a workload needs a 'limiter' to belong to"
+            raise _invalid(where, "workload", spec.workload, rule)
         if spec.key is not None and spec.limiter is None:
             raise ConcurrencyConfigError(
                 f"{where}['key'] = {spec.key.describe()} is invalid: a key needs a keyed "
@@ -394,11 +315,8 @@ class TaskConcurrency:
 
 @dataclass(frozen=True, slots=True)
 class RunOverride:
-    """What one call selects: ``apply_async(..., concurrency={"workload": ...})``.
-
-    A selected workload always wins (over the task's and the parent's); a timeout
-    replaces the task's ``timeout_ms`` for this run.
-    """
+    """What one call selects: ``apply_async(..., concurrency={"workload": ...})``; its
+    workload wins over the task's and the parent's, its timeout replaces the task's."""
 
     workload: str | None = None
     timeout_ms: float | None = None
@@ -412,12 +330,9 @@ class RunOverride:
             if key not in _OVERRIDE_KEYS:
                 raise _unknown(where, key, _OVERRIDE_KEYS)
         workload = options.get("workload")
-        timeout_ms = options.get("timeout_ms")
         return cls(
             workload=None if workload is None else _name(where, "workload", workload),
-            timeout_ms=None
-            if timeout_ms is None
-            else _positive_number(where, "timeout_ms", timeout_ms, allow_zero=False),
+            timeout_ms=_duration(where, options, "timeout_ms", allow_zero=False),
         )
 
     def to_header(self) -> dict[str, Any]:

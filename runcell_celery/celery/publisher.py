@@ -1,24 +1,12 @@
 """One thread per process sends granted parked tasks to the broker, on its own connection.
 
-A release that grants a parked request must not wait for the broker: the slot's exit
-would take as long as the broker takes to answer, or to fail. So nothing in
-``release()`` or a slot's exit touches the broker: the limiter's parked-granted
-handler (installed by :func:`~.deferral.wire_publisher`) only hands the lease ids to
-this process's :class:`GrantPublisher`, and returns. The sweeper and the wake-up
-channel hand it theirs the same way.
-
-The publisher's loop (``runcell-publisher``, started on first use in each process, so
-a prefork child has its own) claims those grants in the database
-(:meth:`~runcell_celery.ports.ParkingStore.claim_republish`) and publishes them on a
-broker connection of its own — never the worker consumer's, never shared with another
-thread — with the app's bounded publish retry policy. A publication that fails
-because the broker is unreachable is given back
-(:meth:`~runcell_celery.ports.ParkingStore.unclaim_republish`): the grant stays,
-unpublished in the database, and the sweeper's next pass claims it again, so the task
-is sent within a second of the broker's return rather than after a lost claim window
-or the broker's ``visibility_timeout``. The database stays the source of truth; a
-publication that did reach the broker before its error was reported is a duplicate,
-which the claim drops (``stale``).
+Nothing in ``release()`` or a slot's exit waits for the broker: the limiter's
+parked-granted handler, the sweeper and the wake-up channel only hand lease ids to
+this process's :class:`GrantPublisher`. Its loop (``runcell-publisher``, one per
+process) claims them in the database and publishes them on a connection of its own,
+with the app's bounded retry policy. A publication the broker refused is given back
+(``unclaim_republish``), so the sweeper sends it again soon after the broker returns;
+the database stays the source of truth and a duplicate is dropped by the claim.
 """
 
 from __future__ import annotations
@@ -48,14 +36,11 @@ RETRY_AFTER_S = 0.5
 #: ``stale_ms`` that matches no grant: only the lease ids asked for are claimed.
 _NONE_STALE_MS = 2**31 - 1
 
-#: Publishes claimed grants on a producer; returns those it could not send because the
-#: broker was unreachable (see :func:`~.deferral.send_grants`).
+#: Publishes claimed grants; returns those the broker did not take (``send_grants``).
 Send = Callable[[Celery, Producer, Sequence[Republish]], list[Republish]]
 
 
 class _Work:
-    """What this process's loop has been asked to do, and its broker connection."""
-
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -67,19 +52,13 @@ class _Work:
 
 
 class GrantPublisher:
-    """Publishes one app's granted parked tasks from one thread per process.
-
-    :param app: held weakly (the publisher lives in the app's state).
-    :param store: returns the parking store (the registry's backend), or ``None``.
-    :param send: publishes a batch on a producer (see :data:`Send`).
-    """
+    """Publishes one app's (held weakly) granted parked tasks from one thread per process."""
 
     def __init__(self, app: Celery, store: Callable[[], ParkingStore | None], send: Send) -> None:
         self._app = weakref.ref(app)
         self._store = store
         self._send = send
         self._work: ProcessLocal[_Work] = ProcessLocal(_Work)
-        #: Other brokers whose parked tasks this publisher met (and left), said once each.
         self._left_to_others: set[str] = set()
         self._loop: BackgroundLoop[GrantPublisher] = BackgroundLoop(
             "runcell-publisher", self, GrantPublisher._step
@@ -98,7 +77,6 @@ class GrantPublisher:
             self._loop.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """End this process's loop and close its broker connection."""
         self._loop.stop(timeout)
         work = self._work.peek()
         if work is not None:
@@ -113,9 +91,8 @@ class GrantPublisher:
         return self.publish_pending()
 
     def publish_pending(self) -> float:
-        """Publish what was asked for so far, now, on the calling thread (the loop's
-        own round; also a caller that must know it was done, such as a test); return
-        how soon to try again (0: nothing left)."""
+        """Publish what was asked for so far, on the calling thread; return how soon to
+        try again (0: nothing left)."""
         work = self._work.get()
         with work.lock:
             work.wake.clear()
@@ -124,17 +101,6 @@ class GrantPublisher:
         if not lease_ids and stale_ms is None:
             return 0
         return self._publish(work, lease_ids, stale_ms)
-
-    def _leave_to_others(self, app: Celery, brokers: set[str]) -> None:
-        """Say once per broker that its parked tasks are left to its own workers."""
-        for broker in sorted(brokers - self._left_to_others):
-            self._left_to_others.add(broker)
-            logger.info(
-                "runcell: this limiter database holds tasks parked for another broker "
-                "(%s); this worker publishes to %s and leaves them to the workers of theirs",
-                broker,
-                broker_identity(app),
-            )
 
     def _publish(self, work: _Work, lease_ids: list[str], stale_ms: int | None) -> float:
         app = self._app()
@@ -149,11 +115,20 @@ class GrantPublisher:
             broker=broker_identity(app),
             others=others,
         )
-        self._leave_to_others(app, others)
+        for broker in sorted(others - self._left_to_others):  # said once per broker
+            self._left_to_others.add(broker)
+            logger.info(
+                "runcell: this limiter database holds tasks parked for another broker "
+                "(%s); this worker publishes to %s and leaves them to the workers of theirs",
+                broker,
+                broker_identity(app),
+            )
         if not claimed:
             return 0
         try:
-            unsent = self._send(app, self._producer(app, work), claimed)
+            if work.connection is None:
+                work.connection = app.connection_for_write()
+            unsent = self._send(app, Producer(work.connection), claimed)
         except Exception as exc:  # no connection at all: nothing was sent
             logger.debug("runcell publisher: no broker connection: %r", exc)
             unsent = list(claimed)
@@ -175,12 +150,6 @@ class GrantPublisher:
                 len(unsent),
             )
         return RETRY_AFTER_S
-
-    def _producer(self, app: Celery, work: _Work) -> Producer:
-        connection = work.connection
-        if connection is None:
-            connection = work.connection = app.connection_for_write()
-        return Producer(connection)
 
     def _close(self, work: _Work) -> None:
         connection, work.connection = work.connection, None

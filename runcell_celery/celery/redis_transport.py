@@ -1,37 +1,18 @@
 """A worker survives a Redis outage with unacked messages: a workaround for kombu.
 
-The defect is upstream (kombu 5.x's Redis transport with Celery 5.x's consumer), and
-any ``acks_late`` worker meets it; deferrable tasks are ``acks_late`` and usually some
-run while others are parked, so deferral makes it likely. When the consumer's
-connection drops while its channel holds unacked messages,
-``Consumer.on_connection_error_after_connected`` runs:
+With kombu 5.x's Redis transport, when the consumer's connection drops while its
+channel holds unacked messages (``acks_late`` tasks; deferrable tasks are), the first
+close leaves the channel half closed and the transport's ``client`` set to ``None``;
+the second close then restores unacked messages through ``Channel._connparams``, which
+reads ``self.connection.client.hostname`` and raises ``AttributeError`` — not a
+connection error, so the worker stops with "Unrecoverable error", and later acks on
+the channel fail too (their messages wait for ``visibility_timeout``).
 
-1. ``Connection.collect()`` → ``_do_close_self()`` closes the default channel; the
-   Redis ``Channel.close`` first reads the pending ``BRPOP`` (``_brpop_read``), which
-   raises ``ConnectionError``: the channel is left half closed (``closed`` unset),
-   and ``collect`` goes on to ``_do_close_transport()``, which sets the transport's
-   ``client`` to ``None``;
-2. ``Connection.close()`` → ``_do_close_self()`` closes that default channel again;
-   now it gets as far as the virtual ``Channel.close`` →
-   ``QoS.restore_unacked_once()`` → ``restore_unacked()`` →
-   ``Channel.conn_or_acquire()`` → ``_create_client()`` → ``pool`` → ``_get_pool()``
-   → ``_connparams()``, which reads ``self.connection.client.hostname``:
-   ``AttributeError: 'NoneType' object has no attribute 'hostname'``. It is not a
-   connection error, so ``ignore_errors`` lets it through and the worker stops with
-   "Unrecoverable error".
-
-The same path fails every later use of that channel: the ack of a task that was
-running when the connection dropped (``QoS.ack`` → ``_remove_from_indices`` →
-``conn_or_acquire``), logged by ``ack_log_error``, leaves its message in the unacked
-hash, and Redis delivers it again only after ``visibility_timeout``.
-
-:func:`patch_redis_transport` makes a Redis channel remember the connection it was
-opened for, and ``_connparams`` use it once the transport has forgotten it: the
-second close then fails with a connection error (ignored, as intended), and the
-channel's acks and restores work again as soon as the broker is back.
-:class:`RestoreUnackedStep` then gives back, once the consumer has reconnected, the
-messages the dropped channel could not restore while the broker was down (those
-prefetched and not started), instead of leaving them to ``visibility_timeout``.
+:func:`patch_redis_transport` makes a channel remember the connection it was opened
+for and ``_connparams`` use it once the transport forgot it, so those calls fail as
+connection errors and work again once the broker is back. :class:`RestoreUnackedStep`
+then gives back, after reconnecting, the prefetched messages the dropped channel could
+not restore.
 """
 
 from __future__ import annotations
@@ -54,9 +35,7 @@ _OPENED_FOR = "_runcell_opened_for"
 
 
 class _Reopened:
-    """The channel's transport, as it was while its connection was open: its
-    ``client`` is the connection the channel was opened for; the rest is the
-    transport's."""
+    """The channel's transport with ``client`` the connection it was opened for."""
 
     def __init__(self, transport: Any, client: Any) -> None:
         self._transport = transport
@@ -67,15 +46,12 @@ class _Reopened:
 
 
 def patch_redis_transport() -> bool:
-    """Apply the workaround to kombu's Redis transport, once per process; return
-    whether it is applied (``False`` without the ``redis`` package)."""
+    """Apply the workaround once per process; ``False`` without the ``redis`` package."""
     with DEFAULT_REGISTRY.lock("celery.redis_transport"):
         if DEFAULT_REGISTRY.value("celery.redis_transport.patched", False):
             return True
-        try:
-            from kombu.transport import redis as kombu_redis
-        except ImportError:  # pragma: no cover - kombu always has the module
-            return False
+        from kombu.transport import redis as kombu_redis  # imports without redis-py
+
         if getattr(kombu_redis, "redis", None) is None:  # the redis package is missing
             return False
         channel_class: Any = kombu_redis.Channel
@@ -104,8 +80,7 @@ def patch_redis_transport() -> bool:
 
 
 def _active_tags(channel: Any) -> set[Any]:
-    """Delivery tags of ``channel``'s messages whose tasks are running in this worker
-    (they are acked when they end; restoring them would run them twice)."""
+    """Tags of ``channel``'s messages whose tasks run here (restoring would run them twice)."""
     tags = set()
     for request in tuple(worker_state.active_requests):
         message = getattr(request, "message", None)
@@ -115,15 +90,9 @@ def _active_tags(channel: Any) -> set[Any]:
 
 
 class RestoreUnackedStep(bootsteps.StartStopStep):
-    """Consumer step: once connected again, give back the unacked messages of the
-    channels that dropped while the broker was down.
-
-    At each start it remembers the consumer's channel; at the next start (after a
-    reconnection) every remembered channel that closed with messages still unacked
-    has those of tasks not running here put back in their queues (kombu's own
-    ``restore_by_tag``, as at a clean close). Running tasks keep theirs: their ack,
-    once they end, removes them.
-    """
+    """Consumer step: after a reconnection, put back in their queues (kombu's
+    ``restore_by_tag``) the unacked messages of remembered channels that closed, but
+    those of tasks running here, whose ack removes them."""
 
     label = "runcell-restore-unacked"
     requires = ("celery.worker.consumer.connection:Connection",)

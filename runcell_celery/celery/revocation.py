@@ -1,17 +1,14 @@
 """Revoking a root run cancels its waiting children, on every worker.
 
-Celery broadcasts ``revoke`` to every worker's main process, which only stops that
-task id. A child task waiting for a slot in a pool process of another worker never
-hears of it. So each worker's main process copies its revoked set into the backend's
-:class:`~runcell_celery.ports.RevocationStore` (:class:`RevocationPublisher`, started
-by the worker bootstep), and every process running tasks watches the roots and
-parents of its runs there (:class:`RevocationWatcher`): a run whose root (or parent)
-was revoked is cancelled — its wait stops with ``wait-cancelled``, a slot it holds is
-aborted and released as cancelled.
+Celery's ``revoke`` reaches only the workers' main processes, so each copies its
+revoked set into the backend's :class:`~runcell_celery.ports.RevocationStore`
+(:class:`RevocationPublisher`), and every process running tasks watches its runs'
+roots and parents there (:class:`RevocationWatcher`) and cancels them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -32,28 +29,22 @@ PURGE_EVERY_N_CHECKS = 7200
 
 
 class _Watched:
-    """One process's watched runs, and the loop that looks them up."""
-
     def __init__(self, owner: RevocationWatcher) -> None:
         self.lock = threading.Lock()
         self.runs: dict[int, tuple[frozenset[str], CancellationToken]] = {}
-        self.next_key = 0
+        self.keys = itertools.count()
         self.loop = BackgroundLoop("runcell-revocation-watcher", owner, RevocationWatcher._step)
 
 
 class RevocationWatcher:
-    """Cancels the tokens of this process's runs whose root or parent gets revoked.
-
-    :param store: returns the registry's backend; nothing is watched when it is not a
-        :class:`~runcell_celery.ports.RevocationStore` (the in-memory backend).
-    """
+    """Cancels the tokens of this process's runs whose root or parent gets revoked
+    (nothing is watched unless ``store()`` is a RevocationStore)."""
 
     def __init__(self, store: Callable[[], object]) -> None:
         self._store = store
         self._local: ProcessLocal[_Watched] = ProcessLocal(lambda: _Watched(self))
 
     def store(self) -> RevocationStore | None:
-        """Where revocations are shared, if the backend shares them."""
         store = self._store()
         return store if isinstance(store, RevocationStore) else None
 
@@ -64,8 +55,7 @@ class RevocationWatcher:
             return lambda: None
         watched = self._local.get()
         with watched.lock:
-            key = watched.next_key
-            watched.next_key += 1
+            key = next(watched.keys)
             watched.runs[key] = (ids, token)
         watched.loop.start()
 
@@ -102,11 +92,7 @@ class RevocationWatcher:
 
 
 class RevocationPublisher:
-    """Copies a worker's revoked task ids into the store (worker main process).
-
-    :param store: the backend's revocation store.
-    :param revoked: returns the task ids this worker was told to revoke.
-    """
+    """Copies a worker's revoked task ids (``revoked()``) into the store."""
 
     def __init__(self, store: RevocationStore, revoked: Callable[[], Iterable[str]]) -> None:
         self._store = store
@@ -122,7 +108,6 @@ class RevocationPublisher:
         self._loop.stop(timeout)
 
     def publish(self) -> int:
-        """Write revocations not written yet; return how many."""
         new = [run_id for run_id in self._revoked() if run_id not in self._seen]
         if not new:
             return 0

@@ -1,15 +1,8 @@
 """What the integration keeps per Celery app: one :class:`AppState`, never attributes on the app.
 
-A process may hold several Celery apps (tests do; so can a web server that sends to
-two brokers), each with its own settings. Everything the integration remembers about
-an app — its limiter registry, its admission counters, its revocation watcher,
-whether its signals and bootstep are wired — lives in one object kept in a
-:class:`weakref.WeakKeyDictionary` keyed by the app, so a dropped app takes its state
-with it and the app's own namespace is never touched.
-
-When the app has no ``runcell`` setting, the registry asks a settings provider: the
-Django app installs one that reads ``settings.RUNCELL`` (and resolves database
-aliases), so Celery and Django share one configuration.
+States live in a :class:`weakref.WeakKeyDictionary` keyed by the app, so a dropped app
+takes its state with it. Without an ``app.conf.runcell`` setting the registry asks a
+settings provider (the Django app installs one reading ``settings.RUNCELL``).
 """
 
 from __future__ import annotations
@@ -55,17 +48,8 @@ def _lock() -> threading.Lock:
 
 @dataclass(eq=False)
 class AppState:
-    """The integration's state for one Celery app.
-
-    :param registry: the app's limiters, configured from ``app.conf.runcell`` (or the
-        settings provider) on first use.
-    :param counters: admission counts of this app's tasks, written through the
-        registry's backend when it is a :class:`~runcell_celery.ports.CounterStore`.
-    :param revocations: cancels this process's runs whose root or parent is revoked.
-    :param wired: signals and the worker bootstep are connected (see :mod:`.wiring`).
-    :param publisher: sends the parked tasks this process's limiters grant (set when
-        wired, see :func:`~.deferral.wire_publisher`).
-    """
+    """The integration's state for one Celery app; its stores are the registry's
+    backend, looked up at each use (it is made lazily, once per process)."""
 
     registry: LimiterRegistry
     counters: AdmissionCounters
@@ -76,29 +60,19 @@ class AppState:
 
     @classmethod
     def for_registry(cls, registry: LimiterRegistry) -> AppState:
-        """A state whose stores are the registry's backend, looked up at each use (the
-        backend is made lazily, once per process)."""
-
         def backend() -> Backend | None:
             return registry.backend
 
-        return cls(
-            registry=registry,
-            counters=AdmissionCounters(backend),
-            revocations=RevocationWatcher(backend),
-        )
+        return cls(registry, AdmissionCounters(backend), RevocationWatcher(backend))
 
 
 def set_settings_provider(provider: SettingsProvider | None) -> None:
-    """Install where settings come from when ``app.conf.runcell`` is not set.
-
-    The provider returns ``(settings, path_for_errors, resolve_database)`` or ``None``.
-    """
+    """Install where settings come from when ``app.conf.runcell`` is not set: a
+    provider returning ``(settings, path_for_errors, resolve_database)`` or ``None``."""
     DEFAULT_REGISTRY.put("celery.state.provider", provider)
 
 
 def state_for(app: Celery) -> AppState:
-    """Return ``app``'s state, configuring its registry on first use."""
     state = _states().get(app)
     if state is not None:
         return state
@@ -111,18 +85,12 @@ def state_for(app: Celery) -> AppState:
 
 
 def registry_for(app: Celery) -> LimiterRegistry:
-    """Return ``app``'s limiter registry, configuring it on first use."""
     return state_for(app).registry
 
 
 def admission_counts(source: Celery | CounterStore) -> list[AdmissionCount]:
-    """Read the fleet-wide admission counts, per task name and limiter.
-
-    :param source: a Celery app (its registry's backend is read) or a backend that is
-        a :class:`~runcell_celery.ports.CounterStore`.
-    :raises TypeError: the backend keeps no fleet-wide counts (the in-memory backend
-        counts per process only: ``state_for(app).counters.local()``).
-    """
+    """Read the fleet-wide admission counts, per task name and limiter, of an app's
+    backend or of a :class:`~runcell_celery.ports.CounterStore` (else ``TypeError``)."""
     store: object = registry_for(source).backend if isinstance(source, Celery) else source
     if not isinstance(store, CounterStore):
         raise TypeError(
@@ -132,20 +100,13 @@ def admission_counts(source: Celery | CounterStore) -> list[AdmissionCount]:
     return store.admission_counts()
 
 
-#: How long :func:`discard_state` waits for the app's grant publisher to stop.
 DISCARD_WAIT_S = 5.0
 
 
 def discard_state(app: Celery) -> None:
-    """Forget ``app``'s state: stop counting its events and publishing its grants,
-    write its last counts and close its backend (pool, listener). Nothing happens when
-    the app has none.
-
-    For an app dropped while the process goes on, such as the one a test makes: its
-    counter listener would otherwise count later apps' events, and its backend would
-    keep retrying a test database that was dropped. A later :func:`state_for` starts
-    afresh.
-    """
+    """Forget ``app``'s state (an app dropped while the process goes on, as in tests):
+    stop counting its events and publishing its grants, write its last counts and
+    close its backend."""
     with _lock():
         state = _states().pop(app, None)
     if state is None:

@@ -1,47 +1,12 @@
 """``RunCellTask``: a Celery task whose execution is a run with concurrency limits.
 
-.. code-block:: python
-
-    @app.task(base=RunCellTask, bind=True,
-              concurrency={"limiter": "claude", "workload": "background",
-                           "timeout_ms": 120_000})
-    def summarize(self, doc_id):
-        with slot():                      # one provider request = one slot
-            reply = client.messages.create(...)
-
-    summarize.apply_async((42,), concurrency={"workload": "interactive"})
-
-    @app.task(base=RunCellTask,
-              concurrency={"limiter": ["openai", "tenant"], "key": "{tenant_id}"})
-    def answer(tenant_id, question): ...
-
-Several limiters and a key: every slot of the run takes a slot in each limiter named,
-all together; a keyed limiter (``"keyed": True``) gives each key its own limit, and the
-run's key is formed from the task's arguments when it is sent (a template over the
-task's parameters or a callable ``(args, kwargs)``, :class:`.options.RunKey`). A key
-that cannot be formed fails the call before anything is sent; the key travels in the
-``runcell_key`` header, and a message without it (sent by something else) has it
-formed from the delivered arguments.
-
-A task execution is a run: its id is the task id, its root and parent come from the
-Celery request. ``slot()`` inside the body uses the run's limiter, workload, budget
-and cancellation. A task sent from inside a limited task inherits them through
-message headers (:mod:`.headers`).
-
-Admission of a deferrable task (``"admission": "defer"``) is decided before the body
-runs: the run's first slot is asked for first, and the body starts only once it is
-granted. The granted slot is held for the body (renewed, released on cancellation)
-and the body's first ``slot()`` adopts it, so work done before that call occupies it;
-a body that never adopts it gives it back when it ends (see
-:mod:`runcell_celery.admission`). A deferral or a duplicate delivery never runs the
-body, so nothing raised by either passes through user code.
-
-Failure semantics: a :class:`~runcell_celery.errors.ConcurrencyError` stops the run
-and is never retried, whatever ``autoretry_for`` says; one raised before the body
-runs (a malformed header, a limiter that cannot be created, a deferrable task's first
-slot failing) leaves the body unrun. An admission deferral is not a failure at all
-(:mod:`.deferral`): it is logged on ``runcell_celery.celery`` and acked without
-Celery's "ignored" line.
+A task execution is a run (id = task id, root and parent from the Celery request);
+``slot()`` in the body uses the run's limiters, key, workload, budget and
+cancellation, and a task sent from inside a run inherits them through headers
+(:mod:`.headers`). A deferrable task (``"admission": "defer"``) asks for its first
+slot before the body runs, so a deferral or a duplicate delivery never runs the body
+(:mod:`runcell_celery.admission`, :mod:`.deferral`). A ``ConcurrencyError`` stops the
+run and is never retried, whatever ``autoretry_for`` says.
 """
 
 from __future__ import annotations
@@ -51,7 +16,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from billiard.exceptions import Terminated
 from celery import Celery, Task
@@ -70,11 +35,7 @@ from ..errors import (
 )
 from ..patience import database_patience
 from ..ports import Parked, RunStore, SupportsSeveralParking
-from ..protocol import (
-    ConcurrencyLimiter,
-    SupportsStats,
-    SupportsWithdraw,
-)
+from ..protocol import ConcurrencyLimiter, SupportsStats, SupportsWithdraw
 from ..registry import LimiterRegistry
 from ..request import report_failure
 from ..several import resolve_workloads
@@ -114,39 +75,27 @@ else:
 
 
 class RunCellTask(_Task):
-    """Base class for tasks whose provider calls share concurrency limits.
-
-    Task option ``concurrency`` (a dict): ``limiter`` (a registry name, or a list of
-    them), ``key`` (the key of the keyed limiters: a template over the task's
-    parameters or a callable ``(args, kwargs)``), ``workload`` (the task's default),
-    ``timeout_ms`` (total budget from the first start), ``admission`` (``"wait"`` or
-    ``"defer"``), ``hold`` (``"slot"``: the body takes slots; ``"task"``: the whole
-    body holds one), ``admission_wait_ms``, ``defer_after_ms``.
-    """
+    """Base class for tasks whose provider calls share concurrency limits; the task
+    option ``concurrency`` is described in :mod:`.options`."""
 
     abstract = True
     #: Keeps a deferrable task's delivered message, to park it unchanged (:mod:`.message`).
     Request = "runcell_celery.celery.message:RunCellRequest"
-    #: The task's declared concurrency settings (see :class:`.options.TaskConcurrency`).
     concurrency: ClassVar[Mapping[str, Any] | None] = None
     _runcell: ClassVar[TaskConcurrency | None] = None
-    #: The task's keyed limiters (names), found when the task is bound.
-    _runcell_keyed: ClassVar[tuple[str, ...]] = ()
-    #: The parameters of the task's body (``bind=True``'s ``self`` left out), which a
-    #: key template reads by name; ``None`` when they cannot be read.
+    _runcell_keyed: ClassVar[tuple[str, ...]] = ()  # the keyed limiters' names
     _runcell_signature: ClassVar[inspect.Signature | None] = None
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
-        """Validate ``concurrency`` when the task is bound: errors surface at startup."""
+        """Validate ``concurrency`` when the task is bound, so errors surface at startup
+        and name where the task is declared (binding happens far from the decorator)."""
         super().on_bound(app)
         if not getattr(cls, "name", None):
             return  # the abstract base itself
         try:
             cls._bind_concurrency(app)
         except ConcurrencyConfigError as exc:
-            # Celery binds tasks at app finalisation, far from the decorator: say where
-            # the task is declared.
             site = declared_at(cls)
             if site is None:
                 raise
@@ -154,11 +103,9 @@ class RunCellTask(_Task):
 
     @classmethod
     def _bind_concurrency(cls, app: Celery) -> None:
-        spec = (
-            TaskConcurrency.parse(cls.concurrency, task_name=cls.name)
-            if cls.concurrency is not None
-            else TaskConcurrency()
-        )
+        spec = TaskConcurrency()
+        if cls.concurrency is not None:
+            spec = TaskConcurrency.parse(cls.concurrency, task_name=cls.name)
         where = f"task {cls.name!r} concurrency"
         keyed: tuple[str, ...] = ()
         signature = body_signature(cls)
@@ -194,8 +141,6 @@ class RunCellTask(_Task):
         ensure_wired(app)
 
     def _no_limiter(self, exc: ConcurrencyNoLimiterError) -> ConcurrencyNoLimiterError:
-        """What is wrong when the body's ``slot()`` finds no limiter: the task declares
-        none and no task with one sent it."""
         names = registry_for(self.app).names()
         example = names[0] if names else "llm"
         known = ", ".join(map(repr, names)) or "none configured"
@@ -209,15 +154,9 @@ class RunCellTask(_Task):
             **exc.fields(),
         )
 
-    # -- sending ------------------------------------------------------------------------
-
     def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **options: Any) -> Any:
         """Send the task; ``concurrency={"workload": ..., "timeout_ms": ...}`` selects
-        for this run only (it wins over the task's and the parent's workload).
-
-        :raises ConcurrencyConfigError: the selection is invalid, or the run's key cannot
-            be formed from ``args``/``kwargs``; nothing is sent.
-        """
+        for this run only. An invalid selection or key raises before anything is sent."""
         self._select(args, kwargs, options)
         return super().apply_async(args, kwargs, *a, **options)
 
@@ -227,19 +166,14 @@ class RunCellTask(_Task):
         return super().apply(args, kwargs, *a, **options)
 
     def _select(self, args: Any, kwargs: Any, options: dict[str, Any]) -> None:
-        """Turn this call's selection and the run's key into message headers."""
         selected = options.pop("concurrency", None)
         spec = self._runcell
         added: dict[str, Any] = {}
         if selected is not None:
             override = RunOverride.parse(selected, task_name=self.name)
             if override.workload is not None and spec is not None and spec.limiters:
-                validate_workload(
-                    registry_for(self.app),
-                    spec.limiters,
-                    override.workload,
-                    f"{self.name}.apply_async(concurrency=...)",
-                )
+                where = f"{self.name}.apply_async(concurrency=...)"
+                validate_workload(registry_for(self.app), spec.limiters, override.workload, where)
             added[headers.SELECT] = override.to_header()
         if spec is not None and spec.key is not None:
             added[headers.KEY] = self._form_key(spec, args, kwargs)
@@ -249,7 +183,6 @@ class RunCellTask(_Task):
             options["headers"] = message_headers
 
     def _form_key(self, spec: TaskConcurrency, args: Any, kwargs: Any) -> str:
-        """The run's key for these arguments (see :meth:`.options.RunKey.form`)."""
         assert spec.key is not None
         return spec.key.form(
             args,
@@ -258,8 +191,6 @@ class RunCellTask(_Task):
             limiters=self._runcell_keyed,
             task_name=self.name,
         )
-
-    # -- running --------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         spec = self._runcell or TaskConcurrency()
@@ -294,13 +225,10 @@ class RunCellTask(_Task):
                 raise
             remaining = context.remaining_ms()
             if remaining is not None and remaining <= 0:
-                # Stale work is dropped before it takes a slot (timed-out event), and
-                # gives up any place or grant a deferral left it.
+                # Stale work is dropped before it takes a slot (a timed-out event).
                 _withdraw(admission)
                 with slot():
                     pass
-            # The first slot, before the body: a deferral parks the run here, and the
-            # body never sees it.
             admitted = preadmit(admission) if admission is not None else None
             if isinstance(admitted, DuplicateDelivery):
                 logger.info(
@@ -317,7 +245,16 @@ class RunCellTask(_Task):
                 )
                 _log_deferral(self.name, request.id, admission, context.workload, admitted.parked)
                 raise DeliverySetAside(request.id)
-            return self._run_body(spec, admission, args, kwargs)
+            try:
+                with slot() if spec.hold == "task" else contextlib.nullcontext():
+                    result = super().__call__(*args, **kwargs)
+            except BaseException as exc:
+                if admission is not None:
+                    admission.end(exc)  # gives back a first slot the body did not adopt
+                raise
+            if admission is not None:
+                admission.end(None)
+            return result
 
     def _report_failure(
         self,
@@ -326,9 +263,8 @@ class RunCellTask(_Task):
         parent: headers.ParentHeader | None,
         workload: str | None,
     ) -> None:
-        """Emit the event of a run stopped before it asked for a slot, under the
-        limiters the delivery is counted under, and count it: by the counters' listener
-        when it counts that type, here otherwise (no listener, or a cancellation)."""
+        """Emit (and count, unless the counters' listener does) the event of a run
+        stopped before it asked for a slot: no slot request emitted one."""
         names = _limiter_names(spec, parent)
         request = self.request
         emitted = report_failure(
@@ -342,31 +278,9 @@ class RunCellTask(_Task):
             parent_run_id=request.parent_id,
         )
         if emitted not in COUNTED_FAILURES:
-            counters = ensure_wired(self.app).counters
-            counters.add(self.name, _limiter_name(spec, parent), "concurrency_failures")
-
-    def _run_body(
-        self,
-        spec: TaskConcurrency,
-        admission: Admission | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Run the body; then give back a pre-admitted first slot it did not adopt
-        (outcome by how the body ended)."""
-        try:
-            if spec.hold == "task":
-                with slot():
-                    result = super().__call__(*args, **kwargs)
-            else:
-                result = super().__call__(*args, **kwargs)
-        except BaseException as exc:
-            if admission is not None:
-                admission.end(exc)
-            raise
-        if admission is not None:
-            admission.end(None)
-        return result
+            ensure_wired(self.app).counters.add(
+                self.name, _limiter_name(spec, parent), "concurrency_failures"
+            )
 
     def _start_run(
         self,
@@ -378,21 +292,14 @@ class RunCellTask(_Task):
         kwargs: dict[str, Any],
     ) -> tuple[RunContext, Admission | None]:
         """Enter this delivery's run (and a stand-in for a parent in another process);
-        return it and its own admission (a deferrable run's; never one its context
-        shares with an enclosing run).
-
-        Everything here happens before the run asks for a slot: no slot request emits
-        an event for its errors, which is why the caller reports them.
-        """
+        return it and its own admission. Errors here come before any slot request, so
+        the caller reports them."""
         registry = ensure_wired(self.app).registry
         parent = carried.parent
         if parent is not None and current_run() is None:
             # The parent ran in another process: stand it in, so this run inherits
-            # its limiter, workload and remaining budget as a nested run does. Its
-            # deadline is a Unix time from the parent's host: a bound that only
-            # shortens this run's own budget (``run`` keeps the earliest).
-            names = _parent_limiters(parent)
-            inherited_limiters = tuple(by_name(registry, name) for name in names)
+            # its limiters, workload and remaining budget as a nested run does.
+            inherited_limiters = tuple(by_name(registry, n) for n in _parent_limiters(parent))
             stack.enter_context(
                 run(
                     limiter=limiter_argument(inherited_limiters),
@@ -405,26 +312,34 @@ class RunCellTask(_Task):
                 )
             )
         # Until the database has said how much of the run's budget is left, its steps
-        # (limits stored on first use, the first start) retry within the budget as
-        # counted here; from then on, within the run's own deadline.
-        stack.enter_context(database_patience(self._local_budget(spec, carried)))
-        key = self._delivered_key(spec, carried, args, kwargs)
-        limiters = self._run_limiters(registry, spec, key)
+        # retry within the budget counted on this host (a redelivery's is shorter).
+        selected = carried.select.timeout_ms
+        timeout_ms = selected if selected is not None else spec.timeout_ms
+        bound = _header_bound(carried.deadline)
+        local = Deadline.after_ms(timeout_ms) if timeout_ms is not None else None
+        stack.enter_context(database_patience(Deadline.earliest(local, bound)))
+        key = None
+        if spec.key is not None:  # as sent (checked by headers.parse), else formed here
+            key = carried.key if carried.key is not None else self._form_key(spec, args, kwargs)
+        limiters = tuple(
+            key_of(registry.get(name), name, key, task_name=self.name)
+            if name in self._runcell_keyed and key is not None
+            else registry.get(name)
+            for name in spec.limiters
+        )
         inherited = current_run()
         effective = limiters or (inherited.limiters if inherited is not None else ())
-        budget = self._budget(request, spec, carried, registry)
+        deadline, carried_at = self._budget(request, timeout_ms, bound, registry)
         admission = None
         if spec.admission == "defer" and effective and not request.is_eager:
-            admission = TaskAdmission(
-                self, request, effective, spec, deadline_at=budget.carried_unix()
-            )
+            admission = TaskAdmission(self, request, effective, spec, deadline_at=carried_at)
         context = stack.enter_context(
             run(
                 limiter=limiter_argument(limiters),
                 key=key if len(limiters) > 1 else None,
                 workload=carried.select.workload,
                 default_workload=spec.workload,
-                deadline=budget.deadline,
+                deadline=deadline,
                 cancel=CancellationToken(),
                 run_id=request.id,
                 root_run_id=request.root_id or request.id,
@@ -434,96 +349,35 @@ class RunCellTask(_Task):
             )
         )
         stack.enter_context(database_patience(context.deadline))
-        self._watch_revocation(request, context.cancel, admission, stack)
-        return context, admission
-
-    def _delivered_key(
-        self,
-        spec: TaskConcurrency,
-        carried: headers.CarriedRun,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> str | None:
-        """The run's key: the one it was sent with (checked by :func:`headers.parse`),
-        else formed from the delivered arguments (a message sent by something else)."""
-        if spec.key is None:
-            return None
-        if carried.key is not None:
-            return carried.key
-        return self._form_key(spec, args, kwargs)
-
-    def _run_limiters(
-        self, registry: LimiterRegistry, spec: TaskConcurrency, key: str | None
-    ) -> tuple[ConcurrencyLimiter, ...]:
-        """The run's limiters, in the order named: a keyed one's key limiter
-        (``registry.get("tenant").key(key)``), the others as they are."""
-        limiters: list[ConcurrencyLimiter] = []
-        for name in spec.limiters:
-            limiter = registry.get(name)
-            if name in self._runcell_keyed:
-                assert key is not None  # on_bound requires a key beside a keyed limiter
-                limiter = key_of(limiter, name, key, task_name=self.name)
-            limiters.append(limiter)
-        return tuple(limiters)
-
-    def _watch_revocation(
-        self,
-        request: Any,
-        cancel: CancellationToken | None,
-        admission: Admission | None,
-        stack: contextlib.ExitStack,
-    ) -> None:
-        """Cancel this run if its root or parent run is revoked (now or later)."""
+        # Cancel this run if its root or parent run is revoked (now or later).
         ancestors = {request.root_id, request.parent_id} - {None, request.id}
-        if not ancestors or cancel is None:
-            return
-        watcher = ensure_wired(self.app).revocations
-        stack.callback(watcher.watch(ancestors, cancel))
-        store = watcher.store()
-        if store is not None and store.revoked_among(ancestors):
-            cancel.cancel("a parent run was revoked")
-            _withdraw(admission)
-
-    @staticmethod
-    def _timeout_ms(spec: TaskConcurrency, carried: headers.CarriedRun) -> float | None:
-        """The run's own budget in milliseconds: this call's selection, else the task's."""
-        selected = carried.select.timeout_ms
-        return selected if selected is not None else spec.timeout_ms
-
-    def _local_budget(self, spec: TaskConcurrency, carried: headers.CarriedRun) -> Deadline | None:
-        """The run's budget counted from now on this host's clock, with any deadline
-        header: how long its database steps may retry before the database has told
-        what is left of it (a redelivered run's is shorter, never longer)."""
-        timeout_ms = self._timeout_ms(spec, carried)
-        own = Deadline.after_ms(timeout_ms) if timeout_ms is not None else None
-        return Deadline.earliest(own, _header_bound(carried.deadline))
+        cancel = context.cancel
+        if ancestors and cancel is not None:
+            watcher = ensure_wired(self.app).revocations
+            stack.callback(watcher.watch(ancestors, cancel))
+            store = watcher.store()
+            if store is not None and store.revoked_among(ancestors):
+                cancel.cancel("a parent run was revoked")
+                _withdraw(admission)
+        return context, admission
 
     def _budget(
         self,
         request: Any,
-        spec: TaskConcurrency,
-        carried: headers.CarriedRun,
+        timeout_ms: float | None,
+        bound: Deadline | None,
         registry: LimiterRegistry,
-    ) -> _Budget:
-        """This run's own deadline, fixed at its first start.
+    ) -> tuple[Deadline | None, float | None]:
+        """This run's own deadline, fixed at its first start, and the one (Unix time) a
+        re-publication must carry when nothing else can tell a later delivery it.
 
-        With a backend that records runs (:class:`~runcell_celery.ports.RunStore`) the
-        budget is a duration counted from the run's first start in the store's clock:
-        every delivery (first, redelivered, re-published) asks it for the milliseconds
-        left, so neither this host's wall clock nor another worker's moves it. A
-        ``runcell_deadline`` header is a Unix time from another host (or from anyone
-        who can publish): it is only a bound, taken with the budget, earliest first —
-        it can end the run sooner, never later.
-
-        Recording the first start is retried (a dropped connection, a database not up
-        yet) within the budget counted locally (:meth:`_local_budget`, set by the
-        caller); the insert is keyed by the run id, so a retry after a lost reply gets
-        the deadline the first attempt stored.
+        With a :class:`~runcell_celery.ports.RunStore` the budget is counted from the
+        run's first start in the store's clock, so no host's wall clock moves it; a
+        ``runcell_deadline`` header (``bound``) can only shorten it. The first start is
+        keyed by the run id, so a retry after a lost reply gets the stored deadline.
         """
-        timeout_ms = self._timeout_ms(spec, carried)
-        bound = _header_bound(carried.deadline)
         if timeout_ms is None:
-            return _Budget(bound, kept=True)  # nothing of its own; the header stays
+            return bound, None  # nothing of its own; the header stays
         store: object = registry.backend  # a Backend that may also be a RunStore
         if isinstance(store, RunStore) and request.id is not None and not request.is_eager:
             try:
@@ -535,15 +389,13 @@ class RunCellTask(_Task):
                     root_run_id=request.root_id,
                     parent_run_id=request.parent_id,
                 ) from exc
-            return _Budget(Deadline.earliest(Deadline.after_ms(remaining_ms), bound), kept=True)
+            return Deadline.earliest(Deadline.after_ms(remaining_ms), bound), None
         # Nothing records this run: only a header can tell a re-publication its budget.
-        return _Budget(Deadline.earliest(Deadline.after_ms(timeout_ms), bound), kept=False)
+        deadline = Deadline.earliest(Deadline.after_ms(timeout_ms), bound)
+        return deadline, deadline.to_unix() if deadline is not None else None
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Retry, except after a ``ConcurrencyError``: that stops the run for good.
-
-        ``autoretry_for=(Exception,)`` calls this too, so it never retries one.
-        """
+        """Retry, except after a ``ConcurrencyError`` (``autoretry_for`` calls this too)."""
         exc = kwargs.get("exc", args[2] if len(args) > 2 else None)
         if isinstance(exc, ConcurrencyError):
             raise exc
@@ -551,47 +403,17 @@ class RunCellTask(_Task):
 
 
 def _header_bound(unix: float | None) -> Deadline | None:
-    """A deadline header (Unix time from another host) as a bound on this run.
-
-    No run can be given a budget longer than ``MAX_DURATION_MS`` (about 24.8 days), so
-    a header further ahead bounds nothing a sender could have meant; it is cut to that,
-    which keeps every wait the run makes within what clocks and the database can
-    represent (a forged ``1e300`` must not turn into an overflow in the limiter).
-    """
+    """A deadline header (Unix time from another host) as a bound on this run, cut to
+    ``MAX_DURATION_MS`` from now so a forged ``1e300`` cannot overflow a wait."""
     if unix is None:
         return None
     return Deadline.earliest(Deadline.from_unix(unix), Deadline.after_ms(MAX_DURATION_MS))
 
 
-class _Budget(NamedTuple):
-    """A run's own deadline, and whether a later delivery can find it without a header.
-
-    ``kept`` is true when the store records the budget or nothing of the run's own
-    makes one (the message's headers still carry any bound); only otherwise does a
-    re-publication carry ``runcell_deadline``, so no host's clock enters a budget the
-    database keeps.
-    """
-
-    deadline: Deadline | None
-    kept: bool
-
-    def carried_unix(self) -> float | None:
-        """The deadline a re-publication must carry (Unix time), or ``None``."""
-        return None if self.kept or self.deadline is None else self.deadline.to_unix()
-
-
 class DeliverySetAside(Ignore):
-    """This delivery ends without running its body, and that is not a failure.
-
-    Raised when the run was parked (admission deferral) or when the delivery is a
-    duplicate (another delivery carries the run, or the task has a result). Celery's
-    ``Ignore`` is what these need: the message is acked — after the parking committed,
-    since deferrable tasks are ``acks_late`` — with no state stored, no retry spent
-    and no ``task_failure``. But Celery logs
-    every ``Ignore`` as "Task ... ignored", which reads as work thrown away; this
-    subclass lets :class:`_HideSetAsideIgnored` drop exactly that line, and the task
-    logs what happened instead.
-    """
+    """This delivery (parked, or a duplicate) ends without running its body, and that
+    is not a failure: Celery's ``Ignore`` acks it with no state, retry or
+    ``task_failure``; this subclass lets Celery's "Task ... ignored" line be dropped."""
 
     def __init__(self, task_id: str | None) -> None:
         super().__init__(task_id)
@@ -599,12 +421,8 @@ class DeliverySetAside(Ignore):
 
 
 def _hide_set_aside(record: logging.LogRecord) -> bool:
-    """Drop Celery's "Task ... ignored" line for a :class:`DeliverySetAside` only.
-
-    Celery logs it from ``celery.app.trace`` while it handles the exception (inside
-    its ``except Ignore`` block), so the exception at hand tells which one it is;
-    every other ignored task keeps its line.
-    """
+    """Drop Celery's "Task ... ignored" line for a :class:`DeliverySetAside` only (it is
+    logged inside Celery's ``except Ignore``, so the exception at hand tells which)."""
     data = getattr(record, "data", None)
     if not isinstance(data, dict) or data.get("description") != "ignored":
         return True
@@ -613,7 +431,6 @@ def _hide_set_aside(record: logging.LogRecord) -> bool:
 
 
 def _parent_limiters(parent: headers.ParentHeader | None) -> list[str]:
-    """The limiter names a parent header gives (all of a parent over several)."""
     if parent is None:
         return []
     limiter = parent.get("limiter")
@@ -621,8 +438,8 @@ def _parent_limiters(parent: headers.ParentHeader | None) -> list[str]:
 
 
 def _limiter_names(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> tuple[str, ...]:
-    """The limiters a delivery will use (its own, else its enclosing run's, else its
-    parent's), as :func:`_limiter_name` counts it."""
+    """The limiters a delivery will use: its own, else its enclosing run's, else its
+    parent's."""
     if spec.limiters:
         return spec.limiters
     local = current_run()
@@ -632,16 +449,9 @@ def _limiter_names(spec: TaskConcurrency, parent: headers.ParentHeader | None) -
 
 
 def _limiter_name(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> str:
-    """The limiter a delivery is counted under, known before its run starts (the one
-    the run will use: its own, else its parent's); several are joined, as
-    ``"openai+tenant"``, and a keyed limiter is named, not its key's
-    (:func:`.counters.counter_label`)."""
-    if spec.label is not None:
-        return spec.label
-    local = current_run()
-    if local is not None and local.limiters:
-        return counter_label([limiter.name for limiter in local.limiters])
-    return counter_label(_parent_limiters(parent))
+    """The label a delivery is counted under: ``"openai+tenant"``, a key's limiter by
+    its keyed limiter's name (:func:`.counters.counter_label`)."""
+    return spec.label or counter_label(_limiter_names(spec, parent))
 
 
 def _log_deferral(
@@ -651,61 +461,44 @@ def _log_deferral(
     workload: str | None,
     parked: Parked | None,
 ) -> None:
-    """One INFO line per parking, saying where the run waits.
-
-    The line names every limiter of the run with the workload it waits in there
-    (``limiter 'llm' (workload 'background')``, or ``limiters 'openai' (workload
-    'default') + 'tenant:acme' (workload 'batch')`` for a run over several). The place
-    is the one the limiter answered when the request joined the line (with the wait
-    it expected then). A limiter that does not say falls back to the length of the
-    workload's line read just after parking, in the run's first limiter (one short
-    read of the kept counts, only on this already slow path): lines are first come
-    first served, so that is its place, or a bound on it if others joined in between.
-    A limiter without stats (or one that fails) gives no place.
-    """
+    """One INFO line per parking, naming every limiter with its workload and the
+    place the limiter answered; without one, the length of the first limiter's line
+    read just after parking (lines are first come first served: a bound on it)."""
     if admission is None:
         return
     limiter = admission.limiter
     workloads = _deferral_workloads(admission, workload, parked)
     where = _describe_limiters(admission.limiters or (limiter,), workloads)
-    if parked is not None and parked.place is not None:
-        expected = parked.expected_wait_ms
-        logger.info(
-            "Task %s[%s] deferred: parked at place %d of %s, expected wait %s, after "
-            "waiting %.0f ms; its message is acked and is published again when a slot frees",
-            task_name,
-            task_id,
-            parked.place,
-            where,
-            f"{expected / 1000:.1f} s" if expected is not None else "unknown",
-            parked.waited_ms,
-        )
-        return
+    detail = ""
     place: int | None = None
-    if isinstance(limiter, SupportsStats):
+    if parked is not None and parked.place is not None:
+        place, expected = parked.place, parked.expected_wait_ms
+        shown = f"{expected / 1000:.1f} s" if expected is not None else "unknown"
+        detail = f", expected wait {shown}, after waiting {parked.waited_ms:.0f} ms"
+    elif isinstance(limiter, SupportsStats):
         try:
             stats = limiter.stats()
         except Exception:  # the parking committed; a place is only nice to have
-            place = None
+            pass
         else:
             first = workloads[0] if workloads else None
             line = stats.workloads.get(first) if first is not None else None
             place = line.queued if line is not None else stats.queued
     logger.info(
-        "Task %s[%s] deferred: parked at %s of %s; its message is acked and is "
+        "Task %s[%s] deferred: parked at %s of %s%s; its message is acked and is "
         "published again when a slot frees",
         task_name,
         task_id,
         f"place {place}" if place is not None else "an unknown place",
         where,
+        detail,
     )
 
 
 def _deferral_workloads(
     admission: Admission, workload: str | None, parked: Parked | None
 ) -> tuple[str | None, ...]:
-    """The workload the parked run waits in, in each of its limiters: the one it
-    selects where a limiter has it, the limiter's default elsewhere."""
+    """The workload the parked run waits in, in each of its limiters."""
     limiters = admission.limiters or (admission.limiter,)
     try:
         return resolve_workloads(limiters, workload)
@@ -727,8 +520,7 @@ def _describe_limiters(
 
 
 def _withdraw(admission: Admission | None) -> None:
-    """Give up the queue place (or parked grant) of a run that will not use it: in
-    every limiter, for a run over several."""
+    """Give up the queue place (or parked grant) of a run that will not use it."""
     if admission is None:
         return
     first = admission.limiter

@@ -1,10 +1,7 @@
 """Per-app wiring, done once: header propagation, counters, re-publication, the bootstep.
 
 Signal receivers' errors are swallowed by Celery, so nothing that releases a slot
-lives here: releases happen in the task's own ``with slot()`` blocks. What does live
-here is best-effort by nature: adding the parent run's headers to outgoing messages,
-counting, and writing a pool process's last counts when it ends. Loops that run
-beside a worker are started by :class:`~runcell_celery.celery.bootsteps.RunCellStep`.
+lives here; only best-effort work (headers, counting, a pool process's last counts).
 """
 
 from __future__ import annotations
@@ -18,9 +15,9 @@ from celery.signals import before_task_publish, worker_process_shutdown
 from ..background import DEFAULT_REGISTRY
 from ..context import current_run
 from ..events import add_event_listener
-from . import headers
 from .bootsteps import RunCellStep
 from .deferral import wire_publisher
+from .headers import PARENT, PUBLICATION
 from .redis_transport import RestoreUnackedStep
 from .state import AppState, live_states, state_for
 
@@ -31,16 +28,12 @@ def _lock() -> threading.Lock:
     return DEFAULT_REGISTRY.lock("celery.wiring")
 
 
-def _on_publish(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+def _on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """``before_task_publish``: a message sent from inside a run names its parent run."""
-    _propagate_run(headers)
-
-
-def _propagate_run(message_headers: dict[str, Any] | None) -> None:
     context = current_run()
-    if context is None or message_headers is None:
+    if context is None or headers is None:
         return
-    if headers.PARENT in message_headers or headers.PUBLICATION in message_headers:
+    if PARENT in headers or PUBLICATION in headers:
         return  # a re-published message keeps the lineage it was first sent with
     parent: dict[str, Any] = {
         "limiter": context.limiter.name if context.limiter is not None else None,
@@ -53,7 +46,7 @@ def _propagate_run(message_headers: dict[str, Any] | None) -> None:
         parent["limiters"] = [limiter.name for limiter in context.limiters]
         if context.key is not None:
             parent["key"] = context.key
-    message_headers[headers.PARENT] = parent
+    headers[PARENT] = parent
 
 
 def _flush_counters(**_: Any) -> None:
@@ -63,7 +56,6 @@ def _flush_counters(**_: Any) -> None:
 
 
 def _connect_process_signals() -> None:
-    """Connect the receivers every app shares, once per process."""
     with _lock():
         if DEFAULT_REGISTRY.value("celery.wiring.connected", False):
             return
@@ -78,15 +70,10 @@ def ensure_wired(app: Celery) -> AppState:
     if not state.wired:
         _connect_process_signals()
         with state.lock:
-            _wire_locked(app, state)
+            if not state.wired:  # another thread may have wired it meanwhile
+                add_event_listener(state.counters.on_event)
+                state.publisher = wire_publisher(app, state.registry)
+                app.steps["worker"].add(RunCellStep)
+                app.steps["consumer"].add(RestoreUnackedStep)
+                state.wired = True
     return state
-
-
-def _wire_locked(app: Celery, state: AppState) -> None:
-    if state.wired:
-        return  # another thread wired it while we waited for the lock
-    add_event_listener(state.counters.on_event)
-    state.publisher = wire_publisher(app, state.registry)
-    app.steps["worker"].add(RunCellStep)
-    app.steps["consumer"].add(RestoreUnackedStep)
-    state.wired = True
