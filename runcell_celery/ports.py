@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from .cancellation import CancellationToken
 from .config import LimiterConfig
-from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
+from .protocol import ConcurrencyLimiter, Lease, Member, OnWait
 
 __all__ = [
     "DEFAULT_DEFER_AFTER_MS",
@@ -36,7 +36,6 @@ __all__ = [
     "RunStore",
     "StoredLimitsCheck",
     "SupportsParking",
-    "SupportsSeveralParking",
     "WaitEstimate",
 ]
 
@@ -309,60 +308,27 @@ class ParkingStore(Protocol):
 
 @runtime_checkable
 class SupportsParking(Protocol):
-    """A limiter whose waiting requests can be parked with a task message.
+    """A backend whose waiting requests can be parked with a task message, asked
+    through the first member's limiter; one request over one member or several parks
+    as one (every limiter keeps its place, the message is re-published once when all
+    its slots are granted together, and the claim takes every lease or none).
 
-    A request belongs to one delivery of a task, never to the task id alone: the
-    caller gives every delivery a request id of its own, carried across re-publication.
-
-    ``acquire_or_park`` decides when to park the request (it keeps its place in the
-    queue with ``payload``): with ``admission_wait_ms`` it waits that long first; by
-    default it parks at once when the request's expected wait
-    (:class:`WaitEstimate`) exceeds ``defer_after_ms``, else waits up to
-    ``defer_after_ms`` and then parks. ``broker`` names where the message must be
-    re-published (:meth:`ParkingStore.claim_republish`; ``None``: by anyone). It
-    returns the lease, or :class:`Parked`, or :class:`Duplicate`
-    when the request was already parked and granted (its own publication carries
-    it). ``claim_parked`` takes a parked grant from the re-published message
-    ``publication_id``, or says why not (:data:`ClaimMiss`).
-    ``withdraw`` gives up a request's place or unclaimed grant. Parking, claiming
-    and withdrawing are idempotent under lost replies (a retry gets the first
-    answer). ``set_parked_granted_handler`` installs what to call, after commit, with
-    the lease ids of parked requests this process just granted (to re-publish their
-    tasks at once).
+    A request belongs to one delivery of a task, never to the task id alone.
+    ``acquire_or_park`` with ``admission_wait_ms`` waits that long, then parks; by
+    default it parks at once when the expected wait (:class:`WaitEstimate`) exceeds
+    ``defer_after_ms``, else waits up to ``defer_after_ms`` and then parks. ``broker``
+    names where the message must be re-published (``None``: by anyone). It returns the
+    leases (members' order), :class:`Parked`, or :class:`Duplicate` (already parked and
+    granted: its own publication carries it). ``claim_parked`` takes a parked grant for
+    the re-published message ``publication_id``, or says why not (:data:`ClaimMiss`);
+    ``withdraw_members`` gives up a request's places or unclaimed grant. All three are
+    idempotent under lost replies. ``set_parked_granted_handler`` installs what to call,
+    after commit, with the lease ids of parked requests this process just granted.
     """
 
     def acquire_or_park(
         self,
-        request: AcquireRequest,
-        *,
-        payload: str,
-        broker: str | None = None,
-        admission_wait_ms: float | None = None,
-        defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Lease | Parked | Duplicate: ...
-
-    def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss: ...
-
-    def withdraw(self, request_id: str) -> None: ...
-
-    def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None: ...
-
-
-@runtime_checkable
-class SupportsSeveralParking(Protocol):
-    """:class:`SupportsParking` for one request over several limiters of a backend
-    (asked through the first): it parks as **one** request — every limiter keeps its
-    place, the message is re-published once when all its slots are granted together,
-    and the re-published task claims every lease or none. Same answers and the same
-    idempotence under lost replies as :class:`SupportsParking`; leases come in
-    ``limiters``' order."""
-
-    def acquire_several_or_park(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         payload: str,
         broker: str | None = None,
@@ -372,8 +338,10 @@ class SupportsSeveralParking(Protocol):
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...] | Parked | Duplicate: ...
 
-    def claim_parked_several(
+    def claim_parked(
         self, limiters: Sequence[ConcurrencyLimiter], request_id: str, publication_id: str
     ) -> tuple[Lease, ...] | ClaimMiss: ...
 
-    def withdraw_several(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None: ...
+    def withdraw_members(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None: ...
+
+    def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None: ...

@@ -3,7 +3,7 @@
 The slot runtime owns the lifecycle (deadlines, renewal, release, events); a limiter
 owns allocation, queue order and storage. Any object with ``name``, ``acquire``,
 ``renew`` and ``release`` can back a limit; further abilities (``stats``,
-``renew_many``, ``acquire_async``, ...) are declared as the runtime-checkable
+``renew_many``, ``acquire_members``, ...) are declared as the runtime-checkable
 ``Supports*`` protocols below and used when a limiter has them.
 
 A custom limiter must allocate atomically, hand out leases that expire, make renewal
@@ -14,6 +14,7 @@ and release idempotent, never reuse a lease id and make ``acquire`` safe to canc
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast, runtime_checkable
 
@@ -30,22 +31,22 @@ __all__ = [
     "KeyStats",
     "Lease",
     "LimiterStats",
+    "Member",
     "OnWait",
     "OnWaitWithPlace",
     "Outcome",
     "QueuePlace",
     "RunAdmission",
     "RunLineage",
-    "SupportsAsyncAcquire",
     "SupportsConfig",
     "SupportsKeys",
+    "SupportsMembers",
+    "SupportsMembersAsync",
     "SupportsReap",
+    "SupportsReleaseExecutor",
     "SupportsRenewMany",
-    "SupportsSeveral",
-    "SupportsSeveralAsync",
     "SupportsStats",
     "SupportsValidateWorkload",
-    "SupportsWithdraw",
     "WorkloadStats",
     "announce_wait",
     "supports",
@@ -288,26 +289,6 @@ class SupportsConfig(Protocol):
 
 
 @runtime_checkable
-class SupportsAsyncAcquire(Protocol):
-    """Waits for a slot without occupying a thread."""
-
-    async def acquire_async(
-        self,
-        request: AcquireRequest,
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Lease: ...
-
-
-@runtime_checkable
-class SupportsWithdraw(Protocol):
-    """Takes a request out of the queue and returns any slot it was granted."""
-
-    def withdraw(self, request_id: str) -> None: ...
-
-
-@runtime_checkable
 class SupportsReap(Protocol):
     """Runs one allocation pass on demand: reaps expired rows, grants what frees."""
 
@@ -326,56 +307,60 @@ class SupportsKeys(Protocol):
     def key(self, key: str) -> ConcurrencyLimiter: ...
 
 
-@runtime_checkable
-class SupportsSeveral(Protocol):
-    """Holds one request across several limiters of this backend, all together or none.
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One part of an admission decision: a limiter and the request made of it (its
+    workload, key, request id, run and budget there). Later kinds of member (rate
+    buckets, token budgets) join the same decision."""
 
-    ``slot(openai, gpt_4o, tenants.key("acme"))`` calls it on the first limiter when
-    every limiter is of its class: one request, one slot in each limiter, granted
-    together (a request never holds part of its slots while it waits). Each limiter
-    keeps its own workloads, reservations, priorities and line; allocation is
-    :func:`runcell_celery.allocation.allocate_several`. Leases are renewed and released
-    one by one, with :meth:`ConcurrencyLimiter.renew` and
-    :meth:`ConcurrencyLimiter.release` of their own limiter.
+    limiter: ConcurrencyLimiter
+    request: AcquireRequest
+
+
+@runtime_checkable
+class SupportsMembers(Protocol):
+    """Grants one request over several members of this backend, all or none.
+
+    Asked through the first member's limiter; leases come in the members' order and are
+    renewed and released one by one by their own limiter. A member that lacks room
+    holds nothing in the others (:func:`runcell_celery.allocation.allocate_members`).
+    A limiter without it is a one-member backend: the runtime asks its ``acquire``.
+
+    :raises ConcurrencyConfigError: a member this backend cannot hold with the others.
+    :raises ConcurrencyTimeoutError, ConcurrencyQueueFullError,
+        ConcurrencyCancelledError, ConcurrencyLimiterError: as
+        :meth:`ConcurrencyLimiter.acquire`; no slot is held.
     """
 
-    def acquire_several(
+    def acquire_members(
         self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
-    ) -> Sequence[Lease]:
-        """Wait for one slot in every limiter of ``limiters`` and return their leases.
-
-        :param limiters: the limiters, distinct, this one among them.
-        :param requests: one request per limiter, in the same order: one request id,
-            run, budget and key, each with the workload it uses in that limiter.
-        :returns: one lease per limiter, in the same order.
-        :raises ConcurrencyConfigError: a limiter this backend cannot hold together
-            with the others (another process's, another database's).
-        :raises ConcurrencyTimeoutError, ConcurrencyQueueFullError,
-            ConcurrencyCancelledError, ConcurrencyLimiterError: as :meth:`acquire`;
-            no slot is held.
-        """
-        ...
+    ) -> tuple[Lease, ...]: ...
 
 
 @runtime_checkable
-class SupportsSeveralAsync(Protocol):
-    """Waits for slots in several limiters without occupying a thread (an ``async with
-    slot(a, b)`` uses it; otherwise the blocking :class:`SupportsSeveral` runs in a
-    worker thread)."""
+class SupportsMembersAsync(Protocol):
+    """:class:`SupportsMembers` without occupying a thread (``async with slot(...)``)."""
 
-    async def acquire_several_async(
+    async def acquire_members_async(
         self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
-    ) -> Sequence[Lease]: ...
+    ) -> tuple[Lease, ...]: ...
+
+
+@runtime_checkable
+class SupportsReleaseExecutor(Protocol):
+    """A limiter whose release does I/O: an ``async with`` exit releases on these
+    threads, so it never blocks the event loop."""
+
+    @property
+    def release_executor(self) -> Executor: ...
 
 
 _ability_cache: dict[tuple[type, type], bool] = {}
