@@ -52,31 +52,60 @@ SET config = %(config)s, config_hash = %(config_hash)s, updated_at = clock_times
 WHERE name = %(name)s
 """
 
-# Every operation on a limiter is one call of a function of ``schema.sql`` (one round
-# trip, one transaction), sent as one simple-query message behind ``SET LOCAL``
-# bounds on the statement and on the wait for the limiter row's lock (see
-# :func:`runcell_celery.postgres.calls.call`); parameters are bound client-side.
+# Every operation is one call of a function of ``schema.sql`` (one round trip, one
+# transaction) over the request's limiters in lock (name) order, sent as one
+# simple-query message behind ``SET LOCAL`` bounds on the statement and the lock wait
+# (:func:`runcell_celery.postgres.calls.call`). ``op_id`` (a client-made UUID, or NULL)
+# makes a retry after a lost reply get the first attempt's answer (``runcell_operation``).
 
 ACQUIRE: LiteralString = """
-SELECT runcell_acquire(ARRAY[%(limiter)s::text], ARRAY[%(config_hash)s::text], NULL,
-                       %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
-                       %(lock_timeout_ms)s, %(retry)s)
+SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[], %(workloads)s::text[],
+    %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb, %(lock_timeout_ms)s, %(retry)s)
+"""
+
+#: :data:`ACQUIRE` also saying where the request joins each line (sent instead only for
+#: a request over several limiters when a tracer records the wait's place): ``"lines"``,
+#: one ``[ahead, hold_ms, slots]`` per limiter, read with the statement's snapshot.
+ACQUIRE_WITH_LINES: LiteralString = """
+SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[], %(workloads)s::text[],
+    %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb, %(lock_timeout_ms)s, %(retry)s)
+    || jsonb_build_object('lines', (
+        SELECT jsonb_agg(jsonb_build_array(
+                   l.waiting[array_position(l.workloads, u.workload)],
+                   l.hold_ms_avg,
+                   least(l.ceilings[array_position(l.workloads, u.workload)],
+                         l.max_concurrent))
+               ORDER BY u.o)
+        FROM unnest(%(limiters)s::text[], %(workloads)s::text[])
+             WITH ORDINALITY AS u(name, workload, o)
+        JOIN runcell_limiter AS l ON l.name = u.name))
 """
 
 RELEASE: LiteralString = """
 SELECT runcell_release(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
 """
 
-#: ``op_id`` (a client-made UUID, or NULL) makes a retry after a lost reply get the
-#: first attempt's answer (see ``runcell_operation`` in ``schema.sql``).
 WITHDRAW: LiteralString = """
-SELECT runcell_withdraw(ARRAY[%(limiter)s::text], %(request_id)s, %(give_back)s,
-                        %(op_id)s::uuid, %(lock_timeout_ms)s)
+SELECT runcell_withdraw(%(limiters)s::text[], %(request_id)s, %(give_back)s,
+    %(op_id)s::uuid, %(lock_timeout_ms)s)
 """
 
 PARK: LiteralString = """
-SELECT runcell_park(ARRAY[%(limiter)s::text], %(request_id)s, %(payload)s::jsonb,
-                    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
+SELECT runcell_park(%(limiters)s::text[], %(request_id)s, %(payload)s::jsonb,
+    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
+"""
+
+#: A re-published parked task takes the leases granted to its delivery (only the
+#: publication it was sent as can); the answer says whether it is still stored for
+#: another publication.
+CLAIM_PARKED: LiteralString = """
+SELECT runcell_claim(%(limiters)s::text[], %(request_id)s, %(publication_id)s::uuid,
+    %(op_id)s::uuid)
+"""
+
+#: The group pass of a request over several limiters (``runcell_grant_request``).
+ALLOCATE_GROUP: LiteralString = """
+SELECT runcell_grant_request(%(group_id)s, %(lock_timeout_ms)s)
 """
 
 REAP: LiteralString = "SELECT runcell_reap(%(limiter)s, %(lock_timeout_ms)s)"
@@ -108,14 +137,6 @@ FROM (SELECT l.name FROM runcell_limiter AS l
       ORDER BY l.name COLLATE "C") AS changed,
      LATERAL runcell_reap(changed.name, %(lock_timeout_ms)s) AS r(parked),
      LATERAL jsonb_array_elements(r.parked) AS p(lease)
-"""
-
-#: A re-published parked task takes the lease granted to its delivery: its queue row
-#: goes and the lease is renewed. Only the publication it was sent as can claim it;
-#: the answer says whether the request is still stored for another publication.
-CLAIM_PARKED: LiteralString = """
-SELECT runcell_claim(ARRAY[%(limiter)s::text], %(request_id)s, %(publication_id)s::uuid,
-                     %(op_id)s::uuid)
 """
 
 #: Take the right to re-publish granted parked tasks, once per grant: those just
@@ -353,60 +374,6 @@ KEYS_WITH_EXPIRED_LEASES: LiteralString = """
 SELECT DISTINCT l.limiter FROM runcell_lease AS l
 WHERE l.expires_at <= clock_timestamp()
   AND left(l.limiter, length(%(parent)s) + 1) = %(parent)s || ':'
-"""
-
-#: One request over several limiters of this database (``runcell_acquire``):
-#: ``limiters`` in lock (name) order, with their limits' checksums and the workload
-#: the request uses in each.
-ACQUIRE_SEVERAL: LiteralString = """
-SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[],
-    %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
-    %(lock_timeout_ms)s, %(retry)s)
-"""
-
-#: :data:`ACQUIRE_SEVERAL`, also saying where the request joins each line, in the same
-#: round trip (sent instead only when a tracer records the wait's place): ``"lines"``,
-#: one ``[ahead, hold_ms, slots]`` per limiter in ``limiters``' order, as
-#: ``runcell_acquire``'s answer tells them. Read with the statement's snapshot, so
-#: as the lines stood when it asked (before it waited for the rows' locks, if it did).
-ACQUIRE_SEVERAL_WITH_LINES: LiteralString = """
-SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[],
-    %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
-    %(lock_timeout_ms)s, %(retry)s)
-    || jsonb_build_object('lines', (
-        SELECT jsonb_agg(jsonb_build_array(
-                   l.waiting[array_position(l.workloads, u.workload)],
-                   l.hold_ms_avg,
-                   least(l.ceilings[array_position(l.workloads, u.workload)],
-                         l.max_concurrent))
-               ORDER BY u.o)
-        FROM unnest(%(limiters)s::text[], %(workloads)s::text[])
-             WITH ORDINALITY AS u(name, workload, o)
-        JOIN runcell_limiter AS l ON l.name = u.name))
-"""
-
-#: The group pass of a request over several limiters (``runcell_grant_request``).
-ALLOCATE_GROUP: LiteralString = """
-SELECT runcell_grant_request(%(group_id)s, %(lock_timeout_ms)s)
-"""
-
-#: Withdraw a request over several limiters (``runcell_withdraw``).
-WITHDRAW_GROUP: LiteralString = """
-SELECT runcell_withdraw(%(limiters)s::text[], %(group_id)s, %(give_back)s, NULL,
-    %(lock_timeout_ms)s)
-"""
-
-#: Park a waiting request over several limiters as one (``runcell_park``).
-PARK_GROUP: LiteralString = """
-SELECT runcell_park(%(limiters)s::text[], %(group_id)s, %(payload)s::jsonb,
-    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
-"""
-
-#: A re-published task takes every lease of its parked request over several limiters
-#: (``runcell_claim``).
-CLAIM_PARKED_GROUP: LiteralString = """
-SELECT runcell_claim(%(limiters)s::text[], %(group_id)s,
-    %(publication_id)s::uuid, %(op_id)s::uuid)
 """
 
 #: Parked requests over several limiters due a group pass: no process waits for them,
