@@ -50,7 +50,7 @@ from .protocol import (
     SupportsValidateWorkload,
     supports,
 )
-from .several import check_several, resolve_workloads
+from .several import check_members, resolve_workloads
 
 __all__ = ["RunContext", "RunOptions", "RunProgress", "current_run", "run"]
 
@@ -303,7 +303,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
                     workload = _validate(limiters[0], workload)
                 else:
                     # Selected, not resolved: it applies where a limiter has it.
-                    check_several(limiters)
+                    check_members(limiters)
                     resolve_workloads(limiters, workload)
             except ConcurrencyConfigError as exc:
                 # Name the run that failed to start, as every ConcurrencyError does.

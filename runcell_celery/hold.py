@@ -1,24 +1,18 @@
 """A held slot: what happens between a grant and the release.
 
-A :class:`Hold` is the lease keeper's counterpart: one lease per limiter of its request
-(a request over one limiter is a group of one), each kept through a :class:`LeasePart`;
-the keeper tells it that a lease was renewed, could not be renewed, was lost or that a
-deadline passed, and the hold reacts. It owns the abort state machine and releases
-the slots exactly once, with an outcome (README, "Errors": what each failure means for
-the provider call).
+A :class:`Hold` is the lease keeper's counterpart: the keeper tells it that a lease was
+renewed, could not be renewed, was lost or that a deadline passed, and the hold reacts.
+It owns the abort state machine and releases the slots exactly once, with an outcome.
 
 A lease is lost the moment its local validity has passed
-(:func:`~runcell_celery.keeper.local_validity`, on the keeper's clock), whoever looks
-first: the keeper, the body asking :attr:`Hold.aborted`, or the body's end. A process
-paused past its lease (SIGSTOP, a swapped-out host) must not end the hold with
-success when it resumes before its keeper thread runs: another holder may have had
-the slot meanwhile.
+(:func:`~runcell_celery.keeper.local_validity`), whoever looks first: the keeper, the
+body asking :attr:`Hold.aborted`, or the body's end. A process paused past its lease
+must not end the hold with success: another holder may have had the slot meanwhile.
 
-An abort (lease lost, ``max_hold_ms`` passed, run cancelled, budget ended) happens at
-most once: abort callbacks run, an ``async with`` body is cancelled where it is
-interruptible, and ending the hold returns the matching error instead of success. One
-later event still counts: ``max_hold_ms`` frees the slot even when an earlier abort
-could not stop a sync body, so the limiter's accounting never depends on the body.
+An abort (lease lost, ``max_hold_ms``, cancelled, budget ended) happens at most once:
+callbacks run, an ``async with`` body is cancelled where interruptible, and ending the
+hold returns the matching error. ``max_hold_ms`` still frees the slot later even when
+an earlier abort could not stop a sync body, so the accounting never depends on it.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol
 
 from .deadline import Deadline
@@ -44,7 +38,7 @@ from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper, local_validity
 from .protocol import ConcurrencyLimiter, Lease, Outcome
 from .request import SlotRequest
 
-__all__ = ["AbortReason", "Hold", "is_interrupt", "register_interrupt"]
+__all__ = ["AbortReason", "Hold", "KeptLeases", "is_interrupt", "register_interrupt"]
 
 logger = logging.getLogger("runcell_celery.slot")
 
@@ -89,23 +83,90 @@ def outcome_of(exc: BaseException | None) -> Outcome:
     return "error"
 
 
-class Hold:
-    """One request's leases, one per limiter, kept alive by the process's lease keeper
-    until :meth:`end` and released together.
+class KeptLeases:
+    """One lease per limiter of a request, each kept by the lease keeper through a
+    :class:`LeasePart` (renewals batched per limiter); the request's deadline is
+    watched once, on the first. Base of :class:`Hold` and
+    :class:`~runcell_celery.admission.PreAdmitted`."""
 
-    ``lease`` is the first limiter's; ``leases`` all of them, in the order given. Each
-    lease is kept by the keeper through a :class:`LeasePart` (renewals are batched per
-    limiter as for any lease); the hold's deadline (run budget, ``max_hold_ms``) is
-    watched once, on the first. Losing any lease aborts the hold; over several limiters
-    it also releases the others at once. Ending it releases every lease.
+    def __init__(self, slot_request: SlotRequest, leases: Sequence[Lease]) -> None:
+        self.slot_request = slot_request
+        #: The leases, in the order of the request's limiters.
+        self.leases = list(leases)
+        self._keeper: LeaseKeeper | None = None
+        self._parts: list[LeasePart] = []
+        self._keys: list[int] = []
+        #: The keeper's clock, and until when each lease is valid on it (past it the
+        #: lease is lost, whoever looks first).
+        self._clock = get_keeper(slot_request.limiter).clock
+        self._valid_from_now()
 
-    :param slot_request: what was asked (for events and errors).
-    :param leases: the granted leases, in the order of the request's limiters.
-    :param max_hold: when the hold ends as a lost lease whatever the body does.
-    :param task: the asyncio task holding the slot (``None`` for a sync body): an
-        abort cancels it while it is interruptible.
-    :param cleanups: called once when the hold ends (detach cancellation links).
-    """
+    @property
+    def lease(self) -> Lease:
+        """The first limiter's lease."""
+        return self.leases[0]
+
+    @property
+    def limiters(self) -> tuple[ConcurrencyLimiter, ...]:
+        return self.slot_request.limiters
+
+    def _valid_from_now(self) -> None:
+        now = self._clock.monotonic()
+        self._valid_until = [local_validity(lease, now).at for lease in self.leases]
+
+    def _keep(self, deadline: Deadline | None) -> None:
+        keeper = self._keeper = get_keeper(self.slot_request.limiter)
+        # The keeper holds its holders weakly: this keeps its parts alive.
+        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
+        self._keys = [
+            keeper.keep(
+                part,
+                lease.ttl_ms,
+                deadline if part.index == 0 else None,
+                Deadline(self._valid_until[part.index]),
+            )
+            for part, lease in zip(self._parts, self.leases, strict=True)
+        ]
+
+    def _forget(self) -> None:
+        if self._keeper is not None:
+            for key in self._keys:
+                self._keeper.forget(key)
+
+    def _first_invalid(self) -> int | None:
+        """The first lease whose local validity has passed (the keeper may not have run
+        since: a paused or starved process), if any."""
+        now = self._clock.monotonic()
+        for index, valid_until in enumerate(self._valid_until):
+            if now >= valid_until:
+                return index
+        return None
+
+    def _release_all(self, outcome: Outcome) -> bool:
+        """Release every lease (a failure leaves the others released; the TTL frees
+        that one); ``False`` if one failed."""
+        request = self.slot_request
+        failed = False
+        for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
+            try:
+                limiter.release(lease, outcome)
+            except Exception as exc:
+                failed = True
+                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
+                request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
+        return not failed
+
+    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
+        self.leases[index] = lease
+        self._valid_until[index] = valid_until.at
+
+
+class Hold(KeptLeases):
+    """A held slot: its leases kept until :meth:`end` and released together. Losing
+    any lease aborts the hold (over several limiters it also releases the others at
+    once). ``max_hold``: when it ends as a lost lease whatever the body does; ``task``:
+    the asyncio task an abort cancels while interruptible (``None``: a sync body);
+    ``cleanups``: called once when the hold ends."""
 
     def __init__(
         self,
@@ -116,9 +177,7 @@ class Hold:
         task: asyncio.Task[Any] | None = None,
         cleanups: list[Callable[[], object]] | None = None,
     ) -> None:
-        self.slot_request = slot_request
-        self.leases = list(leases)
-        self.lease = leases[0]
+        super().__init__(slot_request, leases)
         self.max_hold = max_hold
         self.held_since = time.monotonic()
         self._state = threading.Lock()
@@ -133,15 +192,6 @@ class Hold:
         self._loop = task.get_loop() if task is not None else None
         self._task_cancelled = False
         self._interruptible = True
-        self._keeper: LeaseKeeper | None = None
-        self._parts: list[LeasePart] = []
-        self._part_keys: list[int] = []
-        #: The clock the leases' local validity is read on: the lease keeper's.
-        self._clock = get_keeper(slot_request.limiter).clock
-        #: Until when each lease is valid here (the keeper tells each renewal). Past
-        #: it, the hold is aborted as a lost lease, whoever looks first.
-        now = self._clock.monotonic()
-        self._valid_until = [local_validity(lease, now).at for lease in leases]
         #: The lease whose loss aborted the hold (any of several).
         self._lost_lease: Lease | None = None
         #: Why the lease was lost, when the limiter said (``force-released by alice``).
@@ -152,19 +202,9 @@ class Hold:
     def keep(self, deadline: Deadline | None) -> None:
         """Hand every lease to the keeper; the first carries the hold's deadline (and
         ``max_hold``)."""
-        due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
-        keeper = self._keeper = get_keeper(self.slot_request.limiter)
-        # The keeper holds its holders weakly: the hold keeps its parts alive.
-        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
-        self._part_keys = [
-            keeper.keep(
-                part,
-                lease.ttl_ms,
-                due if part.index == 0 else None,
-                Deadline(self._valid_until[part.index]),
-            )
-            for part, lease in zip(self._parts, self.leases, strict=True)
-        ]
+        self._keep(
+            deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
+        )
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
@@ -226,9 +266,7 @@ class Hold:
             reason = self._abort_reason
             already_released = self._released
             self._released = True
-        if self._keeper is not None:
-            for key in self._part_keys:
-                self._keeper.forget(key)
+        self._forget()
         for cleanup in self._cleanups:
             cleanup()
         self._cleanups.clear()
@@ -242,15 +280,11 @@ class Hold:
         return abort_error(self.slot_request, lease, reason, why=self._lost_why)
 
     def _check_validity(self) -> None:
-        """Abort the hold as a lost lease if a lease's local validity has passed (the
-        keeper may not have run since: a paused or starved process)."""
-        if self._ended or self._released:
-            return
-        now = self._clock.monotonic()
-        for index, valid_until in enumerate(self._valid_until):
-            if now >= valid_until:
-                self._validity_passed(index)
-                return
+        """Abort the hold as a lost lease if a lease's local validity has passed."""
+        if not (self._ended or self._released):
+            index = self._first_invalid()
+            if index is not None:
+                self.part_lost(index, None)
 
     def settle_task(self) -> None:
         """Take back the cancellation an abort sent the task to stop its body, so it
@@ -259,19 +293,10 @@ class Hold:
             self._task.uncancel()
 
     def _release(self, outcome: Outcome) -> None:
-        request = self.slot_request
         hold_ms = (time.monotonic() - self.held_since) * 1000
-        failed = False
-        for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
-            try:
-                limiter.release(lease, outcome)
-            except Exception as exc:  # the others are still released; TTL frees this one
-                failed = True
-                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
-                request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
-        if not failed and has_listeners():
+        if self._release_all(outcome) and has_listeners():
             lease_id = self.lease.lease_id
-            request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
+            self.slot_request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
 
     # -- what the keeper (through each lease's part) and a cancelling thread tell it ----
 
@@ -279,12 +304,6 @@ class Hold:
         if self._ended or self._released:
             return None
         return self.slot_request.limiters[index], self.leases[index]
-
-    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
-        self.leases[index] = lease
-        self._valid_until[index] = valid_until.at
-        if index == 0:
-            self.lease = lease
 
     def part_renewal_failed(self, index: int, error: BaseException) -> None:
         self.slot_request.event(
@@ -296,9 +315,6 @@ class Hold:
             if self._lost_lease is None and self._abort_reason is None:
                 self._lost_lease = self.leases[index]
         self.abort("lease-lost", error)
-
-    def _validity_passed(self, index: int) -> None:
-        self.part_lost(index, None)
 
     def deadline_passed(self) -> Deadline | None:
         if self.max_hold is not None and self.max_hold.passed():
@@ -379,7 +395,7 @@ def abort_error(
         alice``); otherwise it "could not be renewed".
     """
     name = slot_request.limiter.name
-    if slot_request.several:
+    if len(slot_request.limiters) > 1:
         name = lease.limiter  # the lease lost, of whichever limiter
     lease_id = lease.lease_id
     cls: type[ConcurrencyError]

@@ -1,36 +1,24 @@
 """Limiters for one process: threads and asyncio tasks share their slots.
 
-A limiter's state lives behind its own lock; every decision about who is granted goes
-through :func:`~runcell_celery.allocation.allocate` (or
-:func:`~runcell_celery.allocation.allocate_several`). Waiting happens outside the lock:
-a thread waits on its own ``threading.Event``, a coroutine on an ``asyncio.Event`` that
-is set thread-safely, so a waiting coroutine never blocks its event loop and a release
-wakes exactly the waiters it granted.
+Every decision about who is granted goes through
+:func:`~runcell_celery.allocation.allocate` (or
+:func:`~runcell_celery.allocation.allocate_members`) under a lock; waiting happens
+outside it, a thread on its own ``threading.Event``, a coroutine on an
+``asyncio.Event`` set thread-safely, so a release wakes exactly the waiters it granted.
+One acquire path serves one member or several: :func:`_enqueue` grants or queues,
+:func:`_settle` decides after each wake-up.
 
-One acquire path serves a request over one limiter and over several
-(``slot(openai, gpt_4o, tenants.key("acme"))``): a request over one limiter is a group
-of one. :func:`_enqueue` grants at once or queues; :func:`_settle` decides after each
-wake-up whether the request was granted, cancelled or timed out; the two loops (a
-thread's, a coroutine's) only carry that out.
+A limiter named by a waiting request over several limiters is *coordinated* by a
+:class:`Coordinator` until no such request waits for it: its state is guarded by the
+coordinator's lock instead of its own, its waiters are in the coordinator's line, and
+every grant goes through ``allocate_members``. Otherwise a limiter decides alone under
+its own lock (the flag is read under it). Each limiter starts with its own coordinator
+(a keyed limiter's keys share their owner's); a request over limiters of different
+coordinators merges them. A ``round_robin`` limiter allocates with
+``allocate_members`` and keeps a bounded per-key history of its last grants.
 
-Several limiters in one request are decided by a :class:`Coordinator`: a limiter named
-by a waiting request over several limiters is *coordinated* until no such request
-waits for it, and meanwhile its state is guarded by the coordinator's lock instead of
-its own, its other waiters are in the coordinator's line too (in arrival order), and
-every grant in it goes through :func:`~runcell_celery.allocation.allocate_several`.
-Every other moment (the usual one) a limiter decides alone under its own lock; the flag
-is read under that lock, so the fast path costs one attribute read more. There is no
-process-wide coordinator: each limiter (a keyed limiter's keys share their owner's)
-starts with its own, and a request over limiters of different coordinators merges
-them into one (the others forward to it), so limiters created apart can still be held
-together. A limiter with ``fairness: "round_robin"`` allocates with
-:func:`~runcell_celery.allocation.allocate_several` and keeps, per key, when it last
-granted it (a bounded history).
-
-Locks: a coordinator's, then a limiter's (to switch it in or out). The flag changes
-only with both held, and a limiter's own lock holder reads it first thing, so a state
-is never guarded by two locks at once. Coordinators being merged are locked in ``id``
-order.
+Locks: a coordinator's, then a limiter's; the flag changes only with both held.
+Coordinators being merged are locked in ``id`` order.
 """
 
 from __future__ import annotations
@@ -46,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
-from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_several, has_room
+from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_members, has_room
 from .base import ConfiguredLimiter
 from .cancellation import CancellationToken
 from .clock import SYSTEM_CLOCK, Clock
@@ -54,9 +42,9 @@ from .config import LimiterConfig
 from .errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyTimeoutError
 from .protocol import (
     AcquireRequest,
-    ConcurrencyLimiter,
     Lease,
     LimiterStats,
+    Member,
     OnWait,
     Outcome,
     QueuePlace,
@@ -89,7 +77,7 @@ class _Waiter:
     """One waiting request over one limiter or several (``limiters`` has them all).
 
     What :func:`~runcell_celery.allocation.allocate` and
-    :func:`~runcell_celery.allocation.allocate_several` read: ``workload`` (the one the
+    :func:`~runcell_celery.allocation.allocate_members` read: ``workload`` (the one the
     run selected; ``workloads`` has the one used in each limiter), ``in_progress``,
     ``limiters``, ``key`` and ``aged``.
     """
@@ -205,7 +193,7 @@ class Coordinator:
         self.waiting.remove(waiter)
         for limiter in waiter.limiters:
             limiter._coordinated_waiting -= 1
-        # It may have been anchored (rule 4 of allocate_several), keeping room.
+        # It may have been anchored (rule 4 of allocate_members), keeping room.
         self.allocate_locked(now)
         self._leave_idle_locked(waiter.limiters)
 
@@ -226,7 +214,7 @@ class Coordinator:
                     active[limiter] = limiter._active
                     if limiter._history is not None:
                         history[limiter] = limiter._history
-        granted = allocate_several(limits, active, waiting, last_granted=history)
+        granted = allocate_members(limits, active, waiting, last_granted=history)
         if not granted:
             return
         touched: dict[int, InMemoryConcurrencyLimiter] = {}
@@ -392,34 +380,19 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         on_wait: OnWait | None = None,
     ) -> Lease:
         """Wait (blocking this thread) for a slot; see :class:`ConcurrencyLimiter`."""
-        return self.acquire_several((self,), (request,), cancel=cancel, on_wait=on_wait)[0]
+        return self.acquire_members((Member(self, request),), cancel=cancel, on_wait=on_wait)[0]
 
-    async def acquire_async(
+    def acquire_members(
         self,
-        request: AcquireRequest,
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Lease:
-        """Wait for a slot without blocking the event loop; asyncio-cancellation safe."""
-        leases = await self.acquire_several_async(
-            (self,), (request,), cancel=cancel, on_wait=on_wait
-        )
-        return leases[0]
-
-    def acquire_several(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...]:
-        """Wait (blocking this thread) for one slot in each of ``limiters``, granted
-        together; see :class:`~runcell_celery.protocol.SupportsSeveral`. Nothing is held
-        while waiting, and slots granted at the moment of a cancel or timeout are given
-        back."""
-        waiter = _enqueue(limiters, requests, cancel)
+        """Wait (blocking this thread) for one slot per member, granted together
+        (:class:`~runcell_celery.protocol.SupportsMembers`). Nothing is held while
+        waiting; slots granted at the moment of a cancel or timeout are given back."""
+        waiter = _enqueue(members, cancel)
         if isinstance(waiter, tuple):
             return waiter
         event = threading.Event()
@@ -439,17 +412,16 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         finally:
             unlink()
 
-    async def acquire_several_async(
+    async def acquire_members_async(
         self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...]:
-        """As :meth:`acquire_several`, waiting without blocking the event loop (and
+        """As :meth:`acquire_members`, waiting without blocking the event loop (and
         without a thread); asyncio-cancellation safe."""
-        waiter = _enqueue(limiters, requests, cancel)
+        waiter = _enqueue(members, cancel)
         if isinstance(waiter, tuple):
             return waiter
         loop = asyncio.get_running_loop()
@@ -600,7 +572,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         if self._history is None:
             granted = allocate(self._config, self._active, cast("list[Waiting]", self._waiting))
         else:
-            granted = allocate_several(
+            granted = allocate_members(
                 {self: self._config},
                 {self: self._active},
                 self._waiting,
@@ -670,34 +642,34 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
 
 
 def _enqueue(
-    limiters: Sequence[ConcurrencyLimiter],
-    requests: Sequence[AcquireRequest],
-    cancel: CancellationToken | None,
+    asked: Sequence[Member], cancel: CancellationToken | None
 ) -> tuple[Lease, ...] | _Waiter:
     """Check the request, then grant it at once or queue it (or refuse it)."""
+    if not asked:
+        raise ValueError("acquire_members needs at least one member")
     members: list[InMemoryConcurrencyLimiter] = []
-    for limiter in limiters:
+    for member in asked:
+        limiter = member.limiter
         if not isinstance(limiter, InMemoryConcurrencyLimiter):
-            names = ", ".join(repr(x.name) for x in limiters)
+            names = ", ".join(repr(x.limiter.name) for x in asked)
             raise ConcurrencyConfigError(
                 f"limiters {names} cannot be held together: {limiter.name!r} is not an "
                 "in-memory limiter of this process",
                 limiter=limiter.name,
             )
         members.append(limiter)
-    if len(members) != len(requests) or not members:
-        raise ValueError("acquire_several needs one request per limiter")
     if len({id(x) for x in members}) != len(members):
         raise ConcurrencyConfigError(
             "a request names the same limiter twice", limiter=members[0].name
         )
+    requests = tuple(member.request for member in asked)
     workloads = tuple(x._resolve(r) for x, r in zip(members, requests, strict=True))
     first = members[0]
     if cancel is not None and cancel.is_set():
         raise first._cancelled(requests[0])
     now = first._clock.monotonic()
     selected = workloads[0] if len(members) == 1 else _selected(members, workloads)
-    waiter = _Waiter(selected, tuple(members), tuple(requests), workloads, now)
+    waiter = _Waiter(selected, tuple(members), requests, workloads, now)
     if len(members) == 1:
         return first._call(first._queue_locked, waiter, now)
     root = _merge_and_lock(members)

@@ -1,12 +1,9 @@
 """The seams between layers: what the integration layers may ask of a backend.
 
-A backend (``runcell_celery.memory``, ``runcell_celery.postgres``) is built once per
-limiter registry from the registry's settings and owns its storage and connections.
-It creates limiters from a :class:`~runcell_celery.config.LimiterConfig`, and it may
-offer stores the Celery and Django layers use. Each store is a runtime-checkable
-protocol: a layer asks ``isinstance(backend, RunStore)`` and uses the store, never
-the backend's tables or modules. The values traded across these seams are defined
-here too, so no layer imports another's internals to read them.
+A backend is built once per limiter registry and owns its storage and connections; it
+creates limiters and may offer stores (runtime-checkable protocols: a layer asks
+``isinstance(backend, RunStore)``, never reads the backend's tables). The values
+traded across these seams live here, so no layer imports another's internals.
 """
 
 from __future__ import annotations
@@ -39,12 +36,10 @@ __all__ = [
     "WaitEstimate",
 ]
 
-#: A deferrable request parks when its expected wait exceeds this (milliseconds), and
-#: otherwise waits at most this long before it parks. Parking is not free: the parked
-#: grant holds its slot idle while the task's message travels back through the broker
-#: (a publish, a queue, a delivery, a claim: tens of milliseconds on a healthy broker,
-#: more behind a backlog), so a process blocked for up to a second is the cheaper way
-#: through short waits, and parking pays off on waits well beyond that.
+#: A deferrable request parks when its expected wait exceeds this (ms), else waits at
+#: most this long first. A parked grant holds its slot idle while the message travels
+#: back through the broker (tens of ms, more behind a backlog), so blocking up to a
+#: second is cheaper for short waits.
 DEFAULT_DEFER_AFTER_MS = 1_000.0
 
 
@@ -62,14 +57,9 @@ class Backend(Protocol):
 
 
 class BackendFactory(Protocol):
-    """A backend class: validates its own options section and builds the backend.
-
-    :param database: the ``DATABASE`` setting, resolved to what the backend takes
-        (a DSN for PostgreSQL); ``None`` when not set.
-    :param options: the backend's own settings section (``RUNCELL["POSTGRES"]``).
-    :param path: the settings path of that section, for error messages.
-    :raises ConcurrencyConfigError: naming the bad option's path and value.
-    """
+    """A backend class: validates its options section (``RUNCELL["POSTGRES"]`` at
+    ``path``) and builds the backend on ``database`` (a DSN, or ``None``); raises
+    ``ConcurrencyConfigError`` naming the bad option's path and value."""
 
     def __call__(
         self, *, database: str | None, options: Mapping[str, Any], path: str
@@ -91,23 +81,11 @@ class AdmissionCount:
 
 @dataclass(frozen=True, slots=True)
 class WaitEstimate:
-    """How long a request that joined a line is likely to wait, from the limiter's own
-    figures at that moment (no extra read: the acquire answers with them).
-
-    The line of a workload is served first come first served, and a slot of the
-    workload frees every ``hold_ms / slots`` milliseconds on average when all are held
-    (which they are, or the request would have been granted), so the request waits for
-    ``ahead + 1`` slots to free::
-
-        expected_ms = (ahead + 1) * hold_ms / slots
-
-    It is an estimate: a higher-priority workload can take freed slots first, a
-    reservation can keep them, and holds vary.
-
-    :param ahead: requests of its workload in line before it (waiting or parked).
-    :param hold_ms: the limiter's mean hold time (an exponentially weighted mean of
-        recent holds); ``None`` before any release, when nothing can be estimated.
-    :param slots: the slots its workload may hold at once (its ceiling).
+    """How long a request that joined a line is likely to wait, from the limiter's
+    figures at that moment: with all ``slots`` of its workload held, one frees every
+    ``hold_ms / slots`` on average, and it waits for ``ahead + 1`` of them
+    (``expected_ms = (ahead + 1) * hold_ms / slots``). An estimate: priorities,
+    reservations and varying holds move it. ``hold_ms`` is ``None`` before any release.
     """
 
     ahead: int
@@ -116,12 +94,10 @@ class WaitEstimate:
 
     @property
     def place(self) -> int:
-        """Its place in its workload's line, counting from 1."""
         return self.ahead + 1
 
     @property
     def expected_ms(self) -> float | None:
-        """The expected wait in milliseconds, ``None`` when unknown."""
         if self.hold_ms is None or self.slots <= 0:
             return None
         return self.place * self.hold_ms / self.slots
@@ -135,14 +111,9 @@ class Duplicate:
 
 @dataclass(frozen=True, kw_only=True)
 class Parked:
-    """An outcome of :meth:`SupportsParking.acquire_or_park`: the request was parked,
-    and where it waits, for a deferral's log line.
-
-    ``limiter`` and ``workload``; ``estimate`` (:class:`WaitEstimate` when the limiter
-    gave one: ``place`` and ``expected_wait_ms`` read it); and ``waited_ms``, how long
-    the request waited before it was parked (about ``0`` when it parked at once because
-    its expected wait was long).
-    """
+    """An outcome of :meth:`SupportsParking.acquire_or_park`: the request was parked;
+    where it waits (``estimate``, when the limiter gave one) and how long it waited
+    before it parked (``waited_ms``), for a deferral's log line."""
 
     limiter: str
     workload: str
@@ -151,12 +122,10 @@ class Parked:
 
     @property
     def place(self) -> int | None:
-        """Its place in its workload's line when it joined it (``None``: unknown)."""
         return self.estimate.place if self.estimate is not None else None
 
     @property
     def expected_wait_ms(self) -> float | None:
-        """Its expected wait when it joined the line (``None``: unknown)."""
         return self.estimate.expected_ms if self.estimate is not None else None
 
 
@@ -180,12 +149,9 @@ ClaimMiss = Literal["stale", "missing"]
 
 @dataclass(frozen=True, slots=True)
 class ExpiredParked:
-    """A parked request whose deadline passed before it was granted.
-
-    It stays stored (out of line) until :meth:`ParkingStore.complete_expired_parked`,
-    so its task's failure can be recorded first. ``run_id`` is the task id and
-    ``holder_name`` the task name; ``waited_ms`` how long it was in line.
-    """
+    """A parked request whose deadline passed before it was granted; stored (out of
+    line) until :meth:`ParkingStore.complete_expired_parked`, so its task's failure is
+    recorded first. ``run_id`` is the task id, ``holder_name`` the task name."""
 
     limiter: str
     request_id: str
@@ -200,12 +166,8 @@ class ExpiredParked:
 
 @dataclass(frozen=True, slots=True)
 class LimitsConflict:
-    """A limiter whose limits in a worker's settings differ from those its fleet stored.
-
-    :param limiter: the limiter's name.
-    :param differences: each differing field with both values,
-        ``max_concurrent (stored 2, given 3)``.
-    """
+    """A limiter whose limits in a worker's settings differ from the stored ones
+    (``differences``: ``max_concurrent (stored 2, given 3)``)."""
 
     limiter: str
     differences: str
@@ -216,11 +178,8 @@ class StoredLimitsCheck(Protocol):
     """Compares a worker's limits with the stored ones before it serves anything."""
 
     def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]:
-        """The limiters of ``configs`` whose stored limits differ and that this
-        backend would refuse to create (its ``on_conflict`` policy); stores nothing.
-
-        :raises ConcurrencyLimiterError: the stored limits could not be read.
-        """
+        """The limiters of ``configs`` this backend would refuse to create (stored
+        limits differ, ``on_conflict``); stores nothing."""
         ...
 
 
@@ -269,40 +228,33 @@ class ParkingStore(Protocol):
         broker: str | None = None,
         others: set[str] | None = None,
     ) -> list[Republish]:
-        """Take the right to publish grants to parked requests, exactly one caller
-        each: those of ``lease_ids`` and any nobody published within ``stale_ms``.
-        Only those parked for ``broker`` (the caller's, an identity it was given at
-        parking) or for none; the brokers of other grants due go into ``others``."""
+        """Take the right to publish grants to parked requests, one caller each: those
+        of ``lease_ids`` and any nobody published within ``stale_ms``, parked for
+        ``broker`` or for none (other brokers with grants due go into ``others``)."""
         ...
 
     def unclaim_republish(self, items: Sequence[Republish]) -> int:
-        """Give back claimed publications that could not be sent (the broker was
-        down): the grants stay, and a later ``claim_republish`` takes them again."""
+        """Give back claimed publications that could not be sent (broker down)."""
         ...
 
     def take_expired_parked(self, *, broker: str | None = None) -> list[ExpiredParked]:
-        """Phase one of failing stale parked work: take the parked requests whose
-        deadline passed out of line and hand them to this process. They stay stored;
-        the same process gets them again at its next call until it completes them, and
-        any other process once a while has passed (the taker died). With ``broker``,
-        only those parked for it (or for none): another broker's are its workers'."""
+        """Phase one of failing stale parked work: take the expired parked requests
+        (of ``broker``, or none) out of line for this process; they stay stored, handed
+        again to it until completed, or to another once a while passed."""
         ...
 
     def complete_expired_parked(self, expired: Sequence[ExpiredParked]) -> int:
-        """Phase two: delete expired requests whose failure is recorded; return how
-        many were still stored. Idempotent under lost replies."""
+        """Phase two: delete those whose failure is recorded; idempotent."""
         ...
 
     def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
         """Call ``handler(limiter, request_ids)`` when any process grants parked
-        requests (the backend's wake-up channel)."""
+        requests."""
         ...
 
     def pass_parked_groups(self) -> list[str]:
-        """Give parked requests over several limiters their chance: no process waits
-        for them, so the sweeper asks the backend to try granting them (heads of line
-        first); returns the lease ids of parked requests granted, to re-publish with
-        :meth:`claim_republish`."""
+        """Try granting parked requests over several limiters (no process waits for
+        them); returns the lease ids granted, to re-publish."""
         ...
 
 

@@ -78,20 +78,11 @@ class RunLineage:
 class AcquireRequest:
     """One request for one slot.
 
-    :param request_id: unique per request; stable across retries of the same request
-        so a limiter can recognise it (Celery deferral re-uses it).
-    :param workload: the resolved workload name.
-    :param lineage: the run the slot is for.
-    :param timeout_ms: the run's remaining budget; the limiter waits at most
-        ``min(workload max_wait_ms, timeout_ms)``. ``None``: no run budget.
-    :param holder_name: a label for who holds the slot (e.g. the Celery task name);
-        shown in the admin, never used for decisions.
-    :param in_progress: the run already took a slot before (an agent's second call):
-        allocation serves it before new runs of its workload (see
-        :mod:`runcell_celery.allocation`).
-    :param key: the request's fairness key (a tenant): a limiter with ``fairness:
-        "round_robin"`` serves waiting requests of one workload round-robin by key.
-        ``None``: the shared keyless key.
+    ``request_id`` is stable across retries of the request (Celery deferral re-uses
+    it); ``timeout_ms`` is the run's remaining budget (the wait is at most
+    ``min(max_wait_ms, timeout_ms)``); ``holder_name`` is a label for the admin, never
+    used for decisions; ``in_progress``: the run already took a slot (allocation
+    serves it first); ``key``: the fairness key (``None``: the shared keyless key).
     """
 
     request_id: str
@@ -117,19 +108,14 @@ class AcquireRequest:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A granted slot. It stays valid for ``ttl_ms`` after the last grant or renewal.
+    """A granted slot, valid for ``ttl_ms`` after the last grant or renewal.
 
-    :param fencing_token: increases with every lease the limiter grants, so a provider
-        proxy that remembers the highest token seen can reject a stale holder.
-    :param valid_until: the latest moment (this process's monotonic clock) the lease is
-        surely still valid, computed from when the request was *sent* (or the grant
-        made) plus the TTL minus a safety margin. A hold that starts after it, or that
-        misses its renewals past it, is treated as lost. ``None``: the limiter does not
-        say (the keeper then counts the TTL from when the hold began).
-    :param waited_ms: how long the request waited for this lease, when the limiter
-        knows better than the caller: a parked request's claim answers its whole wait,
-        from its first ask (its first delivery) to the claim, in database time, where
-        the claiming delivery saw only the claim. ``None``: the caller measures.
+    ``fencing_token`` increases with every lease the limiter grants (a provider proxy
+    can reject stale holders). ``valid_until``: the latest moment (monotonic, here) the
+    lease is surely valid, counted from when the request was *sent*; past it the hold
+    is lost (``None``: counted from when the hold began). ``waited_ms``: the whole
+    wait when the limiter knows better than the caller (a parked request's claim, from
+    its first delivery); ``None``: the caller measures.
     """
 
     lease_id: str
@@ -161,11 +147,8 @@ class KeyStats:
 
 @dataclass(frozen=True, slots=True)
 class LimiterStats:
-    """Slots held and requests waiting, in total and per workload.
-
-    :param keys: for a keyed limiter asked ``stats(per_key=True)``: the keys in use,
-        busiest first; empty otherwise.
-    """
+    """Slots held and requests waiting, in total and per workload (``keys``: a keyed
+    limiter's keys in use, busiest first, when asked ``stats(per_key=True)``)."""
 
     active: int
     queued: int
@@ -175,15 +158,9 @@ class LimiterStats:
 
 @dataclass(frozen=True, slots=True)
 class QueuePlace:
-    """Where a request that must wait joined the line, as its limiter saw it then.
-
-    :param place: its place in its workload's line, counting from 1 (the requests of
-        its workload in line before it, plus one). Over several limiters, the largest
-        of its places: it is granted when every line has let it through.
-    :param expected_wait_ms: how long it is likely to wait, from the limiter's own
-        figures (see :class:`~runcell_celery.ports.WaitEstimate`); ``None`` when the
-        limiter cannot tell.
-    """
+    """Where a request that must wait joined the line: ``place`` counts from 1 in its
+    workload's line (over several limiters the largest); ``expected_wait_ms`` from the
+    limiter's figures (:class:`~runcell_celery.ports.WaitEstimate`), ``None``: unknown."""
 
     place: int
     expected_wait_ms: float | None = None
@@ -191,26 +168,15 @@ class QueuePlace:
 
 @runtime_checkable
 class OnWaitWithPlace(Protocol):
-    """An ``on_wait`` callback that can also be told the request's place in line.
+    """An ``on_wait`` callback that can also be told the request's place in line,
+    through :func:`announce_wait`, only when it wants it (a tracer records the wait):
+    finding the place costs nothing otherwise. Plain :data:`OnWait` keeps working."""
 
-    A plain :data:`OnWait` (a function of the deadline) keeps working with every
-    limiter, and a limiter that only calls ``on_wait(deadline)`` keeps working with
-    this one: the place is an addition, told through :func:`announce_wait` only to a
-    callback that has these methods and wants it now (the slot runtime wants it while a
-    tracer records the wait span), so finding the place costs nothing otherwise.
-    """
+    def __call__(self, deadline: float | None) -> None: ...
 
-    def __call__(self, deadline: float | None) -> None:
-        """The request waits (``deadline``: Unix time, ``None``: none)."""
-        ...
+    def wants_place(self) -> bool: ...
 
-    def wants_place(self) -> bool:
-        """Whether the place is worth finding for this wait."""
-        ...
-
-    def placed(self, place: QueuePlace) -> None:
-        """Where the request joined the line (told before the call with the deadline)."""
-        ...
+    def placed(self, place: QueuePlace) -> None: ...
 
 
 @runtime_checkable
@@ -231,19 +197,17 @@ class ConcurrencyLimiter(Protocol):
     ) -> Lease:
         """Wait for a slot and return its lease.
 
-        :raises ConcurrencyTimeoutError: no slot before the deadline.
-        :raises ConcurrencyQueueFullError: ``max_queued`` requests already wait.
-        :raises ConcurrencyCancelledError: ``cancel`` was set; a slot granted at the
-            same moment has been returned.
+        :raises ConcurrencyTimeoutError, ConcurrencyQueueFullError: no slot in time, or
+            ``max_queued`` requests already wait.
+        :raises ConcurrencyCancelledError: ``cancel`` was set (a slot granted at that
+            moment was returned).
         :raises ConcurrencyLimiterError: the limiter failed; no slot is held.
         """
         ...
 
     def renew(self, lease: Lease) -> Lease | None:
-        """Extend the lease; ``None`` if the limiter no longer holds it.
-
-        Raises only for transient failures (the runtime retries until expiry).
-        """
+        """Extend the lease; ``None`` if the limiter no longer holds it (raises only
+        for transient failures: the runtime retries until expiry)."""
         ...
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
@@ -297,12 +261,8 @@ class SupportsReap(Protocol):
 
 @runtime_checkable
 class SupportsKeys(Protocol):
-    """A keyed limiter (``keyed=True``): a limit per key, each key a limiter of its own.
-
-    ``key("acme")`` returns the limiter of that key (:mod:`runcell_celery.keys` checks
-    the key and names it ``"<limiter>:<key>"``); the keyed limiter itself holds no slots,
-    so a slot names one of its keys, never the keyed limiter.
-    """
+    """A keyed limiter: ``key("acme")`` is the limiter of that key, named
+    ``"<limiter>:<key>"``; the keyed limiter itself holds no slots."""
 
     def key(self, key: str) -> ConcurrencyLimiter: ...
 
@@ -319,18 +279,12 @@ class Member:
 
 @runtime_checkable
 class SupportsMembers(Protocol):
-    """Grants one request over several members of this backend, all or none.
-
-    Asked through the first member's limiter; leases come in the members' order and are
-    renewed and released one by one by their own limiter. A member that lacks room
-    holds nothing in the others (:func:`runcell_celery.allocation.allocate_members`).
-    A limiter without it is a one-member backend: the runtime asks its ``acquire``.
-
-    :raises ConcurrencyConfigError: a member this backend cannot hold with the others.
-    :raises ConcurrencyTimeoutError, ConcurrencyQueueFullError,
-        ConcurrencyCancelledError, ConcurrencyLimiterError: as
-        :meth:`ConcurrencyLimiter.acquire`; no slot is held.
-    """
+    """Grants one request over members of this backend, all or none, asked through
+    the first member's limiter; leases in the members' order, each renewed and
+    released by its own limiter. A member lacking room holds nothing in the others
+    (:func:`~runcell_celery.allocation.allocate_members`). A limiter without it is a
+    one-member backend (the runtime asks its ``acquire``). Raises as ``acquire``, and
+    ``ConcurrencyConfigError`` for a member it cannot hold with the others."""
 
     def acquire_members(
         self,
@@ -367,11 +321,8 @@ _ability_cache: dict[tuple[type, type], bool] = {}
 
 
 def supports(limiter: object, ability: type) -> bool:
-    """``isinstance(limiter, ability)`` for a runtime-checkable ability, cached per class.
-
-    ``isinstance`` against a protocol inspects every member on each call; a limiter's
-    class does not change its abilities, so the answer is remembered.
-    """
+    """``isinstance(limiter, ability)``, cached per class: a protocol check inspects
+    every member on each call, and a class does not change its abilities."""
     key = (type(limiter), ability)
     found = _ability_cache.get(key)
     if found is None:
@@ -384,13 +335,8 @@ def announce_wait(
     deadline: float | None,
     place: Callable[[], QueuePlace | None] | None = None,
 ) -> None:
-    """Tell ``on_wait`` that a request waits: for a limiter to call once it queued one.
-
-    :param deadline: the wait's deadline, Unix time (``None``: no deadline).
-    :param place: finds the request's :class:`QueuePlace` (``None`` inside: unknown).
-        Called only when ``on_wait`` is an :class:`OnWaitWithPlace` that wants it, so a
-        limiter may count its line there; a plain callback gets the deadline alone.
-    """
+    """Tell ``on_wait`` that a request waits (``deadline``: Unix time); ``place``
+    finds its :class:`QueuePlace`, called only when ``on_wait`` wants it."""
     if on_wait is None:
         return
     if place is not None and wants_place(on_wait):
@@ -401,8 +347,7 @@ def announce_wait(
 
 
 def wants_place(on_wait: OnWait | None) -> bool:
-    """Whether ``on_wait`` is an :class:`OnWaitWithPlace` that wants the place now: for a
-    limiter that must ask for more to learn it (it is asked again at the wait)."""
+    """Whether ``on_wait`` is an :class:`OnWaitWithPlace` that wants the place now."""
     return (
         on_wait is not None
         and supports(on_wait, OnWaitWithPlace)
@@ -412,9 +357,7 @@ def wants_place(on_wait: OnWait | None) -> bool:
 
 @runtime_checkable
 class RunAdmission(Protocol):
-    """What a run carries to admit its first slot before its body runs, as the run sees
-    it (:class:`~runcell_celery.admission.Admission` is the one implementation): the
-    run only hands it to its child runs and ends it."""
+    """What a run carries to admit its first slot before its body runs
+    (:class:`~runcell_celery.admission.Admission`); the run only ends it."""
 
-    def end(self, exc: BaseException | None) -> None:
-        """The run ended (``exc``: what its body raised)."""
+    def end(self, exc: BaseException | None) -> None: ...

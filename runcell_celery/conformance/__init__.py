@@ -24,8 +24,8 @@ Two more suites, for limiters with more abilities, run the same way:
   also receives ``keyed=True`` and must return a keyed limiter
   (:class:`~runcell_celery.protocol.SupportsKeys`) that reports its keys like the
   built-in ones (``key_stats()``, ``keys_in_use()``, ``stats(per_key=True)``).
-* :func:`several_limiters_conformance_cases`: for a backend that holds one request
-  over several of its limiters (:class:`~runcell_celery.protocol.SupportsSeveral`);
+* :func:`members_conformance_cases`: for a backend that holds one request
+  over several of its limiters (:class:`~runcell_celery.protocol.SupportsMembers`);
   its cases name a key's limiter too, so the backend needs keys as well.
 """
 
@@ -36,14 +36,14 @@ from typing import Any
 
 from ._core import core_cases
 from ._keys import keyed_cases
-from ._several import several_cases
+from ._members import members_cases
 from ._support import ConformanceCase
 
 __all__ = [
     "ConformanceCase",
     "concurrency_conformance_cases",
     "keyed_conformance_cases",
-    "several_limiters_conformance_cases",
+    "members_conformance_cases",
 ]
 
 
@@ -69,20 +69,16 @@ def keyed_conformance_cases(create_limiter: Callable[..., Any]) -> list[Conforma
     return list(keyed_cases(create_limiter))
 
 
-def several_limiters_conformance_cases(
-    create_limiter: Callable[..., Any],
-) -> list[ConformanceCase]:
+def members_conformance_cases(create_limiter: Callable[..., Any]) -> list[ConformanceCase]:
     """Return the named cases a backend that holds one request over several of its
-    limiters (:class:`~runcell_celery.protocol.SupportsSeveral`) must pass.
+    limiters (:class:`~runcell_celery.protocol.SupportsMembers`) must pass.
 
-    Requests go through ``acquire_several`` and through ``slot(a, b)``. One case holds a
+    Requests go through ``acquire_members`` and through ``slot(a, b)``. One case holds a
     key's limiter with an ordinary one, so ``create_limiter`` is also called with
-    ``keyed=True`` (as for :func:`keyed_conformance_cases`). The in-memory limiter runs
-    them; the PostgreSQL backend will once it holds several limiters together (until
-    then it refuses them with ``ConcurrencyConfigError``).
+    ``keyed=True`` (as for :func:`keyed_conformance_cases`).
 
     :param create_limiter: as for :func:`concurrency_conformance_cases`; the limiters
         it returns within one case are of one backend (one database), each with a name
         of its own (``slot()`` refuses two limiters of one name).
     """
-    return list(several_cases(create_limiter))
+    return list(members_cases(create_limiter))

@@ -13,7 +13,7 @@ from runcell_celery.conformance import (
     ConformanceCase,
     concurrency_conformance_cases,
     keyed_conformance_cases,
-    several_limiters_conformance_cases,
+    members_conformance_cases,
 )
 
 _numbers = itertools.count(1)
@@ -29,7 +29,7 @@ def create(**options: Any) -> ConcurrencyLimiter:
 
 CASES = concurrency_conformance_cases(create)
 KEYED_CASES = keyed_conformance_cases(create)
-SEVERAL_CASES = several_limiters_conformance_cases(create)
+SEVERAL_CASES = members_conformance_cases(create)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)

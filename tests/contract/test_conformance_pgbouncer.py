@@ -23,7 +23,7 @@ from runcell_celery.config import limiter_config
 from runcell_celery.conformance import (
     concurrency_conformance_cases,
     keyed_conformance_cases,
-    several_limiters_conformance_cases,
+    members_conformance_cases,
 )
 from runcell_celery.ports import Parked
 from runcell_celery.postgres import (
@@ -38,7 +38,7 @@ from tests.support.pgbouncer import POOL_SIZE, PgBouncer, run_pgbouncer
 CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
 KEYED_CASE_NAMES = [case.name for case in keyed_conformance_cases(lambda **options: None)]
 SEVERAL_CASE_NAMES = [
-    case.name for case in several_limiters_conformance_cases(lambda **options: None)
+    case.name for case in members_conformance_cases(lambda **options: None)
 ]
 
 #: A case in which requests wait and are granted by another request's release.
@@ -106,7 +106,7 @@ def test_postgres_limiters_held_together_conform_through_a_transaction_pooler(
     pgbouncer_dsn: str, name: str
 ) -> None:
     factory = _factory(pgbouncer_dsn, listen=False)
-    cases = {case.name: case for case in several_limiters_conformance_cases(factory)}
+    cases = {case.name: case for case in members_conformance_cases(factory)}
     cases[name].run()
 
 

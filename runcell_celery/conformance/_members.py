@@ -1,5 +1,5 @@
 """The cases of a backend that holds several limiters in one slot
-(:func:`~runcell_celery.conformance.several_limiters_conformance_cases`)."""
+(:func:`~runcell_celery.conformance.members_conformance_cases`)."""
 
 # Test code shipped in the package: it asserts on the exceptions it catches.
 
@@ -24,10 +24,11 @@ from ..protocol import (
     ConcurrencyLimiter,
     KeyStats,
     Lease,
+    Member,
     OnWait,
     Outcome,
     RunLineage,
-    SupportsSeveral,
+    SupportsMembers,
 )
 from ..slot import slot
 from ._keys import ReportsKeys, assert_no_key_in_use, keyed_limiter
@@ -49,7 +50,7 @@ HOLD_S = 0.02
 SLACK_S = 1.0
 
 
-def several_requests(
+def member_requests(
     limiters: Sequence[ConcurrencyLimiter],
     workloads: Sequence[str] | None = None,
     timeout_ms: float | None = None,
@@ -65,7 +66,7 @@ def several_requests(
     ]
 
 
-def acquire_several(
+def acquire_members(
     limiters: Sequence[ConcurrencyLimiter],
     requests: Sequence[AcquireRequest] | None = None,
     *,
@@ -74,11 +75,12 @@ def acquire_several(
     on_wait: OnWait | None = None,
 ) -> Sequence[Lease]:
     first = limiters[0]
-    assert isinstance(first, SupportsSeveral), (
-        f"{first!r} cannot hold one request over several limiters (no acquire_several)"
+    assert isinstance(first, SupportsMembers), (
+        f"{first!r} cannot hold one request over several limiters (no acquire_members)"
     )
-    asked = requests or several_requests(limiters, timeout_ms=timeout_ms)
-    leases = first.acquire_several(limiters, asked, cancel=cancel, on_wait=on_wait)
+    asked = requests or member_requests(limiters, timeout_ms=timeout_ms)
+    members = [Member(x, r) for x, r in zip(limiters, asked, strict=True)]
+    leases = first.acquire_members(members, cancel=cancel, on_wait=on_wait)
     names = [lease.limiter for lease in leases]
     assert names == [x.name for x in limiters], f"leases of {names}, in the wrong order?"
     return leases
@@ -150,7 +152,7 @@ class Foreign:
         return None
 
 
-def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
+def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def case(func: Callable[[], None]) -> Callable[[], None]:
         cases.append(ConformanceCase(func.__name__, func))
         return func
@@ -158,13 +160,13 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     cases: list[ConformanceCase] = []
 
     @case
-    def a_request_over_several_limiters_holds_none_while_it_waits() -> None:
+    def a_request_over_many_limiters_holds_none_while_it_waits() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
             waiting = start_waiting(
                 pool,
-                lambda on_wait: acquire_several([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
+                lambda on_wait: acquire_members([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
                 "a and b",
             )
             time.sleep(0.05)  # time to take a's slot early, if it would
@@ -176,7 +178,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_idle(a, b)
 
     @case
-    def a_young_request_over_several_limiters_holds_no_room_and_ages_within_its_bound() -> None:
+    def a_young_request_over_many_limiters_holds_no_room_and_ages_within_its_bound() -> None:
         """``[a, b]`` waits on ``b``: ``a`` alone is granted at once; then, with three
         threads churning ``a`` and ``b`` freed, ``[a, b]`` is granted within
         ``GROUP_AGEING_MS`` + one hold of ``a`` (+ slack)."""
@@ -193,7 +195,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(3) as churners:
             waiting = start_waiting(
                 pool,
-                lambda on_wait: acquire_several([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
+                lambda on_wait: acquire_members([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
                 "a and b",
             )
             began = time.monotonic()
@@ -223,13 +225,13 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_idle(a, b)
 
     @case
-    def several_limiters_are_granted_together_once_the_last_frees() -> None:
+    def many_limiters_are_granted_together_once_the_last_frees() -> None:
         a, b, c = (create(max_concurrent=1) for _ in range(3))
         held_b, held_c = b.acquire(new_request()), c.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
             waiting = start_waiting(
                 pool,
-                lambda on_wait: acquire_several([a, b, c], timeout_ms=WAIT_MS, on_wait=on_wait),
+                lambda on_wait: acquire_members([a, b, c], timeout_ms=WAIT_MS, on_wait=on_wait),
                 "a, b, c",
             )
             b.release(held_b)
@@ -243,7 +245,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 assert_times_out(limiter, "the request over all three holds its slot")
             release_all([a, b, c], leases)
         assert_idle(a, b, c)
-        again = acquire_several([c, a, b], timeout_ms=SOON_S * 1000)
+        again = acquire_members([c, a, b], timeout_ms=SOON_S * 1000)
         release_all([c, a, b], again)
         assert_idle(a, b, c)
 
@@ -270,7 +272,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_idle(first, second)
 
     @case
-    def single_and_several_requests_keep_every_limit_under_threads() -> None:
+    def single_and_member_requests_keep_every_limit_under_threads() -> None:
         a, b = create(max_concurrent=2), create(max_concurrent=3)
         witness = Witness()
         shapes: list[list[ConcurrencyLimiter]] = [[a, b], [b, a], [a], [b]]
@@ -301,13 +303,13 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             if isinstance(tenants, ReportsKeys):
                 assert list(tenants.key_stats()) == [KeyStats("acme", 1, 0)]
             try:  # the key's limit applies to a request over both
-                leases = acquire_several([provider, acme], timeout_ms=50)
+                leases = acquire_members([provider, acme], timeout_ms=50)
             except ConcurrencyTimeoutError:
                 pass
             else:
                 release_all([provider, acme], leases)
                 raise AssertionError("a second slot of a key with max_concurrent=1")
-            other = acquire_several([provider, tenants.key("globex")], timeout_ms=1000)
+            other = acquire_members([provider, tenants.key("globex")], timeout_ms=1000)
             release_all([provider, tenants.key("globex")], other)
         try:
             with slot(provider, tenants):
@@ -318,14 +320,14 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_no_key_in_use(tenants)
 
     @case
-    def cancelling_a_request_for_several_limiters_leaves_nothing_held() -> None:
+    def cancelling_a_request_for_many_limiters_leaves_nothing_held() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
         cancel = CancellationToken()
         with ThreadPoolExecutor(1) as pool:
             waiting = start_waiting(
                 pool,
-                lambda on_wait: acquire_several(
+                lambda on_wait: acquire_members(
                     [a, b], timeout_ms=WAIT_MS, cancel=cancel, on_wait=on_wait
                 ),
                 "a and b",
@@ -341,15 +343,15 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         stats = stats_of(b)
         assert stats is None or (stats.active, stats.queued) == (1, 0), f"b: {stats}"
         b.release(held)
-        release_all([a, b], acquire_several([a, b], timeout_ms=1000))
+        release_all([a, b], acquire_members([a, b], timeout_ms=1000))
         assert_idle(a, b)
 
     @case
-    def a_request_for_several_limiters_times_out_holding_nothing() -> None:
+    def a_request_for_many_limiters_times_out_holding_nothing() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
         try:
-            leases = acquire_several([a, b], timeout_ms=100)
+            leases = acquire_members([a, b], timeout_ms=100)
         except ConcurrencyTimeoutError as exc:
             assert exc.limiter in (a.name, b.name), f"the timeout names {exc.limiter!r}"
         else:
@@ -361,7 +363,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_idle(a, b)
 
     @case
-    def cancel_at_the_moment_of_a_grant_over_several_limiters_leaks_no_slot() -> None:
+    def cancel_at_the_moment_of_a_grant_over_many_limiters_leaks_no_slot() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         with ThreadPoolExecutor(2) as pool:
             for _ in range(20):
@@ -369,7 +371,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 cancel = CancellationToken()
 
                 def acquire(on_wait: OnWait, token: CancellationToken = cancel) -> Sequence[Lease]:
-                    return acquire_several(
+                    return acquire_members(
                         [a, b], timeout_ms=WAIT_MS, cancel=token, on_wait=on_wait
                     )
 
@@ -383,7 +385,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                     pass
                 else:
                     release_all([a, b], leases)  # granted before the cancel was seen
-                again = acquire_several([a, b], timeout_ms=SOON_S * 1000)
+                again = acquire_members([a, b], timeout_ms=SOON_S * 1000)
                 release_all([a, b], again)
         assert_idle(a, b)
 
@@ -395,8 +397,8 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         with ThreadPoolExecutor(1) as pool:
             waiting = start_waiting(
                 pool,
-                lambda on_wait: acquire_several(
-                    [a, b], several_requests([a, b], ["batch", "default"], WAIT_MS), on_wait=on_wait
+                lambda on_wait: acquire_members(
+                    [a, b], member_requests([a, b], ["batch", "default"], WAIT_MS), on_wait=on_wait
                 ),
                 "batch in a, default in b",
             )
@@ -412,7 +414,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         a, b = create(max_concurrent=1), create(max_concurrent=1, max_queued=0)
         held = b.acquire(new_request())
         try:
-            leases = acquire_several([a, b], timeout_ms=1000)
+            leases = acquire_members([a, b], timeout_ms=1000)
         except ConcurrencyQueueFullError as exc:
             assert exc.limiter == b.name, f"the error names {exc.limiter!r}, not b"
         else:
@@ -427,7 +429,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         a = create(max_concurrent=1)
         foreign = Foreign()
         try:
-            leases = acquire_several([a, foreign], timeout_ms=1000)
+            leases = acquire_members([a, foreign], timeout_ms=1000)
         except ConcurrencyConfigError as exc:
             assert foreign.name in str(exc), f"the error does not name the limiter: {exc}"
         else:
