@@ -225,7 +225,7 @@ def _attributes(asked: SlotRequest) -> dict[str, AttributeValue]:
     request = asked.request
     names = list(asked.names())
     workloads = [r.workload for r in asked.requests]
-    if asked.several:
+    if len(asked.limiters) > 1:
         key = asked.key
     else:
         key = request.key if request.key is not None else default_key((asked.limiter,))
