@@ -1,23 +1,13 @@
 """Runs: the unit that owns a time budget, a cancellation and a place in a run tree.
 
-A run is an agent run (README, "A slot around each provider call"); in Celery, one
-task execution. It lives in
-a :mod:`contextvars` variable, so it follows threads started with ``copy_context`` and
-every asyncio task, and :func:`slot` reads its limiter, workload, deadline and
-cancellation from it.
-
-A run started inside another is a child (README, "Celery": child tasks). It inherits:
-
-* the parent's limiter or limiters, unless it names *different* ones (then it uses
-  those and its own workload);
-* the parent's fairness key, unless it gives one;
-* the parent's workload, unless it selects one with ``workload=``. Its own
-  ``default_workload`` (what a Celery task declares) does not replace the parent's,
-  so nesting cannot move work to another workload by accident;
-* the parent's cancellation and remaining time budget: a child never outlives it;
-* the parent's :class:`~runcell_celery.admission.Admission`: the first slot any run of
-  the tree asks for in this process adopts (or gives back) a slot admitted before the
-  parent's body ran.
+A run (an agent run; in Celery, one task execution) lives in a :mod:`contextvars`
+variable, so it follows threads started with ``copy_context`` and every asyncio task;
+:func:`slot` reads its limiters, workload, deadline and cancellation from it. A run
+started inside another is a child: it inherits the parent's limiters (unless it names
+*different* ones, then with its own workload), key, workload (its own
+``default_workload`` does not replace the parent's, so nesting cannot move work to
+another workload by accident), cancellation, remaining budget (a child never outlives
+its parent) and :class:`~runcell_celery.admission.Admission`.
 """
 
 from __future__ import annotations
@@ -64,20 +54,10 @@ class RunProgress:
 
 @dataclass(frozen=True, slots=True)
 class RunContext:
-    """The run a piece of code belongs to.
-
-    :param deadline: when the budget ends, or ``None`` for no budget.
-    :param cancel: cancels the run and every child; ``None`` if nobody can cancel it.
-    :param name: a label for the run (the Celery task name), shown as the holder.
-    :param admission: the run's first-slot admission (shared with its child runs);
-        its pre-admitted slot waits there for the first ``slot()``.
-    :param limiters: every limiter the run's slots take a slot in (``slot()`` with no
-        limiter holds one in each, together); empty when none. ``limiter`` is the
-        first (or ``None``), for code that reads one.
-    :param key: the run's fairness key (a tenant) for its slots' requests.
-    :param workload: the workload the run selects; with several limiters it applies in
-        each that has it, the limiter's default in the others.
-    """
+    """The run a piece of code belongs to: ``limiters`` its slots take a slot in
+    (``limiter`` the first, or ``None``), the ``workload`` it selects, its fairness
+    ``key``, ``deadline`` and ``cancel`` (``None``: none), ``name`` (shown as the
+    holder) and the first-slot ``admission`` it shares with its children."""
 
     run_id: str
     root_run_id: str
@@ -108,8 +88,7 @@ class RunContext:
         return None if self.deadline is None else self.deadline.remaining_ms()
 
     def deadline_timestamp(self) -> float | None:
-        """The deadline as a Unix timestamp, for display and for carrying it to another
-        process; nothing in this process decides by it."""
+        """The deadline as a Unix timestamp, to show or carry to another process."""
         return None if self.deadline is None else self.deadline.to_unix()
 
 
@@ -187,37 +166,25 @@ def _check_arguments(**given: Any) -> None:
 class run:  # noqa: N801 - a context manager named like the thing it opens
     """Start a run (sync ``with`` or ``async with``); nested inside another, a child run.
 
-    :param limiter: limiter for the run's slots, or a sequence of limiters: each slot
-        then holds one slot in every one of them, granted together (README, "Several
-        limits and keys"); a child without one uses its parent's.
+    :param limiter: a limiter, or a sequence of limiters (each slot then holds one in
+        every one, granted together); a child without one uses its parent's.
     :param workload: the workload this run *selects* (always wins).
-    :param default_workload: the workload of the code starting the run (e.g. the
-        task's declared one); used only when neither the run nor its parent selects one.
-    :param timeout_ms: total budget, counted from entering the run; slot waits count
-        against it. A child's budget is cut to its parent's remaining one. ``None``
-        means no budget (of its own).
-    :param deadline: an absolute deadline (combined with ``timeout_ms`` and the
-        parent's; the earliest wins).
-    :param deadline_at: the same as a Unix timestamp, for a budget carried from another
-        process; converted to a :class:`~runcell_celery.deadline.Deadline` once, here.
-    :param cancel: a token that cancels this run (its parent's still applies).
-    :param run_id: the run id (defaults to a new UUID); Celery passes the task id.
-    :param root_run_id: with ``parent_run_id``, the lineage when the parent lives in
-        another process (Celery headers); otherwise taken from the enclosing run.
+    :param default_workload: used only when neither the run nor its parent selects one
+        (e.g. the task's declared one).
+    :param timeout_ms: total budget from entering the run, slot waits included; cut to
+        the parent's remaining one. ``deadline`` (or ``deadline_at``, Unix time, for a
+        budget carried from another process) combines with it: the earliest wins.
+    :param cancel: cancels this run (its parent's still applies).
+    :param run_id: default: a new UUID (Celery passes the task id); ``root_run_id``
+        and ``parent_run_id`` give the lineage when the parent is in another process.
     :param name: a label for the run, shown as the slot holder.
-    :param admission: how the run's first slot was admitted, and the slot admitted
-        before the run's body until a slot adopts it (see
-        :mod:`runcell_celery.admission`); a child run without one shares its parent's.
-    :param key: the fairness key of the run's slot requests (a tenant); a child without
-        one uses its parent's. Defaults, per request, to the key of a key's limiter the
-        request names.
-    :raises ConcurrencyConfigError: the workload does not exist, or the limiter has
-        several workloads, no default and none was selected; limiters that cannot be
-        held together. Raised at once, before anything waits. Also at once, naming the
-        argument and the value, for an argument of the wrong kind or shape (a limiter
-        that is not one, a blank name, id or workload, a key
-        :func:`~runcell_celery.keys.check_fair_key` refuses, a budget that is not a
-        non-negative number, a ``deadline_at`` that is not a finite Unix time).
+    :param admission: how the run's first slot was admitted (a child shares its
+        parent's; see :mod:`runcell_celery.admission`).
+    :param key: the fairness key of the run's slot requests (a child uses its
+        parent's by default).
+    :raises ConcurrencyConfigError: at once, before anything waits: an unknown
+        workload, no default and none selected, limiters that cannot be held together,
+        or an argument of the wrong kind or shape (naming it and its value).
     """
 
     def __init__(

@@ -50,25 +50,14 @@ E = TypeVar("E", bound=ConcurrencyError)
 
 
 class SlotRequest:
-    """One resolved slot request: what to ask, of which limiters, for which run.
+    """One resolved slot request: its ``members`` (``limiters`` and ``requests``, one
+    request id, run and key; one limiter is a group of one), granted all together;
+    ``limiter`` and ``request`` are the first's. ``run`` is ``None`` outside any run.
 
-    A request over one limiter is a request over a group of one: ``limiters`` and
-    ``requests`` are all of them, in the order given (one request per limiter, all with
-    one request id, run and key), granted all together or not at all; ``limiter`` and
-    ``request`` are the first one's (what errors and one-limiter listeners read).
-
-    :param run: the run the slot belongs to; ``None`` outside any run (the slot is
-        then a one-slot run of its own: its run id is its request id).
-    :param limiters: the limiters to ask.
-    :param requests: the request to send each.
-
-    It is also the limiter's ``on_wait`` for its request (an
-    :class:`~runcell_celery.protocol.OnWaitWithPlace`): called, it emits
-    ``wait-started``; told the request's place in line, it keeps it in ``place`` for
-    the wait span (asked for only while a tracer records spans).
-
-    A plain slotted class rather than a frozen dataclass: one is built per slot, on
-    the hot path, and a frozen dataclass pays an ``object.__setattr__`` per field.
+    It is also the limiter's ``on_wait`` (an
+    :class:`~runcell_celery.protocol.OnWaitWithPlace`): it emits ``wait-started`` and
+    keeps the place in line for the wait span. A plain slotted class, not a frozen
+    dataclass: one is built per slot, on the hot path.
     """
 
     __slots__ = ("limiter", "limiters", "members", "place", "request", "requests", "run")
@@ -119,17 +108,14 @@ class SlotRequest:
     __call__ = wait_started
 
     def wants_place(self) -> bool:
-        """Whether the limiter should find the request's place: only for a wait span
-        (finding it may mean counting a line)."""
+        """Only for a wait span (finding the place may mean counting a line)."""
         return current_tracer() is not None
 
     def placed(self, place: QueuePlace) -> None:
-        """The limiter's answer to :meth:`wants_place`: where the request joined the line."""
         self.place = place
 
     def event(self, type_: EventType, **extra: Any) -> None:
-        """Emit an event about this request (nothing to build when nobody listens);
-        one over several limiters names them all (``limiters``)."""
+        """Emit an event about this request (over several limiters naming them all)."""
         if not has_listeners():
             return
         request = self.request
@@ -245,35 +231,9 @@ def report_refusal(
     limiters: tuple[str, ...] | None = None,
     key: str | None = None,
 ) -> None:
-    """Emit the event for a request :func:`build_request` refused (over several
-    limiters, with their ``limiters`` and ``key``) (none without a limiter: there is no
-    limiter to report it under)."""
-    if error.limiter is None or not has_listeners():
-        return
-    extra: dict[str, Any]
-    if isinstance(error, ConcurrencyConfigError):
-        type_: EventType = "config-error"
-        extra = {"error": describe_error(error)}
-    elif isinstance(error, ConcurrencyCancelledError):
-        type_, extra = "wait-cancelled", {"wait_ms": 0.0}
-    else:
-        type_, extra = "timed-out", {"wait_ms": 0.0}
-    emit(
-        ConcurrencyEvent(
-            type=type_,
-            limiter=error.limiter,
-            workload=error.workload,
-            run_id=error.run_id,
-            root_run_id=error.root_run_id,
-            parent_run_id=error.parent_run_id,
-            request_id=error.request_id,
-            timestamp=time.time(),
-            holder_name=holder_name,
-            limiters=limiters,
-            key=key,
-            **extra,
-        )
-    )
+    """Emit the event for a request :func:`build_request` refused (none without a
+    limiter: there is no limiter to report it under)."""
+    report_failure(error, limiter=None, holder_name=holder_name, limiters=limiters, key=key)
 
 
 def failure_event_type(error: ConcurrencyError) -> EventType:
@@ -303,14 +263,14 @@ def report_failure(
     run_id: str | None = None,
     root_run_id: str | None = None,
     parent_run_id: str | None = None,
+    key: str | None = None,
 ) -> EventType | None:
     """Emit the event of a run that stopped with ``error`` *before* it asked for a slot
-    (its first start, its options, its headers): a slot's own failures emit theirs.
+    (its first start, its options, its headers, or a refused request).
 
-    ``limiter``, ``workload`` and the run lineage name what the run was to use, and
-    which run it was, when the error names none (a limiter that could not be built
-    knows no run). Returns the event's type, or ``None`` when none was emitted (nobody listens,
-    or there is no limiter to report it under).
+    ``limiter``, ``workload`` and the lineage name what the run was to use when the
+    error names none. Returns the event's type, or ``None`` when none was emitted
+    (nobody listens, or there is no limiter to report it under).
     """
     name = limiter or error.limiter
     if name is None or not has_listeners():
@@ -333,6 +293,7 @@ def report_failure(
             request_id=error.request_id,
             timestamp=time.time(),
             holder_name=holder_name,
+            key=key,
             **extra,
         )
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ..cancellation import CancellationToken
@@ -19,6 +19,7 @@ from ..errors import (
 )
 from ._support import (
     SOON_S,
+    Cases,
     ConformanceCase,
     CreateLimiter,
     Queued,
@@ -29,11 +30,7 @@ from ._support import (
 
 
 def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
-    def case(func: Callable[[], None]) -> Callable[[], None]:
-        cases.append(ConformanceCase(func.__name__, func))
-        return func
-
-    cases: list[ConformanceCase] = []
+    case = cases = Cases()
 
     @case
     def grants_up_to_max_concurrent_then_times_out() -> None:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -16,6 +16,7 @@ from ..slot import slot
 from ._support import (
     SOON_S,
     WAIT_MS,
+    Cases,
     ConformanceCase,
     CreateLimiter,
     Queued,
@@ -73,11 +74,7 @@ def assert_no_key_in_use(keyed: Keyed) -> None:
 
 
 def keyed_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
-    def case(func: Callable[[], None]) -> Callable[[], None]:
-        cases.append(ConformanceCase(func.__name__, func))
-        return func
-
-    cases: list[ConformanceCase] = []
+    case = cases = Cases()
 
     @case
     def each_key_has_its_own_limit() -> None:

@@ -35,6 +35,7 @@ from ._keys import ReportsKeys, assert_no_key_in_use, keyed_limiter
 from ._support import (
     SOON_S,
     WAIT_MS,
+    Cases,
     ConformanceCase,
     CreateLimiter,
     assert_idle,
@@ -153,11 +154,7 @@ class Foreign:
 
 
 def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
-    def case(func: Callable[[], None]) -> Callable[[], None]:
-        cases.append(ConformanceCase(func.__name__, func))
-        return func
-
-    cases: list[ConformanceCase] = []
+    case = cases = Cases()
 
     @case
     def a_request_over_many_limiters_holds_none_while_it_waits() -> None:

@@ -42,6 +42,14 @@ class ConformanceCase:
     run: Callable[[], None]
 
 
+class Cases(list[ConformanceCase]):
+    """A decorator collecting the cases it decorates, named after their function."""
+
+    def __call__(self, func: Callable[[], None]) -> Callable[[], None]:
+        self.append(ConformanceCase(func.__name__, func))
+        return func
+
+
 def new_request(workload: str = "default", timeout_ms: float | None = None) -> AcquireRequest:
     request_id = new_request_id()
     return AcquireRequest(
