@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
+from dataclasses import replace
 from typing import Any, LiteralString
 
 import psycopg
@@ -57,7 +58,6 @@ from ..protocol import (
     OnWait,
     Outcome,
     QueuePlace,
-    WorkloadStats,
     announce_wait,
     wants_place,
 )
@@ -77,11 +77,17 @@ from .calls import (
 )
 from .connection import Database
 from .engine import Engine, HasEngine
-from .keyed import PURGE_BATCH, KeySet
+from .keyed import PURGE_BATCH, KeySet, counted_stats
 from .options import OnConflict, PostgresOptions
 from .parking import ParkRule
-from .registration import Stored, config_hash, store_limits
-from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
+from .registration import (
+    Stored,
+    StoredLimits,
+    announce_stored_limits,
+    config_hash,
+    read_stored_limits,
+    store_limits,
+)
 from .waiting import Waiter, WaitRoom
 
 __all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
@@ -112,25 +118,6 @@ def member_id(request_id: str, limiter: str, members: int) -> str:
 class _Asked:
     """One request over its members (in lock order) while it is asked for and waits."""
 
-    __slots__ = (
-        "cancel",
-        "deadline",
-        "estimate",
-        "ids",
-        "last_pass",
-        "limiters",
-        "lines",
-        "order",
-        "park",
-        "requests",
-        "sent",
-        "settled",
-        "wait_ms",
-        "waiters",
-        "with_lines",
-        "workloads",
-    )
-
     def __init__(
         self,
         limiters: list[PostgresConcurrencyLimiter],
@@ -141,7 +128,10 @@ class _Asked:
         park: ParkRule | None,
     ) -> None:
         self.limiters = limiters
+        self.names = [x.name for x in limiters]
+        self.several = len(limiters) > 1
         self.requests = requests
+        self.lead = requests[0]
         self.workloads = workloads
         #: Where each member stands in the caller's order.
         self.order = order
@@ -164,20 +154,8 @@ class _Asked:
         self.settled = False
 
     @property
-    def lead(self) -> AcquireRequest:
-        return self.requests[0]
-
-    @property
     def request_id(self) -> str:
-        return self.requests[0].request_id
-
-    @property
-    def names(self) -> list[str]:
-        return [x.name for x in self.limiters]
-
-    @property
-    def several(self) -> bool:
-        return len(self.limiters) > 1
+        return self.lead.request_id
 
     def remaining_ms(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline.remaining_ms())
@@ -228,12 +206,7 @@ class _Asked:
         return self.limiters[i], self.requests[i], self.workloads[i]
 
     def for_caller(self, result: _Result) -> _Result:
-        if not isinstance(result, tuple):
-            return result
-        out: list[Lease] = list(result)
-        for position, lease in zip(self.order, result, strict=True):
-            out[position] = lease
-        return tuple(out)
+        return _for_caller(self.order, result) if isinstance(result, tuple) else result
 
 
 class PostgresConcurrencyLimiter(ConfiguredLimiter):
@@ -271,7 +244,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     @property
     def engines(self) -> HasEngine:
-        """Its backend: gives each process its engine."""
+        """Its backend, which gives each process its engine."""
         return self._engines
 
     @property
@@ -320,15 +293,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return self._hash
 
     @property
-    def parked_granted_handler(self) -> Callable[[list[str]], None] | None:
-        return self._on_parked_granted
-
-    @property
     def given_config(self) -> LimiterConfig:
         """The limits this limiter was created with (``config`` is what it works on)."""
         return self._given
 
-    # -- the stored limits (on_conflict="use_stored", :mod:`.stored_limits`) --------------
+    # -- the stored limits (on_conflict="use_stored", :mod:`.registration`) --------------
 
     def use_stored_limits(self, request: AcquireRequest | None = None) -> bool:
         """Take the limits stored in the database as this limiter's own, after an
@@ -440,8 +409,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         try:
             stored = persist(patience, attempt)
             if stored.adopted is not None:
-                adopted, adopted_hash = stored.adopted
-                self._take(StoredLimits(config=adopted, config_hash=adopted_hash), None)
+                self._take(stored.adopted, None)
             if stored.allocated:
                 # New limits granted waiting requests: their processes were notified;
                 # parked tasks and requests over several limiters are ours to move on.
@@ -499,20 +467,12 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         on_wait: OnWait | None = None,
     ) -> _Result:
         """Wait for the slots while waiting is cheaper than parking, then park the
-        request (see :class:`~runcell_celery.ports.SupportsParking`).
+        request (:class:`~runcell_celery.ports.SupportsParking`). A one-limiter request
+        whose expected wait (its place and the mean hold, from its acquire's answer)
+        exceeds ``defer_after_ms`` parks at once. Parked, it keeps its place in every
+        line with ``payload`` (carried by the first member in name order) and is
+        re-published once all its slots are granted (:mod:`~.parking`).
 
-        By default the rule decides: a one-limiter request whose expected wait (from
-        its acquire's answer: its place and the mean hold) exceeds ``defer_after_ms``
-        parks at once; any other waits up to ``defer_after_ms`` and then parks. An
-        explicit ``admission_wait_ms`` replaces the rule. A parked request keeps its
-        place in every line with ``payload`` (the first member in name order carries
-        it) and no process waiting for it; when all its slots are granted its message
-        is re-published (:mod:`~.parking`) by a publisher of ``broker`` and the task
-        takes the leases with :meth:`claim_parked`.
-
-        :returns: the leases (members' order); :class:`~runcell_celery.ports.Parked`;
-            or :class:`~runcell_celery.ports.Duplicate` (already parked and granted:
-            another delivery of the same task owns it).
         :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
             not a duration.
         """
@@ -928,10 +888,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             )
             for x, (lease, token, workload) in zip(ordered, answer["leases"], strict=True)
         ]
-        out = list(leases)
-        for position, lease in zip(order, leases, strict=True):
-            out[position] = lease
-        return tuple(out)
+        return _for_caller(order, leases)
 
     # -- renew, release, withdraw, reap, stats -------------------------------------------
 
@@ -955,15 +912,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         valid_until = self._valid_until(sent.at)
         return {
             lease.lease_id: (
-                Lease(
-                    lease.lease_id,
-                    lease.limiter,
-                    lease.workload,
-                    lease.request_id,
-                    lease.fencing_token,
-                    lease.ttl_ms,
-                    valid_until,
-                )
+                replace(lease, valid_until=valid_until, waited_ms=None)
                 if lease.lease_id in renewed
                 else None
             )
@@ -1051,23 +1000,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             return self._key_set().totals(per_key=per_key, limit=limit)
         with _failing_closed(self, None), self._db.connection() as conn:
             row = conn.execute(statements.STATS, {"limiter": self.name}).fetchone()
-        names: list[str] = list(self._config.workloads)
-        active: dict[str, int] = {}
-        queued: dict[str, int] = {}
-        if row is not None:
-            workloads, held, waiting = row
-            for i, name in enumerate(workloads or ()):
-                active[name] = int(held[i]) if held and i < len(held) else 0
-                queued[name] = int(waiting[i]) if waiting and i < len(waiting) else 0
-                if name not in names:
-                    names.append(name)
-        return LimiterStats(
-            active=sum(active.values()),
-            queued=sum(queued.values()),
-            workloads={
-                w: WorkloadStats(active=active.get(w, 0), queued=queued.get(w, 0)) for w in names
-            },
-        )
+        workloads, held, waiting = row or ((), (), ())
+        rows = zip(workloads or (), held or (), waiting or (), strict=False)
+        return counted_stats(self._config.workloads, rows)
 
     @property
     def listening(self) -> bool | None:
@@ -1106,6 +1041,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 self._db, query, params, lock_timeout_ms=lock_ms, rows=rows, stamp=stamp,
                 until=until,
             )  # fmt: skip
+
+
+def _for_caller(order: Sequence[int], leases: Sequence[Lease]) -> tuple[Lease, ...]:
+    """``leases`` (in lock order) in the caller's order (``order[i]``: where the i-th goes)."""
+    out = list(leases)
+    for position, lease in zip(order, leases, strict=True):
+        out[position] = lease
+    return tuple(out)
 
 
 def _link(asked: _Asked) -> list[Callable[[], None]]:

@@ -95,9 +95,7 @@ SELECT runcell_park(%(limiters)s::text[], %(request_id)s, %(payload)s::jsonb,
     %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
 """
 
-#: A re-published parked task takes the leases granted to its delivery (only the
-#: publication it was sent as can); the answer says whether it is still stored for
-#: another publication.
+#: A re-published parked task takes its delivery's leases (its publication only).
 CLAIM_PARKED: LiteralString = """
 SELECT runcell_claim(%(limiters)s::text[], %(request_id)s, %(publication_id)s::uuid,
     %(op_id)s::uuid)
@@ -124,12 +122,8 @@ SELECT runcell_renew(%(limiter)s, %(lease_ids)s::uuid[])
 #: After storing or replacing limits: their array form and the counts, from the rows.
 SET_LIMITS: LiteralString = "SELECT runcell_set_limits(%(name)s)"
 
-#: After replacing limits, in the same transaction: an allocation pass
-#: (``runcell_reap``) on the limiter and on each of its keys that has requests
-#: waiting, in lock (name) order, so they get raised room at once; their processes are
-#: notified as by any allocation. Answers like a release: ``{"parked": [lease ids of
-#: parked requests granted, to re-publish], "grp": [requests over several limiters due
-#: a group pass]}``.
+#: After replacing limits, in the same transaction: an allocation pass on the limiter
+#: and each of its keys with waiters, in lock order (answers like a release).
 ALLOCATE_AFTER_NEW_LIMITS: LiteralString = """
 SELECT runcell_due_groups(jsonb_build_object('parked', coalesce(jsonb_agg(p.lease), '[]')))
 FROM (SELECT l.name FROM runcell_limiter AS l
@@ -139,11 +133,9 @@ FROM (SELECT l.name FROM runcell_limiter AS l
      LATERAL jsonb_array_elements(r.parked) AS p(lease)
 """
 
-#: Take the right to re-publish granted parked tasks, once per grant: those just
-#: granted (by lease id), and any whose grant nobody published within ``stale_ms``;
-#: only those parked for ``broker`` (or for no broker in particular: rows parked
-#: before brokers were recorded). The other brokers with grants due are answered too,
-#: as rows with only the last column set: they are left to their own publishers.
+#: Take the right to re-publish grants once each: those just granted and any unpublished
+#: past ``stale_ms``, parked for ``broker`` (or none); other brokers due come as rows
+#: with only the last column set.
 CLAIM_REPUBLISH: LiteralString = """
 WITH claimed AS (
     UPDATE runcell_queue
@@ -163,10 +155,8 @@ WHERE granted_lease_id IS NOT NULL AND published_at IS NULL
   AND broker IS DISTINCT FROM %(broker)s::text AND broker IS NOT NULL
 """
 
-#: Give back the right to publish grants whose publication failed (the broker was
-#: unreachable): still granted, they are claimed again by the next sweep, so their
-#: tasks are sent as soon as the broker is back, within their claim window. A row
-#: claimed meanwhile by its task, or granted again, is left alone.
+#: Give back the right to publish grants whose publication failed (the next sweep takes
+#: them again); a row claimed or granted again meanwhile is left alone.
 UNCLAIM_REPUBLISH: LiteralString = """
 UPDATE runcell_queue AS q
 SET published_at = NULL
@@ -177,10 +167,8 @@ WHERE q.limiter = f.limiter AND q.request_id = f.request_id
 RETURNING q.request_id
 """
 
-#: Parked requests whose deadline passed while they waited, phase one: taken out of
-#: line and handed to ``taker`` to record their tasks' failure; they stay stored until
-#: ``COMPLETE_EXPIRED`` (another taker gets them after ``retake_after_ms``). Also purges
-#: operation records older than ``keep_ops_ms``.
+#: Parked requests past their deadline, phase one: taken out of line and handed to
+#: ``taker``, stored until ``COMPLETE_EXPIRED``; also purges old operation records.
 TAKE_EXPIRED_PARKED: LiteralString = """
 SELECT limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
        payload::text, (extract(epoch FROM expired_at - enqueued_at) * 1000)::float8
@@ -203,9 +191,7 @@ ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
 RETURNING (extract(epoch FROM deadline - clock_timestamp()) * 1000)::float8
 """
 
-#: Add a batch of counts (one row per task name and limiter) in one statement. A batch
-#: with an id (``batch_id``, recorded in runcell_operation) is added once: a retry after
-#: its reply was lost adds nothing.
+#: Add a batch of counts in one statement; a batch with an id is added once.
 ADD_ADMISSION_COUNTS: LiteralString = """
 WITH op AS (
     INSERT INTO runcell_operation (op_id)
@@ -259,11 +245,8 @@ STATS: LiteralString = """
 SELECT workloads, active, waiting FROM runcell_limiter WHERE name = %(limiter)s
 """
 
-#: Expire leases now (force release), so the next allocation pass reaps them like a
-#: crashed holder's (a parked task's grant goes back in line) and renewals fail.
-#: An operator's force release: expire the leases and, in the same transaction, note
-#: who did it where the holder looks when its renewal finds the lease gone
-#: (``runcell_operation``, keyed by the lease id; purged by age like the others).
+#: An operator's force release: expire the leases (the next pass reaps them) and note
+#: who did it where the holder looks when its renewal fails.
 EXPIRE_LEASES: LiteralString = """
 WITH expired AS (
     UPDATE runcell_lease SET expires_at = clock_timestamp()
@@ -293,9 +276,7 @@ WHERE %(names)s::text[] IS NULL OR name = ANY(%(names)s::text[])
 ORDER BY name
 """
 
-#: Per limiter: its configured workloads, slots held and requests queued (waiting or
-#: parked, not granted) per workload, and how long the oldest of those has waited.
-#: The counts are those of ``STATS`` (the limiter's own view), for every limiter at once.
+#: Per limiter: workloads, slots held and requests queued per workload, oldest wait.
 LIMITER_STATES: LiteralString = """
 SELECT l.name, l.workloads, l.active, l.waiting,
        (SELECT extract(epoch FROM clock_timestamp() - min(q.enqueued_at)) * 1000
@@ -324,9 +305,8 @@ SYNC_KEYS: LiteralString = """
 SELECT runcell_sync_keys(%(name)s)
 """
 
-#: The busiest keys of a keyed limiter in use (most held, then most waiting; idle key
-#: rows not purged yet are left out), at most ``limit`` (NULL: all), optionally only
-#: those whose key contains ``search`` (case-insensitive).
+#: The busiest keys of a keyed limiter in use, at most ``limit``, optionally those
+#: containing ``search`` (any case).
 KEY_STATS: LiteralString = """
 SELECT k.name, h.held, q.queued
 FROM runcell_limiter AS k,

@@ -1,21 +1,11 @@
-"""Waiting for slots: one waiting room per engine (backend and process), never a poller per request.
+"""Waiting for slots: one waiting room per engine, never a poller per request.
 
-A request that finds no slot is queued in the database and then waits here, at no
-cost to the database: it holds no pooled connection and sends nothing. The room
-learns of grants in two ways:
-
-* **Told directly.** The transaction that grants a slot (a release, a reap) sends
-  ``NOTIFY`` on this process's own channel with the lease, so the waiter holds its
-  slot without another round trip. One listener connection per process serves every
-  waiter of every limiter on that database.
-* **A safety poll,** one statement for all of the process's waiters: while the
-  listener is connected it runs every ``queue_entry_ttl_ms / 2`` and mostly renews the
-  process's liveness (which keeps every queue row of the process alive, one row per
-  process instead of one per waiter); without a listener (a transaction pooler, or
-  ``listen=False``) it runs every ``poll_interval_ms`` and is how grants are found.
-
-The room also keeps the estimate of the database's clock that turns a grant's
-database time into a local deadline (:class:`DatabaseClock`).
+A queued request waits here, holding no connection and sending nothing. The room
+learns of grants by ``NOTIFY`` on this process's own channel (the granting transaction
+sends the leases: no further round trip), and by one safety poll for all the process's
+waiters: every ``queue_entry_ttl_ms / 2`` while listening (mostly renewing the process's
+liveness, which keeps all its queue rows), every ``poll_interval_ms`` without a listener.
+:class:`DatabaseClock` turns a grant's database time into a local deadline.
 """
 
 from __future__ import annotations
@@ -72,11 +62,9 @@ class Grant:
 class DatabaseClock:
     """Turns database instants into local monotonic instants, erring early.
 
-    Every round trip that returns the database's ``clock_timestamp()`` is a sample:
-    the server read its clock at some moment between sending and receiving, so
-    ``local(t) >= t - db_now + sent`` for any database instant ``t``. A grant's local
-    start is taken at that lower bound, so the lease's local expiry is never later
-    than the database's.
+    Each round trip returning ``clock_timestamp()`` bounds the offset from below
+    (``local(t) >= t - db_now + sent``), so a lease's local expiry is never later than the
+    database's.
     """
 
     #: Samples older than this no longer count: the two clocks drift apart slowly, so
@@ -248,10 +236,7 @@ class WaitRoom:
         reap: Callable[[], None] | None = None,
     ) -> Waiter:
         """Register a waiter *before* its acquire is sent, so no grant finds nobody.
-
-        :param reap: the limiter's own allocation pass (held weakly), which the safety
-            poll runs when the limiter holds expired leases: unlike a bare statement it
-            re-publishes at once the parked tasks that pass grants.
+        ``reap``: the limiter's allocation pass (held weakly) the poll runs on expired leases.
         """
         waiter = Waiter(request_id, limiter, loop)
         with self._lock:
@@ -282,15 +267,10 @@ class WaitRoom:
             return len(self._waiters)
 
     def withdraw_later(self, withdraw: Callable[[], object]) -> None:
-        """Run ``withdraw`` in this room's ``runcell-late-withdraw`` thread, one at a
-        time, retried a few times if it fails (a withdrawal is idempotent).
-
-        For a request whose wait ended while its limiter rows stayed locked: it leaves
-        at once, within its budget, and its rows go once the locks are free. Until
-        then they are harmless: no allocation grants a row past its deadline, and a
-        grant made before the deadline is given back by ``withdraw``. A withdrawal
-        that never succeeds leaves rows that go with this process's liveness
-        (``queue_entry_ttl_ms`` after it stops renewing it).
+        """Run ``withdraw`` (idempotent) in the ``runcell-late-withdraw`` thread, retried a
+        few times: for a request whose wait ended while its rows stayed locked. Its rows are
+        harmless meanwhile (none is granted past its deadline; a grant is given back), and go
+        with this process's liveness if it never succeeds.
         """
         with self._lock:
             self._late.append((withdraw, 0))
