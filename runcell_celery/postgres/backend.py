@@ -49,8 +49,6 @@ from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
 from .registration import differing_limits
 
-__all__ = ["LimiterState", "PostgresBackend", "ReleasedLease"]
-
 logger = logging.getLogger("runcell_celery.postgres")
 
 #: Expired parked requests a taker has not completed within this long are handed to

@@ -23,21 +23,6 @@ from ..deadline import Deadline
 from ..patience import current_patience
 from .connection import Connection, Database, PoolBusy, fetch_all
 
-__all__ = [
-    "LOCK_WAIT_CAP_MS",
-    "STATEMENT_TIMEOUT_MS",
-    "WITHDRAW_GRACE_MS",
-    "CallFailedError",
-    "LimiterMissingError",
-    "LimitsReplacedError",
-    "RowBusyError",
-    "Stamp",
-    "call",
-    "fetch_rows",
-    "persist",
-    "transient",
-]
-
 T = TypeVar("T")
 
 logger = logging.getLogger("runcell_celery.postgres")

@@ -23,8 +23,6 @@ from ..errors import ConcurrencyConfigError
 from ..redaction import dsn_secrets, mask_dsn, scrub
 from .options import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE
 
-__all__ = ["Database", "PoolBusy", "check_dsn", "fetch_all", "redacted", "scrubbed"]
-
 logger = logging.getLogger("runcell_celery.postgres")
 
 Connection = psycopg.Connection[Any]

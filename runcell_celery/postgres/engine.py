@@ -23,8 +23,6 @@ from .connection import Database, redacted
 from .options import PostgresOptions
 from .waiting import WaitRoom
 
-__all__ = ["ENGINES", "Engine", "EngineShares", "HasEngine"]
-
 #: How long :meth:`Engine.close` waits for each of its threads to end (seconds).
 CLOSE_TIMEOUT_S = 10.0
 

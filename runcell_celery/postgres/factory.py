@@ -19,8 +19,6 @@ from .options import (
     PostgresOptions,
 )
 
-__all__ = ["create_postgres_concurrency_limiter"]
-
 
 def create_postgres_concurrency_limiter(
     db: str | ConnectionPool[Any],

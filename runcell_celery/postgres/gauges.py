@@ -19,8 +19,6 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..errors import ConcurrencyLimiterError
 from .connection import redacted, scrubbed
 
-__all__ = ["LIMITER_GAUGES", "WorkloadGauges", "gauges_from_rows", "read_workload_gauges"]
-
 #: One row per (limiter, workload); the read gives up after 5 s (a scrape's default
 #: timeout is 10 s); keys summed under their keyed limiter. The
 #: effective limit of a workload is the most it could hold now: its ceiling, and

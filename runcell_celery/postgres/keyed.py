@@ -21,8 +21,6 @@ from ..protocol import KeyStats, LimiterStats, WorkloadStats
 from . import statements
 from .engine import HasEngine
 
-__all__ = ["PURGE_BATCH", "PURGE_INTERVAL_S", "KeyLimiter", "KeySet", "counted_stats"]
-
 #: How often a process that uses keys deletes the idle ones (seconds).
 PURGE_INTERVAL_S = 10.0
 #: Keys deleted per purge statement; a full batch is followed by another at once.

@@ -90,8 +90,6 @@ from .registration import (
 )
 from .waiting import Waiter, WaitRoom
 
-__all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
-
 logger = logging.getLogger("runcell_celery.postgres")
 
 #: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides leases.
@@ -264,11 +262,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def room(self) -> WaitRoom:
         """This process's waiting room of the limiter's backend."""
         return self._engine.room
-
-    @property
-    def database(self) -> Database:
-        """The pool and listener this limiter shares with its backend's other limiters."""
-        return self._db
 
     @property
     def keeper(self) -> LeaseKeeper:
@@ -609,22 +602,16 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         granted (its own re-published message carries it)."""
         lead = asked.lead
         lineage = lead.lineage
+        asking = {"request_id": lead.request_id, "run_id": lineage.run_id,
+                   "root_run_id": lineage.root_run_id, "parent_run_id": lineage.parent_run_id,
+                   "holder_name": lead.holder_name, "in_progress": lead.in_progress,
+                   "key": lead.key}  # fmt: skip
         params: dict[str, Any] = {
             "limiters": asked.names,
             "hashes": [x._hash for x in asked.limiters],
             "workloads": asked.workloads,
-            "request": json.dumps(
-                {
-                    "request_id": lead.request_id,
-                    "run_id": lineage.run_id,
-                    "root_run_id": lineage.root_run_id,
-                    "parent_run_id": lineage.parent_run_id,
-                    "holder_name": lead.holder_name,
-                    "in_progress": lead.in_progress,
-                    "key": lead.key,
-                }
-            ),
-            "process": json.dumps(self.room.process()),
+            "request": json.dumps(asking),
+            "process": self.room.process,
             "retry": retry,
         }
         query = statements.ACQUIRE_WITH_LINES if asked.with_lines else statements.ACQUIRE
@@ -636,15 +623,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             remaining = params["wait_ms"] = asked.remaining_ms()
             sent = Stamp()
             try:
-                answer = self._call(
-                    lead,
-                    query,
-                    params,
-                    lock_ms=lock_timeout_ms(remaining),
-                    busy_ok=True,
-                    stamp=sent,
-                    until=asked.deadline,  # a dropped connection is retried while it lasts
-                )
+                # A dropped connection is retried while its deadline lasts.
+                answer = self._call(lead, query, params, lock_ms=lock_timeout_ms(remaining),
+                                    busy_ok=True, stamp=sent, until=asked.deadline)  # fmt: skip
                 break
             except RowBusyError as exc:
                 # Nothing was done (a frozen holder of a row lock, a full pool).
@@ -658,13 +639,12 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             except ConcurrencyConfigError as exc:
                 # Refused before anything was written: some stored limits were replaced.
                 # Under on_conflict="use_stored" each takes its stored limits and asks again.
+                pairs = zip(asked.limiters, asked.requests, strict=True)
+                replaced = isinstance(exc.__cause__, LimitsReplacedError)
                 if (
-                    isinstance(exc.__cause__, LimitsReplacedError)
+                    replaced
                     and adopted < ADOPT_ATTEMPTS
-                    and all(
-                        x.use_stored_limits(r)
-                        for x, r in zip(asked.limiters, asked.requests, strict=True)
-                    )
+                    and all(x.use_stored_limits(r) for x, r in pairs)
                 ):
                     adopted += 1
                     params["hashes"] = [x._hash for x in asked.limiters]
@@ -817,15 +797,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         grant = waiter.grant
         assert grant is not None
         start = self.room.clock.local(grant.granted_at)
-        return Lease(
-            lease_id=grant.lease_id,
-            limiter=self.name,
-            workload=workload,
-            request_id=waiter.request_id,
-            fencing_token=grant.fencing_token,
-            ttl_ms=self._config.lease_ttl_ms,
-            valid_until=self._valid_until(start if start is not None else sent),
-        )
+        lease = (grant.lease_id, grant.fencing_token)
+        return self._lease(waiter.request_id, workload, lease, sent if start is None else start)
 
     def _lease(
         self,
@@ -837,16 +810,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         waited_ms: float | None = None,
     ) -> Lease:
         lease_id, token = lease[:2]
-        return Lease(
-            lease_id=str(lease_id),
-            limiter=self.name,
-            workload=workload,
-            request_id=request_id,
-            fencing_token=int(token),
-            ttl_ms=self._config.lease_ttl_ms,
-            valid_until=self._valid_until(sent) if sent is not None else None,
-            waited_ms=waited_ms,
-        )
+        valid_until = self._valid_until(sent) if sent is not None else None
+        ttl_ms = self._config.lease_ttl_ms
+        return Lease(str(lease_id), self.name, workload, request_id, int(token), ttl_ms,
+                     valid_until, waited_ms)  # fmt: skip
 
     def _valid_until(self, start: float) -> Deadline:
         return Deadline(start + self._config.lease_ttl_ms / 1000 - self._margin_s)

@@ -26,8 +26,6 @@ from ..background import BackgroundLoop
 from . import statements
 from .connection import Database, redacted
 
-__all__ = ["GrantListener"]
-
 logger = logging.getLogger("runcell_celery.postgres.listener")
 
 SELF_CHECK_PREFIX = "?self-check "

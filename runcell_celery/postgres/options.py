@@ -12,16 +12,6 @@ from ..config import MAX_DURATION_MS
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
 
-__all__ = [
-    "DEFAULT_CONNECT_TIMEOUT_MS",
-    "DEFAULT_POLL_INTERVAL_MS",
-    "DEFAULT_POOL_MAX_SIZE",
-    "DEFAULT_QUEUE_ENTRY_TTL_MS",
-    "ON_CONFLICT_VALUES",
-    "OnConflict",
-    "PostgresOptions",
-]
-
 #: What a worker does when the stored limits differ from its settings.
 OnConflict = Literal["error", "replace", "use_stored"]
 ON_CONFLICT_VALUES: tuple[OnConflict, ...] = ("error", "replace", "use_stored")

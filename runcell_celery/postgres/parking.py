@@ -20,8 +20,6 @@ from ..config import check_duration_ms
 from ..deadline import Deadline
 from ..ports import WaitEstimate
 
-__all__ = ["REPUBLISH_AFTER_MS", "ParkRule"]
-
 #: A grant nobody published within this long is published by the sweeper.
 REPUBLISH_AFTER_MS = 2_000
 

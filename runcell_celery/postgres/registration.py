@@ -33,17 +33,6 @@ from .connection import Connection
 from .options import OnConflict
 from .schema import ensure_schema
 
-__all__ = [
-    "OnConflict",
-    "Stored",
-    "StoredLimits",
-    "announce_stored_limits",
-    "config_hash",
-    "differing_limits",
-    "read_stored_limits",
-    "store_limits",
-]
-
 logger = logging.getLogger("runcell_celery.postgres")
 
 

@@ -16,13 +16,6 @@ from ..errors import ConcurrencyConfigError
 from . import statements
 from .connection import fetch_all
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "database_schema_version",
-    "ensure_schema",
-    "postgres_concurrency_schema_sql",
-]
-
 #: Advisory lock key for schema creation (stable across processes and versions).
 _SCHEMA_LOCK_KEY = zlib.crc32(b"runcell_celery.schema")
 

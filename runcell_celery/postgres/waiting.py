@@ -33,8 +33,6 @@ from .connection import Database
 from .listener import GrantListener
 from .options import PostgresOptions
 
-__all__ = ["DatabaseClock", "Grant", "WaitRoom", "Waiter"]
-
 logger = logging.getLogger("runcell_celery.postgres.waiting")
 
 #: How soon a request found missing is looked at again; it is taken as dropped only
@@ -101,17 +99,6 @@ class DatabaseClock:
 class Waiter:
     """One waiting request: woken when granted, when gone, or to look again."""
 
-    __slots__ = (
-        "_event",
-        "_future",
-        "_loop",
-        "grant",
-        "limiter",
-        "missing",
-        "queued",
-        "request_id",
-    )
-
     def __init__(
         self, request_id: str, limiter: str, loop: asyncio.AbstractEventLoop | None
     ) -> None:
@@ -168,6 +155,12 @@ class WaitRoom:
         self.process_id = uuid.uuid4().hex
         self.channel = f"runcell_w_{self.process_id[:24]}"
         self.clock = DatabaseClock()
+        #: Who waits, as the database records it (``runcell_process``); a room is one
+        #: process's (its engine is).
+        self.process = json.dumps(
+            {"process_id": self.process_id, "channel": self.channel, "host": _HOST,
+             "pid": os.getpid(), "ttl_ms": options.queue_entry_ttl_ms}
+        )  # fmt: skip
         self._database = database
         self._queue_ttl_ms = options.queue_entry_ttl_ms
         self._poll_s = options.poll_interval_ms / 1000
@@ -180,8 +173,7 @@ class WaitRoom:
         self._waiters: dict[str, Waiter] = {}
         self._limiters: Counter[str] = Counter()
         self._reapers: dict[str, weakref.WeakMethod[Callable[[], None]]] = {}
-        #: Requests the last poll found missing, to confirm at the next look.
-        #: Requests the poll found gone, and when it first did.
+        #: Requests the poll found gone, and when it first did (confirmed at a next look).
         self._suspects: dict[str, float] = {}
         self._heartbeat_due = 0.0
         #: When to look for expired leases next (the earliest lease of a limiter we
@@ -208,16 +200,6 @@ class WaitRoom:
         self._late_loop.stop(timeout=5)
         if self.listener is not None:
             self.listener.stop()
-
-    def process(self) -> dict[str, Any]:
-        """Who waits, as the database records it (see ``runcell_process``)."""
-        return {
-            "process_id": self.process_id,
-            "channel": self.channel,
-            "host": _HOST,
-            "pid": os.getpid(),
-            "ttl_ms": self._queue_ttl_ms,
-        }
 
     # -- waiters ------------------------------------------------------------------------
 
@@ -371,7 +353,7 @@ class WaitRoom:
     def _poll_once(self, ids: Sequence[str], limiters: Sequence[str], *, heartbeat: bool) -> None:
         sent = Stamp()
         params = {
-            "process": json.dumps(self.process()),
+            "process": self.process,
             "request_ids": list(ids),
             "limiters": list(limiters),
             "heartbeat": heartbeat,
