@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from .deadline import Deadline
 from .errors import (
@@ -117,7 +117,8 @@ class KeptLeases:
     def _keep(self, deadline: Deadline | None) -> None:
         keeper = self._keeper = get_keeper(self.slot_request.limiter)
         # The keeper holds its holders weakly: this keeps its parts alive.
-        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
+        holder = cast("PartedHolder", self)  # a subclass tells the parts' news
+        self._parts = [LeasePart(holder, index) for index in range(len(self.leases))]
         self._keys = [
             keeper.keep(
                 part,
