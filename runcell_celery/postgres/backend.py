@@ -108,11 +108,10 @@ class LimiterState:
 class PostgresBackend:
     """Limiters and stores on one PostgreSQL database, sharing one engine per process.
 
-    :param database: a DSN, or a :class:`psycopg_pool.ConnectionPool` the caller owns;
-        ``None``: options checked only, any database call raises ``ConcurrencyConfigError``.
+    :param database: a DSN, or a caller's :class:`psycopg_pool.ConnectionPool`; ``None``:
+        options checked only (a database call raises ``ConcurrencyConfigError``).
     :param path: how the settings spell the options section, for error messages.
-    :raises ConcurrencyConfigError: an option is invalid, or ``database`` is not a DSN.
-    :raises TypeError: ``database`` is neither a DSN nor a pool.
+    :raises ConcurrencyConfigError, TypeError: an invalid option or ``database``.
     """
 
     def __init__(
@@ -185,8 +184,6 @@ class PostgresBackend:
         """This process's connection pool (every limiter and store call uses it)."""
         return self.engine.database.pool
 
-    # -- limiters ---------------------------------------------------------------------
-
     def create_limiter(
         self, config: LimiterConfig, *, owns: bool = False
     ) -> PostgresConcurrencyLimiter:
@@ -222,10 +219,10 @@ class PostgresBackend:
         return [LimitsConflict(limiter, differences) for limiter, differences in found]
 
     def close(self) -> None:
-        """End every thread this backend started in this process and close every
-        connection it opened (pool, listener); a caller's pool stays open (it is the
-        caller's). Its limiters must not be used afterwards: they fail closed. A
-        forked child's close leaves the parent's engine alone."""
+        """End every thread this backend started here and close every connection it opened
+        (a caller's pool stays open); its limiters then fail closed. A forked child's close
+        leaves the parent's engine alone.
+        """
         with self._lock:
             if self._pid != os.getpid() or self._closed:
                 return
@@ -233,8 +230,6 @@ class PostgresBackend:
             finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None and finalizer.detach() is not None and self._engine is not None:
             ENGINES.give_back(self._engine)
-
-    # -- RunStore ---------------------------------------------------------------------
 
     def first_start(self, run_id: str, timeout_ms: float) -> float:
         """Record the run's first start (or find it); return the ms left in its budget.
@@ -244,8 +239,6 @@ class PostgresBackend:
         """
         params = {"run_id": run_id, "timeout_ms": timeout_ms}
         return float(self._fetch(statements.FIRST_START, params)[0][0])
-
-    # -- RevocationStore --------------------------------------------------------------
 
     def add_revoked(self, run_ids: Sequence[str]) -> int:
         """Record revoked runs; return how many were new."""
@@ -264,13 +257,9 @@ class PostgresBackend:
         """Forget revocations older than ``keep_ms``; return how many went."""
         return len(self._fetch(statements.PURGE_REVOKED, {"keep_ms": keep_ms}))
 
-    # -- CounterStore -----------------------------------------------------------------
-
     def add_counts(self, counts: Sequence[AdmissionCount], *, batch_id: str | None = None) -> None:
-        """Add a batch of counts to the fleet-wide totals, in one statement.
-
-        :param batch_id: a UUID naming the batch: sent again (a retry after a lost
-            reply), it is not added twice (remembered 15 minutes).
+        """Add a batch of counts to the fleet-wide totals in one statement; a batch sent
+        again with its ``batch_id`` (a retry after a lost reply) is not added twice.
         """
         if not counts:
             return
@@ -286,8 +275,6 @@ class PostgresBackend:
     def admission_counts(self) -> list[AdmissionCount]:
         """Every worker's counts summed, per task name and limiter."""
         return [AdmissionCount(*row) for row in self._fetch(statements.ADMISSION_COUNTS)]
-
-    # -- ParkingStore -----------------------------------------------------------------
 
     def claim_republish(
         self,
@@ -362,11 +349,9 @@ class PostgresBackend:
         return int(answer["n"])
 
     def pass_parked_groups(self, limit: int = PARKED_GROUP_PASSES) -> list[str]:
-        """Run the group passes of up to ``limit`` parked requests over several
-        limiters, heads of line first, and return the lease ids of those granted (to
-        re-publish with :meth:`claim_republish`). No process waits for a parked
-        request, so the sweepers run its passes; releasers run them at once for the
-        requests they find first in line everywhere."""
+        """Run the group passes of up to ``limit`` parked requests over several limiters
+        (heads of line first: no process waits for them) and return the lease ids granted.
+        """
         rows = self._fetch(statements.PARKED_GROUPS, {"limit": limit * 4})
         granted: list[str] = []
         for group_id in list(dict.fromkeys(str(row[0]) for row in rows))[:limit]:
@@ -386,18 +371,12 @@ class PostgresBackend:
         if listener is not None:
             listener.add_parked_handler(handler)
 
-    # -- operators ----------------------------------------------------------------------
-
     def force_release(
         self, lease_ids: Sequence[str], *, actor: str | None = None
     ) -> list[ReleasedLease]:
-        """Take slots back from their holders now and give them to the next waiters.
-
-        The leases expire in database time and each limiter runs an allocation pass, as when
-        a crashed holder's lease runs out; the holder learns it at its next renewal.
-
-        :param actor: who released them: the holder's lease-lost error then names them.
-        :returns: the leases released (those already gone are left out).
+        """Take slots back from their holders now and give them to the next waiters, as
+        when a crashed holder's lease runs out; the holder learns it at its next renewal (its
+        error names ``actor``). Returns the leases released (those already gone left out).
         """
         params = {"lease_ids": [str(lease_id) for lease_id in lease_ids], "actor": actor}
         released = [ReleasedLease(*row) for row in self._fetch(statements.EXPIRE_LEASES, params)]
@@ -405,10 +384,8 @@ class PostgresBackend:
         return released
 
     def reap(self, limiter_names: Sequence[str]) -> None:
-        """Run one allocation pass on each named limiter, with its stored limits.
-
-        Any worker's next allocation would do it too; doing it now hands freed slots
-        to waiters at once. A limiter that fails is logged and the others still run.
+        """Run one allocation pass on each named limiter now (freed slots go to waiters at
+        once); a limiter that fails is logged and the others still run.
         """
         engine = self.engine
         for name in limiter_names:
@@ -422,10 +399,8 @@ class PostgresBackend:
                 logger.exception("runcell: an allocation pass on %r failed", name)
 
     def stored_limits(self, names: Sequence[str] | None = None) -> dict[str, LimiterConfig]:
-        """The limits stored for each limiter (or the named ones), by name.
-
-        A row whose stored limits no longer parse (written by another version) is
-        left out and logged.
+        """The limits stored for each limiter (or the named ones), by name; a row that no
+        longer parses is left out and logged.
         """
         params = {"names": None if names is None else list(names)}
         found: dict[str, LimiterConfig] = {}
@@ -451,8 +426,6 @@ class PostgresBackend:
                 statements.LIMITER_STATES, params
             )
         }
-
-    # -- plumbing -----------------------------------------------------------------------
 
     def _database(self) -> Database:
         if self._db is None:

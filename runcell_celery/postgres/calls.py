@@ -100,7 +100,6 @@ def call(
     params: Mapping[str, Any],
     *,
     lock_timeout_ms: int = LOCK_WAIT_CAP_MS,
-    retry: bool = True,
     rows: bool = False,
     stamp: Stamp | None = None,
     until: Deadline | None = None,
@@ -112,23 +111,15 @@ def call(
     :raises LimiterMissingError, LimitsReplacedError: the row is gone, or its limits replaced.
     :raises CallFailedError: any other database failure; ``__cause__`` says which.
     """
-    bound = {
-        **params,
-        "statement_timeout_ms": STATEMENT_TIMEOUT_MS,
-        "lock_timeout_ms": lock_timeout_ms,
-    }
-    # An operation that may not be repeated is not repeated after a failure either.
-    patience = None if not retry else until if until is not None else current_patience()
+    bound = {**params, "statement_timeout_ms": STATEMENT_TIMEOUT_MS}
+    patience = until if until is not None else current_patience()
 
     def again(failed: CallFailedError) -> None:
         if failed.maybe_done and "retry" in bound:
             bound["retry"] = True  # the failed attempt may have committed
 
     def attempt() -> Any:
-        return _call_once(
-            database, query, bound, lock_timeout_ms, retry=retry, rows=rows, stamp=stamp,
-            until=patience,
-        )  # fmt: skip
+        return _call_once(database, query, bound, lock_timeout_ms, rows, stamp, patience)
 
     return persist(patience, attempt, on_retry=again)
 
@@ -138,15 +129,13 @@ def _call_once(
     query: LiteralString,
     bound: dict[str, Any],
     lock_timeout_ms: int,
-    *,
-    retry: bool,
     rows: bool,
     stamp: Stamp | None,
     until: Deadline | None,
 ) -> Any:
     """One round of :func:`call`: a dropped connection retried at once on a fresh one
     (up to the pool's size), every other failure raised."""
-    attempts = database.pool_max_size + 1 if retry else 1
+    attempts = database.pool_max_size + 1
     lost = False
     attempt = -1
     while attempt + 1 < attempts:

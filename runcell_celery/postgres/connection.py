@@ -156,11 +156,7 @@ class Database:
 
     @contextmanager
     def connection(self, timeout: float | None = None) -> Iterator[Connection]:
-        """Lend a connection for one operation; broken ones are discarded by the pool.
-
-        :param timeout: wait at most this long for one (default: the pool's timeout,
-            ``connect_timeout_ms``).
-        """
+        """Lend a connection for one operation (at most ``timeout`` s to wait for one)."""
         pool = self.pool
         lent = False
         try:
@@ -173,11 +169,9 @@ class Database:
             raise self._explained(exc, pool) from exc
 
     def _explained(self, exc: PoolTimeout, pool: ConnectionPool[Any]) -> PoolTimeout:
-        """``couldn't get a connection after 5.00 sec`` with why. The pool only logs its
-        failed attempts, so one direct attempt finds the cause (at most one a second
-        per database: an outage does not turn each failed call into a connection
-        attempt). A pool whose connections all look lent out while the database
-        answers is busy, not down: :class:`PoolBusy`."""
+        """``couldn't get a connection`` with why: one direct attempt finds the cause (at most
+        one a second); a pool all lent out while the database answers is :class:`PoolBusy`.
+        """
         cause = self._cause()
         if cause is not None:
             return PoolTimeout(f"{exc} ({cause})")
@@ -187,10 +181,10 @@ class Database:
         return PoolTimeout(str(exc))
 
     def direct_connection(self, **kwargs: Any) -> Connection:
-        """Open a connection outside the pool (the listener's), in autocommit mode.
+        """Open an autocommit connection outside the pool (the listener's).
 
-        :raises psycopg.OperationalError: it failed; the message never holds the
-            password (:func:`scrubbed`), nor does the exception's context.
+        :raises psycopg.OperationalError: it failed; neither the message nor its context holds
+            the password.
         """
         failure: psycopg.Error | None = None
         try:

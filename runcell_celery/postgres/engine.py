@@ -91,9 +91,8 @@ class Engine:
         return new
 
     def close(self) -> None:
-        """End every thread this engine started and close every connection it opened.
-
-        Leases still held are no longer renewed (they expire); waiters are not served.
+        """End every thread this engine started and close every connection it opened;
+        leases still held are no longer renewed, waiters are not served.
         """
         with self._lock:
             if self.closed:

@@ -41,16 +41,13 @@ def create_postgres_concurrency_limiter(
     pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
     connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS,
 ) -> PostgresConcurrencyLimiter:
-    """Create a limiter whose slots every process using ``name`` on ``db`` shares.
+    """Create a limiter whose slots every process using ``name`` on ``db`` (a DSN or a
+    :class:`psycopg_pool.ConnectionPool`) shares; the options are those of
+    :class:`~runcell_celery.postgres.PostgresOptions` and
+    :class:`~runcell_celery.config.LimiterConfig`. The limiter owns a backend of its own:
+    ``limiter.close()`` ends its threads and connections.
 
-    :param db: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool`.
-
-    The PostgreSQL options are :class:`~runcell_celery.postgres.PostgresOptions`' fields,
-    the others :class:`~runcell_celery.config.LimiterConfig`'s. The limiter owns a backend
-    of its own: ``limiter.close()`` ends its threads and closes its connections.
-
-    :raises ConcurrencyConfigError: an option or limit is invalid, or the stored limits
-        differ (``on_conflict="error"``).
+    :raises ConcurrencyConfigError: an option is invalid, or the stored limits differ.
     """
     options = PostgresOptions.from_mapping(
         {

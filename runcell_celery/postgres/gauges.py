@@ -88,12 +88,9 @@ ORDER BY w.limiter, w.workload
 
 @dataclass(frozen=True, slots=True)
 class WorkloadGauges:
-    """One workload of one limiter, now (a keyed limiter's keys summed).
-
-    ``limit`` is the limiter's ``max_concurrent`` (each key's), ``workload_limit`` the
-    workload's ceiling, ``effective_limit`` the most it could hold now given what the other
-    workloads hold or reserve; ``queued`` counts waiting and parked requests, ``parked``
-    those parked, ``oldest_wait_s`` the oldest one's wait (``None``: none).
+    """One workload of one limiter, now (a keyed limiter's keys summed): ``limit`` is
+    ``max_concurrent``, ``workload_limit`` the workload's ceiling, ``effective_limit`` the
+    most it could hold now; ``queued`` counts waiting and parked requests.
     """
 
     limiter: str

@@ -208,11 +208,8 @@ class _Asked:
 
 
 class PostgresConcurrencyLimiter(ConfiguredLimiter):
-    """Slots shared through PostgreSQL by every process that uses the same name.
-
-    Create it with :meth:`PostgresBackend.create_limiter
-    <runcell_celery.postgres.PostgresBackend.create_limiter>` or
-    :func:`create_postgres_concurrency_limiter`.
+    """Slots shared through PostgreSQL by every process that uses the same name (made by
+    ``PostgresBackend.create_limiter`` or :func:`create_postgres_concurrency_limiter`).
     """
 
     def __init__(
@@ -290,14 +287,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """The limits this limiter was created with (``config`` is what it works on)."""
         return self._given
 
-    # -- the stored limits (on_conflict="use_stored", :mod:`.registration`) --------------
-
     def use_stored_limits(self, request: AcquireRequest | None = None) -> bool:
-        """Take the limits stored in the database as this limiter's own, after an
-        operation found them replaced by another worker (only under
-        ``on_conflict="use_stored"``); return whether they were taken.
-
-        :raises ConcurrencyLimiterError: the database failed while reading them.
+        """Under ``on_conflict="use_stored"``, take the stored limits as this limiter's own
+        (another worker replaced them); return whether they were taken.
         """
         if self._options.on_conflict != "use_stored":
             return False
@@ -317,8 +309,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     @staticmethod
     def _safety_margin_s(config: LimiterConfig) -> float:
         return min(MAX_SAFETY_MARGIN_MS, config.lease_ttl_ms / 10) / 1000
-
-    # -- keys -------------------------------------------------------------------------
 
     def key(self, key: str) -> PostgresConcurrencyLimiter:
         """The limiter of ``key`` of this keyed limiter (its row appears on first use).
@@ -374,13 +364,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         integration installs it; without it, listeners and the sweeper do it)."""
         self._on_parked_granted = handler
 
-    # -- setup ------------------------------------------------------------------------
-
     def register(self, *, ensure: bool = True, on_conflict: OnConflict = "error") -> None:
         """Create the schema if asked, then store the limits or check the stored ones.
 
-        :raises ConcurrencyConfigError: the stored limits differ (``on_conflict="error"``),
-            or the tables are missing and ``ensure`` is false.
+        :raises ConcurrencyConfigError: the stored limits differ, or the tables are missing.
         :raises ConcurrencyLimiterError: the database failed.
         """
         config = self._config
@@ -409,9 +396,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 self._moved_on(stored.allocated)
         except ConcurrencyError:
             raise
-        except CallFailedError as exc:
-            raise ConcurrencyLimiterError(f"{failed}: {exc}", limiter=self.name) from exc.__cause__
-        except psycopg.Error as exc:
+        except Exception as exc:
             if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction):
                 raise ConcurrencyConfigError(
                     f"limiter {self.name!r}: the runcell tables do not exist in this database; "
@@ -419,11 +404,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     "limiter with ensure_schema=True",
                     limiter=self.name,
                 ) from exc
-            raise ConcurrencyLimiterError(f"{failed}: {exc}", limiter=self.name) from exc
-        except Exception as exc:
-            raise ConcurrencyLimiterError(f"{failed}: {exc}", limiter=self.name) from exc
-
-    # -- acquire: one path for one member or several --------------------------------------
+            cause = exc.__cause__ if isinstance(exc, CallFailedError) else exc
+            raise ConcurrencyLimiterError(f"{failed}: {exc}", limiter=self.name) from cause
 
     def acquire(
         self,
@@ -459,15 +441,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> _Result:
-        """Wait for the slots while waiting is cheaper than parking, then park the
-        request (:class:`~runcell_celery.ports.SupportsParking`). A one-limiter request
-        whose expected wait (its place and the mean hold, from its acquire's answer)
-        exceeds ``defer_after_ms`` parks at once. Parked, it keeps its place in every
-        line with ``payload`` (carried by the first member in name order) and is
-        re-published once all its slots are granted (:mod:`~.parking`).
-
-        :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
-            not a duration.
+        """Wait for the slots while waiting is cheaper than parking, then park the request
+        (:class:`~runcell_celery.ports.SupportsParking`): a one-limiter request whose expected
+        wait exceeds ``defer_after_ms`` parks at once. Parked, it keeps its place in every
+        line with ``payload`` and is re-published once all its slots are granted.
         """
         park = ParkRule.of(payload, admission_wait_ms, defer_after_ms, broker)
         return self._admit(members, cancel, on_wait, park=park)
@@ -729,12 +706,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return None
 
     def _park(self, asked: _Asked) -> _Result | None:
-        """Park the waiting request as one (every member keeps its place); ``None``
-        when not all of it waits any more: the next step asks again, as a retry.
-
-        The operation id is made once, so the retry :func:`~.calls.call` sends after a
-        lost reply gets the first attempt's answer: a grant made in between must not
-        read as "missing".
+        """Park the waiting request as one (every member keeps its place); ``None`` when
+        not all of it waits any more. The operation id is made once: a retry after a lost
+        reply gets the first answer (a grant made in between must not read as "missing").
         """
         assert asked.park is not None
         params = {
@@ -779,10 +753,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             self._republish(answer.get("parked"))
 
     def _moved_on(self, answer: Mapping[str, Any]) -> None:
-        """Re-publish the parked tasks an operation granted, and run the group pass of
-        each request over several limiters it found first in line everywhere
-        (``"grp"``): it may be granted now. Its own process runs one now and then
-        anyway, so a failure here only delays it."""
+        """Re-publish the parked tasks an operation granted, and run the group pass of each
+        request it found first in line everywhere (``"grp"``); a failure only delays it.
+        """
         self._republish(answer.get("parked"))
         for group_id in answer.get("grp") or ():
             try:
@@ -823,12 +796,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     ) -> tuple[Lease, ...] | ClaimMiss:
         """Take every lease granted to a parked request, from its re-published message.
 
-        :returns: the leases, renewed, in ``limiters``' order, whose ``waited_ms`` is
-            the request's whole wait (from its first ask to this claim, database time);
-            else ``"stale"`` when the request is still stored for another publication
-            (this message is an outdated copy), or ``"missing"`` when nothing is stored
-            for it (another copy claimed it, or it was withdrawn or failed). A retry
-            after a lost reply gets the same answer.
+        :returns: the leases, renewed, in ``limiters``' order (``waited_ms``: the whole wait
+            from the first ask); ``"stale"`` (still stored for another publication) or
+            ``"missing"`` (claimed by another copy, withdrawn or failed). Idempotent.
         """
         own = self._own(limiters)
         order = sorted(range(len(own)), key=lambda i: own[i].name)
@@ -856,8 +826,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             for x, (lease, token, workload) in zip(ordered, answer["leases"], strict=True)
         ]
         return _for_caller(order, leases)
-
-    # -- renew, release, withdraw, reap, stats -------------------------------------------
 
     def renew(self, lease: Lease) -> Lease | None:
         """Extend ``lease`` by its TTL (database time); ``None`` if no longer held."""
@@ -921,9 +889,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     def _withdraw_in_time(self, asked: _Asked, *, give_back: bool) -> tuple[Lease, ...] | None:
         """Withdraw a request whose wait ended, waiting for its rows at most
-        :data:`~.calls.WITHDRAW_GRACE_MS` (rows locked longer: this process's room
-        withdraws it later, giving back any grant). A grant made just before is
-        returned unless ``give_back``."""
+        :data:`~.calls.WITHDRAW_GRACE_MS` (longer: the room withdraws it later); a grant made
+        just before is returned unless ``give_back``.
+        """
         params = {
             "limiters": asked.names,
             "request_id": asked.request_id,
@@ -980,8 +948,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             return False
         listener.start()  # asking starts it, as a first waiter would
         return listener.available
-
-    # -- plumbing -----------------------------------------------------------------------
 
     def _republish(self, lease_ids: Any) -> None:
         if not lease_ids or self._on_parked_granted is None:

@@ -33,16 +33,12 @@ _BOOLS = ("ensure_schema", "listen")
 class PostgresOptions:
     """How the PostgreSQL backend talks to its database (not the limits themselves).
 
-    :param poll_interval_ms: how often waiters poll when no listener serves them.
-    :param queue_entry_ttl_ms: how long a crashed waiter's queue row survives.
-    :param ensure_schema: create or upgrade the schema on first use; ``False`` after
-        applying :func:`~runcell_celery.postgres.postgres_concurrency_schema_sql`.
-    :param on_conflict: when stored limits differ: ``"error"`` refuses (naming the fields),
-        ``"replace"`` stores these, ``"use_stored"`` works on the stored ones, with a
-        warning and a ``config-error`` event (:mod:`~.registration`).
-    :param listen: wake waiters by ``LISTEN/NOTIFY`` (polling stays the fallback).
-    :param pool_max_size: connections a pool made from a DSN may open (per process).
-    :param connect_timeout_ms: how long a call waits for a connection before failing closed.
+    ``poll_interval_ms``: how often waiters poll without a listener; ``queue_entry_ttl_ms``:
+    how long a crashed waiter's row survives; ``ensure_schema``: create or upgrade the
+    schema on first use; ``on_conflict``: when stored limits differ, refuse (``"error"``),
+    store these (``"replace"``) or work on the stored ones (``"use_stored"``);
+    ``listen``: wake waiters by ``LISTEN/NOTIFY``; ``pool_max_size``: connections per
+    process; ``connect_timeout_ms``: how long a call waits for a connection.
     """
 
     poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS

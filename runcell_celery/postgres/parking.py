@@ -25,11 +25,8 @@ REPUBLISH_AFTER_MS = 2_000
 
 
 class ParkRule:
-    """When to park a waiting request, and the message it parks with.
-
-    It waits until ``until`` and then parks; under the expected-wait rule
-    (``rule_ms`` set) a queued answer whose expected wait exceeds ``rule_ms`` moves
-    ``until`` to now, so the request parks at once.
+    """When to park a waiting request (at ``until``, or at once when the expected wait
+    exceeds ``rule_ms``), and the message it parks with.
     """
 
     __slots__ = ("broker", "payload", "rule_ms", "until")
@@ -52,10 +49,7 @@ class ParkRule:
         broker: str | None = None,
     ) -> ParkRule:
         """The rule of an ``acquire_or_park`` call: a fixed ``admission_wait_ms``, else
-        the expected-wait rule with threshold ``defer_after_ms``.
-
-        :raises ConcurrencyConfigError: either is not a duration (naming which).
-        """
+        the expected-wait rule with ``defer_after_ms`` (each checked as a duration)."""
         rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
         if admission_wait_ms is None:
             return cls(rule_ms, payload, rule_ms=rule_ms, broker=broker)

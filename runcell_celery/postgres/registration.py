@@ -114,10 +114,9 @@ def store_limits(
 
 
 def differing_limits(conn: Connection, configs: Sequence[LimiterConfig]) -> list[tuple[str, str]]:
-    """The limiters of ``configs`` stored with other limits, each with its differences
-    (:func:`describe_differences`), read without storing or locking anything: what
-    :func:`store_limits` would refuse under ``on_conflict="error"``. A limiter not
-    stored yet differs from nothing."""
+    """The limiters of ``configs`` stored with other limits, with their differences,
+    read without storing or locking anything (a limiter not stored yet differs from nothing).
+    """
     found: list[tuple[str, str]] = []
     for config in configs:
         row = conn.execute(statements.READ_STORED_LIMITER, {"name": config.name}).fetchone()

@@ -52,11 +52,9 @@ def database_schema_version(conn: psycopg.Connection[Any]) -> int | None:
 
 
 def ensure_schema(conn: psycopg.Connection[Any], *, create: bool = True) -> None:
-    """Check the database's schema version; create or upgrade it when ``create``.
-
-    Workers starting together take turns on an advisory lock and whoever comes second
-    finds the schema current; an upgrade that deadlocks with running operations is tried
-    again. A missing or older schema without ``create``, or a newer one, raises
+    """Check the database's schema version; create or upgrade it when ``create``
+    (workers starting together take turns on an advisory lock; a deadlocked upgrade is
+    tried again). A missing or older schema without ``create``, or a newer one, raises
     :class:`~runcell_celery.ConcurrencyConfigError`.
     """
     if _checked(conn, database_schema_version(conn), create=create):

@@ -47,10 +47,7 @@ _HOST = socket.gethostname()
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """A slot granted to a waiting request, as its process learned it.
-
-    :param granted_at: when the grant committed, in the database's clock (epoch s).
-    """
+    """A slot granted to a waiting request; ``granted_at``: database time (epoch s)."""
 
     lease_id: str
     fencing_token: int
@@ -146,10 +143,7 @@ class Waiter:
 
 
 class WaitRoom:
-    """Every waiting request of this process on one database, and its one listener.
-
-    Made by its :class:`~.engine.Engine` (one per backend and process).
-    """
+    """Every waiting request of this process on one database, and its one listener."""
 
     def __init__(self, database: Database, options: PostgresOptions) -> None:
         self.process_id = uuid.uuid4().hex
@@ -200,8 +194,6 @@ class WaitRoom:
         self._late_loop.stop(timeout=5)
         if self.listener is not None:
             self.listener.stop()
-
-    # -- waiters ------------------------------------------------------------------------
 
     @property
     def listening(self) -> bool:
@@ -279,8 +271,6 @@ class WaitRoom:
             return 1.0
         return 0.0
 
-    # -- news from the database ---------------------------------------------------------
-
     def dispatch(self, payload: str) -> None:
         """Wake the waiters named in a grant notification (see runcell_notify_grants_v4)."""
         try:
@@ -293,10 +283,9 @@ class WaitRoom:
         self.dispatch_grants(message.get("t"), message.get("g"))
 
     def dispatch_grants(self, granted_at: Any, grants: Any) -> None:
-        """Wake the waiters of this process among ``grants`` (``[[request_id, lease_id,
-        token], ...]`` granted at database time ``granted_at``); others are ignored.
-        A waiter told twice (by its notification and by the release that granted it)
-        keeps the first."""
+        """Wake this process's waiters among ``grants`` (``[[request_id, lease_id, token]]``
+        at database time ``granted_at``); a waiter told twice keeps the first.
+        """
         try:
             at = float(granted_at)
             found_grants = [(str(r), str(lease), int(token)) for r, lease, token in grants]
