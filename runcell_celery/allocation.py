@@ -84,11 +84,8 @@ LimiterId = Hashable
 
 
 class Waiting(Protocol):
-    """A waiting request as allocation sees it: its workload, and whether its run
-    already took a slot before (``in_progress``: it goes first in its workload).
-
-    Waiters are passed in arrival order, so position is age.
-    """
+    """A waiting request as allocation sees it (passed in arrival order); ``in_progress``:
+    its run already took a slot (it goes first in its workload)."""
 
     @property
     def workload(self) -> str: ...
@@ -98,10 +95,8 @@ class Waiting(Protocol):
 
 
 def has_room(config: LimiterConfig, active: Mapping[str, int], workload: str) -> bool:
-    """Tell whether one more slot for ``workload`` keeps every rule.
-
-    :param active: slots held per workload (missing workloads hold none).
-    """
+    """Tell whether one more slot for ``workload`` keeps every rule (``active``: slots
+    held per workload)."""
     settings = config.workloads.get(workload)
     if settings is None or active.get(workload, 0) >= config.ceiling(workload):
         return False
@@ -118,14 +113,8 @@ def has_room(config: LimiterConfig, active: Mapping[str, int], workload: str) ->
 def allocate(
     config: LimiterConfig, active: Mapping[str, int], waiting: Sequence[Waiting]
 ) -> list[int]:
-    """Return the positions in ``waiting`` to grant now, in the order to grant them.
-
-    :param config: the limits.
-    :param active: slots held now, per workload.
-    :param waiting: waiting requests, oldest first.
-    :returns: indexes into ``waiting``; granting them in this order keeps every rule,
-        and afterwards no remaining waiter could be granted.
-    """
+    """Return the positions in ``waiting`` (oldest first) to grant now, in order:
+    granting them keeps every rule, and afterwards no remaining waiter could be."""
     if not waiting:
         return []
     # Each workload's queue as positions into ``waiting``: runs in progress first, and
@@ -157,12 +146,9 @@ def allocate(
 
 
 class WaitingForMembers(Protocol):
-    """A waiting request that needs a slot in every limiter it names.
-
-    ``workload`` is the workload the run selected (``None``: each limiter's default);
-    ``key`` is the request's fairness key (``None``: the shared keyless key); ``aged``
-    tells whether it has waited :data:`GROUP_AGEING_MS` since it first queued.
-    """
+    """A waiting request that needs a slot in every limiter it names: ``workload`` the
+    run selected (``None``: each default), ``key`` (``None``: the shared keyless key),
+    ``aged``: it waited :data:`GROUP_AGEING_MS` since it first queued."""
 
     @property
     def limiters(self) -> Collection[LimiterId]: ...
@@ -187,20 +173,10 @@ def allocate_members(
     *,
     last_granted: Mapping[LimiterId, Mapping[Hashable | None, int]] | None = None,
 ) -> list[int]:
-    """Return the positions in ``waiting`` to grant now, in the order to grant them.
-
-    Each granted request takes one slot in every limiter it names (module docstring:
-    "Several limiters at once").
-
-    :param limits: each limiter's settings, by limiter id.
-    :param active: slots held now, per limiter id and workload.
-    :param waiting: waiting requests, oldest first.
-    :param last_granted: for ``round_robin`` limiters, per key the sequence number of
-        its latest grant there (any increasing number); keys not listed were never
-        granted. ``None``: ties between keys go by arrival.
-    :returns: indexes into ``waiting``; granting them in this order keeps every limit,
-        and afterwards no remaining request is eligible.
-    """
+    """Return the positions in ``waiting`` (oldest first) to grant now, in order; each
+    takes one slot in every limiter it names (rules 1-5 above). ``limits`` and
+    ``active`` are by limiter id; ``last_granted``: for ``round_robin`` limiters, per
+    key an increasing number of its latest grant there (``None``: ties by arrival)."""
     lines = {lid: _Line(config, active.get(lid, {})) for lid, config in limits.items()}
     seats = [_seats(lines, request) for request in waiting]
     for position, places in enumerate(seats):

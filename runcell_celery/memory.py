@@ -74,13 +74,9 @@ class _Held:
 
 
 class _Waiter:
-    """One waiting request over one limiter or several (``limiters`` has them all).
-
-    What :func:`~runcell_celery.allocation.allocate` and
-    :func:`~runcell_celery.allocation.allocate_members` read: ``workload`` (the one the
-    run selected; ``workloads`` has the one used in each limiter), ``in_progress``,
-    ``limiters``, ``key`` and ``aged``.
-    """
+    """One waiting request over its members, as allocation reads it: ``workload`` the
+    run selected (``workloads``: the one used in each limiter), ``in_progress``,
+    ``limiters``, ``key`` and ``aged``."""
 
     __slots__ = (
         "aged",
@@ -314,18 +310,10 @@ class _KeyOwner(Protocol):
 
 
 class InMemoryConcurrencyLimiter(ConfiguredLimiter):
-    """Slots shared by the threads and coroutines of one process.
-
-    Create it with :func:`~runcell_celery.create_concurrency_limiter`. For several
-    processes or hosts use
-    :func:`runcell_celery.postgres.create_postgres_concurrency_limiter`.
-
-    :param config: the limits.
-    :param clock: monotonic and wall clocks; tests pass a fake one to expire leases
-        without waiting.
-    :param coordinator: decides when requests over several limiters wait here (a keyed
-        limiter's keys share one); by default one of its own.
-    """
+    """Slots shared by the threads and coroutines of one process (made by
+    :func:`~runcell_celery.create_concurrency_limiter`). ``clock``: tests pass a fake
+    one; ``coordinator``: decides when requests over several limiters wait here (a
+    keyed limiter's keys share one), by default one of its own."""
 
     def __init__(
         self,

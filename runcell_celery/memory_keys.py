@@ -1,16 +1,9 @@
 """A keyed in-memory limiter: a limit per key (a tenant, an API key, a user).
 
-``create_concurrency_limiter(2, name="tenant", keyed=True)`` returns a
-:class:`KeyedInMemoryConcurrencyLimiter`. It holds no slots itself;
-``tenant.key("acme")`` is the :class:`~runcell_celery.memory.InMemoryConcurrencyLimiter`
-of that key, named ``"tenant:acme"``, with the keyed limiter's settings
-(:func:`~runcell_celery.keys.config_for_key`).
-
-A key's limiter is created on first use and forgotten once idle, so 100,000 tenants
-used once leave nothing behind: it is kept (strongly) while it holds a slot or a
-request waits in it, and otherwise only as long as someone else references it (weakly
-here), so ``key("acme")`` returns the same object while the key is in use and one key
-never has two limiters at once.
+It holds no slots itself; ``tenant.key("acme")`` is the in-memory limiter of that key,
+named ``"tenant:acme"``, with the keyed limiter's settings. A key's limiter is kept
+strongly while it holds a slot or a request waits in it, else only weakly, so 100,000
+tenants used once leave nothing behind, and one key never has two limiters at once.
 """
 
 from __future__ import annotations
@@ -240,12 +233,9 @@ def create_concurrency_limiter(
 ) -> InMemoryConcurrencyLimiter | KeyedInMemoryConcurrencyLimiter:
     """Create a limiter shared by the threads and coroutines of this process.
 
-    The options are those of :class:`~runcell_celery.config.LimiterConfig`; workloads
-    may be given as dicts. Invalid settings raise
-    :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the field.
-    ``keyed=True`` gives each key its own limit with these settings: it returns a
-    :class:`KeyedInMemoryConcurrencyLimiter`, whose
-    ``key("acme")`` is the limiter of that key.
+    The options are those of :class:`~runcell_celery.config.LimiterConfig` (workloads
+    may be dicts; invalid settings raise ``ConcurrencyConfigError`` naming the field).
+    ``keyed=True`` returns a :class:`KeyedInMemoryConcurrencyLimiter`: a limit per key.
 
     >>> claude = create_concurrency_limiter(
     ...     8, name="claude", workloads={"interactive": {"reserved": 2}, "background": {}}

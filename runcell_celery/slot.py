@@ -239,19 +239,8 @@ class Slot:
             given = [x for x in configured if x is not None]
             max_hold_ms = min(given) if given else None
         max_hold = Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None
-        hold = Hold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
-        return self._start_hold(hold, asked, leases[0], started, cancel, waited_ms)
-
-    def _start_hold(
-        self,
-        hold: Hold,
-        asked: SlotRequest,
-        lease: Lease,
-        started: float,
-        cancel: CancellationToken | None,
-        waited_ms: float | None,
-    ) -> Slot:
-        self._hold = hold
+        lease = leases[0]
+        hold = self._hold = Hold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
         hold.trace = tracing.start_hold(asked, hold, started, waited_ms)
         run = asked.run
         if run is not None:
@@ -309,6 +298,21 @@ class Slot:
             raise error from exc
 
 
+def _lost_before_start(
+    asked: SlotRequest,
+    leases: tuple[Lease, ...],
+    lost: Lease,
+    reason: str,
+    cleanups: list[Callable[[], object]],
+) -> None:
+    for cleanup in cleanups:
+        cleanup()
+    asked.event("lease-lost", lease_id=lost.lease_id, hold_ms=0.0, reason=reason, error=None)
+    for limiter, lease in zip(asked.limiters, leases, strict=True):
+        with contextlib.suppress(Exception):  # lost already: the limiter may know it
+            limiter.release(lease, "lease-lost")
+
+
 def _expired_before_start(
     asked: SlotRequest,
     leases: tuple[Lease, ...],
@@ -316,19 +320,8 @@ def _expired_before_start(
     started: float,
     cleanups: list[Callable[[], object]],
 ) -> NoReturn:
-    for cleanup in cleanups:
-        cleanup()
     tracing.wait_ended(asked, started, "expired-before-start")
-    asked.event(
-        "lease-lost",
-        lease_id=expired.lease_id,
-        hold_ms=0.0,
-        reason="expired-before-start",
-        error=None,
-    )
-    for limiter, lease in zip(asked.limiters, leases, strict=True):
-        with contextlib.suppress(Exception):  # expired already: the limiter may know it
-            limiter.release(lease, "lease-lost")
+    _lost_before_start(asked, leases, expired, "expired-before-start", cleanups)
     waited_ms = (time.monotonic() - started) * 1000
     raise asked.request.error(
         ConcurrencyLeaseLostError,
@@ -380,14 +373,8 @@ def _adopt(
     leases = tuple(by_limiter[id(x)] for x in asked.limiters)
     asked = asked.with_request_id(admitted.slot_request.request.request_id)
     if kept == "lost":
-        for cleanup in cleanups:
-            cleanup()
-        lost = leases[0]
-        asked.event("lease-lost", lease_id=lost.lease_id, hold_ms=0.0, reason="renewal", error=None)
-        for limiter, lease in zip(asked.limiters, leases, strict=True):
-            with contextlib.suppress(Exception):  # lost already: the limiter may know it
-                limiter.release(lease, "lease-lost")
-        raise abort_error(asked, lost, "lease-lost")
+        _lost_before_start(asked, leases, leases[0], "renewal", cleanups)
+        raise abort_error(asked, leases[0], "lease-lost")
     return asked, leases, admitted.wait_ms
 
 

@@ -264,9 +264,8 @@ def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
 
 
 def send_grants(app: Celery, producer: Producer, items: Sequence[Republish]) -> list[Republish]:
-    """Publish claimed re-publications on ``producer`` (the delivered bytes, with the
-    claimed ``runcell_publication``); return those not sent because the broker is
-    unreachable: the rest of the batch, for the caller to give back. A message failing
+    """Publish claimed re-publications on ``producer``; return the rest of the batch
+    once the broker is unreachable, for the caller to give back. A message failing
     otherwise is logged and skipped (its claim window ends and the row goes back)."""
     for index, item in enumerate(items):
         try:
