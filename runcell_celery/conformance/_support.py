@@ -112,9 +112,11 @@ class Queued:
         return self.future.result(SOON_S)
 
 
-def assert_times_out(limiter: ConcurrencyLimiter, why: str) -> None:
+def assert_times_out(
+    limiter: ConcurrencyLimiter, why: str, workload: str = "default", timeout_ms: float = 50
+) -> None:
     try:
-        lease = limiter.acquire(new_request(timeout_ms=50))
+        lease = limiter.acquire(new_request(workload, timeout_ms=timeout_ms))
     except ConcurrencyTimeoutError as exc:
         assert exc.limiter == limiter.name, f"the timeout names {exc.limiter!r}"
     else:
