@@ -77,7 +77,7 @@ def guard(
 
         def make() -> Slot:
             made = Slot.__new__(Slot)
-            made._setup(limiters, workload, key, max_hold_ms, None, None, call="guard")
+            made._setup(limiters, workload, key, max_hold_ms, None, None, call=None)
             return made
 
         wrapper: Callable[..., Any]

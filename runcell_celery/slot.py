@@ -29,15 +29,11 @@ from .cancellation import CancellationToken
 from .context import RunContext, current_run
 from .deadline import Deadline
 from .errors import (
-    ConcurrencyCancelledError,
-    ConcurrencyConfigError,
     ConcurrencyError,
     ConcurrencyLeaseLostError,
     ConcurrencyLimiterError,
-    ConcurrencyQueueFullError,
-    ConcurrencyTimeoutError,
 )
-from .events import EventType, describe_error, has_listeners
+from .events import describe_error, has_listeners
 from .hold import Hold, abort_error, is_interrupt, register_interrupt
 from .protocol import (
     ConcurrencyLimiter,
@@ -48,16 +44,9 @@ from .protocol import (
     SupportsReleaseExecutor,
     supports,
 )
-from .request import SlotRequest, build_request, report_refusal
+from .request import SlotRequest, build_request, failure_event_type, report_refusal
 
 __all__ = ["Slot", "is_interrupt", "preadmit", "register_interrupt", "slot"]
-
-_WAIT_FAILURE_EVENTS: tuple[tuple[type[ConcurrencyError], EventType], ...] = (
-    (ConcurrencyTimeoutError, "timed-out"),
-    (ConcurrencyQueueFullError, "queue-full"),
-    (ConcurrencyCancelledError, "wait-cancelled"),
-    (ConcurrencyConfigError, "config-error"),
-)
 
 
 class Slot:
@@ -85,9 +74,10 @@ class Slot:
         max_hold_ms: int | None,
         cancel: CancellationToken | None,
         request_id: str | None,
-        call: str = "slot",
+        call: str | None = "slot",
     ) -> None:
-        check_slot_arguments(call, limiters, workload, key, max_hold_ms, cancel, request_id)
+        if call is not None:  # None: checked already (guard, when decorating)
+            check_slot_arguments(call, limiters, workload, key, max_hold_ms, cancel, request_id)
         # None: the run's limiters.
         self._limiters = tuple(x for x in limiters if x is not None)
         self._key_arg = key
@@ -338,17 +328,17 @@ def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> Base
     if is_interrupt(exc) and not isinstance(exc, ConcurrencyError):
         asked.event("wait-cancelled", wait_ms=wait_ms)
         return exc
-    for error_type, event_type in _WAIT_FAILURE_EVENTS:
-        if isinstance(exc, error_type):
-            extra = {"error": describe_error(exc)} if event_type == "config-error" else {}
-            asked.event(event_type, wait_ms=None if extra else wait_ms, **extra)
-            return exc
-    if isinstance(exc, ConcurrencyError):
+    type_ = failure_event_type(exc) if isinstance(exc, ConcurrencyError) else "limiter-error"
+    if type_ == "config-error":
+        asked.event(type_, wait_ms=None, error=describe_error(exc))
+    elif type_ in ("timed-out", "queue-full", "wait-cancelled"):
+        asked.event(type_, wait_ms=wait_ms)
+    else:
         asked.event("limiter-error", wait_ms=wait_ms, error=describe_error(exc))
+    if isinstance(exc, ConcurrencyError):
         return exc
     # Anything else from the limiter (a driver error, a bug) fails closed.
     name = asked.limiter.name
-    asked.event("limiter-error", wait_ms=wait_ms, error=describe_error(exc))
     return asked.error(ConcurrencyLimiterError, f"limiter {name!r} failed: {describe_error(exc)}")
 
 
