@@ -55,13 +55,9 @@ _interrupts: tuple[type[BaseException], ...] = ()
 
 
 def register_interrupt(exc_type: type[BaseException]) -> None:
-    """Treat ``exc_type`` as a cancellation, not a failure, wherever it interrupts a slot.
-
-    Anything that is not an ``Exception`` (``SystemExit`` from a terminating signal,
-    ``KeyboardInterrupt``, asyncio's ``CancelledError``, ``GeneratorExit`` of a stream
-    closed early) already is; the Celery integration registers ``SoftTimeLimitExceeded``
-    and ``Terminated``.
-    """
+    """Treat ``exc_type`` as a cancellation, not a failure, wherever it interrupts a
+    slot (anything not an ``Exception`` already is; Celery registers
+    ``SoftTimeLimitExceeded`` and ``Terminated``)."""
     global _interrupts
     if exc_type not in _interrupts:
         _interrupts = (*_interrupts, exc_type)
@@ -238,13 +234,9 @@ class Hold(KeptLeases):
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """Let an abort cancel the asyncio task only while the block runs.
-
-        A hold is interruptible from the start. Code that hands control to someone
-        else's code in between (a streaming guard that yields items to its consumer)
-        wraps each of its own steps in this block: once it leaves one, an abort no
-        longer cancels the task, and the code learns of it from :attr:`aborted`.
-        """
+        """Let an abort cancel the asyncio task only while the block runs: code that
+        hands control to others in between (a streaming guard yielding items) wraps
+        each of its own steps in it, and learns of a later abort from :attr:`aborted`."""
         self._interruptible = True
         try:
             yield
@@ -254,11 +246,8 @@ class Hold(KeptLeases):
     # -- the end ----------------------------------------------------------------------
 
     def end(self, exc: BaseException | None) -> ConcurrencyError | None:
-        """Release once and return the error that replaces the body's result, if any.
-
-        A lease whose local validity passed before now is lost, even if the keeper has
-        not said so yet: the hold ends with :class:`ConcurrencyLeaseLostError`.
-        """
+        """Release once and return the error that replaces the body's result, if any
+        (a lease whose local validity passed is lost, whatever the keeper said)."""
         self._check_validity()
         with self._state:
             if self._ended:

@@ -699,12 +699,9 @@ def _announce(waiter: _Waiter, on_wait: OnWait | None) -> None:
 
 
 def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
-    """Where ``waiter`` stands in ``line`` (a limiter's, or its coordinator's): in each
-    of its limiters, one more than the requests of its workload there that joined
-    before it and still wait; over several limiters the largest (it is granted when
-    every line lets it through). Allocation may serve some later arrivals first (a run
-    in progress, a round-robin key): like the PostgreSQL limiter's, it is the place by
-    arrival. The in-memory limiter knows no mean hold time: no expected wait."""
+    """Where ``waiter`` stands in ``line`` by arrival (as the PostgreSQL limiter tells
+    it): in each limiter one more than the requests of its workload ahead, over several
+    the largest. No mean hold time here: no expected wait."""
     ahead = [0] * len(waiter.limiters)
     for other in line:
         if other.arrival >= waiter.arrival:

@@ -100,12 +100,8 @@ def resolve_workloads(
     limiters: Sequence[ConcurrencyLimiter], workload: str | None, *, strict: bool = False
 ) -> tuple[str, ...]:
     """The workload a request selecting ``workload`` uses in each limiter: that one
-    where a limiter has it, the limiter's default elsewhere. ``strict`` (one limiter,
-    a workload the caller named): the limiter must have it.
-
-    :raises ConcurrencyConfigError: ``workload`` exists in none of the limiters (a
-        typo), or a limiter that needs the default has none.
-    """
+    where a limiter has it, its default elsewhere (``strict``: each must have it).
+    Raises ``ConcurrencyConfigError`` if none has it, or a needed default is missing."""
     if strict:
         return tuple(validate_workload(limiter, workload) for limiter in limiters)
     present = [workload is not None and has_workload(limiter, workload) for limiter in limiters]

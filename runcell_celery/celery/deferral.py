@@ -119,15 +119,11 @@ class TaskAdmission(Admission):
     """The admission of a deferrable run's first slot (one delivery of a task).
 
     Only a backend that can park (:class:`~runcell_celery.ports.SupportsParking`)
-    defers; with any other the first slot waits as usual. A run over several limiters
-    parks as **one** request: a place in every limiter, one message re-published once
-    all its slots are granted together, claimed all at once.
-
-    A queue place or lease belongs to one **delivery**: every delivery asks with a
-    request id of its own (``<task id>/<random>``), carried in the parked message
-    (``runcell_admission``) so its re-publication claims that delivery's grant
-    (``runcell_publication`` says which publication may). A delivery granted a slot
-    while the task already has a result gives it back and is dropped as a duplicate.
+    defers; a run over several limiters parks as **one** request. A place or lease
+    belongs to one **delivery**: each asks with a request id of its own (``<task
+    id>/<random>``), carried in the parked message so its re-publication claims that
+    delivery's grant. A delivery granted a slot while the task already has a result
+    gives it back and is dropped as a duplicate.
     """
 
     def __init__(

@@ -37,7 +37,7 @@ from tests.support.pgbouncer import POOL_SIZE, PgBouncer, run_pgbouncer
 
 CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
 KEYED_CASE_NAMES = [case.name for case in keyed_conformance_cases(lambda **options: None)]
-SEVERAL_CASE_NAMES = [case.name for case in members_conformance_cases(lambda **options: None)]
+MEMBER_CASE_NAMES = [case.name for case in members_conformance_cases(lambda **options: None)]
 
 #: A case in which requests wait and are granted by another request's release.
 WAITING_CASE = "waiters_are_served_in_arrival_order"
@@ -99,7 +99,7 @@ def test_keyed_postgres_limiter_conforms_through_a_transaction_pooler(
     cases[name].run()
 
 
-@pytest.mark.parametrize("name", SEVERAL_CASE_NAMES)
+@pytest.mark.parametrize("name", MEMBER_CASE_NAMES)
 def test_postgres_limiters_held_together_conform_through_a_transaction_pooler(
     pgbouncer_dsn: str, name: str
 ) -> None:
