@@ -197,7 +197,8 @@ def raw_functions_client(dsn: str, name: str, start: float, stop: float) -> int:
                        "holder_name": "bench", "in_progress": False}  # fmt: skip
             answer = send(
                 statements.ACQUIRE,
-                {"limiters": [name], "hashes": [config_hash[0]], "workloads": ["default"],
+                {"limiters": f'{{"{name}"}}', "hashes": f"{{{config_hash[0]}}}",
+                 "workloads": "{default}",
                  "request": json.dumps(request), "wait_ms": None, "process": process,
                  "retry": False},
             )  # fmt: skip

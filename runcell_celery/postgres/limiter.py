@@ -127,6 +127,7 @@ class _Asked:
     ) -> None:
         self.limiters = limiters
         self.names = [x.name for x in limiters]
+        self.array = _array(self.names)
         self.several = len(limiters) > 1
         self.requests = requests
         self.lead = requests[0]
@@ -508,7 +509,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         loop: asyncio.AbstractEventLoop | None,
     ) -> _Asked:
         own = self._own([m.limiter for m in members])
-        order = sorted(range(len(own)), key=lambda i: own[i].name)
+        order = [0] if len(own) == 1 else sorted(range(len(own)), key=lambda i: own[i].name)
         limiters = [own[i] for i in order]
         requests = [members[i].request for i in order]
         workloads = []
@@ -584,9 +585,9 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                    "holder_name": lead.holder_name, "in_progress": lead.in_progress,
                    "key": lead.key}  # fmt: skip
         params: dict[str, Any] = {
-            "limiters": asked.names,
-            "hashes": [x._hash for x in asked.limiters],
-            "workloads": asked.workloads,
+            "limiters": asked.array,
+            "hashes": _array([x._hash for x in asked.limiters]),
+            "workloads": _array(asked.workloads),
             "request": json.dumps(asking),
             "process": self.room.process,
             "retry": retry,
@@ -624,7 +625,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     and all(x.use_stored_limits(r) for x, r in pairs)
                 ):
                     adopted += 1
-                    params["hashes"] = [x._hash for x in asked.limiters]
+                    params["hashes"] = _array([x._hash for x in asked.limiters])
                     continue
                 raise
             except ConcurrencyLimiterError as exc:
@@ -712,7 +713,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """
         assert asked.park is not None
         params = {
-            "limiters": asked.names,
+            "limiters": asked.array,
             "request_id": asked.request_id,
             "payload": asked.park.payload,
             "broker": asked.park.broker,
@@ -804,7 +805,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         order = sorted(range(len(own)), key=lambda i: own[i].name)
         ordered = [own[i] for i in order]
         params = {
-            "limiters": [x.name for x in ordered],
+            "limiters": _array([x.name for x in ordered]),
             "request_id": request_id,
             "publication_id": publication_id,
             "op_id": _op_id(),
@@ -879,7 +880,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """Take a request out of every line (parked or waiting) and give back any slot
         it was granted; used when its run ends before it uses its place."""
         params = {
-            "limiters": sorted(x.name for x in self._own(limiters)),
+            "limiters": _array(sorted(x.name for x in self._own(limiters))),
             "request_id": request_id,
             "give_back": True,
             "op_id": _op_id(),  # a retry re-publishes what the first attempt granted
@@ -893,7 +894,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         just before is returned unless ``give_back``.
         """
         params = {
-            "limiters": asked.names,
+            "limiters": asked.array,
             "request_id": asked.request_id,
             "give_back": give_back,
             "op_id": None,  # repeating it gives the same outcome: nothing to record
@@ -1049,6 +1050,13 @@ def _lines(lines: Sequence[Any] | None) -> list[WaitEstimate] | None:
     if not lines or any(line is None or line[0] is None for line in lines):
         return None
     return [_estimate(*line) for line in lines]
+
+
+def _array(values: Sequence[str]) -> str:
+    """``values`` as a PostgreSQL ``text[]`` literal: dumped as one string, much cheaper
+    on the hot path than psycopg's list adaptation."""
+    quoted = (v.replace("\\", "\\\\").replace('"', '\\"') for v in values)
+    return "{" + ",".join(f'"{v}"' for v in quoted) + "}"
 
 
 def _op_id() -> str:
