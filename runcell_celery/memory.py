@@ -1,24 +1,12 @@
 """Limiters for one process: threads and asyncio tasks share their slots.
 
-Every decision about who is granted goes through
-:func:`~runcell_celery.allocation.allocate` (or
-:func:`~runcell_celery.allocation.allocate_members`) under a lock; waiting happens
-outside it, a thread on its own ``threading.Event``, a coroutine on an
-``asyncio.Event`` set thread-safely, so a release wakes exactly the waiters it granted.
-One acquire path serves one member or several: :func:`_enqueue` grants or queues,
-:func:`_settle` decides after each wake-up.
-
-A limiter named by a waiting request over several limiters is *coordinated* by a
-:class:`Coordinator` until no such request waits for it: its state is guarded by the
-coordinator's lock instead of its own, its waiters are in the coordinator's line, and
-every grant goes through ``allocate_members``. Otherwise a limiter decides alone under
-its own lock (the flag is read under it). Each limiter starts with its own coordinator
-(a keyed limiter's keys share their owner's); a request over limiters of different
-coordinators merges them. A ``round_robin`` limiter allocates with
-``allocate_members`` and keeps a bounded per-key history of its last grants.
-
-Locks: a coordinator's, then a limiter's; the flag changes only with both held.
-Coordinators being merged are locked in ``id`` order.
+Grants are decided by :mod:`~runcell_celery.allocation` under a lock; each waiter
+waits outside it on its own event, so a release wakes exactly the waiters it granted.
+A limiter named by a waiting request over several limiters is *coordinated*: until no
+such request waits for it, its state is guarded by its :class:`Coordinator`'s lock and
+its waiters stand in the coordinator's line (requests over limiters of different
+coordinators merge them). Locks: a coordinator's, then a limiter's; the flag changes
+only with both held; coordinators being merged are locked in ``id`` order.
 """
 
 from __future__ import annotations
@@ -31,7 +19,7 @@ import math
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_members, has_room
@@ -56,12 +44,10 @@ __all__ = ["HISTORY_LIMIT", "Coordinator", "InMemoryConcurrencyLimiter", "place_
 
 T = TypeVar("T")
 
-#: Arrival order across every limiter of the process (a coordinated request's age).
 _arrivals = itertools.count()
-#: Grant order across every limiter of the process (``last_granted`` for round robin).
 _grants = itertools.count()
-#: Keys a round-robin limiter remembers the last grant of. Forgetting the oldest keeps
-#: the order of the rest: a forgotten key counts as granted longest ago, as it was.
+#: Keys a round-robin limiter remembers the last grant of (a forgotten key counts as
+#: granted longest ago, as it was).
 HISTORY_LIMIT = 10_000
 
 
@@ -74,9 +60,7 @@ class _Held:
 
 
 class _Waiter:
-    """One waiting request over its members, as allocation reads it: ``workload`` the
-    run selected (``workloads``: the one used in each limiter), ``in_progress``,
-    ``limiters``, ``key`` and ``aged``."""
+    """A waiting request as allocation reads it (``workloads``: the one in each limiter)."""
 
     __slots__ = (
         "aged",
@@ -126,14 +110,11 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        #: Every waiting request of the coordinated limiters, oldest first.
-        self.waiting: list[_Waiter] = []
+        self.waiting: list[_Waiter] = []  # oldest first
         self.members: dict[int, InMemoryConcurrencyLimiter] = {}
-        #: The coordinator this one was merged into (its state moved there).
         self.merged_into: Coordinator | None = None
 
     def root(self) -> Coordinator:
-        """The coordinator that decides now (the end of the merges)."""
         root = self
         while root.merged_into is not None:
             root = root.merged_into
@@ -163,8 +144,6 @@ class Coordinator:
                     limiter._idle_locked()
 
     def enqueue_locked(self, waiter: _Waiter, now: float) -> None:
-        """Queue ``waiter``, grant what the rules allow, and raise queue-full or
-        timed-out if it cannot wait."""
         for limiter in waiter.limiters:
             self.join_locked(limiter)
             limiter._reap_locked(now)
@@ -183,7 +162,6 @@ class Coordinator:
         _start_clock(waiter, now, lambda: self.remove_locked(waiter, now))
 
     def remove_locked(self, waiter: _Waiter, now: float) -> None:
-        """Take a waiter that was not granted out of line; grant what that frees."""
         if waiter not in self.waiting:
             return
         self.waiting.remove(waiter)
@@ -194,7 +172,6 @@ class Coordinator:
         self._leave_idle_locked(waiter.limiters)
 
     def allocate_locked(self, now: float) -> None:
-        """Grant every request the rules allow now, in the order they say."""
         waiting = self.waiting
         if not waiting:
             return
@@ -225,15 +202,10 @@ class Coordinator:
             for limiter in waiter.limiters:
                 limiter._coordinated_waiting -= 1
                 touched[id(limiter)] = limiter
-        chosen = set(granted)
-        woken = [waiting[p] for p in granted]
-        self.waiting = [w for p, w in enumerate(waiting) if p not in chosen]
-        for waiter in woken:
-            waiter.wake()
+        self.waiting = _wake(waiting, granted)
         self._leave_idle_locked(list(touched.values()))
 
     def workloads_waiting_locked(self, limiter: InMemoryConcurrencyLimiter) -> list[str]:
-        """The workload in ``limiter`` of every coordinated request waiting for it."""
         return [
             workload
             for waiter in self.waiting
@@ -243,7 +215,6 @@ class Coordinator:
 
 
 def _lock_root(limiter: InMemoryConcurrencyLimiter) -> Coordinator:
-    """Lock and return the coordinator that decides for ``limiter`` now."""
     while True:
         root = limiter._coordinator.root()
         root.lock.acquire()
@@ -254,7 +225,6 @@ def _lock_root(limiter: InMemoryConcurrencyLimiter) -> Coordinator:
 
 
 def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn`` under ``limiter``'s coordinator's lock (and its own, if it left)."""
     root = _lock_root(limiter)
     try:
         if limiter._coordinated:
@@ -266,7 +236,6 @@ def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T],
 
 
 def _merge_and_lock(limiters: Sequence[InMemoryConcurrencyLimiter]) -> Coordinator:
-    """Lock one coordinator deciding for every limiter of ``limiters``, merging theirs."""
     while True:
         roots = sorted(
             {id(r): r for r in (x._coordinator.root() for x in limiters)}.values(), key=id
@@ -292,7 +261,6 @@ def _merge_and_lock(limiters: Sequence[InMemoryConcurrencyLimiter]) -> Coordinat
 
 
 def _start_clock(waiter: _Waiter, now: float, remove: Callable[[], None]) -> None:
-    """Give a queued waiter its deadline, or time it out now if it may not wait."""
     wait_ms = _wait_ms(waiter)
     if wait_ms is not None and wait_ms <= 0:
         remove()
@@ -302,18 +270,14 @@ def _start_clock(waiter: _Waiter, now: float, remove: Callable[[], None]) -> Non
 
 
 class _KeyOwner(Protocol):
-    """The keyed limiter a key's limiter tells when it becomes busy or idle."""
-
     def _key_busy(self, limiter: InMemoryConcurrencyLimiter) -> None: ...
 
     def _key_idle(self, limiter: InMemoryConcurrencyLimiter) -> None: ...
 
 
 class InMemoryConcurrencyLimiter(ConfiguredLimiter):
-    """Slots shared by the threads and coroutines of one process (made by
-    :func:`~runcell_celery.create_concurrency_limiter`). ``clock``: tests pass a fake
-    one; ``coordinator``: decides when requests over several limiters wait here (a
-    keyed limiter's keys share one), by default one of its own."""
+    """Slots shared by the threads and coroutines of one process (a keyed limiter's keys
+    share their owner's ``coordinator``)."""
 
     def __init__(
         self,
@@ -332,33 +296,25 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         self._id_prefix = f"{config.name}:{uuid.uuid4().hex[:12]}:"
         self._next_expiry = math.inf
         self._coordinator = Coordinator() if coordinator is None else coordinator
-        #: True while the coordinator decides for this limiter.
         self._coordinated = False
-        #: Coordinated requests waiting for a slot here.
         self._coordinated_waiting = 0
-        #: Round robin: per key, the grant sequence number of its latest grant here.
+        #: Round robin: per key, the sequence number of its latest grant here.
         self._history: OrderedDict[Hashable | None, int] | None = (
             OrderedDict() if config.fairness == "round_robin" else None
         )
-        #: The keyed limiter this is a key of (told when this key is busy or idle).
-        self._owner: _KeyOwner | None = None
+        self._owner: _KeyOwner | None = None  # the keyed limiter this is a key of
         self._key: str | None = None
         self._busy = False
-        #: Something to do on each grant: round-robin history or telling the owner.
         self._watch_grants = self._history is not None
 
     def _root(self) -> Coordinator:
         return self._coordinator.root()
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` under the lock that guards this limiter's state now: its own, or
-        its coordinator's while it is coordinated."""
         with self._lock:
             if not self._coordinated:
                 return fn(*args)
         return _call_coordinated(self, fn, *args)
-
-    # -- acquire: one limiter is a group of one -----------------------------------------
 
     def acquire(
         self,
@@ -367,7 +323,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> Lease:
-        """Wait (blocking this thread) for a slot; see :class:`ConcurrencyLimiter`."""
         return self.acquire_members((Member(self, request),), cancel=cancel, on_wait=on_wait)[0]
 
     def acquire_members(
@@ -377,28 +332,15 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...]:
-        """Wait (blocking this thread) for one slot per member, granted together
-        (:class:`~runcell_celery.protocol.SupportsMembers`). Nothing is held while
-        waiting; slots granted at the moment of a cancel or timeout are given back."""
         waiter = _enqueue(members, cancel)
         if isinstance(waiter, tuple):
             return waiter
         event = threading.Event()
-        waiter.wake = event.set
-        unlink = cancel.add_callback(event.set) if cancel is not None else _nothing
-        try:
-            _announce(waiter, on_wait)
-            while True:
-                leases = _settle(waiter, cancel)
-                if leases is not None:
-                    return leases
+        with _waiting(waiter, event.set, cancel, on_wait):
+            while (leases := _settle(waiter, cancel)) is None:
                 event.wait(_sleep_seconds(waiter))
                 event.clear()
-        except BaseException:
-            _abandon(waiter)
-            raise
-        finally:
-            unlink()
+            return leases
 
     async def acquire_members_async(
         self,
@@ -407,8 +349,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...]:
-        """As :meth:`acquire_members`, waiting without blocking the event loop (and
-        without a thread); asyncio-cancellation safe."""
         waiter = _enqueue(members, cancel)
         if isinstance(waiter, tuple):
             return waiter
@@ -419,28 +359,17 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             with contextlib.suppress(RuntimeError):  # the loop closed; waiter abandoned
                 loop.call_soon_threadsafe(event.set)
 
-        waiter.wake = wake
-        unlink = cancel.add_callback(wake) if cancel is not None else _nothing
-        try:
-            _announce(waiter, on_wait)
-            while True:
-                leases = _settle(waiter, cancel)
-                if leases is not None:
-                    return leases
+        with _waiting(waiter, wake, cancel, on_wait):
+            while (leases := _settle(waiter, cancel)) is None:
                 # Not ``wait_for``: on Python 3.11 it swallows a cancellation that
                 # arrives as the event is set, and the cancelled task would get a slot.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_sleep_seconds(waiter)):
                         await event.wait()
                 event.clear()
-        except BaseException:
-            _abandon(waiter)
-            raise
-        finally:
-            unlink()
+            return leases
 
     def _queue_locked(self, waiter: _Waiter, now: float) -> tuple[Lease, ...] | _Waiter:
-        """Queue a request over this limiter alone (under the lock guarding it now)."""
         if self._coordinated:
             self._root().enqueue_locked(waiter, now)
             return waiter if waiter.leases is None else waiter.leases
@@ -460,7 +389,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         return waiter
 
     def _drop_locked(self, waiter: _Waiter, now: float) -> None:
-        """Take a waiter not granted out of this limiter's line (or its coordinator's)."""
         if self._coordinated:
             self._root().remove_locked(waiter, now)
         elif waiter in self._waiting:
@@ -471,14 +399,10 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     def _place_locked(self, waiter: _Waiter) -> QueuePlace:
         return place_in_line(waiter, self._root().waiting if self._coordinated else self._waiting)
 
-    # -- renew and release ----------------------------------------------------------
-
     def renew(self, lease: Lease) -> Lease | None:
-        """Extend ``lease`` by its TTL; ``None`` if it expired or was released."""
         return self._call(self._renew_locked, lease, self._clock.monotonic())
 
     def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
-        """Renew several leases under one lock acquisition."""
         return self._call(self._renew_many_locked, leases)
 
     def _renew_many_locked(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
@@ -486,11 +410,9 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         return {lease.lease_id: self._renew_locked(lease, now) for lease in leases}
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
-        """Return the slot; releasing twice or after expiry does nothing."""
         self._call(self._release_locked, lease.lease_id, self._clock.monotonic())
 
     def stats(self) -> LimiterStats:
-        """Return active and queued counts, in total and per workload."""
         return self._call(self._stats_locked)
 
     def _stats_locked(self) -> LimiterStats:
@@ -508,20 +430,16 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         )
 
     def _waiting_workloads_locked(self) -> list[str]:
-        """The workload here of every request waiting for a slot here."""
         if self._coordinated:
             return self._root().workloads_waiting_locked(self)
         return [waiter.workloads[0] for waiter in self._waiting]
 
     def reap(self) -> int:
-        """Drop expired leases now (normally done lazily); return how many."""
         return self._call(self._reap_now_locked)
 
     def _reap_now_locked(self) -> int:
         self._next_expiry = -math.inf
         return self._reap_locked(self._clock.monotonic())
-
-    # -- under the lock (the coordinator's while coordinated) --------------------------
 
     def _grant_locked(self, request: AcquireRequest, workload: str, now: float) -> Lease:
         token = next(self._tokens)
@@ -571,11 +489,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         for position in granted:
             waiter = self._waiting[position]
             waiter.leases = (self._grant_locked(waiter.request, waiter.workloads[0], now),)
-        chosen = set(granted)
-        woken = [self._waiting[p] for p in granted]
-        self._waiting = [w for p, w in enumerate(self._waiting) if p not in chosen]
-        for waiter in woken:
-            waiter.wake()
+        self._waiting = _wake(self._waiting, granted)
 
     def _release_locked(self, lease_id: str, now: float) -> None:
         held = self._held.pop(lease_id, None)
@@ -609,8 +523,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             self._idle_locked()
         return len(expired)
 
-    # -- a key of a keyed limiter: busy keys are kept, idle ones forgotten -------------
-
     def _busy_locked(self) -> None:
         if self._owner is not None and not self._busy:
             self._busy = True
@@ -626,13 +538,38 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             self._owner._key_idle(self)
 
 
-# -- the one acquire path, over the limiters of one request ----------------------------
+def _wake(waiting: list[_Waiter], granted: Sequence[int]) -> list[_Waiter]:
+    """Wake the granted waiters; return the others, still in line."""
+    for position in granted:
+        waiting[position].wake()
+    chosen = set(granted)
+    return [w for p, w in enumerate(waiting) if p not in chosen]
+
+
+@contextlib.contextmanager
+def _waiting(
+    waiter: _Waiter,
+    wake: Callable[[], None],
+    cancel: CancellationToken | None,
+    on_wait: OnWait | None,
+) -> Iterator[None]:
+    """While a queued waiter waits: a cancel wakes it, any exit but a return leaves the
+    line and gives back what was granted meanwhile."""
+    waiter.wake = wake
+    unlink = cancel.add_callback(wake) if cancel is not None else _nothing
+    try:
+        _announce(waiter, on_wait)
+        yield
+    except BaseException:
+        _abandon(waiter)
+        raise
+    finally:
+        unlink()
 
 
 def _enqueue(
     asked: Sequence[Member], cancel: CancellationToken | None
 ) -> tuple[Lease, ...] | _Waiter:
-    """Check the request, then grant it at once or queue it (or refuse it)."""
     if not asked:
         raise ValueError("acquire_members needs at least one member")
     members: list[InMemoryConcurrencyLimiter] = []
@@ -671,8 +608,7 @@ def _enqueue(
 def _selected(
     limiters: Sequence[InMemoryConcurrencyLimiter], workloads: Sequence[str]
 ) -> str | None:
-    """The one workload a run selected that resolves to ``workloads``: in each limiter
-    that workload where it exists, else that limiter's default (allocation's rule)."""
+    """The workload a run selected that resolves to ``workloads`` (allocation's rule)."""
     for candidate in (None, *dict.fromkeys(workloads)):
         resolved = [
             candidate
@@ -699,9 +635,8 @@ def _announce(waiter: _Waiter, on_wait: OnWait | None) -> None:
 
 
 def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
-    """Where ``waiter`` stands in ``line`` by arrival (as the PostgreSQL limiter tells
-    it): in each limiter one more than the requests of its workload ahead, over several
-    the largest. No mean hold time here: no expected wait."""
+    """Where ``waiter`` stands in ``line`` by arrival, as the PostgreSQL limiter tells it
+    (over several limiters the largest place)."""
     ahead = [0] * len(waiter.limiters)
     for other in line:
         if other.arrival >= waiter.arrival:
@@ -715,9 +650,7 @@ def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
 
 def _settle(waiter: _Waiter, cancel: CancellationToken | None) -> tuple[Lease, ...] | None:
     """After a wake-up: the leases, a cancel or timeout raised, or ``None`` to wait on."""
-    first = waiter.limiters[0]
-    # Every limiter of a waiting request over several is coordinated by one
-    # coordinator, so the first one's lock guards them all.
+    first = waiter.limiters[0]  # coordinated together: its lock guards them all
     leases, error = first._call(_settle_locked, waiter, cancel, first._clock.monotonic())
     if error is None:
         return leases
@@ -745,7 +678,6 @@ def _settle_locked(
 
 
 def _abandon(waiter: _Waiter) -> None:
-    """Leave the line after an unexpected exit, returning slots granted meanwhile."""
     first = waiter.limiters[0]
     first._call(first._drop_locked, waiter, first._clock.monotonic())
     _release_all(waiter, waiter.leases)
@@ -759,7 +691,6 @@ def _release_all(waiter: _Waiter, leases: tuple[Lease, ...] | None) -> None:
 
 
 def _wait_ms(waiter: _Waiter) -> float | None:
-    """The longest a request may wait: the shortest of its limiters' limits."""
     limits = [
         limiter._wait_ms(request, workload)
         for limiter, request, workload in zip(
@@ -771,7 +702,6 @@ def _wait_ms(waiter: _Waiter) -> float | None:
 
 
 def _timed_out(waiter: _Waiter, wait_ms: float | None) -> ConcurrencyTimeoutError:
-    """No slot in time: the error names the limiters that had no room."""
     if len(waiter.limiters) == 1:
         return waiter.limiters[0]._timed_out(waiter.request, wait_ms)
     full = [
@@ -790,7 +720,6 @@ def _timed_out(waiter: _Waiter, wait_ms: float | None) -> ConcurrencyTimeoutErro
 
 
 def _sleep_seconds(waiter: _Waiter) -> float | None:
-    """Until the deadline or the next lease expiry in one of its limiters."""
     now = waiter.limiters[0]._clock.monotonic()
     wake_at = min([waiter.deadline, *(x._next_expiry for x in waiter.limiters)])
     return None if math.isinf(wake_at) else max(0.0, wake_at - now)
