@@ -1,22 +1,19 @@
 """Runs: the unit that owns a time budget, a cancellation and a place in a run tree.
 
-A run (an agent run; in Celery, one task execution) lives in a :mod:`contextvars`
-variable, so it follows threads started with ``copy_context`` and every asyncio task;
-:func:`slot` reads its limiters, workload, deadline and cancellation from it. A run
-started inside another is a child: it inherits the parent's limiters (unless it names
-*different* ones, then with its own workload), key, workload (its own
-``default_workload`` does not replace the parent's, so nesting cannot move work to
-another workload by accident), cancellation, remaining budget (a child never outlives
-its parent) and :class:`~runcell_celery.admission.Admission`.
+A run (in Celery, one task execution) lives in a :mod:`contextvars` variable, so it
+follows ``copy_context`` threads and asyncio tasks. A child inherits its parent's
+limiters (unless it names different ones), key, workload (its own ``default_workload``
+does not replace the parent's, so nesting cannot move work to another workload by
+accident), cancellation, remaining budget and admission.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, cast
+from typing import cast
 
 from .arguments import (
     check_admission,
@@ -54,10 +51,7 @@ class RunProgress:
 
 @dataclass(frozen=True, slots=True)
 class RunContext:
-    """The run a piece of code belongs to: ``limiters`` its slots take a slot in
-    (``limiter`` the first, or ``None``), the ``workload`` it selects, its fairness
-    ``key``, ``deadline`` and ``cancel`` (``None``: none), ``name`` (shown as the
-    holder) and the first-slot ``admission`` it shares with its children."""
+    """The run a piece of code belongs to (``limiter``: the first of ``limiters``)."""
 
     run_id: str
     root_run_id: str
@@ -71,24 +65,20 @@ class RunContext:
     limiters: tuple[ConcurrencyLimiter, ...] = ()
     key: str | None = None
     progress: RunProgress = field(default_factory=RunProgress, compare=False)
-    #: The run's ids as one value, built once: every slot request carries it.
     lineage: RunLineage = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         lineage = RunLineage(self.run_id, self.root_run_id, self.parent_run_id)
         object.__setattr__(self, "lineage", lineage)
-        # ``limiter`` and ``limiters`` say the same: the first, and all of them.
         if not self.limiters and self.limiter is not None:
             object.__setattr__(self, "limiters", (self.limiter,))
         elif self.limiters and self.limiter is not self.limiters[0]:
             object.__setattr__(self, "limiter", self.limiters[0])
 
     def remaining_ms(self) -> float | None:
-        """Milliseconds left in the budget (may be negative), or ``None`` for no budget."""
         return None if self.deadline is None else self.deadline.remaining_ms()
 
     def deadline_timestamp(self) -> float | None:
-        """The deadline as a Unix timestamp, to show or carry to another process."""
         return None if self.deadline is None else self.deadline.to_unix()
 
 
@@ -96,7 +86,6 @@ _current: ContextVar[RunContext | None] = ContextVar("runcell_run", default=None
 
 
 def current_run() -> RunContext | None:
-    """Return the run the caller belongs to, or ``None`` outside any run."""
     return _current.get()
 
 
@@ -112,7 +101,7 @@ def _same(mine: tuple[ConcurrencyLimiter, ...], theirs: tuple[ConcurrencyLimiter
 
 @dataclass(frozen=True, slots=True)
 class RunOptions:
-    """What :class:`run` was asked for, before it meets its parent (see :class:`run`)."""
+    """What :class:`run` was asked for, before it meets its parent."""
 
     limiter: ConcurrencyLimiter | None = None
     workload: str | None = None
@@ -125,13 +114,11 @@ class RunOptions:
     parent_run_id: str | None = None
     name: str | None = None
     admission: RunAdmission | None = None
-    #: Every limiter asked for (``limiter`` is the first).
     limiters: tuple[ConcurrencyLimiter, ...] = ()
     key: str | None = None
 
 
 def _limiters_argument(limiter: object) -> tuple[ConcurrencyLimiter, ...]:
-    """``run(limiter=...)``: none, one limiter, or a sequence of them."""
     if limiter is None:
         return ()
     if supports(limiter, ConcurrencyLimiter):
@@ -143,7 +130,7 @@ def _limiters_argument(limiter: object) -> tuple[ConcurrencyLimiter, ...]:
     return (check_limiter(limiter, argument="run(limiter)"),)
 
 
-def _check_arguments(**given: Any) -> None:
+def _check_arguments(options: RunOptions, deadline_at: float | None) -> None:
     """Check ``run()``'s other arguments; each error names the argument and the value."""
     checks: dict[str, Callable[..., object]] = {
         "workload": check_text,
@@ -158,7 +145,8 @@ def _check_arguments(**given: Any) -> None:
         "admission": check_admission,
         "key": check_fair_key,
     }
-    for argument, value in given.items():
+    for argument in checks:
+        value = deadline_at if argument == "deadline_at" else getattr(options, argument)
         if value is not None:
             checks[argument](value, argument=f"run({argument})")
 
@@ -166,25 +154,17 @@ def _check_arguments(**given: Any) -> None:
 class run:  # noqa: N801 - a context manager named like the thing it opens
     """Start a run (sync ``with`` or ``async with``); nested inside another, a child run.
 
-    :param limiter: a limiter, or a sequence of limiters (each slot then holds one in
-        every one, granted together); a child without one uses its parent's.
-    :param workload: the workload this run *selects* (always wins).
-    :param default_workload: used only when neither the run nor its parent selects one
-        (e.g. the task's declared one).
-    :param timeout_ms: total budget from entering the run, slot waits included; cut to
-        the parent's remaining one. ``deadline`` (or ``deadline_at``, Unix time, for a
-        budget carried from another process) combines with it: the earliest wins.
-    :param cancel: cancels this run (its parent's still applies).
-    :param run_id: default: a new UUID (Celery passes the task id); ``root_run_id``
-        and ``parent_run_id`` give the lineage when the parent is in another process.
+    :param limiter: a limiter, or a sequence of limiters (each slot holds one in every
+        one, granted together); a child without one uses its parent's.
+    :param workload: the workload this run *selects* (always wins); ``default_workload``
+        is used only when neither the run nor its parent selects one.
+    :param timeout_ms: total budget from entering the run, slot waits included; the
+        earliest of it, ``deadline``, ``deadline_at`` (Unix time) and the parent's wins.
+    :param run_id: default: a new UUID; ``root_run_id`` and ``parent_run_id`` give the
+        lineage when the parent is in another process.
     :param name: a label for the run, shown as the slot holder.
-    :param admission: how the run's first slot was admitted (a child shares its
-        parent's; see :mod:`runcell_celery.admission`).
-    :param key: the fairness key of the run's slot requests (a child uses its
-        parent's by default).
-    :raises ConcurrencyConfigError: at once, before anything waits: an unknown
-        workload, no default and none selected, limiters that cannot be held together,
-        or an argument of the wrong kind or shape (naming it and its value).
+    :raises ConcurrencyConfigError: at once, before anything waits, naming the bad
+        argument or workload, or limiters that cannot be held together.
     """
 
     def __init__(
@@ -205,24 +185,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         key: str | None = None,
     ) -> None:
         limiters = _limiters_argument(limiter)
-        _check_arguments(
-            workload=workload,
-            default_workload=default_workload,
-            deadline=deadline,
-            deadline_at=deadline_at,
-            cancel=cancel,
-            run_id=run_id,
-            root_run_id=root_run_id,
-            parent_run_id=parent_run_id,
-            name=name,
-            admission=admission,
-            key=key,
-        )
-        if deadline_at is not None:
-            deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
-        if timeout_ms is not None:
-            timeout_ms = check_duration_ms(timeout_ms, field="run(timeout_ms)", allow_zero=True)
-        self.options = RunOptions(
+        options = RunOptions(
             limiter=limiters[0] if limiters else None,
             limiters=limiters,
             key=key,
@@ -237,6 +200,12 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             name=name,
             admission=admission,
         )
+        _check_arguments(options, deadline_at)
+        if deadline_at is not None:
+            deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
+        if timeout_ms is not None:
+            timeout_ms = check_duration_ms(timeout_ms, field="run(timeout_ms)", allow_zero=True)
+        self.options = replace(options, deadline=deadline, timeout_ms=timeout_ms)
         self._token: Token[RunContext | None] | None = None
         self._own_cancel: CancellationToken | None = None
         self.context: RunContext | None = None
@@ -301,8 +270,6 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             deadline=deadline,
             cancel=cancel,
             name=o.name or (parent.name if parent is not None else None),
-            # Shared with children: the tree's first slot request in this process
-            # adopts (or gives back) the slot admitted before the parent's body ran.
             admission=o.admission or (parent.admission if parent is not None else None),
         )
 

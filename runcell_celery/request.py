@@ -1,11 +1,7 @@
 """What a slot asks for: resolve the run and the ``slot()`` arguments into one request.
 
-:func:`build_request` is the decision half of entering a slot, kept apart from the
-waiting half so it can be tested without a limiter doing any I/O: which limiters,
-which workload in each (validated before anything waits), which request id, how much
-of the run's budget is left, and whether the request may be made at all (a cancelled
-run or a spent budget never asks; README, "Errors"). A request over one limiter is a
-group of one. It touches no state: the slot adopts a pre-admitted slot afterwards.
+:func:`build_request` is the decision half of entering a slot, apart from the waiting
+half so it can be tested without a limiter doing I/O; it touches no state.
 """
 
 from __future__ import annotations
@@ -50,15 +46,9 @@ E = TypeVar("E", bound=ConcurrencyError)
 
 
 class SlotRequest:
-    """One resolved slot request: its ``members`` (``limiters`` and ``requests``, one
-    request id, run and key; one limiter is a group of one), granted all together;
-    ``limiter`` and ``request`` are the first's. ``run`` is ``None`` outside any run.
-
-    It is also the limiter's ``on_wait`` (an
-    :class:`~runcell_celery.protocol.OnWaitWithPlace`): it emits ``wait-started`` and
-    keeps the place in line for the wait span. A plain slotted class, not a frozen
-    dataclass: one is built per slot, on the hot path.
-    """
+    """One resolved slot request over its ``members``, granted all together; also the
+    limiter's ``on_wait`` (:class:`~runcell_celery.protocol.OnWaitWithPlace`). A plain
+    slotted class, not a frozen dataclass: one is built per slot, on the hot path."""
 
     __slots__ = ("limiter", "limiters", "members", "place", "request", "requests", "run")
 
@@ -74,7 +64,6 @@ class SlotRequest:
         self.limiter = limiters[0]
         self.request = requests[0]
         self.members = tuple(map(Member, limiters, requests))
-        #: Where the request joined the line, when its limiter told (and a tracer asked).
         self.place: QueuePlace | None = None
 
     def __repr__(self) -> str:
@@ -83,25 +72,21 @@ class SlotRequest:
 
     @property
     def key(self) -> str | None:
-        """The request's fairness key."""
         return self.request.key
 
     def names(self) -> tuple[str, ...]:
         return tuple(limiter.name for limiter in self.limiters)
 
     def with_request_id(self, request_id: str) -> SlotRequest:
-        """The same request under another request id (a pre-admitted lease's)."""
         if request_id == self.request.request_id:
             return self
         requests = tuple(dataclasses.replace(r, request_id=request_id) for r in self.requests)
         return SlotRequest(self.run, self.limiters, requests)
 
     def error(self, cls: type[E], message: str) -> E:
-        """Build an error that names this request, its limiter and its run."""
         return self.request.error(cls, message, limiter=self.limiter.name)
 
     def wait_started(self, deadline: float | None) -> None:
-        """The limiter's ``on_wait``: the request waits (``deadline``: Unix time)."""
         if has_listeners():
             self.event("wait-started", deadline=deadline)
 
@@ -115,7 +100,6 @@ class SlotRequest:
         self.place = place
 
     def event(self, type_: EventType, **extra: Any) -> None:
-        """Emit an event about this request (over several limiters naming them all)."""
         if not has_listeners():
             return
         request = self.request
@@ -146,33 +130,23 @@ def build_request(
     request_id: str | None = None,
     cancel: CancellationToken | None = None,
 ) -> SlotRequest:
-    """Resolve a ``slot(*limiters)`` call made in ``run`` (``None``: outside any run, a
-    one-slot run of its own) into one request over its members.
-
-    ``limiters`` default to the run's. The workload defaults to the run's when the slot
-    uses the run's limiters; over several limiters it applies in each that has it, the
-    default elsewhere. ``key`` defaults to the run's (over several limiters, then to
-    the key of a key's limiter among them). ``cancel`` is only read.
-
-    :raises ConcurrencyNoLimiterError: no limiter.
-    :raises ConcurrencyConfigError: an invalid workload, or limiters that cannot be held
-        together (:func:`~runcell_celery.several.check_members`).
-    :raises ConcurrencyCancelledError, ConcurrencyTimeoutError: the run (or slot) is
-        already cancelled, or its budget spent.
-
-    Every error names the request; report it with :func:`report_refusal`.
-    """
+    """Resolve a ``slot(*limiters)`` call made in ``run`` (``None``: outside any run)
+    into one request; a cancelled run or a spent budget never asks. Every error names
+    the request; report it with :func:`report_refusal`."""
     resolved_id = request_id or new_request_id()
     lineage = run.lineage if run is not None else RunLineage(resolved_id, resolved_id)
+    names = {
+        "run_id": lineage.run_id,
+        "root_run_id": lineage.root_run_id,
+        "parent_run_id": lineage.parent_run_id,
+        "request_id": resolved_id,
+    }
     if not limiters and run is not None:
         limiters = run.limiters
     if not limiters:
         raise ConcurrencyNoLimiterError(
             "slot() has no limiter: pass one, or call it inside run(limiter=...) or a RunCellTask",
-            run_id=lineage.run_id,
-            root_run_id=lineage.root_run_id,
-            parent_run_id=lineage.parent_run_id,
-            request_id=resolved_id,
+            **names,
         )
     one = len(limiters) == 1
     lenient = not one
@@ -194,10 +168,7 @@ def build_request(
             exc.message,
             limiter=limiters[0].name,
             workload=workload or DEFAULT_WORKLOAD if one else workload,
-            run_id=lineage.run_id,
-            root_run_id=lineage.root_run_id,
-            parent_run_id=lineage.parent_run_id,
-            request_id=resolved_id,
+            **names,
         ) from None
     if run is None:
         requests = tuple(AcquireRequest(resolved_id, w, lineage, key=key) for w in workloads)
@@ -216,8 +187,8 @@ def build_request(
             ConcurrencyCancelledError, "the run was cancelled before it asked for a slot"
         )
     if remaining is not None and remaining <= 0:
-        names = ", ".join(repr(name) for name in resolved.names())
-        asked = f"limiter {names} for a slot" if one else f"limiters {names} for slots"
+        shown = ", ".join(repr(name) for name in resolved.names())
+        asked = f"limiter {shown} for a slot" if one else f"limiters {shown} for slots"
         raise resolved.error(
             ConcurrencyTimeoutError, f"the run's time budget ended before it asked {asked}"
         )
@@ -231,15 +202,11 @@ def report_refusal(
     limiters: tuple[str, ...] | None = None,
     key: str | None = None,
 ) -> None:
-    """Emit the event for a request :func:`build_request` refused (none without a
-    limiter: there is no limiter to report it under)."""
+    """Emit the event for a request :func:`build_request` refused."""
     report_failure(error, limiter=None, holder_name=holder_name, limiters=limiters, key=key)
 
 
 def failure_event_type(error: ConcurrencyError) -> EventType:
-    """The event that says a run stopped with ``error``: ``config-error``,
-    ``timed-out``, ``queue-full``, ``lease-lost``, ``wait-cancelled``, else
-    ``limiter-error`` (the limiter or its database failed)."""
     if isinstance(error, ConcurrencyConfigError):
         return "config-error"
     if isinstance(error, ConcurrencyTimeoutError):
@@ -265,13 +232,8 @@ def report_failure(
     parent_run_id: str | None = None,
     key: str | None = None,
 ) -> EventType | None:
-    """Emit the event of a run that stopped with ``error`` *before* it asked for a slot
-    (its first start, its options, its headers, or a refused request).
-
-    ``limiter``, ``workload`` and the lineage name what the run was to use when the
-    error names none. Returns the event's type, or ``None`` when none was emitted
-    (nobody listens, or there is no limiter to report it under).
-    """
+    """Emit the event of a run that stopped with ``error`` *before* it asked for a slot;
+    the arguments name what the error does not. Returns the event's type, if emitted."""
     name = limiter or error.limiter
     if name is None or not has_listeners():
         return None

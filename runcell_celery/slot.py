@@ -1,15 +1,10 @@
 """The slot runtime: take a slot before a provider request, give it back after.
 
-:func:`slot` owns a slot's whole life (README, "A slot around each provider call"):
-**ask** (:func:`~runcell_celery.request.build_request`; the run's first request adopts
-the slot admitted before its body, :func:`preadmit`), **acquire** within
-``min(max_wait_ms, the run's remaining budget)`` (a slot granted at the moment of a
-cancel or timeout goes back, never leaks), **hold** (:class:`~runcell_celery.hold.Hold`:
-renewed by the lease keeper; an abort runs abort callbacks, cancels an ``async with``
-body and ends the hold with its error instead of the result) and **release** exactly
-once. A request is one decision over its members: ``slot(a, b)`` is granted all
-together through :class:`~runcell_celery.protocol.SupportsMembers`; one limiter is a
-group of one. Every step emits its event.
+:func:`slot` owns a slot's whole life: ask (the run's first request adopts the slot
+admitted before its body, :func:`preadmit`), acquire within the run's budget (a slot
+granted at the moment of a cancel goes back), hold (:class:`~runcell_celery.hold.Hold`)
+and release exactly once, emitting every step's event. ``slot(a, b)`` is one decision
+over its members; one limiter is a group of one.
 """
 
 from __future__ import annotations
@@ -50,10 +45,8 @@ __all__ = ["Slot", "is_interrupt", "preadmit", "register_interrupt", "slot"]
 
 
 class Slot:
-    """One slot for one provider request; a sync and async context manager (made by
-    :func:`slot`). Inside the block it is the held slot's handle; over several
-    limiters ``lease`` and ``fencing_token`` are the first's, ``leases`` and
-    ``fencing_tokens`` all of them."""
+    """One slot for one provider request, and inside the block its handle (over several
+    limiters ``lease`` and ``fencing_token`` are the first's)."""
 
     def __init__(
         self,
@@ -78,7 +71,6 @@ class Slot:
     ) -> None:
         if call is not None:  # None: checked already (guard, when decorating)
             check_slot_arguments(call, limiters, workload, key, max_hold_ms, cancel, request_id)
-        # None: the run's limiters.
         self._limiters = tuple(x for x in limiters if x is not None)
         self._key_arg = key
         self._workload_arg = workload
@@ -86,10 +78,7 @@ class Slot:
         self._cancel_arg = cancel
         self._request_id = request_id
         self._hold: Hold | None = None
-        # Abort callbacks registered before the slot was entered.
         self._early_callbacks: list[Callable[[], object]] | None = None
-
-    # -- the handle ---------------------------------------------------------------
 
     @property
     def lease(self) -> Lease | None:
@@ -114,56 +103,47 @@ class Slot:
 
     @property
     def aborted(self) -> bool:
-        """True once the hold was aborted (lease lost, max hold, cancel, budget end)."""
         return self._hold is not None and self._hold.aborted
 
     def on_abort(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` (from another thread) if the hold is aborted, e.g. to close
-        the provider's response so a blocking read ends."""
+        """Call ``callback`` (from another thread) on an abort, e.g. to close the
+        provider's response so a blocking read ends."""
         if self._hold is None:
             self._early_callbacks = [*(self._early_callbacks or ()), callback]
         else:
             self._hold.on_abort(callback)
 
     def interruptible(self) -> contextlib.AbstractContextManager[None]:
-        """Let an abort cancel the ``async with`` task only while the block runs
-        (see :meth:`~runcell_celery.hold.Hold.interruptible`)."""
         if self._hold is None:
             raise RuntimeError("interruptible() needs a held slot: enter the slot first")
         return self._hold.interruptible()
 
-    # -- entering: one path, two ways to wait ---------------------------------------
-
     def __enter__(self) -> Slot:
-        asked, cancel, cleanups = self._ask()
-        started = time.monotonic()
+        asked, cancel, cleanups, started = self._ask()
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
-            asked, leases, waited_ms = adopted
-            return self._granted(asked, leases, started, cancel, cleanups, None, waited_ms)
+            return self._granted(*adopted, started, cancel, cleanups, None)
         try:
             leases = _acquire(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
-        return self._granted(asked, leases, started, cancel, cleanups, None)
+        return self._granted(asked, leases, None, started, cancel, cleanups, None)
 
     async def __aenter__(self) -> Slot:
-        asked, cancel, cleanups = self._ask()
-        started = time.monotonic()
+        asked, cancel, cleanups, started = self._ask()
         task = asyncio.current_task()
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
-            asked, leases, waited_ms = adopted
-            return self._granted(asked, leases, started, cancel, cleanups, task, waited_ms)
+            return self._granted(*adopted, started, cancel, cleanups, task)
         try:
             leases = await _acquire_async(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
-        return self._granted(asked, leases, started, cancel, cleanups, task)
+        return self._granted(asked, leases, None, started, cancel, cleanups, task)
 
     def _ask(
         self,
-    ) -> tuple[SlotRequest, CancellationToken | None, list[Callable[[], object]]]:
+    ) -> tuple[SlotRequest, CancellationToken | None, list[Callable[[], object]], float]:
         if self._hold is not None:
             raise RuntimeError("a Slot is used once; call slot() again for the next request")
         run = current_run()
@@ -179,14 +159,12 @@ class Slot:
         except ConcurrencyError as exc:
             _refused(exc, run, self._limiters or (run.limiters if run else ()), self._key_arg)
             raise
-        cleanups: list[Callable[[], object]] = []
         own = self._cancel_arg
         inherited = asked.run.cancel if asked.run is not None else None
         if own is None or inherited is None:
-            return asked, own or inherited, cleanups
+            return asked, own or inherited, [], time.monotonic()
         linked = CancellationToken(own, inherited)
-        cleanups.append(linked.detach)
-        return asked, linked, cleanups
+        return asked, linked, [linked.detach], time.monotonic()
 
     @staticmethod
     def _not_granted(
@@ -207,17 +185,16 @@ class Slot:
         self,
         asked: SlotRequest,
         leases: tuple[Lease, ...],
+        waited_ms: float | None,
         started: float,
         cancel: CancellationToken | None,
         cleanups: list[Callable[[], object]],
         task: asyncio.Task[Any] | None,
-        waited_ms: float | None = None,
     ) -> Slot:
         for lease in leases:
             if lease.valid_until is not None and lease.valid_until.passed():
-                # The process stood still between the grant and here (a pause, a
-                # swapped out host) for longer than the lease lives: another holder may
-                # have the slot by now. The body must not start on it.
+                # Paused longer than the lease lives since the grant: another holder
+                # may have the slot by now, the body must not start on it.
                 _expired_before_start(asked, leases, lease, started, cleanups)
         max_hold_ms = self._max_hold_ms
         if max_hold_ms is None:  # the smallest of the limiters'
@@ -251,8 +228,6 @@ class Slot:
             self._early_callbacks = None
         return self
 
-    # -- leaving --------------------------------------------------------------------
-
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -272,8 +247,8 @@ class Slot:
         hold = self._hold
         if hold is None:
             return
-        # A release that does I/O runs on the limiter's threads: the exit never blocks
-        # the event loop (nor is the release cut short by a cancel).
+        # A release doing I/O runs on the limiter's threads (never blocking the loop,
+        # never cut short by a cancel).
         limiter = hold.slot_request.limiter
         if not supports(limiter, SupportsReleaseExecutor):
             error = hold.end(exc)
@@ -323,7 +298,6 @@ def _expired_before_start(
 
 
 def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> BaseException:
-    """Emit the event for a failed wait; return the error the caller should see."""
     wait_ms = (time.monotonic() - started) * 1000
     if is_interrupt(exc) and not isinstance(exc, ConcurrencyError):
         asked.event("wait-cancelled", wait_ms=wait_ms)
@@ -345,10 +319,9 @@ def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> Base
 def _adopt(
     asked: SlotRequest, cleanups: list[Callable[[], object]]
 ) -> tuple[SlotRequest, tuple[Lease, ...], float] | None:
-    """The run's pre-admitted first slot, if this is the run's first request over the
-    same limiters and workloads: the request (under the leases' request id), the leases
-    in ``asked``'s order and the admission's wait. ``None``: acquire as usual (slots
-    admitted for anything else were given back). Raises a lost lease's error."""
+    """The run's pre-admitted first slot, if this request asks for the same limiters and
+    workloads (else it was given back): the request under the leases' id, the leases in
+    ``asked``'s order and the admission's wait."""
     run = asked.run
     admission = run.admission if run is not None else None
     if not isinstance(admission, Admission):
@@ -369,14 +342,9 @@ def _adopt(
 
 
 def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery:
-    """Decide the current run's first slot before its body runs, through
-    ``admission`` (which may park the run), for what its first ``slot()`` would ask.
-
-    A granted slot is kept as ``admission.admitted`` until a slot adopts it or the run
-    ends. Returns it, or :class:`~runcell_celery.admission.Deferred` (parked: no event,
-    not a failure) or :class:`~runcell_celery.admission.DuplicateDelivery`; raises as
-    entering a slot would, with the same events.
-    """
+    """Decide the current run's first slot before its body runs, through ``admission``
+    (which may park the run); raises as entering a slot would, with the same events.
+    The slot is kept until the run's first ``slot()`` adopts it or the run ends."""
     run = current_run()
     if run is None:
         raise RuntimeError("preadmit() needs the run whose first slot it admits")
@@ -403,8 +371,8 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
 
 
 def _whole_wait_ms(leases: Sequence[Lease], started: float) -> float:
-    """How long a run's first slot was waited for: what the limiter measured when it
-    knows (a parked request's claim), else this delivery's own wait."""
+    """What the limiter measured when it knows (a parked request's claim), else this
+    delivery's own wait."""
     known = [lease.waited_ms for lease in leases if lease.waited_ms is not None]
     return max(known) if known else (time.monotonic() - started) * 1000
 
@@ -423,8 +391,7 @@ def _refused(
 
 
 def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
-    # The request is its own on_wait (it emits wait-started and keeps its place). A
-    # limiter without SupportsMembers is a one-member backend (build_request checked).
+    # The request is its own on_wait; no SupportsMembers: one member (build_request checked).
     first = asked.limiter
     if not supports(first, SupportsMembers):
         return (first.acquire(asked.request, cancel=cancel, on_wait=asked),)
@@ -434,7 +401,6 @@ def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Leas
 
 
 def _check_leases(asked: SlotRequest, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
-    """One lease per limiter, or none kept (a backend's bug fails closed)."""
     if len(leases) != len(asked.limiters):
         for limiter, lease in zip(asked.limiters, leases, strict=False):
             with contextlib.suppress(Exception):
@@ -448,9 +414,8 @@ def _check_leases(asked: SlotRequest, leases: tuple[Lease, ...]) -> tuple[Lease,
 
 
 async def _acquire_async(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
-    """Use the backend's ``acquire_members_async``, or run a blocking acquire in a
-    thread: then an asyncio cancellation cancels the thread's wait through a token, and
-    slots granted meanwhile are released, not leaked."""
+    """Native, or a blocking acquire in a thread that an asyncio cancellation cancels
+    through a token (slots granted meanwhile are released)."""
     first = asked.limiter
     if supports(first, SupportsMembersAsync):
         native = cast(SupportsMembersAsync, first)
@@ -487,17 +452,11 @@ def slot(
     :param limiters: default: the current run's. Several limiters
         (``slot(openai, gpt_4o, tenants.key("acme"))``): one slot in each, granted
         together or not at all.
-    :param workload: default: the run's, then the limiter's; over several limiters it
-        applies in each that has it, the default elsewhere.
-    :param key: the fairness key; default: the run's, then the key of a key's limiter
-        among ``limiters``.
-    :param max_hold_ms: end the hold as a lost lease after this long (default: the
-        limiters' ``max_hold_ms``).
+    :param workload: default: the run's, then the limiter's (over several limiters:
+        in each that has it, the default elsewhere).
+    :param key: the fairness key; default: the run's, then a key's limiter's.
+    :param max_hold_ms: end the hold as a lost lease after this long.
     :param cancel: cancels this request (the run's token still applies).
-    :param request_id: a stable id for the request (default: a new one).
-    :raises ConcurrencyConfigError: at once, naming the argument, for a bad argument;
-        also for a keyed limiter itself, a limiter twice, or limiters of different
-        backends.
     :raises ConcurrencyError: see :mod:`runcell_celery.errors`; the provider must not
         be called when entering fails.
 
