@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ..cancellation import CancellationToken
@@ -30,7 +29,9 @@ from ._support import (
 )
 
 
-def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
+def concurrency_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCase]:
+    """The named cases every :class:`ConcurrencyLimiter` must pass."""
+    create = create_limiter
     case = cases = Cases()
 
     @case
@@ -271,7 +272,7 @@ def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             raise AssertionError("a request for an unknown workload was granted")
         assert_idle(limiter)
 
-    return iter(cases)
+    return list(cases)
 
 
 def first_done(waiters: list[Queued], taken: list[int]) -> int:

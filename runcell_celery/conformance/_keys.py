@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -73,7 +73,11 @@ def assert_no_key_in_use(keyed: Keyed) -> None:
         assert list(keyed.key_stats()) == [], f"idle keys listed: {keyed.key_stats()}"
 
 
-def keyed_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
+def keyed_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCase]:
+    """The cases of a backend with keys: ``create_limiter(keyed=True, ...)`` returns a
+    :class:`~runcell_celery.protocol.SupportsKeys` that reports ``key_stats(limit)``,
+    ``keys_in_use()`` and ``stats(per_key=True)``."""
+    create = create_limiter
     case = cases = Cases()
 
     @case
@@ -205,4 +209,4 @@ def keyed_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert list(reports.stats(per_key=True).keys) == [], "idle keys listed per key"
         assert_no_key_in_use(keyed)
 
-    return iter(cases)
+    return list(cases)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from ..allocation import GROUP_AGEING_MS
 from ..cancellation import CancellationToken
@@ -49,6 +50,7 @@ from ._support import (
 HOLD_S = 0.02
 #: Scheduling slack on top of a documented bound (threads, a database round trip).
 SLACK_S = 1.0
+E = TypeVar("E", bound=BaseException)
 
 
 def member_requests(
@@ -85,6 +87,35 @@ def acquire_members(
     names = [lease.limiter for lease in leases]
     assert names == [x.name for x in limiters], f"leases of {names}, in the wrong order?"
     return leases
+
+
+def wait_members(
+    pool: ThreadPoolExecutor,
+    limiters: Sequence[ConcurrencyLimiter],
+    what: str,
+    requests: Sequence[AcquireRequest] | None = None,
+    cancel: CancellationToken | None = None,
+) -> Future[Sequence[Lease]]:
+    """Start ``acquire_members`` (budget ``WAIT_MS``) in ``pool``; return once it waits."""
+    return start_waiting(
+        pool,
+        lambda on_wait: acquire_members(
+            limiters, requests, timeout_ms=WAIT_MS, cancel=cancel, on_wait=on_wait
+        ),
+        what,
+    )
+
+
+def assert_refused(
+    limiters: Sequence[ConcurrencyLimiter], error: type[E], why: str, timeout_ms: float
+) -> E:
+    """The ``error`` a request over ``limiters`` is refused with (granted: ``why``)."""
+    try:
+        leases = acquire_members(limiters, timeout_ms=timeout_ms)
+    except error as exc:
+        return exc
+    release_all(limiters, leases)
+    raise AssertionError(why)
 
 
 def release_all(limiters: Sequence[ConcurrencyLimiter], leases: Sequence[Lease]) -> None:
@@ -153,7 +184,10 @@ class Foreign:
         return None
 
 
-def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
+def members_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCase]:
+    """The cases of a backend that holds one request over several of its limiters
+    (:class:`~runcell_celery.protocol.SupportsMembers`); one asks ``keyed=True`` too."""
+    create = create_limiter
     case = cases = Cases()
 
     @case
@@ -161,11 +195,7 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_members([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
-                "a and b",
-            )
+            waiting = wait_members(pool, [a, b], "a and b")
             time.sleep(0.05)  # time to take a's slot early, if it would
             assert active_of(a) in (0, None), f"a's slot was taken while b was full: {stats_of(a)}"
             assert active_of(b) in (1, None), f"b: {stats_of(b)}"
@@ -190,11 +220,7 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 a.release(lease)
 
         with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(3) as churners:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_members([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
-                "a and b",
-            )
+            waiting = wait_members(pool, [a, b], "a and b")
             began = time.monotonic()
             try:
                 alone = a.acquire(new_request(timeout_ms=GROUP_AGEING_MS / 4))
@@ -226,11 +252,7 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         a, b, c = (create(max_concurrent=1) for _ in range(3))
         held_b, held_c = b.acquire(new_request()), c.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_members([a, b, c], timeout_ms=WAIT_MS, on_wait=on_wait),
-                "a, b, c",
-            )
+            waiting = wait_members(pool, [a, b, c], "a, b, c")
             b.release(held_b)
             time.sleep(0.05)
             assert not waiting.done(), "granted while c was still full"
@@ -299,13 +321,9 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             assert active_of(provider) in (1, None), f"{stats_of(provider)}"
             if isinstance(tenants, ReportsKeys):
                 assert list(tenants.key_stats()) == [KeyStats("acme", 1, 0)]
-            try:  # the key's limit applies to a request over both
-                leases = acquire_members([provider, acme], timeout_ms=50)
-            except ConcurrencyTimeoutError:
-                pass
-            else:
-                release_all([provider, acme], leases)
-                raise AssertionError("a second slot of a key with max_concurrent=1")
+            # The key's limit applies to a request over both.
+            why = "a second slot of a key with max_concurrent=1"
+            assert_refused([provider, acme], ConcurrencyTimeoutError, why, 50)
             other = acquire_members([provider, tenants.key("globex")], timeout_ms=1000)
             release_all([provider, tenants.key("globex")], other)
         try:
@@ -322,13 +340,7 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         held = b.acquire(new_request())
         cancel = CancellationToken()
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_members(
-                    [a, b], timeout_ms=WAIT_MS, cancel=cancel, on_wait=on_wait
-                ),
-                "a and b",
-            )
+            waiting = wait_members(pool, [a, b], "a and b", cancel=cancel)
             cancel.cancel()
             try:
                 release_all([a, b], waiting.result(SOON_S))
@@ -347,13 +359,9 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def a_request_for_many_limiters_times_out_holding_nothing() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
-        try:
-            leases = acquire_members([a, b], timeout_ms=100)
-        except ConcurrencyTimeoutError as exc:
-            assert exc.limiter in (a.name, b.name), f"the timeout names {exc.limiter!r}"
-        else:
-            release_all([a, b], leases)
-            raise AssertionError("granted a and b while b was full")
+        why = "granted a and b while b was full"
+        exc = assert_refused([a, b], ConcurrencyTimeoutError, why, 100)
+        assert exc.limiter in (a.name, b.name), f"the timeout names {exc.limiter!r}"
         assert_idle(a)
         a.release(a.acquire(new_request(timeout_ms=50)))  # a's one slot is free
         b.release(held)
@@ -366,13 +374,7 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             for _ in range(20):
                 held = b.acquire(new_request())
                 cancel = CancellationToken()
-
-                def acquire(on_wait: OnWait, token: CancellationToken = cancel) -> Sequence[Lease]:
-                    return acquire_members(
-                        [a, b], timeout_ms=WAIT_MS, cancel=token, on_wait=on_wait
-                    )
-
-                waiting = start_waiting(pool, acquire, "a and b")
+                waiting = wait_members(pool, [a, b], "a and b", cancel=cancel)
                 release = pool.submit(b.release, held)
                 cancel.cancel()
                 release.result(SOON_S)
@@ -392,13 +394,8 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         b = create(max_concurrent=2)
         held = a.acquire(new_request("batch"))
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_members(
-                    [a, b], member_requests([a, b], ["batch", "default"], WAIT_MS), on_wait=on_wait
-                ),
-                "batch in a, default in b",
-            )
+            asked = member_requests([a, b], ["batch", "default"], WAIT_MS)
+            waiting = wait_members(pool, [a, b], "batch in a, default in b", asked)
             assert active_of(b) in (0, None), "b's slot was taken while a's batch was full"
             a.release(held)
             leases = waiting.result(SOON_S)
@@ -410,13 +407,9 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def a_full_queue_in_any_limiter_refuses_the_request() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1, max_queued=0)
         held = b.acquire(new_request())
-        try:
-            leases = acquire_members([a, b], timeout_ms=1000)
-        except ConcurrencyQueueFullError as exc:
-            assert exc.limiter == b.name, f"the error names {exc.limiter!r}, not b"
-        else:
-            release_all([a, b], leases)
-            raise AssertionError("b's max_queued=0 let a request wait")
+        why = "b's max_queued=0 let a request wait"
+        full = assert_refused([a, b], ConcurrencyQueueFullError, why, 1000)
+        assert full.limiter == b.name, f"the error names {full.limiter!r}, not b"
         assert_idle(a)
         b.release(held)
         assert_idle(a, b)
@@ -425,14 +418,10 @@ def members_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def a_limiter_it_cannot_hold_with_its_own_is_refused() -> None:
         a = create(max_concurrent=1)
         foreign = Foreign()
-        try:
-            leases = acquire_members([a, foreign], timeout_ms=1000)
-        except ConcurrencyConfigError as exc:
-            assert foreign.name in str(exc), f"the error does not name the limiter: {exc}"
-        else:
-            release_all([a, foreign], leases)
-            raise AssertionError("held a limiter of no backend together with its own")
+        why = "held a limiter of no backend together with its own"
+        error = assert_refused([a, foreign], ConcurrencyConfigError, why, 1000)
+        assert foreign.name in str(error), f"the error does not name the limiter: {error}"
         assert_idle(a)
         a.release(a.acquire(new_request(timeout_ms=50)))
 
-    return iter(cases)
+    return list(cases)
