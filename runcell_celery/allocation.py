@@ -72,20 +72,16 @@ __all__ = [
     "has_room",
 ]
 
-#: How long a request over several limiters waits before it is *aged*: from then on it
-#: keeps its place as a blocking head in each of its limiters and its slots are set
-#: aside as they free (rule 4 of :func:`allocate_members`). The SQL allocator writes
-#: the same number literally.
+#: How long a request over several limiters waits before it is *aged* (rule 4); the
+#: SQL allocator writes the same number literally.
 GROUP_AGEING_MS = 2000
 
-#: A limiter as allocation sees it: its name, or ``(name, key)`` for a key of a keyed
-#: limiter; any hashable value the caller uses consistently.
+#: A limiter as allocation sees it: its name, or ``(name, key)`` for a key.
 LimiterId = Hashable
 
 
 class Waiting(Protocol):
-    """A waiting request as allocation sees it (passed in arrival order); ``in_progress``:
-    its run already took a slot (it goes first in its workload)."""
+    """A waiting request as allocation sees it (passed in arrival order)."""
 
     @property
     def workload(self) -> str: ...
@@ -95,8 +91,7 @@ class Waiting(Protocol):
 
 
 def has_room(config: LimiterConfig, active: Mapping[str, int], workload: str) -> bool:
-    """Tell whether one more slot for ``workload`` keeps every rule (``active``: slots
-    held per workload)."""
+    """Whether one more slot for ``workload`` keeps every rule."""
     settings = config.workloads.get(workload)
     if settings is None or active.get(workload, 0) >= config.ceiling(workload):
         return False
@@ -113,12 +108,10 @@ def has_room(config: LimiterConfig, active: Mapping[str, int], workload: str) ->
 def allocate(
     config: LimiterConfig, active: Mapping[str, int], waiting: Sequence[Waiting]
 ) -> list[int]:
-    """Return the positions in ``waiting`` (oldest first) to grant now, in order:
-    granting them keeps every rule, and afterwards no remaining waiter could be."""
+    """The positions in ``waiting`` (oldest first) to grant now, in order."""
     if not waiting:
         return []
-    # Each workload's queue as positions into ``waiting``: runs in progress first, and
-    # within each group the oldest first.
+    # Each workload's queue: runs in progress first, then the oldest.
     queues: dict[str, list[int]] = {}
     for position, request in enumerate(waiting):
         queues.setdefault(request.workload, []).append(position)
@@ -146,9 +139,8 @@ def allocate(
 
 
 class WaitingForMembers(Protocol):
-    """A waiting request that needs a slot in every limiter it names: ``workload`` the
-    run selected (``None``: each default), ``key`` (``None``: the shared keyless key),
-    ``aged``: it waited :data:`GROUP_AGEING_MS` since it first queued."""
+    """A waiting request that needs a slot in every limiter it names (``workload``: the
+    one the run selected, ``None``: each default)."""
 
     @property
     def limiters(self) -> Collection[LimiterId]: ...
@@ -173,10 +165,8 @@ def allocate_members(
     *,
     last_granted: Mapping[LimiterId, Mapping[Hashable | None, int]] | None = None,
 ) -> list[int]:
-    """Return the positions in ``waiting`` (oldest first) to grant now, in order; each
-    takes one slot in every limiter it names (rules 1-5 above). ``limits`` and
-    ``active`` are by limiter id; ``last_granted``: for ``round_robin`` limiters, per
-    key an increasing number of its latest grant there (``None``: ties by arrival)."""
+    """The positions in ``waiting`` (oldest first) to grant now, in order (rules 1-5);
+    ``last_granted``: per round-robin limiter and key, an increasing grant number."""
     lines = {lid: _Line(config, active.get(lid, {})) for lid, config in limits.items()}
     seats = [_seats(lines, request) for request in waiting]
     for position, places in enumerate(seats):
@@ -213,8 +203,8 @@ def _anchored(
     fronts: Mapping[LimiterId, int | None],
     position: int,
 ) -> bool:
-    """Tell whether the request at ``position`` sets aside room: it is aged (or over one
-    limiter) and the front of every limiter it names."""
+    """Whether the request at ``position`` is aged (or over one limiter) and the front
+    of every limiter it names."""
     places = seats[position]
     if len(places) > 1 and not waiting[position].aged:
         return False
@@ -227,7 +217,7 @@ def _eligible(
     known: dict[int, bool],
     position: int,
 ) -> bool:
-    """Tell whether every limiter the request names admits it now (memoized per step)."""
+    """Whether every limiter the request names admits it now (memoized per step)."""
     answer = known.get(position)
     if answer is None:
         answer = all(lines[lid].admits(position, w) for lid, w in seats[position])
@@ -236,23 +226,19 @@ def _eligible(
 
 
 class _Line:
-    """One limiter during one :func:`allocate_members` call: its counts, its workload
-    queues (positions into ``waiting``, in line order) and, after :meth:`set_aside`,
-    which workloads it admits now."""
+    """One limiter during one :func:`allocate_members` call."""
 
     def __init__(self, config: LimiterConfig, active: Mapping[str, int]) -> None:
         self.config = config
         self.counts = dict(active)
         self.queues: dict[str, list[int]] = {}
         self.heads: dict[str, int] = {}
-        #: (position, workload) of the front after :meth:`front`.
         self.front_seat: tuple[int, str] | None = None
         self.anchor: int | None = None
         self.room: dict[str, bool] = {}
         self.allowed: dict[str, bool] = {}
 
     def capacity(self, workload: str) -> int:
-        """The most slots ``workload`` could ever hold here."""
         workloads = self.config.workloads
         others = sum(w.reserved for name, w in workloads.items() if name != workload)
         return min(self.config.ceiling(workload), self.config.max_concurrent - others)
@@ -260,7 +246,6 @@ class _Line:
     def order(
         self, waiting: Sequence[WaitingForMembers], last_granted: Mapping[Hashable | None, int]
     ) -> None:
-        """Sort each workload's queue: in progress first, then arrival or round robin."""
         round_robin = self.config.fairness == "round_robin"
         for workload, queue in self.queues.items():
             self.heads[workload] = 0
@@ -291,7 +276,6 @@ class _Line:
         return queue[head] if head < len(queue) else None
 
     def front(self, done: Sequence[bool]) -> int | None:
-        """Find the head of the first workload in line, with room or not."""
         best: tuple[int, int, str] | None = None  # (-priority, head, workload)
         for workload in self.queues:
             head = self._head(workload, done)
@@ -304,8 +288,8 @@ class _Line:
         return None if best is None else best[1]
 
     def set_aside(self, anchor: tuple[int, str] | None) -> None:
-        """Work out which workloads have room, and which of them may be granted
-        without costing the anchored request (position, workload) its room here."""
+        """Which workloads have room, and which may be granted without costing the
+        anchored request (position, workload) its room here."""
         config, counts = self.config, self.counts
         self.room = {w: has_room(config, counts, w) for w in self.queues}
         self.allowed = self.room
@@ -324,13 +308,11 @@ class _Line:
             )
 
     def admits(self, position: int, workload: str) -> bool:
-        """Tell whether the request at ``position`` (of ``workload``) may be granted here."""
         return self.room[workload] if position == self.anchor else self.allowed[workload]
 
     def next_eligible(self, done: Sequence[bool], eligible: Callable[[int], bool]) -> int | None:
-        """Find this limiter's next eligible request: each workload's first eligible
-        one, then between workloads priority and arrival, as if the requests skipped
-        were not in line."""
+        """Each workload's first eligible request, then priority and arrival between
+        workloads, as if the requests skipped were not in line."""
         best: tuple[int, int] | None = None
         for workload, queue in self.queues.items():
             priority = -self.config.workloads[workload].priority
@@ -347,9 +329,8 @@ class _Line:
 def _seats(
     lines: Mapping[LimiterId, _Line], request: WaitingForMembers
 ) -> list[tuple[LimiterId, str]]:
-    """Return (limiter id, workload there) for each limiter the request names, or none
-    when one of them can never grant it: an unknown limiter, no such workload and no
-    default workload, or a workload the others' reservations leave no slot."""
+    """(limiter id, workload there) for each limiter the request names, or none when one
+    of them can never grant it."""
     seats: list[tuple[LimiterId, str]] = []
     for lid in dict.fromkeys(request.limiters):
         line = lines.get(lid)

@@ -1,18 +1,10 @@
-"""A held slot: what happens between a grant and the release.
+"""A held slot between its grant and its release (exactly once, with an outcome).
 
-A :class:`Hold` is the lease keeper's counterpart: the keeper tells it that a lease was
-renewed, could not be renewed, was lost or that a deadline passed, and the hold reacts.
-It owns the abort state machine and releases the slots exactly once, with an outcome.
-
-A lease is lost the moment its local validity has passed
-(:func:`~runcell_celery.keeper.local_validity`), whoever looks first: the keeper, the
-body asking :attr:`Hold.aborted`, or the body's end. A process paused past its lease
-must not end the hold with success: another holder may have had the slot meanwhile.
-
-An abort (lease lost, ``max_hold_ms``, cancelled, budget ended) happens at most once:
-callbacks run, an ``async with`` body is cancelled where interruptible, and ending the
-hold returns the matching error. ``max_hold_ms`` still frees the slot later even when
-an earlier abort could not stop a sync body, so the accounting never depends on it.
+The keeper tells a :class:`Hold` what happened to its leases; the hold owns the abort
+state machine. A lease is lost the moment its local validity has passed, whoever looks
+first: a process paused past its lease must not end with success, as another holder
+may have had the slot meanwhile. ``max_hold_ms`` frees the slot even when an abort
+could not stop a sync body, so the accounting never depends on the body.
 """
 
 from __future__ import annotations
@@ -46,8 +38,6 @@ AbortReason = Literal["lease-lost", "max-hold", "cancelled", "timed-out"]
 
 
 class HoldTrace(Protocol):
-    """What a hold tells its span (:class:`~runcell_celery.tracing.HoldSpan`): its end."""
-
     def end(self, outcome: str) -> None: ...
 
 
@@ -56,22 +46,19 @@ _interrupts: tuple[type[BaseException], ...] = ()
 
 def register_interrupt(exc_type: type[BaseException]) -> None:
     """Treat ``exc_type`` as a cancellation, not a failure, wherever it interrupts a
-    slot (anything not an ``Exception`` already is; Celery registers
-    ``SoftTimeLimitExceeded`` and ``Terminated``)."""
+    slot (Celery registers ``SoftTimeLimitExceeded`` and ``Terminated``)."""
     global _interrupts
     if exc_type not in _interrupts:
         _interrupts = (*_interrupts, exc_type)
 
 
 def is_interrupt(exc: BaseException) -> bool:
-    """Tell whether ``exc`` stops the run from outside (a cancellation of some kind)."""
     return not isinstance(exc, Exception) or isinstance(
         exc, (ConcurrencyCancelledError, *_interrupts)
     )
 
 
 def outcome_of(exc: BaseException | None) -> Outcome:
-    """How a hold whose body ended with ``exc`` (``None``: it returned) went."""
     if exc is None:
         return "success"
     if is_interrupt(exc):
@@ -80,26 +67,20 @@ def outcome_of(exc: BaseException | None) -> Outcome:
 
 
 class KeptLeases:
-    """One lease per limiter of a request, each kept by the lease keeper through a
-    :class:`LeasePart` (renewals batched per limiter); the request's deadline is
-    watched once, on the first. Base of :class:`Hold` and
-    :class:`~runcell_celery.admission.PreAdmitted`."""
+    """One lease per limiter of a request, each kept through a :class:`LeasePart` (so
+    renewals batch per limiter); the deadline is watched once, on the first."""
 
     def __init__(self, slot_request: SlotRequest, leases: Sequence[Lease]) -> None:
         self.slot_request = slot_request
-        #: The leases, in the order of the request's limiters.
-        self.leases = list(leases)
+        self.leases = list(leases)  # in the order of the request's limiters
         self._keeper: LeaseKeeper | None = None
         self._parts: list[LeasePart] = []
         self._keys: list[int] = []
-        #: The keeper's clock, and until when each lease is valid on it (past it the
-        #: lease is lost, whoever looks first).
         self._clock = get_keeper(slot_request.limiter).clock
         self._valid_from_now()
 
     @property
     def lease(self) -> Lease:
-        """The first limiter's lease."""
         return self.leases[0]
 
     @property
@@ -131,8 +112,8 @@ class KeptLeases:
                 self._keeper.forget(key)
 
     def _first_invalid(self) -> int | None:
-        """The first lease whose local validity has passed (the keeper may not have run
-        since: a paused or starved process), if any."""
+        """The first lease whose local validity has passed (the keeper may not have run:
+        a paused or starved process)."""
         now = self._clock.monotonic()
         for index, valid_until in enumerate(self._valid_until):
             if now >= valid_until:
@@ -140,8 +121,7 @@ class KeptLeases:
         return None
 
     def _release_all(self, outcome: Outcome) -> bool:
-        """Release every lease (a failure leaves the others released; the TTL frees
-        that one); ``False`` if one failed."""
+        """Release every lease (the TTL frees one that fails); ``False`` if one failed."""
         request = self.slot_request
         failed = False
         for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
@@ -159,11 +139,8 @@ class KeptLeases:
 
 
 class Hold(KeptLeases):
-    """A held slot: its leases kept until :meth:`end` and released together. Losing
-    any lease aborts the hold (over several limiters it also releases the others at
-    once). ``max_hold``: when it ends as a lost lease whatever the body does; ``task``:
-    the asyncio task an abort cancels while interruptible (``None``: a sync body);
-    ``cleanups``: called once when the hold ends."""
+    """A held slot, released by :meth:`end`. Losing any lease aborts it (over several
+    limiters also releasing the others at once); ``task``: what an abort cancels."""
 
     def __init__(
         self,
@@ -180,7 +157,6 @@ class Hold(KeptLeases):
         self._state = threading.Lock()
         self._ended = False
         self._released = False
-        #: Release at once when a lease is lost (several leases: free the others).
         self._release_on_loss = len(leases) > 1
         self._abort_reason: AbortReason | None = None
         self._abort_callbacks: list[Callable[[], object]] = []
@@ -189,16 +165,11 @@ class Hold(KeptLeases):
         self._loop = task.get_loop() if task is not None else None
         self._task_cancelled = False
         self._interruptible = True
-        #: The lease whose loss aborted the hold (any of several).
         self._lost_lease: Lease | None = None
-        #: Why the lease was lost, when the limiter said (``force-released by alice``).
-        self._lost_why: str | None = None
-        #: Its ``runcell.slot.hold`` span, when a tracer provider is set.
+        self._lost_why: str | None = None  # ``force-released by alice``
         self.trace: HoldTrace | None = None
 
     def keep(self, deadline: Deadline | None) -> None:
-        """Hand every lease to the keeper; the first carries the hold's deadline (and
-        ``max_hold``)."""
         self._keep(
             deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
         )
@@ -206,12 +177,8 @@ class Hold(KeptLeases):
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
 
-    # -- the handle -------------------------------------------------------------------
-
     @property
     def aborted(self) -> bool:
-        """Whether the hold was aborted; true as soon as a lease's local validity has
-        passed, even if the keeper has not run since."""
         if self._abort_reason is None:
             self._check_validity()
         return self._abort_reason is not None
@@ -223,7 +190,6 @@ class Hold(KeptLeases):
         return self._abort_reason
 
     def on_abort(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` if the hold is aborted; at once if it already was."""
         if self._abort_reason is None:
             self._check_validity()
         with self._state:
@@ -234,20 +200,16 @@ class Hold(KeptLeases):
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """Let an abort cancel the asyncio task only while the block runs: code that
-        hands control to others in between (a streaming guard yielding items) wraps
-        each of its own steps in it, and learns of a later abort from :attr:`aborted`."""
+        """Let an abort cancel the asyncio task only while the block runs (a streaming
+        guard wraps each of its own steps, not the consumer's)."""
         self._interruptible = True
         try:
             yield
         finally:
             self._interruptible = False
 
-    # -- the end ----------------------------------------------------------------------
-
     def end(self, exc: BaseException | None) -> ConcurrencyError | None:
-        """Release once and return the error that replaces the body's result, if any
-        (a lease whose local validity passed is lost, whatever the keeper said)."""
+        """Release once; return the error that replaces the body's result, if any."""
         self._check_validity()
         with self._state:
             if self._ended:
@@ -270,15 +232,12 @@ class Hold(KeptLeases):
         return abort_error(self.slot_request, lease, reason, why=self._lost_why)
 
     def _check_validity(self) -> None:
-        """Abort the hold as a lost lease if a lease's local validity has passed."""
         if not (self._ended or self._released):
             index = self._first_invalid()
             if index is not None:
                 self.part_lost(index, None)
 
     def settle_task(self) -> None:
-        """Take back the cancellation an abort sent the task to stop its body, so it
-        does not leak out of the ``async with``."""
         if self._task_cancelled and self._task is not None:
             self._task.uncancel()
 
@@ -287,8 +246,6 @@ class Hold(KeptLeases):
         if self._release_all(outcome) and has_listeners():
             lease_id = self.lease.lease_id
             self.slot_request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
-
-    # -- what the keeper (through each lease's part) and a cancelling thread tell it ----
 
     def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
         if self._ended or self._released:
@@ -318,7 +275,6 @@ class Hold(KeptLeases):
         self.abort("cancelled")
 
     def abort(self, reason: AbortReason, error: BaseException | None = None) -> None:
-        """Abort the hold (first reason wins); ``max-hold`` also releases at once."""
         with self._state:
             if self._ended:
                 return
@@ -345,8 +301,6 @@ class Hold(KeptLeases):
                 error=describe_error(error) if error is not None else None,
             )
         if release_now:
-            # max_hold_ms protects the limiter's accounting even if the call never ends
-            # (and a lost lease of several frees the others).
             self._release("max-hold" if reason == "max-hold" else "lease-lost")
         if not first:
             return
@@ -357,8 +311,7 @@ class Hold(KeptLeases):
                 self._loop.call_soon_threadsafe(self._cancel_task)
 
     def _cancel_task(self) -> None:
-        # Runs on the event loop, between steps of the task: if the body is still
-        # running, the cancellation is delivered inside it.
+        # On the event loop, between steps: the cancellation lands inside the body.
         with self._state:
             if (
                 not self._ended
@@ -371,19 +324,12 @@ class Hold(KeptLeases):
 
 
 def _lost_reason(error: BaseException | None) -> str:
-    """The ``lease-lost`` event's reason: what the limiter said (``force-released by
-    alice``), else ``renewal`` (not renewed in time, or the limiter no longer had it)."""
     return error.reason if isinstance(error, LeaseTakenBackError) else "renewal"
 
 
 def abort_error(
     slot_request: SlotRequest, lease: Lease, reason: AbortReason, *, why: str | None = None
 ) -> ConcurrencyError:
-    """The error that replaces the result of a body whose hold was aborted.
-
-    :param why: why a lost lease was lost, when the limiter said (``force-released by
-        alice``); otherwise it "could not be renewed".
-    """
     name = slot_request.limiter.name
     if len(slot_request.limiters) > 1:
         name = lease.limiter  # the lease lost, of whichever limiter
@@ -405,9 +351,6 @@ def abort_error(
 
 
 class PartedHolder(Protocol):
-    """A holder of one lease per limiter whose leases the keeper keeps one by one
-    (:class:`Hold`, :class:`~runcell_celery.admission.PreAdmitted`)."""
-
     def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None: ...
     def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None: ...
     def part_renewal_failed(self, index: int, error: BaseException) -> None: ...
@@ -416,8 +359,8 @@ class PartedHolder(Protocol):
 
 
 class LeasePart:
-    """One lease of a :class:`PartedHolder`, as the keeper sees it (a LeaseHolder).
-    Holds its holder weakly: a holder dropped unreleased stops being renewed."""
+    """One lease of a holder, as the keeper sees it; weak, so a holder dropped
+    unreleased stops being renewed."""
 
     __slots__ = ("__weakref__", "_holder", "index")
 

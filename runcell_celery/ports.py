@@ -1,9 +1,7 @@
 """The seams between layers: what the integration layers may ask of a backend.
 
-A backend is built once per limiter registry and owns its storage and connections; it
-creates limiters and may offer stores (runtime-checkable protocols: a layer asks
-``isinstance(backend, RunStore)``, never reads the backend's tables). The values
-traded across these seams live here, so no layer imports another's internals.
+A layer asks ``isinstance(backend, RunStore)``, never reads the backend's tables; the
+values traded across these seams live here, so no layer imports another's internals.
 """
 
 from __future__ import annotations
@@ -37,9 +35,8 @@ __all__ = [
 ]
 
 #: A deferrable request parks when its expected wait exceeds this (ms), else waits at
-#: most this long first. A parked grant holds its slot idle while the message travels
-#: back through the broker (tens of ms, more behind a backlog), so blocking up to a
-#: second is cheaper for short waits.
+#: most this long first: a parked grant holds its slot idle while the message travels
+#: back through the broker, so blocking briefly is cheaper for short waits.
 DEFAULT_DEFER_AFTER_MS = 1_000.0
 
 
@@ -47,19 +44,13 @@ DEFAULT_DEFER_AFTER_MS = 1_000.0
 class Backend(Protocol):
     """Where a registry's limiters live; built once per registry and process."""
 
-    def create_limiter(self, config: LimiterConfig) -> ConcurrencyLimiter:
-        """Build (and register, where the backend stores limits) a limiter."""
-        ...
+    def create_limiter(self, config: LimiterConfig) -> ConcurrencyLimiter: ...
 
-    def close(self) -> None:
-        """Stop background work and close connections this process opened."""
-        ...
+    def close(self) -> None: ...
 
 
 class BackendFactory(Protocol):
-    """A backend class: validates its options section (``RUNCELL["POSTGRES"]`` at
-    ``path``) and builds the backend on ``database`` (a DSN, or ``None``); raises
-    ``ConcurrencyConfigError`` naming the bad option's path and value."""
+    """A backend class: validates its options section (at ``path``, errors name it)."""
 
     def __call__(
         self, *, database: str | None, options: Mapping[str, Any], path: str
@@ -81,12 +72,8 @@ class AdmissionCount:
 
 @dataclass(frozen=True, slots=True)
 class WaitEstimate:
-    """How long a request that joined a line is likely to wait, from the limiter's
-    figures at that moment: with all ``slots`` of its workload held, one frees every
-    ``hold_ms / slots`` on average, and it waits for ``ahead + 1`` of them
-    (``expected_ms = (ahead + 1) * hold_ms / slots``). An estimate: priorities,
-    reservations and varying holds move it. ``hold_ms`` is ``None`` before any release.
-    """
+    """How long a request that joined a line is likely to wait: with all ``slots``
+    held, one frees every ``hold_ms / slots``, and it waits for ``ahead + 1`` of them."""
 
     ahead: int
     hold_ms: float | None
@@ -105,15 +92,12 @@ class WaitEstimate:
 
 @dataclass(frozen=True)
 class Duplicate:
-    """An outcome of :meth:`SupportsParking.acquire_or_park`: this request was already
-    parked and granted; the publication of its grant carries it, so this delivery ends."""
+    """``acquire_or_park``: already parked and granted; its publication carries it."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Parked:
-    """An outcome of :meth:`SupportsParking.acquire_or_park`: the request was parked;
-    where it waits (``estimate``, when the limiter gave one) and how long it waited
-    before it parked (``waited_ms``), for a deferral's log line."""
+    """``acquire_or_park``: the request was parked (where, for a deferral's log line)."""
 
     limiter: str
     workload: str
@@ -139,19 +123,14 @@ class Republish:
     payload: str
 
 
-#: Why :meth:`SupportsParking.claim_parked` gave no lease: ``"stale"`` — the parked
-#: request is still stored (in line, or granted to another publication), so this
-#: message is an outdated copy and its own publication will carry the task;
-#: ``"missing"`` — nothing is stored for it any more (another copy of the message
-#: claimed it, or it was withdrawn or failed).
+#: Why ``claim_parked`` gave no lease: ``"stale"`` (still stored: this message is an
+#: outdated copy) or ``"missing"`` (nothing stored: claimed by another copy, or ended).
 ClaimMiss = Literal["stale", "missing"]
 
 
 @dataclass(frozen=True, slots=True)
 class ExpiredParked:
-    """A parked request whose deadline passed before it was granted; stored (out of
-    line) until :meth:`ParkingStore.complete_expired_parked`, so its task's failure is
-    recorded first. ``run_id`` is the task id, ``holder_name`` the task name."""
+    """A parked request past its deadline, stored until its failure is recorded."""
 
     limiter: str
     request_id: str
@@ -166,8 +145,7 @@ class ExpiredParked:
 
 @dataclass(frozen=True, slots=True)
 class LimitsConflict:
-    """A limiter whose limits in a worker's settings differ from the stored ones
-    (``differences``: ``max_concurrent (stored 2, given 3)``)."""
+    """``differences``: ``max_concurrent (stored 2, given 3)``."""
 
     limiter: str
     differences: str
@@ -177,10 +155,7 @@ class LimitsConflict:
 class StoredLimitsCheck(Protocol):
     """Compares a worker's limits with the stored ones before it serves anything."""
 
-    def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]:
-        """The limiters of ``configs`` this backend would refuse to create (stored
-        limits differ, ``on_conflict``); stores nothing."""
-        ...
+    def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]: ...
 
 
 @runtime_checkable
@@ -188,8 +163,7 @@ class RunStore(Protocol):
     """Records when each run first started, so its budget survives redelivery."""
 
     def first_start(self, run_id: str, timeout_ms: float) -> float:
-        """Record the run's first start (or find it); return the milliseconds left
-        in its budget, measured on the store's clock (never this host's)."""
+        """The milliseconds left in its budget, on the store's clock (not this host's)."""
         ...
 
 
@@ -209,8 +183,7 @@ class CounterStore(Protocol):
     """Fleet-wide admission counters (deliveries, deferrals, failures)."""
 
     def add_counts(self, counts: Sequence[AdmissionCount], *, batch_id: str | None = None) -> None:
-        """Add ``counts``; a batch sent again with the same ``batch_id`` (a retry after
-        a lost reply) is added once."""
+        """A batch sent again with the same ``batch_id`` is added once."""
         ...
 
     def admission_counts(self) -> list[AdmissionCount]: ...
@@ -228,55 +201,35 @@ class ParkingStore(Protocol):
         broker: str | None = None,
         others: set[str] | None = None,
     ) -> list[Republish]:
-        """Take the right to publish grants to parked requests, one caller each: those
-        of ``lease_ids`` and any nobody published within ``stale_ms``, parked for
-        ``broker`` or for none (other brokers with grants due go into ``others``)."""
+        """Take the right to publish grants, one caller each: ``lease_ids`` and any
+        nobody published within ``stale_ms`` (other brokers' go into ``others``)."""
         ...
 
-    def unclaim_republish(self, items: Sequence[Republish]) -> int:
-        """Give back claimed publications that could not be sent (broker down)."""
-        ...
+    def unclaim_republish(self, items: Sequence[Republish]) -> int: ...
 
     def take_expired_parked(self, *, broker: str | None = None) -> list[ExpiredParked]:
-        """Phase one of failing stale parked work: take the expired parked requests
-        (of ``broker``, or none) out of line for this process; they stay stored, handed
-        again to it until completed, or to another once a while passed."""
+        """Phase one: take expired parked requests out of line (still stored)."""
         ...
 
     def complete_expired_parked(self, expired: Sequence[ExpiredParked]) -> int:
         """Phase two: delete those whose failure is recorded; idempotent."""
         ...
 
-    def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
-        """Call ``handler(limiter, request_ids)`` when any process grants parked
-        requests."""
-        ...
+    def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None: ...
 
     def pass_parked_groups(self) -> list[str]:
-        """Try granting parked requests over several limiters (no process waits for
-        them); returns the lease ids granted, to re-publish."""
+        """Grant parked requests over several limiters; return the lease ids granted."""
         ...
 
 
 @runtime_checkable
 class SupportsParking(Protocol):
-    """A backend whose waiting requests can be parked with a task message, asked
-    through the first member's limiter; one request over one member or several parks
-    as one (every limiter keeps its place, the message is re-published once when all
-    its slots are granted together, and the claim takes every lease or none).
-
-    A request belongs to one delivery of a task, never to the task id alone.
-    ``acquire_or_park`` with ``admission_wait_ms`` waits that long, then parks; by
-    default it parks at once when the expected wait (:class:`WaitEstimate`) exceeds
-    ``defer_after_ms``, else waits up to ``defer_after_ms`` and then parks. ``broker``
-    names where the message must be re-published (``None``: by anyone). It returns the
-    leases (members' order), :class:`Parked`, or :class:`Duplicate` (already parked and
-    granted: its own publication carries it). ``claim_parked`` takes a parked grant for
-    the re-published message ``publication_id``, or says why not (:data:`ClaimMiss`);
-    ``withdraw_members`` gives up a request's places or unclaimed grant. All three are
-    idempotent under lost replies. ``set_parked_granted_handler`` installs what to call,
-    after commit, with the lease ids of parked requests this process just granted.
-    """
+    """A backend whose waiting requests can be parked with a task message, asked through
+    the first member's limiter; a request over several members parks as one (granted
+    together, claimed all or none). ``acquire_or_park`` waits ``admission_wait_ms``, or
+    by default parks at once when the expected wait exceeds ``defer_after_ms``, else
+    waits that long first. ``claim_parked`` and ``withdraw_members`` are idempotent
+    under lost replies; the granted handler is called after commit with lease ids."""
 
     def acquire_or_park(
         self,

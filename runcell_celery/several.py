@@ -34,9 +34,7 @@ def _names(limiters: Sequence[ConcurrencyLimiter]) -> str:
 
 
 def check_members(limiters: Sequence[ConcurrencyLimiter]) -> None:
-    """Raise :class:`ConcurrencyConfigError` unless ``limiters`` (two or more) can be
-    held together: no keyed limiter itself, none twice, all of one backend that has
-    :class:`~runcell_celery.protocol.SupportsMembers`."""
+    """Raise ``ConcurrencyConfigError`` unless ``limiters`` can be held together."""
     seen: set[str] = set()
     for limiter in limiters:
         name = limiter.name
@@ -71,7 +69,6 @@ def check_members(limiters: Sequence[ConcurrencyLimiter]) -> None:
 
 
 def default_key(limiters: Sequence[ConcurrencyLimiter]) -> str | None:
-    """The key of the first key's limiter among ``limiters`` (``"tenant:acme"``), if any."""
     for limiter in limiters:
         _, key = split_key_name(limiter.name)
         if key is not None:
@@ -80,7 +77,6 @@ def default_key(limiters: Sequence[ConcurrencyLimiter]) -> str | None:
 
 
 def validate_workload(limiter: ConcurrencyLimiter, workload: str | None) -> str:
-    """The workload ``limiter`` resolves ``workload`` to (``None``: its default)."""
     if supports(limiter, SupportsValidateWorkload):
         return cast(SupportsValidateWorkload, limiter).validate_workload(workload)
     return workload or DEFAULT_WORKLOAD
@@ -100,8 +96,7 @@ def resolve_workloads(
     limiters: Sequence[ConcurrencyLimiter], workload: str | None, *, strict: bool = False
 ) -> tuple[str, ...]:
     """The workload a request selecting ``workload`` uses in each limiter: that one
-    where a limiter has it, its default elsewhere (``strict``: each must have it).
-    Raises ``ConcurrencyConfigError`` if none has it, or a needed default is missing."""
+    where a limiter has it, its default elsewhere (``strict``: each must have it)."""
     if strict:
         return tuple(validate_workload(limiter, workload) for limiter in limiters)
     present = [workload is not None and has_workload(limiter, workload) for limiter in limiters]

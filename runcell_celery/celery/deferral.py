@@ -1,20 +1,10 @@
 """Admission deferral: park a task that finds no slot, re-publish it when one frees.
 
-Blocking a prefork worker process while it waits for a slot wastes the process. A task
-with ``"admission": "defer"`` waits for its run's first slot only while the wait is
-expected to be short (:meth:`~runcell_celery.ports.SupportsParking.acquire_or_park`);
-then it is **parked**: its queue row becomes a parked row holding the task message, in
-its place; the task raises ``Ignore`` (the message is acked only after the parking
-committed; no retry spent, no ``task_failure``). When a release grants the parked row,
-the granting process re-publishes the message at once (to the granted queue of its
-queue, :func:`~.message.granted_queue`, so it overtakes that backlog); the backend's
-wake-up channel and a sweeper in every worker do it otherwise, only on the broker it
-was parked from (:mod:`.brokers`). The re-published task claims its grant within the
-limiter's ``claim_window_ms`` (else the slot passes on and the row goes back in line)
-and its body's first ``slot()`` adopts it. A parked run past its deadline is never
-re-published: the sweeper records it as failed (``ConcurrencyTimeoutError``) and only
-then deletes its row. All of it happens before the body starts
-(:func:`runcell_celery.slot.preadmit`); later slots wait as usual.
+Blocking a prefork worker while it waits wastes the process, so an ``"admission":
+"defer"`` task whose wait is not short is parked (its message stored in its place in
+line, the task ``Ignore``d) and re-published when a release grants it; the copy claims
+the grant and its first ``slot()`` adopts it. A parked run past its deadline is failed
+by the sweeper, never re-published.
 """
 
 from __future__ import annotations
@@ -76,21 +66,18 @@ __all__ = [
 
 logger = logging.getLogger("runcell_celery.celery.deferral")
 
-#: How often the sweeper looks for grants nobody published and for stale parked runs,
-#: and reaps expired leases (a grant whose claim window ended passes on at the next
-#: pass): well within the default claim window of 5 s.
+#: Sweeper period: well within the default claim window of 5 s.
 SWEEP_INTERVAL_S = 1.0
-#: A grant nobody published within this long is published by the sweeper (so a lost
-#: wake-up still leaves most of the claim window for the task to claim it).
+#: A grant nobody published within this long is published by the sweeper (a lost
+#: wake-up still leaves most of the claim window).
 REPUBLISH_AFTER_MS = 1_000
 
 
 def _payload(
     task: Task[Any, Any], request: Any, *, deadline_at: float | None, admission_id: str
 ) -> str:
-    """The task message to park: the delivered message (never decoded, so every
-    serializer round-trips), with only this run's runcell headers changed; raises
-    ``ConcurrencyConfigError`` when it was not kept, or is too large."""
+    """The delivered message (never decoded: every serializer round-trips) with this
+    run's runcell headers changed."""
     delivered = from_request(request)
     if delivered is None:
         raise ConcurrencyConfigError(
@@ -116,15 +103,9 @@ def _payload(
 
 
 class TaskAdmission(Admission):
-    """The admission of a deferrable run's first slot (one delivery of a task).
-
-    Only a backend that can park (:class:`~runcell_celery.ports.SupportsParking`)
-    defers; a run over several limiters parks as **one** request. A place or lease
-    belongs to one **delivery**: each asks with a request id of its own (``<task
-    id>/<random>``), carried in the parked message so its re-publication claims that
-    delivery's grant. A delivery granted a slot while the task already has a result
-    gives it back and is dropped as a duplicate.
-    """
+    """The admission of a deferrable run's first slot. A place or lease belongs to one
+    delivery (request id ``<task id>/<random>``, carried in the parked message), never
+    to the task id: a duplicate delivery must not claim another's grant."""
 
     def __init__(
         self,
@@ -142,9 +123,7 @@ class TaskAdmission(Admission):
         self._task_id: str = request.id or str(uuid.uuid4())
         parked_as = headers.read(request, headers.ADMISSION)
         self._publication = headers.read(request, headers.PUBLICATION)
-        #: A re-published copy of a parked delivery: it claims that delivery's grant.
         self._republished = parked_as is not None and self._publication is not None
-        #: Where a parked message must be re-published.
         self._broker = broker_identity(task.app)
         super().__init__(
             self._acquire,
@@ -160,8 +139,6 @@ class TaskAdmission(Admission):
         cancel: CancellationToken | None,
         on_wait: OnWait,
     ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
-        """The admission's ``acquire``, over one member or several: a re-published copy
-        claims its delivery's grant; otherwise the delivery asks, waiting or parking."""
         first = members[0].limiter
         if not isinstance(first, SupportsParking):  # it waits as any first slot
             if isinstance(first, SupportsMembers):
@@ -176,12 +153,8 @@ class TaskAdmission(Admission):
             if not isinstance(claimed, str):
                 return _unless_finished(task, task_id, limiters, claimed)
             if claimed == "stale":
-                # The parked delivery is still stored (back in line, or granted to a
-                # newer publication): this copy ends, and the run stays parked (a
-                # deferral, as if it had parked again); its own publication runs it.
-                return Deferred()
-            # Nothing stored: another copy of this message claimed it (and runs), or it
-            # ended. This copy is a delivery of its own.
+                return Deferred()  # still parked: its own publication runs it
+            # Nothing stored (another copy claimed it, or it ended): a new delivery.
             request_id = self.request_id = _delivery_id(task_id)  # what a withdrawal names
             members = tuple(
                 Member(m.limiter, dataclasses.replace(m.request, request_id=request_id))
@@ -206,8 +179,12 @@ class TaskAdmission(Admission):
         return _unless_finished(task, task_id, limiters, result)
 
 
+def _parking_store(registry: LimiterRegistry) -> ParkingStore | None:
+    backend: object = registry.backend  # a Backend that may also be a ParkingStore
+    return backend if isinstance(backend, ParkingStore) else None
+
+
 def _delivery_id(task_id: str) -> str:
-    """A request id for one delivery of a task: never shared with another delivery."""
     return f"{task_id}/{uuid.uuid4().hex}"
 
 
@@ -217,9 +194,8 @@ def _unless_finished(
     limiters: Sequence[ConcurrencyLimiter],
     leases: tuple[Lease, ...],
 ) -> tuple[Lease, ...] | DuplicateDelivery:
-    """Return ``leases``, unless another delivery already finished the task: then the
-    slots go back and this delivery is dropped. Read once the delivery has its slot,
-    so a duplicate waits until the one it duplicates finished (it may have died)."""
+    """``leases``, unless another delivery already finished the task (read once this one
+    has its slot, so a duplicate waits for the one it duplicates, which may have died)."""
     if not _finished(task, task_id):
         return leases
     for limiter, lease in zip(limiters, leases, strict=True):
@@ -231,8 +207,6 @@ def _unless_finished(
 
 
 def _finished(task: Task[Any, Any], task_id: str) -> bool:
-    """Whether the task already has a result (another delivery finished it). Without a
-    stored result (no result backend, ``ignore_result``, unreachable): ``False``."""
     backend = task.backend
     if task.ignore_result or isinstance(backend, DisabledBackend):
         return False
@@ -245,8 +219,7 @@ def _finished(task: Task[Any, Any], task_id: str) -> bool:
 
 
 def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
-    """Publish re-publications claimed with ``claim_republish`` on a producer of the
-    app's pool; return how many were sent (see :func:`send_grants`)."""
+    """Publish claimed re-publications on a pooled producer; return how many were sent."""
     pending = list(items)
     if not pending:
         return 0
@@ -260,9 +233,8 @@ def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
 
 
 def send_grants(app: Celery, producer: Producer, items: Sequence[Republish]) -> list[Republish]:
-    """Publish claimed re-publications on ``producer``; return the rest of the batch
-    once the broker is unreachable, for the caller to give back. A message failing
-    otherwise is logged and skipped (its claim window ends and the row goes back)."""
+    """Publish claimed re-publications; return the rest once the broker is unreachable
+    (for the caller to give back). Another failure skips that message."""
     for index, item in enumerate(items):
         try:
             republish(app, producer, item.payload, {headers.PUBLICATION: item.publication_id})
@@ -281,15 +253,9 @@ def send_grants(app: Celery, producer: Producer, items: Sequence[Republish]) -> 
 
 
 def wire_publisher(app: Celery, registry: LimiterRegistry) -> GrantPublisher:
-    """Make limiters created by ``registry`` hand the parked tasks they grant to the
-    app's :class:`~.publisher.GrantPublisher` (returned; it publishes on its own
-    thread, so a release does no broker I/O, and holds the app weakly)."""
-
-    def store() -> ParkingStore | None:
-        backend: object = registry.backend  # a Backend that may also be a ParkingStore
-        return backend if isinstance(backend, ParkingStore) else None
-
-    publisher = GrantPublisher(app, store, send_grants)
+    """Make ``registry``'s limiters hand the parked tasks they grant to a publisher
+    thread, so a release does no broker I/O."""
+    publisher = GrantPublisher(app, lambda: _parking_store(registry), send_grants)
 
     def on_create(limiter: ConcurrencyLimiter) -> None:
         if isinstance(limiter, SupportsParking):
@@ -300,34 +266,25 @@ def wire_publisher(app: Celery, registry: LimiterRegistry) -> GrantPublisher:
 
 
 class Sweeper:
-    """Re-publishes grants nobody published, and fails parked runs gone stale.
-
-    One per worker (loop ``runcell-sweeper``); it also reacts to grants made by
-    processes that cannot publish (a web server). A parked run past its deadline fails
-    where its caller looks (FAILURE with ``ConcurrencyTimeoutError`` in the result
-    backend, ``task_failure``, a ``timed-out`` event), in two phases so it never
-    vanishes: the row is taken out of line, the failure recorded, then the row deleted.
-    """
+    """Re-publishes grants nobody published (e.g. made by a web server), and fails
+    parked runs gone stale in two phases (out of line, failure recorded, row deleted)
+    so a run never vanishes."""
 
     def __init__(
         self, app: Celery, registry: LimiterRegistry, publisher: GrantPublisher | None = None
     ) -> None:
         self._app = app
         self._registry = registry
-        #: Sends what the sweeper finds due, on its own thread (the app's, once wired).
         self._publisher = publisher or GrantPublisher(app, self._store, send_grants)
         self._loop = BackgroundLoop("runcell-sweeper", self, Sweeper._step)
         self._failing = threading.Lock()
-        #: Failures recorded whose rows are not deleted yet (the database failed): they
-        #: are deleted at the next pass, not recorded again.
+        #: Failures recorded whose rows are not deleted yet: not recorded again.
         self._recorded: dict[tuple[str, str], ExpiredParked] = {}
         #: Rows whose ``timed-out`` event was emitted and whose failure is not stored yet.
         self._announced: set[tuple[str, str]] = set()
-        #: Limiters it could not create (their limits conflict), said once per change.
         self._refused = SaidOnce()
 
     def start(self) -> None:
-        """Start sweeping, if the registry's backend parks tasks."""
         store = self._store()
         if store is None:
             return
@@ -346,12 +303,10 @@ class Sweeper:
         self._publisher.stop(timeout)
 
     def _store(self) -> ParkingStore | None:
-        store: object = self._registry.backend  # a Backend that may also be a ParkingStore
-        return store if isinstance(store, ParkingStore) else None
+        return _parking_store(self._registry)
 
     def sweep(self, *, stale_ms: int | None = None) -> int:
-        """Have the grants that are due published and fail the stale parked runs;
-        return how many runs were failed."""
+        """Publish the grants due and fail stale parked runs; return how many failed."""
         try:
             self.publish_due(stale_ms=stale_ms)
         except Exception as exc:  # the stale runs are failed all the same
@@ -359,8 +314,6 @@ class Sweeper:
         return self.fail_expired()
 
     def publish_due(self, *, stale_ms: int | None = None) -> None:
-        """Hand the publisher the grants to parked runs nobody published (and those
-        granted by the group passes run here); it sends them on its own thread."""
         store = self._store()
         if store is None:
             return
@@ -368,16 +321,14 @@ class Sweeper:
             limiter: object = self._limiter(name)  # a limiter that may also reap
             if isinstance(limiter, SupportsReap):
                 limiter.reap()  # expired leases of dead holders go to parked runs
-        # Parked requests over several limiters have no waiting process to run their
-        # group passes: the sweepers do, and publish what those grant at once.
+        # No process waits for parked requests over several limiters: pass them here.
         granted = store.pass_parked_groups()
         self._publisher.request(
             granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
 
     def _limiter(self, name: str) -> ConcurrencyLimiter | None:
-        """This process's limiter ``name``; ``None`` (said once per change) when its
-        limits conflict with the stored ones: the others are swept all the same."""
+        """``None`` (said once per change) when its limits conflict with the stored ones."""
         try:
             limiter = self._registry.get(name)
         except ConcurrencyConfigError as exc:
@@ -392,8 +343,8 @@ class Sweeper:
         return limiter
 
     def fail_expired(self) -> int:
-        """Fail the parked runs whose deadline passed; return how many. One thread at
-        a time: two passes at once would record a failure twice."""
+        """Fail the parked runs past their deadline; one thread at a time (two passes
+        would record a failure twice)."""
         store = self._store()
         if store is None:
             return 0
@@ -416,8 +367,7 @@ class Sweeper:
             return failed
 
     def _record_failure(self, expired: ExpiredParked) -> bool:
-        """Record the stale run's failure; ``False`` if the result backend failed (the
-        row stays taken by this process, which tries again at its next pass)."""
+        """``False`` if the result backend failed (tried again at the next pass)."""
         app = self._app
         task_id = expired.run_id
         name = expired.holder_name
@@ -436,8 +386,7 @@ class Sweeper:
             return True  # not a task's row: nothing to record it in
         key = (expired.limiter, expired.request_id)
         if key not in self._announced and has_listeners():
-            # Before the failure is stored, as a slot's own timeout is: whoever sees the
-            # FAILURE can already see why. Once per row, however often recording fails.
+            # Before the failure is stored (whoever sees FAILURE can see why), once per row.
             self._announced.add(key)
             emit(
                 ConcurrencyEvent(
@@ -498,8 +447,8 @@ class Sweeper:
 def _failed_request(
     app: Celery, expired: ExpiredParked, name: str | None
 ) -> tuple[tuple[Any, ...], dict[str, Any], Context]:
-    """The request context of a stale parked task, rebuilt from its parked message so
-    the result backend, chords, chains and errbacks see Celery's own failure."""
+    """Rebuilt from the parked message so chords, chains and errbacks see Celery's own
+    failure."""
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     embed: dict[str, Any] = {}
