@@ -197,8 +197,10 @@ def raw_functions_client(dsn: str, name: str, start: float, stop: float) -> int:
                        "holder_name": "bench", "in_progress": False}  # fmt: skip
             answer = send(
                 statements.ACQUIRE,
-                {"limiter": name, "config_hash": config_hash[0], "request": json.dumps(request),
-                 "wait_ms": None, "process": process, "retry": False},
+                {"limiters": f'{{"{name}"}}', "hashes": f"{{{config_hash[0]}}}",
+                 "workloads": "{default}",
+                 "request": json.dumps(request), "wait_ms": None, "process": process,
+                 "retry": False},
             )  # fmt: skip
             send(statements.RELEASE, {"limiter": name, "lease_id": answer["lease"][0]})
             n += 1

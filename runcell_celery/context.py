@@ -1,32 +1,19 @@
 """Runs: the unit that owns a time budget, a cancellation and a place in a run tree.
 
-A run is an agent run (README, "A slot around each provider call"); in Celery, one
-task execution. It lives in
-a :mod:`contextvars` variable, so it follows threads started with ``copy_context`` and
-every asyncio task, and :func:`slot` reads its limiter, workload, deadline and
-cancellation from it.
-
-A run started inside another is a child (README, "Celery": child tasks). It inherits:
-
-* the parent's limiter or limiters, unless it names *different* ones (then it uses
-  those and its own workload);
-* the parent's fairness key, unless it gives one;
-* the parent's workload, unless it selects one with ``workload=``. Its own
-  ``default_workload`` (what a Celery task declares) does not replace the parent's,
-  so nesting cannot move work to another workload by accident;
-* the parent's cancellation and remaining time budget: a child never outlives it;
-* the parent's :class:`~runcell_celery.admission.Admission`: the first slot any run of
-  the tree asks for in this process adopts (or gives back) a slot admitted before the
-  parent's body ran.
+A run (in Celery, one task execution) lives in a :mod:`contextvars` variable, so it
+follows ``copy_context`` threads and asyncio tasks. A child inherits its parent's
+limiters (unless it names different ones), key, workload (its own ``default_workload``
+does not replace the parent's, so nesting cannot move work to another workload by
+accident), cancellation, remaining budget and admission.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, cast
+from typing import cast
 
 from .arguments import (
     check_admission,
@@ -50,7 +37,7 @@ from .protocol import (
     SupportsValidateWorkload,
     supports,
 )
-from .several import check_several, resolve_workloads
+from .several import check_members, resolve_workloads
 
 __all__ = ["RunContext", "RunOptions", "RunProgress", "current_run", "run"]
 
@@ -64,20 +51,7 @@ class RunProgress:
 
 @dataclass(frozen=True, slots=True)
 class RunContext:
-    """The run a piece of code belongs to.
-
-    :param deadline: when the budget ends, or ``None`` for no budget.
-    :param cancel: cancels the run and every child; ``None`` if nobody can cancel it.
-    :param name: a label for the run (the Celery task name), shown as the holder.
-    :param admission: the run's first-slot admission (shared with its child runs);
-        its pre-admitted slot waits there for the first ``slot()``.
-    :param limiters: every limiter the run's slots take a slot in (``slot()`` with no
-        limiter holds one in each, together); empty when none. ``limiter`` is the
-        first (or ``None``), for code that reads one.
-    :param key: the run's fairness key (a tenant) for its slots' requests.
-    :param workload: the workload the run selects; with several limiters it applies in
-        each that has it, the limiter's default in the others.
-    """
+    """The run a piece of code belongs to (``limiter``: the first of ``limiters``)."""
 
     run_id: str
     root_run_id: str
@@ -91,25 +65,20 @@ class RunContext:
     limiters: tuple[ConcurrencyLimiter, ...] = ()
     key: str | None = None
     progress: RunProgress = field(default_factory=RunProgress, compare=False)
-    #: The run's ids as one value, built once: every slot request carries it.
     lineage: RunLineage = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         lineage = RunLineage(self.run_id, self.root_run_id, self.parent_run_id)
         object.__setattr__(self, "lineage", lineage)
-        # ``limiter`` and ``limiters`` say the same: the first, and all of them.
         if not self.limiters and self.limiter is not None:
             object.__setattr__(self, "limiters", (self.limiter,))
         elif self.limiters and self.limiter is not self.limiters[0]:
             object.__setattr__(self, "limiter", self.limiters[0])
 
     def remaining_ms(self) -> float | None:
-        """Milliseconds left in the budget (may be negative), or ``None`` for no budget."""
         return None if self.deadline is None else self.deadline.remaining_ms()
 
     def deadline_timestamp(self) -> float | None:
-        """The deadline as a Unix timestamp, for display and for carrying it to another
-        process; nothing in this process decides by it."""
         return None if self.deadline is None else self.deadline.to_unix()
 
 
@@ -117,7 +86,6 @@ _current: ContextVar[RunContext | None] = ContextVar("runcell_run", default=None
 
 
 def current_run() -> RunContext | None:
-    """Return the run the caller belongs to, or ``None`` outside any run."""
     return _current.get()
 
 
@@ -133,7 +101,7 @@ def _same(mine: tuple[ConcurrencyLimiter, ...], theirs: tuple[ConcurrencyLimiter
 
 @dataclass(frozen=True, slots=True)
 class RunOptions:
-    """What :class:`run` was asked for, before it meets its parent (see :class:`run`)."""
+    """What :class:`run` was asked for, before it meets its parent."""
 
     limiter: ConcurrencyLimiter | None = None
     workload: str | None = None
@@ -146,13 +114,11 @@ class RunOptions:
     parent_run_id: str | None = None
     name: str | None = None
     admission: RunAdmission | None = None
-    #: Every limiter asked for (``limiter`` is the first).
     limiters: tuple[ConcurrencyLimiter, ...] = ()
     key: str | None = None
 
 
 def _limiters_argument(limiter: object) -> tuple[ConcurrencyLimiter, ...]:
-    """``run(limiter=...)``: none, one limiter, or a sequence of them."""
     if limiter is None:
         return ()
     if supports(limiter, ConcurrencyLimiter):
@@ -164,7 +130,7 @@ def _limiters_argument(limiter: object) -> tuple[ConcurrencyLimiter, ...]:
     return (check_limiter(limiter, argument="run(limiter)"),)
 
 
-def _check_arguments(**given: Any) -> None:
+def _check_arguments(options: RunOptions, deadline_at: float | None) -> None:
     """Check ``run()``'s other arguments; each error names the argument and the value."""
     checks: dict[str, Callable[..., object]] = {
         "workload": check_text,
@@ -179,7 +145,8 @@ def _check_arguments(**given: Any) -> None:
         "admission": check_admission,
         "key": check_fair_key,
     }
-    for argument, value in given.items():
+    for argument in checks:
+        value = deadline_at if argument == "deadline_at" else getattr(options, argument)
         if value is not None:
             checks[argument](value, argument=f"run({argument})")
 
@@ -187,37 +154,17 @@ def _check_arguments(**given: Any) -> None:
 class run:  # noqa: N801 - a context manager named like the thing it opens
     """Start a run (sync ``with`` or ``async with``); nested inside another, a child run.
 
-    :param limiter: limiter for the run's slots, or a sequence of limiters: each slot
-        then holds one slot in every one of them, granted together (README, "Several
-        limits and keys"); a child without one uses its parent's.
-    :param workload: the workload this run *selects* (always wins).
-    :param default_workload: the workload of the code starting the run (e.g. the
-        task's declared one); used only when neither the run nor its parent selects one.
-    :param timeout_ms: total budget, counted from entering the run; slot waits count
-        against it. A child's budget is cut to its parent's remaining one. ``None``
-        means no budget (of its own).
-    :param deadline: an absolute deadline (combined with ``timeout_ms`` and the
-        parent's; the earliest wins).
-    :param deadline_at: the same as a Unix timestamp, for a budget carried from another
-        process; converted to a :class:`~runcell_celery.deadline.Deadline` once, here.
-    :param cancel: a token that cancels this run (its parent's still applies).
-    :param run_id: the run id (defaults to a new UUID); Celery passes the task id.
-    :param root_run_id: with ``parent_run_id``, the lineage when the parent lives in
-        another process (Celery headers); otherwise taken from the enclosing run.
+    :param limiter: a limiter, or a sequence of limiters (each slot holds one in every
+        one, granted together); a child without one uses its parent's.
+    :param workload: the workload this run *selects* (always wins); ``default_workload``
+        is used only when neither the run nor its parent selects one.
+    :param timeout_ms: total budget from entering the run, slot waits included; the
+        earliest of it, ``deadline``, ``deadline_at`` (Unix time) and the parent's wins.
+    :param run_id: default: a new UUID; ``root_run_id`` and ``parent_run_id`` give the
+        lineage when the parent is in another process.
     :param name: a label for the run, shown as the slot holder.
-    :param admission: how the run's first slot was admitted, and the slot admitted
-        before the run's body until a slot adopts it (see
-        :mod:`runcell_celery.admission`); a child run without one shares its parent's.
-    :param key: the fairness key of the run's slot requests (a tenant); a child without
-        one uses its parent's. Defaults, per request, to the key of a key's limiter the
-        request names.
-    :raises ConcurrencyConfigError: the workload does not exist, or the limiter has
-        several workloads, no default and none was selected; limiters that cannot be
-        held together. Raised at once, before anything waits. Also at once, naming the
-        argument and the value, for an argument of the wrong kind or shape (a limiter
-        that is not one, a blank name, id or workload, a key
-        :func:`~runcell_celery.keys.check_fair_key` refuses, a budget that is not a
-        non-negative number, a ``deadline_at`` that is not a finite Unix time).
+    :raises ConcurrencyConfigError: at once, before anything waits, naming the bad
+        argument or workload, or limiters that cannot be held together.
     """
 
     def __init__(
@@ -238,24 +185,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         key: str | None = None,
     ) -> None:
         limiters = _limiters_argument(limiter)
-        _check_arguments(
-            workload=workload,
-            default_workload=default_workload,
-            deadline=deadline,
-            deadline_at=deadline_at,
-            cancel=cancel,
-            run_id=run_id,
-            root_run_id=root_run_id,
-            parent_run_id=parent_run_id,
-            name=name,
-            admission=admission,
-            key=key,
-        )
-        if deadline_at is not None:
-            deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
-        if timeout_ms is not None:
-            timeout_ms = check_duration_ms(timeout_ms, field="run(timeout_ms)", allow_zero=True)
-        self.options = RunOptions(
+        options = RunOptions(
             limiter=limiters[0] if limiters else None,
             limiters=limiters,
             key=key,
@@ -270,6 +200,12 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             name=name,
             admission=admission,
         )
+        _check_arguments(options, deadline_at)
+        if deadline_at is not None:
+            deadline = Deadline.earliest(deadline, Deadline.from_unix(deadline_at))
+        if timeout_ms is not None:
+            timeout_ms = check_duration_ms(timeout_ms, field="run(timeout_ms)", allow_zero=True)
+        self.options = replace(options, deadline=deadline, timeout_ms=timeout_ms)
         self._token: Token[RunContext | None] | None = None
         self._own_cancel: CancellationToken | None = None
         self.context: RunContext | None = None
@@ -303,7 +239,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
                     workload = _validate(limiters[0], workload)
                 else:
                     # Selected, not resolved: it applies where a limiter has it.
-                    check_several(limiters)
+                    check_members(limiters)
                     resolve_workloads(limiters, workload)
             except ConcurrencyConfigError as exc:
                 # Name the run that failed to start, as every ConcurrencyError does.
@@ -334,8 +270,6 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             deadline=deadline,
             cancel=cancel,
             name=o.name or (parent.name if parent is not None else None),
-            # Shared with children: the tree's first slot request in this process
-            # adopts (or gives back) the slot admitted before the parent's body ran.
             admission=o.admission or (parent.admission if parent is not None else None),
         )
 

@@ -48,10 +48,7 @@ def guard(
     key: str | None = None,
     max_hold_ms: int | None = None,
 ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
-    """Decorate a provider-call function so that every call holds one slot.
-
-    Works on plain and ``async`` functions, and on (async) generators, which hold the
-    slot until the stream is exhausted or closed, as a streamed response should::
+    """Decorate a provider-call function so that every call holds one slot::
 
         @guard(limiter=claude)
         def complete(prompt: str) -> str: ...
@@ -59,12 +56,8 @@ def guard(
         @guard
         async def stream(prompt: str) -> AsyncIterator[str]: ...   # run's limiter
 
-    ``limiter`` may be a sequence of limiters: every call then holds one slot in each,
-    granted together (as ``slot(a, b)``); ``key`` is the fairness key.
-
-    :raises ConcurrencyConfigError: when decorating, naming the argument and the value,
-        for an argument ``slot()`` would refuse (or a decorated object that is not
-        callable).
+    ``limiter`` may be a sequence (as ``slot(a, b)``). Bad arguments raise
+    ``ConcurrencyConfigError`` when decorating.
     """
     limiters = check_limiter_list(limiter, argument="guard(limiter)")
     check_slot_arguments("guard", limiters, workload, key, max_hold_ms, None, None)
@@ -77,7 +70,7 @@ def guard(
 
         def make() -> Slot:
             made = Slot.__new__(Slot)
-            made._setup(limiters, workload, key, max_hold_ms, None, None, call="guard")
+            made._setup(limiters, workload, key, max_hold_ms, None, None, call=None)
             return made
 
         wrapper: Callable[..., Any]
@@ -88,8 +81,7 @@ def guard(
                     stream = func(*args, **kwargs)
                     try:
                         # An abort cancels the task only while the stream reads; one
-                        # that comes while the consumer has the item ends the stream
-                        # at its next step. Either way the consumer gets the error.
+                        # while the consumer has the item ends it at its next step.
                         while not held.aborted:
                             try:
                                 with held.interruptible():

@@ -1,24 +1,10 @@
-"""A held slot: what happens between a grant and the release.
+"""A held slot between its grant and its release (exactly once, with an outcome).
 
-A :class:`Hold` is the lease keeper's counterpart: one lease per limiter of its request
-(a request over one limiter is a group of one), each kept through a :class:`LeasePart`;
-the keeper tells it that a lease was renewed, could not be renewed, was lost or that a
-deadline passed, and the hold reacts. It owns the abort state machine and releases
-the slots exactly once, with an outcome (README, "Errors": what each failure means for
-the provider call).
-
-A lease is lost the moment its local validity has passed
-(:func:`~runcell_celery.keeper.local_validity`, on the keeper's clock), whoever looks
-first: the keeper, the body asking :attr:`Hold.aborted`, or the body's end. A process
-paused past its lease (SIGSTOP, a swapped-out host) must not end the hold with
-success when it resumes before its keeper thread runs: another holder may have had
-the slot meanwhile.
-
-An abort (lease lost, ``max_hold_ms`` passed, run cancelled, budget ended) happens at
-most once: abort callbacks run, an ``async with`` body is cancelled where it is
-interruptible, and ending the hold returns the matching error instead of success. One
-later event still counts: ``max_hold_ms`` frees the slot even when an earlier abort
-could not stop a sync body, so the limiter's accounting never depends on the body.
+The keeper tells a :class:`Hold` what happened to its leases; the hold owns the abort
+state machine. A lease is lost the moment its local validity has passed, whoever looks
+first: a process paused past its lease must not end with success, as another holder
+may have had the slot meanwhile. ``max_hold_ms`` frees the slot even when an abort
+could not stop a sync body, so the accounting never depends on the body.
 """
 
 from __future__ import annotations
@@ -29,8 +15,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Protocol, cast
 
 from .background import DEFAULT_REGISTRY
 from .deadline import Deadline
@@ -45,7 +31,7 @@ from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper, local_validity
 from .protocol import ConcurrencyLimiter, Lease, Outcome
 from .request import SlotRequest
 
-__all__ = ["AbortReason", "Hold", "is_interrupt", "register_interrupt"]
+__all__ = ["AbortReason", "Hold", "KeptLeases", "is_interrupt", "register_interrupt"]
 
 logger = logging.getLogger("runcell_celery.slot")
 
@@ -53,8 +39,6 @@ AbortReason = Literal["lease-lost", "max-hold", "cancelled", "timed-out"]
 
 
 class HoldTrace(Protocol):
-    """What a hold tells its span (:class:`~runcell_celery.tracing.HoldSpan`): its end."""
-
     def end(self, outcome: str) -> None: ...
 
 
@@ -62,27 +46,20 @@ _NO_INTERRUPTS: tuple[type[BaseException], ...] = ()
 
 
 def register_interrupt(exc_type: type[BaseException]) -> None:
-    """Treat ``exc_type`` as a cancellation, not a failure, wherever it interrupts a slot.
-
-    Anything that is not an ``Exception`` (``SystemExit`` from a terminating signal,
-    ``KeyboardInterrupt``, asyncio's ``CancelledError``, ``GeneratorExit`` of a stream
-    closed early) already is; the Celery integration registers ``SoftTimeLimitExceeded``
-    and ``Terminated``.
-    """
+    """Treat ``exc_type`` as a cancellation, not a failure, wherever it interrupts a
+    slot (Celery registers ``SoftTimeLimitExceeded`` and ``Terminated``)."""
     interrupts = DEFAULT_REGISTRY.value("hold.interrupts", _NO_INTERRUPTS)
     if exc_type not in interrupts:
         DEFAULT_REGISTRY.put("hold.interrupts", (*interrupts, exc_type))
 
 
 def is_interrupt(exc: BaseException) -> bool:
-    """Tell whether ``exc`` stops the run from outside (a cancellation of some kind)."""
     return not isinstance(exc, Exception) or isinstance(
         exc, (ConcurrencyCancelledError, *DEFAULT_REGISTRY.value("hold.interrupts", _NO_INTERRUPTS))
     )
 
 
 def outcome_of(exc: BaseException | None) -> Outcome:
-    """How a hold whose body ended with ``exc`` (``None``: it returned) went."""
     if exc is None:
         return "success"
     if is_interrupt(exc):
@@ -90,23 +67,81 @@ def outcome_of(exc: BaseException | None) -> Outcome:
     return "error"
 
 
-class Hold:
-    """One request's leases, one per limiter, kept alive by the process's lease keeper
-    until :meth:`end` and released together.
+class KeptLeases:
+    """One lease per limiter of a request, each kept through a :class:`LeasePart` (so
+    renewals batch per limiter); the deadline is watched once, on the first."""
 
-    ``lease`` is the first limiter's; ``leases`` all of them, in the order given. Each
-    lease is kept by the keeper through a :class:`LeasePart` (renewals are batched per
-    limiter as for any lease); the hold's deadline (run budget, ``max_hold_ms``) is
-    watched once, on the first. Losing any lease aborts the hold; over several limiters
-    it also releases the others at once. Ending it releases every lease.
+    def __init__(self, slot_request: SlotRequest, leases: Sequence[Lease]) -> None:
+        self.slot_request = slot_request
+        self.leases = list(leases)  # in the order of the request's limiters
+        self._keeper: LeaseKeeper | None = None
+        self._parts: list[LeasePart] = []
+        self._keys: list[int] = []
+        self._clock = get_keeper(slot_request.limiter).clock
+        self._valid_from_now()
 
-    :param slot_request: what was asked (for events and errors).
-    :param leases: the granted leases, in the order of the request's limiters.
-    :param max_hold: when the hold ends as a lost lease whatever the body does.
-    :param task: the asyncio task holding the slot (``None`` for a sync body): an
-        abort cancels it while it is interruptible.
-    :param cleanups: called once when the hold ends (detach cancellation links).
-    """
+    @property
+    def lease(self) -> Lease:
+        return self.leases[0]
+
+    @property
+    def limiters(self) -> tuple[ConcurrencyLimiter, ...]:
+        return self.slot_request.limiters
+
+    def _valid_from_now(self) -> None:
+        now = self._clock.monotonic()
+        self._valid_until = [local_validity(lease, now).at for lease in self.leases]
+
+    def _keep(self, deadline: Deadline | None) -> None:
+        keeper = self._keeper = get_keeper(self.slot_request.limiter)
+        # The keeper holds its holders weakly: this keeps its parts alive.
+        holder = cast("PartedHolder", self)  # a subclass tells the parts' news
+        self._parts = [LeasePart(holder, index) for index in range(len(self.leases))]
+        self._keys = [
+            keeper.keep(
+                part,
+                lease.ttl_ms,
+                deadline if part.index == 0 else None,
+                Deadline(self._valid_until[part.index]),
+            )
+            for part, lease in zip(self._parts, self.leases, strict=True)
+        ]
+
+    def _forget(self) -> None:
+        if self._keeper is not None:
+            for key in self._keys:
+                self._keeper.forget(key)
+
+    def _first_invalid(self) -> int | None:
+        """The first lease whose local validity has passed (the keeper may not have run:
+        a paused or starved process)."""
+        now = self._clock.monotonic()
+        for index, valid_until in enumerate(self._valid_until):
+            if now >= valid_until:
+                return index
+        return None
+
+    def _release_all(self, outcome: Outcome) -> bool:
+        """Release every lease (the TTL frees one that fails); ``False`` if one failed."""
+        request = self.slot_request
+        failed = False
+        for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
+            try:
+                limiter.release(lease, outcome)
+            except Exception as exc:
+                failed = True
+                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
+                request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
+        return not failed
+
+    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
+        self.leases[index] = lease
+        self._valid_until[index] = valid_until.at
+
+
+class Hold(KeptLeases):
+    """A held slot, released by :meth:`end`. Losing any lease aborts it (over several
+    limiters also releasing the others at once); ``task``: what an abort cancels."""
 
     def __init__(
         self,
@@ -117,15 +152,12 @@ class Hold:
         task: asyncio.Task[Any] | None = None,
         cleanups: list[Callable[[], object]] | None = None,
     ) -> None:
-        self.slot_request = slot_request
-        self.leases = list(leases)
-        self.lease = leases[0]
+        super().__init__(slot_request, leases)
         self.max_hold = max_hold
         self.held_since = time.monotonic()
         self._state = threading.Lock()
         self._ended = False
         self._released = False
-        #: Release at once when a lease is lost (several leases: free the others).
         self._release_on_loss = len(leases) > 1
         self._abort_reason: AbortReason | None = None
         self._abort_callbacks: list[Callable[[], object]] = []
@@ -134,48 +166,20 @@ class Hold:
         self._loop = task.get_loop() if task is not None else None
         self._task_cancelled = False
         self._interruptible = True
-        self._keeper: LeaseKeeper | None = None
-        self._parts: list[LeasePart] = []
-        self._part_keys: list[int] = []
-        #: The clock the leases' local validity is read on: the lease keeper's.
-        self._clock = get_keeper(slot_request.limiter).clock
-        #: Until when each lease is valid here (the keeper tells each renewal). Past
-        #: it, the hold is aborted as a lost lease, whoever looks first.
-        now = self._clock.monotonic()
-        self._valid_until = [local_validity(lease, now).at for lease in leases]
-        #: The lease whose loss aborted the hold (any of several).
         self._lost_lease: Lease | None = None
-        #: Why the lease was lost, when the limiter said (``force-released by alice``).
-        self._lost_why: str | None = None
-        #: Its ``runcell.slot.hold`` span, when a tracer provider is set.
+        self._lost_why: str | None = None  # ``force-released by alice``
         self.trace: HoldTrace | None = None
 
     def keep(self, deadline: Deadline | None) -> None:
-        """Hand every lease to the keeper; the first carries the hold's deadline (and
-        ``max_hold``)."""
-        due = deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
-        keeper = self._keeper = get_keeper(self.slot_request.limiter)
-        # The keeper holds its holders weakly: the hold keeps its parts alive.
-        self._parts = [LeasePart(self, index) for index in range(len(self.leases))]
-        self._part_keys = [
-            keeper.keep(
-                part,
-                lease.ttl_ms,
-                due if part.index == 0 else None,
-                Deadline(self._valid_until[part.index]),
-            )
-            for part, lease in zip(self._parts, self.leases, strict=True)
-        ]
+        self._keep(
+            deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
+        )
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
 
-    # -- the handle -------------------------------------------------------------------
-
     @property
     def aborted(self) -> bool:
-        """Whether the hold was aborted; true as soon as a lease's local validity has
-        passed, even if the keeper has not run since."""
         if self._abort_reason is None:
             self._check_validity()
         return self._abort_reason is not None
@@ -187,7 +191,6 @@ class Hold:
         return self._abort_reason
 
     def on_abort(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` if the hold is aborted; at once if it already was."""
         if self._abort_reason is None:
             self._check_validity()
         with self._state:
@@ -198,27 +201,16 @@ class Hold:
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """Let an abort cancel the asyncio task only while the block runs.
-
-        A hold is interruptible from the start. Code that hands control to someone
-        else's code in between (a streaming guard that yields items to its consumer)
-        wraps each of its own steps in this block: once it leaves one, an abort no
-        longer cancels the task, and the code learns of it from :attr:`aborted`.
-        """
+        """Let an abort cancel the asyncio task only while the block runs (a streaming
+        guard wraps each of its own steps, not the consumer's)."""
         self._interruptible = True
         try:
             yield
         finally:
             self._interruptible = False
 
-    # -- the end ----------------------------------------------------------------------
-
     def end(self, exc: BaseException | None) -> ConcurrencyError | None:
-        """Release once and return the error that replaces the body's result, if any.
-
-        A lease whose local validity passed before now is lost, even if the keeper has
-        not said so yet: the hold ends with :class:`ConcurrencyLeaseLostError`.
-        """
+        """Release once; return the error that replaces the body's result, if any."""
         self._check_validity()
         with self._state:
             if self._ended:
@@ -227,9 +219,7 @@ class Hold:
             reason = self._abort_reason
             already_released = self._released
             self._released = True
-        if self._keeper is not None:
-            for key in self._part_keys:
-                self._keeper.forget(key)
+        self._forget()
         for cleanup in self._cleanups:
             cleanup()
         self._cleanups.clear()
@@ -243,49 +233,25 @@ class Hold:
         return abort_error(self.slot_request, lease, reason, why=self._lost_why)
 
     def _check_validity(self) -> None:
-        """Abort the hold as a lost lease if a lease's local validity has passed (the
-        keeper may not have run since: a paused or starved process)."""
-        if self._ended or self._released:
-            return
-        now = self._clock.monotonic()
-        for index, valid_until in enumerate(self._valid_until):
-            if now >= valid_until:
-                self._validity_passed(index)
-                return
+        if not (self._ended or self._released):
+            index = self._first_invalid()
+            if index is not None:
+                self.part_lost(index, None)
 
     def settle_task(self) -> None:
-        """Take back the cancellation an abort sent the task to stop its body, so it
-        does not leak out of the ``async with``."""
         if self._task_cancelled and self._task is not None:
             self._task.uncancel()
 
     def _release(self, outcome: Outcome) -> None:
-        request = self.slot_request
         hold_ms = (time.monotonic() - self.held_since) * 1000
-        failed = False
-        for limiter, lease in zip(request.limiters, list(self.leases), strict=True):
-            try:
-                limiter.release(lease, outcome)
-            except Exception as exc:  # the others are still released; TTL frees this one
-                failed = True
-                logger.warning("releasing %s failed: %s", lease.lease_id, describe_error(exc))
-                request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
-        if not failed and has_listeners():
+        if self._release_all(outcome) and has_listeners():
             lease_id = self.lease.lease_id
-            request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
-
-    # -- what the keeper (through each lease's part) and a cancelling thread tell it ----
+            self.slot_request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
 
     def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
         if self._ended or self._released:
             return None
         return self.slot_request.limiters[index], self.leases[index]
-
-    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
-        self.leases[index] = lease
-        self._valid_until[index] = valid_until.at
-        if index == 0:
-            self.lease = lease
 
     def part_renewal_failed(self, index: int, error: BaseException) -> None:
         self.slot_request.event(
@@ -297,9 +263,6 @@ class Hold:
             if self._lost_lease is None and self._abort_reason is None:
                 self._lost_lease = self.leases[index]
         self.abort("lease-lost", error)
-
-    def _validity_passed(self, index: int) -> None:
-        self.part_lost(index, None)
 
     def deadline_passed(self) -> Deadline | None:
         if self.max_hold is not None and self.max_hold.passed():
@@ -313,7 +276,6 @@ class Hold:
         self.abort("cancelled")
 
     def abort(self, reason: AbortReason, error: BaseException | None = None) -> None:
-        """Abort the hold (first reason wins); ``max-hold`` also releases at once."""
         with self._state:
             if self._ended:
                 return
@@ -340,8 +302,6 @@ class Hold:
                 error=describe_error(error) if error is not None else None,
             )
         if release_now:
-            # max_hold_ms protects the limiter's accounting even if the call never ends
-            # (and a lost lease of several frees the others).
             self._release("max-hold" if reason == "max-hold" else "lease-lost")
         if not first:
             return
@@ -352,8 +312,7 @@ class Hold:
                 self._loop.call_soon_threadsafe(self._cancel_task)
 
     def _cancel_task(self) -> None:
-        # Runs on the event loop, between steps of the task: if the body is still
-        # running, the cancellation is delivered inside it.
+        # On the event loop, between steps: the cancellation lands inside the body.
         with self._state:
             if (
                 not self._ended
@@ -366,21 +325,14 @@ class Hold:
 
 
 def _lost_reason(error: BaseException | None) -> str:
-    """The ``lease-lost`` event's reason: what the limiter said (``force-released by
-    alice``), else ``renewal`` (not renewed in time, or the limiter no longer had it)."""
     return error.reason if isinstance(error, LeaseTakenBackError) else "renewal"
 
 
 def abort_error(
     slot_request: SlotRequest, lease: Lease, reason: AbortReason, *, why: str | None = None
 ) -> ConcurrencyError:
-    """The error that replaces the result of a body whose hold was aborted.
-
-    :param why: why a lost lease was lost, when the limiter said (``force-released by
-        alice``); otherwise it "could not be renewed".
-    """
     name = slot_request.limiter.name
-    if slot_request.several:
+    if len(slot_request.limiters) > 1:
         name = lease.limiter  # the lease lost, of whichever limiter
     lease_id = lease.lease_id
     cls: type[ConcurrencyError]
@@ -400,9 +352,6 @@ def abort_error(
 
 
 class PartedHolder(Protocol):
-    """A holder of one lease per limiter whose leases the keeper keeps one by one
-    (:class:`Hold`, :class:`~runcell_celery.admission.PreAdmitted`)."""
-
     def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None: ...
     def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None: ...
     def part_renewal_failed(self, index: int, error: BaseException) -> None: ...
@@ -411,8 +360,8 @@ class PartedHolder(Protocol):
 
 
 class LeasePart:
-    """One lease of a :class:`PartedHolder`, as the keeper sees it (a LeaseHolder).
-    Holds its holder weakly: a holder dropped unreleased stops being renewed."""
+    """One lease of a holder, as the keeper sees it; weak, so a holder dropped
+    unreleased stops being renewed."""
 
     __slots__ = ("__weakref__", "_holder", "index")
 

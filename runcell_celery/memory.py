@@ -1,36 +1,12 @@
 """Limiters for one process: threads and asyncio tasks share their slots.
 
-A limiter's state lives behind its own lock; every decision about who is granted goes
-through :func:`~runcell_celery.allocation.allocate` (or
-:func:`~runcell_celery.allocation.allocate_several`). Waiting happens outside the lock:
-a thread waits on its own ``threading.Event``, a coroutine on an ``asyncio.Event`` that
-is set thread-safely, so a waiting coroutine never blocks its event loop and a release
-wakes exactly the waiters it granted.
-
-One acquire path serves a request over one limiter and over several
-(``slot(openai, gpt_4o, tenants.key("acme"))``): a request over one limiter is a group
-of one. :func:`_enqueue` grants at once or queues; :func:`_settle` decides after each
-wake-up whether the request was granted, cancelled or timed out; the two loops (a
-thread's, a coroutine's) only carry that out.
-
-Several limiters in one request are decided by a :class:`Coordinator`: a limiter named
-by a waiting request over several limiters is *coordinated* until no such request
-waits for it, and meanwhile its state is guarded by the coordinator's lock instead of
-its own, its other waiters are in the coordinator's line too (in arrival order), and
-every grant in it goes through :func:`~runcell_celery.allocation.allocate_several`.
-Every other moment (the usual one) a limiter decides alone under its own lock; the flag
-is read under that lock, so the fast path costs one attribute read more. There is no
-process-wide coordinator: each limiter (a keyed limiter's keys share their owner's)
-starts with its own, and a request over limiters of different coordinators merges
-them into one (the others forward to it), so limiters created apart can still be held
-together. A limiter with ``fairness: "round_robin"`` allocates with
-:func:`~runcell_celery.allocation.allocate_several` and keeps, per key, when it last
-granted it (a bounded history).
-
-Locks: a coordinator's, then a limiter's (to switch it in or out). The flag changes
-only with both held, and a limiter's own lock holder reads it first thing, so a state
-is never guarded by two locks at once. Coordinators being merged are locked in ``id``
-order.
+Grants are decided by :mod:`~runcell_celery.allocation` under a lock; each waiter
+waits outside it on its own event, so a release wakes exactly the waiters it granted.
+A limiter named by a waiting request over several limiters is *coordinated*: until no
+such request waits for it, its state is guarded by its :class:`Coordinator`'s lock and
+its waiters stand in the coordinator's line (requests over limiters of different
+coordinators merge them). Locks: a coordinator's, then a limiter's; the flag changes
+only with both held; coordinators being merged are locked in ``id`` order.
 """
 
 from __future__ import annotations
@@ -43,10 +19,10 @@ import math
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
-from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_several, has_room
+from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_members, has_room
 from .background import DEFAULT_REGISTRY
 from .base import ConfiguredLimiter
 from .cancellation import CancellationToken
@@ -55,9 +31,9 @@ from .config import LimiterConfig
 from .errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyTimeoutError
 from .protocol import (
     AcquireRequest,
-    ConcurrencyLimiter,
     Lease,
     LimiterStats,
+    Member,
     OnWait,
     Outcome,
     QueuePlace,
@@ -80,8 +56,8 @@ def _grants() -> itertools.count[int]:
     return DEFAULT_REGISTRY.shared("memory.grants", itertools.count)
 
 
-#: Keys a round-robin limiter remembers the last grant of. Forgetting the oldest keeps
-#: the order of the rest: a forgotten key counts as granted longest ago, as it was.
+#: Keys a round-robin limiter remembers the last grant of (a forgotten key counts as
+#: granted longest ago, as it was).
 HISTORY_LIMIT = 10_000
 
 
@@ -94,13 +70,7 @@ class _Held:
 
 
 class _Waiter:
-    """One waiting request over one limiter or several (``limiters`` has them all).
-
-    What :func:`~runcell_celery.allocation.allocate` and
-    :func:`~runcell_celery.allocation.allocate_several` read: ``workload`` (the one the
-    run selected; ``workloads`` has the one used in each limiter), ``in_progress``,
-    ``limiters``, ``key`` and ``aged``.
-    """
+    """A waiting request as allocation reads it (``workloads``: the one in each limiter)."""
 
     __slots__ = (
         "aged",
@@ -150,14 +120,11 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        #: Every waiting request of the coordinated limiters, oldest first.
-        self.waiting: list[_Waiter] = []
+        self.waiting: list[_Waiter] = []  # oldest first
         self.members: dict[int, InMemoryConcurrencyLimiter] = {}
-        #: The coordinator this one was merged into (its state moved there).
         self.merged_into: Coordinator | None = None
 
     def root(self) -> Coordinator:
-        """The coordinator that decides now (the end of the merges)."""
         root = self
         while root.merged_into is not None:
             root = root.merged_into
@@ -187,8 +154,6 @@ class Coordinator:
                     limiter._idle_locked()
 
     def enqueue_locked(self, waiter: _Waiter, now: float) -> None:
-        """Queue ``waiter``, grant what the rules allow, and raise queue-full or
-        timed-out if it cannot wait."""
         for limiter in waiter.limiters:
             self.join_locked(limiter)
             limiter._reap_locked(now)
@@ -207,18 +172,16 @@ class Coordinator:
         _start_clock(waiter, now, lambda: self.remove_locked(waiter, now))
 
     def remove_locked(self, waiter: _Waiter, now: float) -> None:
-        """Take a waiter that was not granted out of line; grant what that frees."""
         if waiter not in self.waiting:
             return
         self.waiting.remove(waiter)
         for limiter in waiter.limiters:
             limiter._coordinated_waiting -= 1
-        # It may have been anchored (rule 4 of allocate_several), keeping room.
+        # It may have been anchored (rule 4 of allocate_members), keeping room.
         self.allocate_locked(now)
         self._leave_idle_locked(waiter.limiters)
 
     def allocate_locked(self, now: float) -> None:
-        """Grant every request the rules allow now, in the order they say."""
         waiting = self.waiting
         if not waiting:
             return
@@ -234,7 +197,7 @@ class Coordinator:
                     active[limiter] = limiter._active
                     if limiter._history is not None:
                         history[limiter] = limiter._history
-        granted = allocate_several(limits, active, waiting, last_granted=history)
+        granted = allocate_members(limits, active, waiting, last_granted=history)
         if not granted:
             return
         touched: dict[int, InMemoryConcurrencyLimiter] = {}
@@ -249,15 +212,10 @@ class Coordinator:
             for limiter in waiter.limiters:
                 limiter._coordinated_waiting -= 1
                 touched[id(limiter)] = limiter
-        chosen = set(granted)
-        woken = [waiting[p] for p in granted]
-        self.waiting = [w for p, w in enumerate(waiting) if p not in chosen]
-        for waiter in woken:
-            waiter.wake()
+        self.waiting = _wake(waiting, granted)
         self._leave_idle_locked(list(touched.values()))
 
     def workloads_waiting_locked(self, limiter: InMemoryConcurrencyLimiter) -> list[str]:
-        """The workload in ``limiter`` of every coordinated request waiting for it."""
         return [
             workload
             for waiter in self.waiting
@@ -267,7 +225,6 @@ class Coordinator:
 
 
 def _lock_root(limiter: InMemoryConcurrencyLimiter) -> Coordinator:
-    """Lock and return the coordinator that decides for ``limiter`` now."""
     while True:
         root = limiter._coordinator.root()
         root.lock.acquire()
@@ -278,7 +235,6 @@ def _lock_root(limiter: InMemoryConcurrencyLimiter) -> Coordinator:
 
 
 def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn`` under ``limiter``'s coordinator's lock (and its own, if it left)."""
     root = _lock_root(limiter)
     try:
         if limiter._coordinated:
@@ -290,7 +246,6 @@ def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T],
 
 
 def _merge_and_lock(limiters: Sequence[InMemoryConcurrencyLimiter]) -> Coordinator:
-    """Lock one coordinator deciding for every limiter of ``limiters``, merging theirs."""
     while True:
         roots = sorted(
             {id(r): r for r in (x._coordinator.root() for x in limiters)}.values(), key=id
@@ -316,7 +271,6 @@ def _merge_and_lock(limiters: Sequence[InMemoryConcurrencyLimiter]) -> Coordinat
 
 
 def _start_clock(waiter: _Waiter, now: float, remove: Callable[[], None]) -> None:
-    """Give a queued waiter its deadline, or time it out now if it may not wait."""
     wait_ms = _wait_ms(waiter)
     if wait_ms is not None and wait_ms <= 0:
         remove()
@@ -326,26 +280,14 @@ def _start_clock(waiter: _Waiter, now: float, remove: Callable[[], None]) -> Non
 
 
 class _KeyOwner(Protocol):
-    """The keyed limiter a key's limiter tells when it becomes busy or idle."""
-
     def _key_busy(self, limiter: InMemoryConcurrencyLimiter) -> None: ...
 
     def _key_idle(self, limiter: InMemoryConcurrencyLimiter) -> None: ...
 
 
 class InMemoryConcurrencyLimiter(ConfiguredLimiter):
-    """Slots shared by the threads and coroutines of one process.
-
-    Create it with :func:`~runcell_celery.create_concurrency_limiter`. For several
-    processes or hosts use
-    :func:`runcell_celery.postgres.create_postgres_concurrency_limiter`.
-
-    :param config: the limits.
-    :param clock: monotonic and wall clocks; tests pass a fake one to expire leases
-        without waiting.
-    :param coordinator: decides when requests over several limiters wait here (a keyed
-        limiter's keys share one); by default one of its own.
-    """
+    """Slots shared by the threads and coroutines of one process (a keyed limiter's keys
+    share their owner's ``coordinator``)."""
 
     def __init__(
         self,
@@ -364,33 +306,25 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         self._id_prefix = f"{config.name}:{uuid.uuid4().hex[:12]}:"
         self._next_expiry = math.inf
         self._coordinator = Coordinator() if coordinator is None else coordinator
-        #: True while the coordinator decides for this limiter.
         self._coordinated = False
-        #: Coordinated requests waiting for a slot here.
         self._coordinated_waiting = 0
-        #: Round robin: per key, the grant sequence number of its latest grant here.
+        #: Round robin: per key, the sequence number of its latest grant here.
         self._history: OrderedDict[Hashable | None, int] | None = (
             OrderedDict() if config.fairness == "round_robin" else None
         )
-        #: The keyed limiter this is a key of (told when this key is busy or idle).
-        self._owner: _KeyOwner | None = None
+        self._owner: _KeyOwner | None = None  # the keyed limiter this is a key of
         self._key: str | None = None
         self._busy = False
-        #: Something to do on each grant: round-robin history or telling the owner.
         self._watch_grants = self._history is not None
 
     def _root(self) -> Coordinator:
         return self._coordinator.root()
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` under the lock that guards this limiter's state now: its own, or
-        its coordinator's while it is coordinated."""
         with self._lock:
             if not self._coordinated:
                 return fn(*args)
         return _call_coordinated(self, fn, *args)
-
-    # -- acquire: one limiter is a group of one -----------------------------------------
 
     def acquire(
         self,
@@ -399,65 +333,33 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> Lease:
-        """Wait (blocking this thread) for a slot; see :class:`ConcurrencyLimiter`."""
-        return self.acquire_several((self,), (request,), cancel=cancel, on_wait=on_wait)[0]
+        return self.acquire_members((Member(self, request),), cancel=cancel, on_wait=on_wait)[0]
 
-    async def acquire_async(
+    def acquire_members(
         self,
-        request: AcquireRequest,
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Lease:
-        """Wait for a slot without blocking the event loop; asyncio-cancellation safe."""
-        leases = await self.acquire_several_async(
-            (self,), (request,), cancel=cancel, on_wait=on_wait
-        )
-        return leases[0]
-
-    def acquire_several(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...]:
-        """Wait (blocking this thread) for one slot in each of ``limiters``, granted
-        together; see :class:`~runcell_celery.protocol.SupportsSeveral`. Nothing is held
-        while waiting, and slots granted at the moment of a cancel or timeout are given
-        back."""
-        waiter = _enqueue(limiters, requests, cancel)
+        waiter = _enqueue(members, cancel)
         if isinstance(waiter, tuple):
             return waiter
         event = threading.Event()
-        waiter.wake = event.set
-        unlink = cancel.add_callback(event.set) if cancel is not None else _nothing
-        try:
-            _announce(waiter, on_wait)
-            while True:
-                leases = _settle(waiter, cancel)
-                if leases is not None:
-                    return leases
+        with _waiting(waiter, event.set, cancel, on_wait):
+            while (leases := _settle(waiter, cancel)) is None:
                 event.wait(_sleep_seconds(waiter))
                 event.clear()
-        except BaseException:
-            _abandon(waiter)
-            raise
-        finally:
-            unlink()
+            return leases
 
-    async def acquire_several_async(
+    async def acquire_members_async(
         self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...]:
-        """As :meth:`acquire_several`, waiting without blocking the event loop (and
-        without a thread); asyncio-cancellation safe."""
-        waiter = _enqueue(limiters, requests, cancel)
+        waiter = _enqueue(members, cancel)
         if isinstance(waiter, tuple):
             return waiter
         loop = asyncio.get_running_loop()
@@ -467,28 +369,17 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             with contextlib.suppress(RuntimeError):  # the loop closed; waiter abandoned
                 loop.call_soon_threadsafe(event.set)
 
-        waiter.wake = wake
-        unlink = cancel.add_callback(wake) if cancel is not None else _nothing
-        try:
-            _announce(waiter, on_wait)
-            while True:
-                leases = _settle(waiter, cancel)
-                if leases is not None:
-                    return leases
+        with _waiting(waiter, wake, cancel, on_wait):
+            while (leases := _settle(waiter, cancel)) is None:
                 # Not ``wait_for``: on Python 3.11 it swallows a cancellation that
                 # arrives as the event is set, and the cancelled task would get a slot.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_sleep_seconds(waiter)):
                         await event.wait()
                 event.clear()
-        except BaseException:
-            _abandon(waiter)
-            raise
-        finally:
-            unlink()
+            return leases
 
     def _queue_locked(self, waiter: _Waiter, now: float) -> tuple[Lease, ...] | _Waiter:
-        """Queue a request over this limiter alone (under the lock guarding it now)."""
         if self._coordinated:
             self._root().enqueue_locked(waiter, now)
             return waiter if waiter.leases is None else waiter.leases
@@ -508,7 +399,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         return waiter
 
     def _drop_locked(self, waiter: _Waiter, now: float) -> None:
-        """Take a waiter not granted out of this limiter's line (or its coordinator's)."""
         if self._coordinated:
             self._root().remove_locked(waiter, now)
         elif waiter in self._waiting:
@@ -519,14 +409,10 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     def _place_locked(self, waiter: _Waiter) -> QueuePlace:
         return place_in_line(waiter, self._root().waiting if self._coordinated else self._waiting)
 
-    # -- renew and release ----------------------------------------------------------
-
     def renew(self, lease: Lease) -> Lease | None:
-        """Extend ``lease`` by its TTL; ``None`` if it expired or was released."""
         return self._call(self._renew_locked, lease, self._clock.monotonic())
 
     def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
-        """Renew several leases under one lock acquisition."""
         return self._call(self._renew_many_locked, leases)
 
     def _renew_many_locked(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
@@ -534,11 +420,9 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         return {lease.lease_id: self._renew_locked(lease, now) for lease in leases}
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
-        """Return the slot; releasing twice or after expiry does nothing."""
         self._call(self._release_locked, lease.lease_id, self._clock.monotonic())
 
     def stats(self) -> LimiterStats:
-        """Return active and queued counts, in total and per workload."""
         return self._call(self._stats_locked)
 
     def _stats_locked(self) -> LimiterStats:
@@ -556,20 +440,16 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         )
 
     def _waiting_workloads_locked(self) -> list[str]:
-        """The workload here of every request waiting for a slot here."""
         if self._coordinated:
             return self._root().workloads_waiting_locked(self)
         return [waiter.workloads[0] for waiter in self._waiting]
 
     def reap(self) -> int:
-        """Drop expired leases now (normally done lazily); return how many."""
         return self._call(self._reap_now_locked)
 
     def _reap_now_locked(self) -> int:
         self._next_expiry = -math.inf
         return self._reap_locked(self._clock.monotonic())
-
-    # -- under the lock (the coordinator's while coordinated) --------------------------
 
     def _grant_locked(self, request: AcquireRequest, workload: str, now: float) -> Lease:
         token = next(self._tokens)
@@ -608,7 +488,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         if self._history is None:
             granted = allocate(self._config, self._active, cast("list[Waiting]", self._waiting))
         else:
-            granted = allocate_several(
+            granted = allocate_members(
                 {self: self._config},
                 {self: self._active},
                 self._waiting,
@@ -619,11 +499,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         for position in granted:
             waiter = self._waiting[position]
             waiter.leases = (self._grant_locked(waiter.request, waiter.workloads[0], now),)
-        chosen = set(granted)
-        woken = [self._waiting[p] for p in granted]
-        self._waiting = [w for p, w in enumerate(self._waiting) if p not in chosen]
-        for waiter in woken:
-            waiter.wake()
+        self._waiting = _wake(self._waiting, granted)
 
     def _release_locked(self, lease_id: str, now: float) -> None:
         held = self._held.pop(lease_id, None)
@@ -657,8 +533,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             self._idle_locked()
         return len(expired)
 
-    # -- a key of a keyed limiter: busy keys are kept, idle ones forgotten -------------
-
     def _busy_locked(self) -> None:
         if self._owner is not None and not self._busy:
             self._busy = True
@@ -674,38 +548,63 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             self._owner._key_idle(self)
 
 
-# -- the one acquire path, over the limiters of one request ----------------------------
+def _wake(waiting: list[_Waiter], granted: Sequence[int]) -> list[_Waiter]:
+    """Wake the granted waiters; return the others, still in line."""
+    for position in granted:
+        waiting[position].wake()
+    chosen = set(granted)
+    return [w for p, w in enumerate(waiting) if p not in chosen]
+
+
+@contextlib.contextmanager
+def _waiting(
+    waiter: _Waiter,
+    wake: Callable[[], None],
+    cancel: CancellationToken | None,
+    on_wait: OnWait | None,
+) -> Iterator[None]:
+    """While a queued waiter waits: a cancel wakes it, any exit but a return leaves the
+    line and gives back what was granted meanwhile."""
+    waiter.wake = wake
+    unlink = cancel.add_callback(wake) if cancel is not None else _nothing
+    try:
+        _announce(waiter, on_wait)
+        yield
+    except BaseException:
+        _abandon(waiter)
+        raise
+    finally:
+        unlink()
 
 
 def _enqueue(
-    limiters: Sequence[ConcurrencyLimiter],
-    requests: Sequence[AcquireRequest],
-    cancel: CancellationToken | None,
+    asked: Sequence[Member], cancel: CancellationToken | None
 ) -> tuple[Lease, ...] | _Waiter:
-    """Check the request, then grant it at once or queue it (or refuse it)."""
+    if not asked:
+        raise ValueError("acquire_members needs at least one member")
     members: list[InMemoryConcurrencyLimiter] = []
-    for limiter in limiters:
+    for member in asked:
+        limiter = member.limiter
         if not isinstance(limiter, InMemoryConcurrencyLimiter):
-            names = ", ".join(repr(x.name) for x in limiters)
+            names = ", ".join(repr(x.limiter.name) for x in asked)
             raise ConcurrencyConfigError(
                 f"limiters {names} cannot be held together: {limiter.name!r} is not an "
                 "in-memory limiter of this process",
                 limiter=limiter.name,
             )
         members.append(limiter)
-    if len(members) != len(requests) or not members:
-        raise ValueError("acquire_several needs one request per limiter")
     if len({id(x) for x in members}) != len(members):
         raise ConcurrencyConfigError(
             "a request names the same limiter twice", limiter=members[0].name
         )
+    requests = tuple(member.request for member in asked)
     workloads = tuple(x._resolve(r) for x, r in zip(members, requests, strict=True))
     first = members[0]
     if cancel is not None and cancel.is_set():
         raise first._cancelled(requests[0])
     now = first._clock.monotonic()
     selected = workloads[0] if len(members) == 1 else _selected(members, workloads)
-    waiter = _Waiter(selected, tuple(members), tuple(requests), workloads, now)
+    waiter = _Waiter(selected, tuple(members), requests, workloads, now)
     if len(members) == 1:
         return first._call(first._queue_locked, waiter, now)
     root = _merge_and_lock(members)
@@ -719,8 +618,7 @@ def _enqueue(
 def _selected(
     limiters: Sequence[InMemoryConcurrencyLimiter], workloads: Sequence[str]
 ) -> str | None:
-    """The one workload a run selected that resolves to ``workloads``: in each limiter
-    that workload where it exists, else that limiter's default (allocation's rule)."""
+    """The workload a run selected that resolves to ``workloads`` (allocation's rule)."""
     for candidate in (None, *dict.fromkeys(workloads)):
         resolved = [
             candidate
@@ -747,12 +645,8 @@ def _announce(waiter: _Waiter, on_wait: OnWait | None) -> None:
 
 
 def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
-    """Where ``waiter`` stands in ``line`` (a limiter's, or its coordinator's): in each
-    of its limiters, one more than the requests of its workload there that joined
-    before it and still wait; over several limiters the largest (it is granted when
-    every line lets it through). Allocation may serve some later arrivals first (a run
-    in progress, a round-robin key): like the PostgreSQL limiter's, it is the place by
-    arrival. The in-memory limiter knows no mean hold time: no expected wait."""
+    """Where ``waiter`` stands in ``line`` by arrival, as the PostgreSQL limiter tells it
+    (over several limiters the largest place)."""
     ahead = [0] * len(waiter.limiters)
     for other in line:
         if other.arrival >= waiter.arrival:
@@ -766,9 +660,7 @@ def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
 
 def _settle(waiter: _Waiter, cancel: CancellationToken | None) -> tuple[Lease, ...] | None:
     """After a wake-up: the leases, a cancel or timeout raised, or ``None`` to wait on."""
-    first = waiter.limiters[0]
-    # Every limiter of a waiting request over several is coordinated by one
-    # coordinator, so the first one's lock guards them all.
+    first = waiter.limiters[0]  # coordinated together: its lock guards them all
     leases, error = first._call(_settle_locked, waiter, cancel, first._clock.monotonic())
     if error is None:
         return leases
@@ -796,7 +688,6 @@ def _settle_locked(
 
 
 def _abandon(waiter: _Waiter) -> None:
-    """Leave the line after an unexpected exit, returning slots granted meanwhile."""
     first = waiter.limiters[0]
     first._call(first._drop_locked, waiter, first._clock.monotonic())
     _release_all(waiter, waiter.leases)
@@ -810,7 +701,6 @@ def _release_all(waiter: _Waiter, leases: tuple[Lease, ...] | None) -> None:
 
 
 def _wait_ms(waiter: _Waiter) -> float | None:
-    """The longest a request may wait: the shortest of its limiters' limits."""
     limits = [
         limiter._wait_ms(request, workload)
         for limiter, request, workload in zip(
@@ -822,7 +712,6 @@ def _wait_ms(waiter: _Waiter) -> float | None:
 
 
 def _timed_out(waiter: _Waiter, wait_ms: float | None) -> ConcurrencyTimeoutError:
-    """No slot in time: the error names the limiters that had no room."""
     if len(waiter.limiters) == 1:
         return waiter.limiters[0]._timed_out(waiter.request, wait_ms)
     full = [
@@ -841,7 +730,6 @@ def _timed_out(waiter: _Waiter, wait_ms: float | None) -> ConcurrencyTimeoutErro
 
 
 def _sleep_seconds(waiter: _Waiter) -> float | None:
-    """Until the deadline or the next lease expiry in one of its limiters."""
     now = waiter.limiters[0]._clock.monotonic()
     wake_at = min([waiter.deadline, *(x._next_expiry for x in waiter.limiters)])
     return None if math.isinf(wake_at) else max(0.0, wake_at - now)

@@ -1,16 +1,8 @@
 """A keyed in-memory limiter: a limit per key (a tenant, an API key, a user).
 
-``create_concurrency_limiter(2, name="tenant", keyed=True)`` returns a
-:class:`KeyedInMemoryConcurrencyLimiter`. It holds no slots itself;
-``tenant.key("acme")`` is the :class:`~runcell_celery.memory.InMemoryConcurrencyLimiter`
-of that key, named ``"tenant:acme"``, with the keyed limiter's settings
-(:func:`~runcell_celery.keys.config_for_key`).
-
-A key's limiter is created on first use and forgotten once idle, so 100,000 tenants
-used once leave nothing behind: it is kept (strongly) while it holds a slot or a
-request waits in it, and otherwise only as long as someone else references it (weakly
-here), so ``key("acme")`` returns the same object while the key is in use and one key
-never has two limiters at once.
+A key's limiter (``tenant.key("acme")``) is kept strongly while it holds a slot or a
+request waits in it, else only weakly, so 100,000 tenants used once leave nothing
+behind, and one key never has two limiters at once.
 """
 
 from __future__ import annotations
@@ -43,11 +35,7 @@ __all__ = ["KeyedInMemoryConcurrencyLimiter", "create_concurrency_limiter"]
 
 
 class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
-    """A limit per key, in one process; ``key(k)`` is the limiter of key ``k``.
-
-    Asking it for a slot directly raises
-    :class:`~runcell_celery.errors.ConcurrencyConfigError`: a slot names one of its keys.
-    """
+    """A limit per key, in one process; ``key(k)`` is the limiter of key ``k``."""
 
     def __init__(
         self,
@@ -63,18 +51,13 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         super().__init__(config)
         self._clock = clock
         self._lock = threading.Lock()
-        #: Every key limiter someone references (busy ones are in ``_busy`` too).
         self._live: weakref.WeakValueDictionary[str, InMemoryConcurrencyLimiter] = (
             weakref.WeakValueDictionary()
         )
-        #: Keys holding a slot or with a waiting request: kept whoever references them.
         self._busy: dict[str, InMemoryConcurrencyLimiter] = {}
-        #: One fencing counter for every key: a key forgotten while idle and made again
-        #: continues above every token it gave (a proxy that remembers the highest one
-        #: would refuse it otherwise).
+        #: One fencing counter for every key: a key forgotten and made again continues
+        #: above every token it gave.
         self._tokens = itertools.count(1)
-        #: Every key's coordinator (requests over several keys wait in one line): its
-        #: backend's, or one of its own.
         self._coordinator = Coordinator() if coordinator is None else coordinator
 
     def __repr__(self) -> str:
@@ -82,11 +65,6 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         return f"<{type(self).__name__} {config.name!r} max={config.max_concurrent} per key>"
 
     def key(self, key: str) -> InMemoryConcurrencyLimiter:
-        """Return the limiter of ``key``, created on first use.
-
-        :raises ConcurrencyConfigError: the key is invalid
-            (:func:`~runcell_celery.keys.check_key`).
-        """
         check_key(self._config.name, key, argument=f"{self._config.name}.key()")
         with self._lock:
             limiter = self._live.get(key)
@@ -103,8 +81,6 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
                 self._live[key] = limiter
             return limiter
 
-    # -- told by the key limiters (under their state lock) -----------------------------
-
     def _key_busy(self, limiter: InMemoryConcurrencyLimiter) -> None:
         assert limiter._key is not None
         with self._lock:
@@ -116,15 +92,11 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
             if self._busy.get(limiter._key) is limiter:
                 del self._busy[limiter._key]
 
-    # -- stats --------------------------------------------------------------------------
-
     def keys_in_use(self) -> int:
-        """How many keys hold a slot or have a waiting request."""
         with self._lock:
             return len(self._busy)
 
     def key_stats(self, limit: int | None = 100) -> list[KeyStats]:
-        """The busiest keys (most slots held, then most waiting), at most ``limit``."""
         with self._lock:
             busy = list(self._busy.items())
         rows = []
@@ -141,8 +113,6 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         return heapq.nsmallest(limit, rows, key=order)
 
     def stats(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
-        """Slots held and requests waiting over every key, in total and per workload;
-        with ``per_key=True`` also per key (:meth:`key_stats`, busiest first)."""
         with self._lock:
             busy = list(self._busy.values())
         active = dict.fromkeys(self._config.workloads, 0)
@@ -161,8 +131,6 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
             keys=self.key_stats(limit) if per_key else (),
         )
 
-    # -- not a limiter of slots itself ----------------------------------------------------
-
     def _refuse(self) -> NoReturn:
         name = self._config.name
         raise ConcurrencyConfigError(
@@ -172,7 +140,6 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         )
 
     def validate_workload(self, workload: str | None) -> str:
-        """Refuse: a request names one of its keys (raised before anything waits)."""
         self._refuse()
 
     def acquire(
@@ -182,15 +149,13 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> Lease:
-        """Refuse: a request names one of its keys, ``limiter.key(...)``."""
         self._refuse()
 
     def renew(self, lease: Lease) -> Lease | None:
-        """It grants no leases: none is held here."""
-        return None
+        return None  # it grants no leases
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
-        """It grants no leases: nothing to release."""
+        return None
 
 
 @overload
@@ -238,14 +203,8 @@ def create_concurrency_limiter(
     keyed: bool = False,
     clock: Clock = SYSTEM_CLOCK,
 ) -> InMemoryConcurrencyLimiter | KeyedInMemoryConcurrencyLimiter:
-    """Create a limiter shared by the threads and coroutines of this process.
-
-    The options are those of :class:`~runcell_celery.config.LimiterConfig`; workloads
-    may be given as dicts. Invalid settings raise
-    :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the field.
-    ``keyed=True`` gives each key its own limit with these settings: it returns a
-    :class:`KeyedInMemoryConcurrencyLimiter`, whose
-    ``key("acme")`` is the limiter of that key.
+    """Create a limiter shared by the threads and coroutines of this process (options of
+    :class:`~runcell_celery.config.LimiterConfig`; ``keyed=True``: a limit per key).
 
     >>> claude = create_concurrency_limiter(
     ...     8, name="claude", workloads={"interactive": {"reserved": 2}, "background": {}}

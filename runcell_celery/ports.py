@@ -1,12 +1,7 @@
 """The seams between layers: what the integration layers may ask of a backend.
 
-A backend (``runcell_celery.memory``, ``runcell_celery.postgres``) is built once per
-limiter registry from the registry's settings and owns its storage and connections.
-It creates limiters from a :class:`~runcell_celery.config.LimiterConfig`, and it may
-offer stores the Celery and Django layers use. Each store is a runtime-checkable
-protocol: a layer asks ``isinstance(backend, RunStore)`` and uses the store, never
-the backend's tables or modules. The values traded across these seams are defined
-here too, so no layer imports another's internals to read them.
+A layer asks ``isinstance(backend, RunStore)``, never reads the backend's tables; the
+values traded across these seams live here, so no layer imports another's internals.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from .cancellation import CancellationToken
 from .config import LimiterConfig
-from .protocol import AcquireRequest, ConcurrencyLimiter, Lease, OnWait
+from .protocol import ConcurrencyLimiter, Lease, Member, OnWait
 
 __all__ = [
     "DEFAULT_DEFER_AFTER_MS",
@@ -36,16 +31,12 @@ __all__ = [
     "RunStore",
     "StoredLimitsCheck",
     "SupportsParking",
-    "SupportsSeveralParking",
     "WaitEstimate",
 ]
 
-#: A deferrable request parks when its expected wait exceeds this (milliseconds), and
-#: otherwise waits at most this long before it parks. Parking is not free: the parked
-#: grant holds its slot idle while the task's message travels back through the broker
-#: (a publish, a queue, a delivery, a claim: tens of milliseconds on a healthy broker,
-#: more behind a backlog), so a process blocked for up to a second is the cheaper way
-#: through short waits, and parking pays off on waits well beyond that.
+#: A deferrable request parks when its expected wait exceeds this (ms), else waits at
+#: most this long first: a parked grant holds its slot idle while the message travels
+#: back through the broker, so blocking briefly is cheaper for short waits.
 DEFAULT_DEFER_AFTER_MS = 1_000.0
 
 
@@ -53,24 +44,13 @@ DEFAULT_DEFER_AFTER_MS = 1_000.0
 class Backend(Protocol):
     """Where a registry's limiters live; built once per registry and process."""
 
-    def create_limiter(self, config: LimiterConfig) -> ConcurrencyLimiter:
-        """Build (and register, where the backend stores limits) a limiter."""
-        ...
+    def create_limiter(self, config: LimiterConfig) -> ConcurrencyLimiter: ...
 
-    def close(self) -> None:
-        """Stop background work and close connections this process opened."""
-        ...
+    def close(self) -> None: ...
 
 
 class BackendFactory(Protocol):
-    """A backend class: validates its own options section and builds the backend.
-
-    :param database: the ``DATABASE`` setting, resolved to what the backend takes
-        (a DSN for PostgreSQL); ``None`` when not set.
-    :param options: the backend's own settings section (``RUNCELL["POSTGRES"]``).
-    :param path: the settings path of that section, for error messages.
-    :raises ConcurrencyConfigError: naming the bad option's path and value.
-    """
+    """A backend class: validates its options section (at ``path``, errors name it)."""
 
     def __call__(
         self, *, database: str | None, options: Mapping[str, Any], path: str
@@ -92,24 +72,8 @@ class AdmissionCount:
 
 @dataclass(frozen=True, slots=True)
 class WaitEstimate:
-    """How long a request that joined a line is likely to wait, from the limiter's own
-    figures at that moment (no extra read: the acquire answers with them).
-
-    The line of a workload is served first come first served, and a slot of the
-    workload frees every ``hold_ms / slots`` milliseconds on average when all are held
-    (which they are, or the request would have been granted), so the request waits for
-    ``ahead + 1`` slots to free::
-
-        expected_ms = (ahead + 1) * hold_ms / slots
-
-    It is an estimate: a higher-priority workload can take freed slots first, a
-    reservation can keep them, and holds vary.
-
-    :param ahead: requests of its workload in line before it (waiting or parked).
-    :param hold_ms: the limiter's mean hold time (an exponentially weighted mean of
-        recent holds); ``None`` before any release, when nothing can be estimated.
-    :param slots: the slots its workload may hold at once (its ceiling).
-    """
+    """How long a request that joined a line is likely to wait: with all ``slots``
+    held, one frees every ``hold_ms / slots``, and it waits for ``ahead + 1`` of them."""
 
     ahead: int
     hold_ms: float | None
@@ -117,12 +81,10 @@ class WaitEstimate:
 
     @property
     def place(self) -> int:
-        """Its place in its workload's line, counting from 1."""
         return self.ahead + 1
 
     @property
     def expected_ms(self) -> float | None:
-        """The expected wait in milliseconds, ``None`` when unknown."""
         if self.hold_ms is None or self.slots <= 0:
             return None
         return self.place * self.hold_ms / self.slots
@@ -130,20 +92,12 @@ class WaitEstimate:
 
 @dataclass(frozen=True)
 class Duplicate:
-    """An outcome of :meth:`SupportsParking.acquire_or_park`: this request was already
-    parked and granted; the publication of its grant carries it, so this delivery ends."""
+    """``acquire_or_park``: already parked and granted; its publication carries it."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Parked:
-    """An outcome of :meth:`SupportsParking.acquire_or_park`: the request was parked,
-    and where it waits, for a deferral's log line.
-
-    ``limiter`` and ``workload``; ``estimate`` (:class:`WaitEstimate` when the limiter
-    gave one: ``place`` and ``expected_wait_ms`` read it); and ``waited_ms``, how long
-    the request waited before it was parked (about ``0`` when it parked at once because
-    its expected wait was long).
-    """
+    """``acquire_or_park``: the request was parked (where, for a deferral's log line)."""
 
     limiter: str
     workload: str
@@ -152,12 +106,10 @@ class Parked:
 
     @property
     def place(self) -> int | None:
-        """Its place in its workload's line when it joined it (``None``: unknown)."""
         return self.estimate.place if self.estimate is not None else None
 
     @property
     def expected_wait_ms(self) -> float | None:
-        """Its expected wait when it joined the line (``None``: unknown)."""
         return self.estimate.expected_ms if self.estimate is not None else None
 
 
@@ -171,22 +123,14 @@ class Republish:
     payload: str
 
 
-#: Why :meth:`SupportsParking.claim_parked` gave no lease: ``"stale"`` — the parked
-#: request is still stored (in line, or granted to another publication), so this
-#: message is an outdated copy and its own publication will carry the task;
-#: ``"missing"`` — nothing is stored for it any more (another copy of the message
-#: claimed it, or it was withdrawn or failed).
+#: Why ``claim_parked`` gave no lease: ``"stale"`` (still stored: this message is an
+#: outdated copy) or ``"missing"`` (nothing stored: claimed by another copy, or ended).
 ClaimMiss = Literal["stale", "missing"]
 
 
 @dataclass(frozen=True, slots=True)
 class ExpiredParked:
-    """A parked request whose deadline passed before it was granted.
-
-    It stays stored (out of line) until :meth:`ParkingStore.complete_expired_parked`,
-    so its task's failure can be recorded first. ``run_id`` is the task id and
-    ``holder_name`` the task name; ``waited_ms`` how long it was in line.
-    """
+    """A parked request past its deadline, stored until its failure is recorded."""
 
     limiter: str
     request_id: str
@@ -201,12 +145,7 @@ class ExpiredParked:
 
 @dataclass(frozen=True, slots=True)
 class LimitsConflict:
-    """A limiter whose limits in a worker's settings differ from those its fleet stored.
-
-    :param limiter: the limiter's name.
-    :param differences: each differing field with both values,
-        ``max_concurrent (stored 2, given 3)``.
-    """
+    """``differences``: ``max_concurrent (stored 2, given 3)``."""
 
     limiter: str
     differences: str
@@ -216,13 +155,7 @@ class LimitsConflict:
 class StoredLimitsCheck(Protocol):
     """Compares a worker's limits with the stored ones before it serves anything."""
 
-    def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]:
-        """The limiters of ``configs`` whose stored limits differ and that this
-        backend would refuse to create (its ``on_conflict`` policy); stores nothing.
-
-        :raises ConcurrencyLimiterError: the stored limits could not be read.
-        """
-        ...
+    def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]: ...
 
 
 @runtime_checkable
@@ -230,8 +163,7 @@ class RunStore(Protocol):
     """Records when each run first started, so its budget survives redelivery."""
 
     def first_start(self, run_id: str, timeout_ms: float) -> float:
-        """Record the run's first start (or find it); return the milliseconds left
-        in its budget, measured on the store's clock (never this host's)."""
+        """The milliseconds left in its budget, on the store's clock (not this host's)."""
         ...
 
 
@@ -251,8 +183,7 @@ class CounterStore(Protocol):
     """Fleet-wide admission counters (deliveries, deferrals, failures)."""
 
     def add_counts(self, counts: Sequence[AdmissionCount], *, batch_id: str | None = None) -> None:
-        """Add ``counts``; a batch sent again with the same ``batch_id`` (a retry after
-        a lost reply) is added once."""
+        """A batch sent again with the same ``batch_id`` is added once."""
         ...
 
     def admission_counts(self) -> list[AdmissionCount]: ...
@@ -270,99 +201,39 @@ class ParkingStore(Protocol):
         broker: str | None = None,
         others: set[str] | None = None,
     ) -> list[Republish]:
-        """Take the right to publish grants to parked requests, exactly one caller
-        each: those of ``lease_ids`` and any nobody published within ``stale_ms``.
-        Only those parked for ``broker`` (the caller's, an identity it was given at
-        parking) or for none; the brokers of other grants due go into ``others``."""
+        """Take the right to publish grants, one caller each: ``lease_ids`` and any
+        nobody published within ``stale_ms`` (other brokers' go into ``others``)."""
         ...
 
-    def unclaim_republish(self, items: Sequence[Republish]) -> int:
-        """Give back claimed publications that could not be sent (the broker was
-        down): the grants stay, and a later ``claim_republish`` takes them again."""
-        ...
+    def unclaim_republish(self, items: Sequence[Republish]) -> int: ...
 
     def take_expired_parked(self, *, broker: str | None = None) -> list[ExpiredParked]:
-        """Phase one of failing stale parked work: take the parked requests whose
-        deadline passed out of line and hand them to this process. They stay stored;
-        the same process gets them again at its next call until it completes them, and
-        any other process once a while has passed (the taker died). With ``broker``,
-        only those parked for it (or for none): another broker's are its workers'."""
+        """Phase one: take expired parked requests out of line (still stored)."""
         ...
 
     def complete_expired_parked(self, expired: Sequence[ExpiredParked]) -> int:
-        """Phase two: delete expired requests whose failure is recorded; return how
-        many were still stored. Idempotent under lost replies."""
+        """Phase two: delete those whose failure is recorded; idempotent."""
         ...
 
-    def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None:
-        """Call ``handler(limiter, request_ids)`` when any process grants parked
-        requests (the backend's wake-up channel)."""
-        ...
+    def on_parked_granted(self, handler: Callable[[str, list[str]], None]) -> None: ...
 
     def pass_parked_groups(self) -> list[str]:
-        """Give parked requests over several limiters their chance: no process waits
-        for them, so the sweeper asks the backend to try granting them (heads of line
-        first); returns the lease ids of parked requests granted, to re-publish with
-        :meth:`claim_republish`."""
+        """Grant parked requests over several limiters; return the lease ids granted."""
         ...
 
 
 @runtime_checkable
 class SupportsParking(Protocol):
-    """A limiter whose waiting requests can be parked with a task message.
-
-    A request belongs to one delivery of a task, never to the task id alone: the
-    caller gives every delivery a request id of its own, carried across re-publication.
-
-    ``acquire_or_park`` decides when to park the request (it keeps its place in the
-    queue with ``payload``): with ``admission_wait_ms`` it waits that long first; by
-    default it parks at once when the request's expected wait
-    (:class:`WaitEstimate`) exceeds ``defer_after_ms``, else waits up to
-    ``defer_after_ms`` and then parks. ``broker`` names where the message must be
-    re-published (:meth:`ParkingStore.claim_republish`; ``None``: by anyone). It
-    returns the lease, or :class:`Parked`, or :class:`Duplicate`
-    when the request was already parked and granted (its own publication carries
-    it). ``claim_parked`` takes a parked grant from the re-published message
-    ``publication_id``, or says why not (:data:`ClaimMiss`).
-    ``withdraw`` gives up a request's place or unclaimed grant. Parking, claiming
-    and withdrawing are idempotent under lost replies (a retry gets the first
-    answer). ``set_parked_granted_handler`` installs what to call, after commit, with
-    the lease ids of parked requests this process just granted (to re-publish their
-    tasks at once).
-    """
+    """A backend whose waiting requests can be parked with a task message, asked through
+    the first member's limiter; a request over several members parks as one (granted
+    together, claimed all or none). ``acquire_or_park`` waits ``admission_wait_ms``, or
+    by default parks at once when the expected wait exceeds ``defer_after_ms``, else
+    waits that long first. ``claim_parked`` and ``withdraw_members`` are idempotent
+    under lost replies; the granted handler is called after commit with lease ids."""
 
     def acquire_or_park(
         self,
-        request: AcquireRequest,
-        *,
-        payload: str,
-        broker: str | None = None,
-        admission_wait_ms: float | None = None,
-        defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Lease | Parked | Duplicate: ...
-
-    def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss: ...
-
-    def withdraw(self, request_id: str) -> None: ...
-
-    def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None: ...
-
-
-@runtime_checkable
-class SupportsSeveralParking(Protocol):
-    """:class:`SupportsParking` for one request over several limiters of a backend
-    (asked through the first): it parks as **one** request — every limiter keeps its
-    place, the message is re-published once when all its slots are granted together,
-    and the re-published task claims every lease or none. Same answers and the same
-    idempotence under lost replies as :class:`SupportsParking`; leases come in
-    ``limiters``' order."""
-
-    def acquire_several_or_park(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         payload: str,
         broker: str | None = None,
@@ -372,8 +243,10 @@ class SupportsSeveralParking(Protocol):
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...] | Parked | Duplicate: ...
 
-    def claim_parked_several(
+    def claim_parked(
         self, limiters: Sequence[ConcurrencyLimiter], request_id: str, publication_id: str
     ) -> tuple[Lease, ...] | ClaimMiss: ...
 
-    def withdraw_several(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None: ...
+    def withdraw_members(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None: ...
+
+    def set_parked_granted_handler(self, handler: Callable[[list[str]], None] | None) -> None: ...

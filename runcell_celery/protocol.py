@@ -1,19 +1,15 @@
 """What a limiter is: the :class:`ConcurrencyLimiter` protocol and the values it trades.
 
 The slot runtime owns the lifecycle (deadlines, renewal, release, events); a limiter
-owns allocation, queue order and storage. Any object with ``name``, ``acquire``,
-``renew`` and ``release`` can back a limit; further abilities (``stats``,
-``renew_many``, ``acquire_async``, ...) are declared as the runtime-checkable
-``Supports*`` protocols below and used when a limiter has them.
-
-A custom limiter must allocate atomically, hand out leases that expire, make renewal
-and release idempotent, never reuse a lease id and make ``acquire`` safe to cancel;
-:func:`runcell_celery.conformance.concurrency_conformance_cases` checks all of that.
+owns allocation, queue order and storage. Further abilities are the runtime-checkable
+``Supports*`` protocols, asked with :func:`supports`, never by probing attributes.
+:func:`runcell_celery.conformance.concurrency_conformance_cases` checks a custom one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast, runtime_checkable
 
@@ -31,22 +27,22 @@ __all__ = [
     "KeyStats",
     "Lease",
     "LimiterStats",
+    "Member",
     "OnWait",
     "OnWaitWithPlace",
     "Outcome",
     "QueuePlace",
     "RunAdmission",
     "RunLineage",
-    "SupportsAsyncAcquire",
     "SupportsConfig",
     "SupportsKeys",
+    "SupportsMembers",
+    "SupportsMembersAsync",
     "SupportsReap",
+    "SupportsReleaseExecutor",
     "SupportsRenewMany",
-    "SupportsSeveral",
-    "SupportsSeveralAsync",
     "SupportsStats",
     "SupportsValidateWorkload",
-    "SupportsWithdraw",
     "WorkloadStats",
     "announce_wait",
     "supports",
@@ -56,10 +52,7 @@ __all__ = [
 #: How a hold ended, passed to :meth:`ConcurrencyLimiter.release` and in ``released``.
 Outcome = Literal["success", "error", "cancelled", "timed-out", "max-hold", "lease-lost"]
 
-#: Called by a limiter when a request must wait, with the wait's deadline as a
-#: Unix timestamp (``None``: no deadline). The runtime emits ``wait-started`` from it.
-#: A limiter that knows where the request joined the line tells it with
-#: :func:`announce_wait` (to callbacks that are :class:`OnWaitWithPlace`).
+#: Called by a limiter when a request must wait, with the wait's deadline (Unix time).
 OnWait = Callable[[float | None], None]
 
 E = TypeVar("E", bound=ConcurrencyError)
@@ -76,23 +69,8 @@ class RunLineage:
 
 @dataclass(frozen=True, slots=True)
 class AcquireRequest:
-    """One request for one slot.
-
-    :param request_id: unique per request; stable across retries of the same request
-        so a limiter can recognise it (Celery deferral re-uses it).
-    :param workload: the resolved workload name.
-    :param lineage: the run the slot is for.
-    :param timeout_ms: the run's remaining budget; the limiter waits at most
-        ``min(workload max_wait_ms, timeout_ms)``. ``None``: no run budget.
-    :param holder_name: a label for who holds the slot (e.g. the Celery task name);
-        shown in the admin, never used for decisions.
-    :param in_progress: the run already took a slot before (an agent's second call):
-        allocation serves it before new runs of its workload (see
-        :mod:`runcell_celery.allocation`).
-    :param key: the request's fairness key (a tenant): a limiter with ``fairness:
-        "round_robin"`` serves waiting requests of one workload round-robin by key.
-        ``None``: the shared keyless key.
-    """
+    """One request for one slot. ``timeout_ms``: the run's remaining budget;
+    ``in_progress``: the run already took a slot (allocation serves it first)."""
 
     request_id: str
     workload: str
@@ -103,7 +81,6 @@ class AcquireRequest:
     key: str | None = None
 
     def error(self, cls: type[E], message: str, *, limiter: str) -> E:
-        """Build a ``ConcurrencyError`` subclass that names this request and its run."""
         return cls(
             message,
             limiter=limiter,
@@ -117,20 +94,9 @@ class AcquireRequest:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A granted slot. It stays valid for ``ttl_ms`` after the last grant or renewal.
-
-    :param fencing_token: increases with every lease the limiter grants, so a provider
-        proxy that remembers the highest token seen can reject a stale holder.
-    :param valid_until: the latest moment (this process's monotonic clock) the lease is
-        surely still valid, computed from when the request was *sent* (or the grant
-        made) plus the TTL minus a safety margin. A hold that starts after it, or that
-        misses its renewals past it, is treated as lost. ``None``: the limiter does not
-        say (the keeper then counts the TTL from when the hold began).
-    :param waited_ms: how long the request waited for this lease, when the limiter
-        knows better than the caller: a parked request's claim answers its whole wait,
-        from its first ask (its first delivery) to the claim, in database time, where
-        the claiming delivery saw only the claim. ``None``: the caller measures.
-    """
+    """A granted slot, valid for ``ttl_ms`` after the last grant or renewal.
+    ``valid_until``: surely valid until then (counted from when the request was *sent*);
+    ``waited_ms``: the whole wait when the limiter knows better (a parked claim)."""
 
     lease_id: str
     limiter: str
@@ -161,11 +127,7 @@ class KeyStats:
 
 @dataclass(frozen=True, slots=True)
 class LimiterStats:
-    """Slots held and requests waiting, in total and per workload.
-
-    :param keys: for a keyed limiter asked ``stats(per_key=True)``: the keys in use,
-        busiest first; empty otherwise.
-    """
+    """Slots held and requests waiting (``keys``: busiest first, ``per_key=True``)."""
 
     active: int
     queued: int
@@ -175,15 +137,7 @@ class LimiterStats:
 
 @dataclass(frozen=True, slots=True)
 class QueuePlace:
-    """Where a request that must wait joined the line, as its limiter saw it then.
-
-    :param place: its place in its workload's line, counting from 1 (the requests of
-        its workload in line before it, plus one). Over several limiters, the largest
-        of its places: it is granted when every line has let it through.
-    :param expected_wait_ms: how long it is likely to wait, from the limiter's own
-        figures (see :class:`~runcell_celery.ports.WaitEstimate`); ``None`` when the
-        limiter cannot tell.
-    """
+    """Where a waiting request joined the line (from 1; over several limiters the largest)."""
 
     place: int
     expected_wait_ms: float | None = None
@@ -191,26 +145,14 @@ class QueuePlace:
 
 @runtime_checkable
 class OnWaitWithPlace(Protocol):
-    """An ``on_wait`` callback that can also be told the request's place in line.
+    """An ``on_wait`` told the place in line only when it wants it (finding it may mean
+    counting a line)."""
 
-    A plain :data:`OnWait` (a function of the deadline) keeps working with every
-    limiter, and a limiter that only calls ``on_wait(deadline)`` keeps working with
-    this one: the place is an addition, told through :func:`announce_wait` only to a
-    callback that has these methods and wants it now (the slot runtime wants it while a
-    tracer records the wait span), so finding the place costs nothing otherwise.
-    """
+    def __call__(self, deadline: float | None) -> None: ...
 
-    def __call__(self, deadline: float | None) -> None:
-        """The request waits (``deadline``: Unix time, ``None``: none)."""
-        ...
+    def wants_place(self) -> bool: ...
 
-    def wants_place(self) -> bool:
-        """Whether the place is worth finding for this wait."""
-        ...
-
-    def placed(self, place: QueuePlace) -> None:
-        """Where the request joined the line (told before the call with the deadline)."""
-        ...
+    def placed(self, place: QueuePlace) -> None: ...
 
 
 @runtime_checkable
@@ -218,9 +160,7 @@ class ConcurrencyLimiter(Protocol):
     """A source of slots shared by every run that uses it."""
 
     @property
-    def name(self) -> str:
-        """The limiter's name, used in events and errors."""
-        ...
+    def name(self) -> str: ...
 
     def acquire(
         self,
@@ -229,39 +169,20 @@ class ConcurrencyLimiter(Protocol):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> Lease:
-        """Wait for a slot and return its lease.
-
-        :raises ConcurrencyTimeoutError: no slot before the deadline.
-        :raises ConcurrencyQueueFullError: ``max_queued`` requests already wait.
-        :raises ConcurrencyCancelledError: ``cancel`` was set; a slot granted at the
-            same moment has been returned.
-        :raises ConcurrencyLimiterError: the limiter failed; no slot is held.
-        """
+        """Wait for a slot. Raises ``ConcurrencyTimeoutError``, ``...QueueFullError``,
+        ``...CancelledError`` (a slot granted at that moment is returned) or
+        ``...LimiterError``; none leaves a slot held."""
         ...
 
     def renew(self, lease: Lease) -> Lease | None:
-        """Extend the lease; ``None`` if the limiter no longer holds it.
-
-        Raises only for transient failures (the runtime retries until expiry).
-        """
+        """``None`` if the limiter no longer holds it (raises only for transient failures)."""
         ...
 
-    def release(self, lease: Lease, outcome: Outcome = "success") -> None:
-        """Return the slot. Releasing twice, or an expired lease, does nothing."""
-        ...
-
-
-# -- optional abilities ----------------------------------------------------------------
-#
-# What a limiter may do beyond the protocol above. The runtime and the integration
-# layers ask with ``isinstance(limiter, SupportsX)`` (or :func:`supports`, which caches
-# the answer per class for the hot path), never by probing attributes.
+    def release(self, lease: Lease, outcome: Outcome = "success") -> None: ...
 
 
 @runtime_checkable
 class SupportsStats(Protocol):
-    """Reports slots held and requests waiting."""
-
     def stats(self) -> LimiterStats: ...
 
 
@@ -274,109 +195,72 @@ class SupportsRenewMany(Protocol):
 
 @runtime_checkable
 class SupportsValidateWorkload(Protocol):
-    """Resolves a workload name (``None``: the default) or raises
-    :class:`~runcell_celery.errors.ConcurrencyConfigError` before anything waits."""
+    """Resolves a workload name (``None``: the default) or raises, before anything waits."""
 
     def validate_workload(self, workload: str | None) -> str: ...
 
 
 @runtime_checkable
 class SupportsConfig(Protocol):
-    """Built from a :class:`~runcell_celery.config.LimiterConfig` (limits, ``max_hold_ms``)."""
-
     @property
     def config(self) -> LimiterConfig: ...
 
 
 @runtime_checkable
-class SupportsAsyncAcquire(Protocol):
-    """Waits for a slot without occupying a thread."""
-
-    async def acquire_async(
-        self,
-        request: AcquireRequest,
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Lease: ...
-
-
-@runtime_checkable
-class SupportsWithdraw(Protocol):
-    """Takes a request out of the queue and returns any slot it was granted."""
-
-    def withdraw(self, request_id: str) -> None: ...
-
-
-@runtime_checkable
 class SupportsReap(Protocol):
-    """Runs one allocation pass on demand: reaps expired rows, grants what frees."""
-
     def reap(self) -> None: ...
 
 
 @runtime_checkable
 class SupportsKeys(Protocol):
-    """A keyed limiter (``keyed=True``): a limit per key, each key a limiter of its own.
-
-    ``key("acme")`` returns the limiter of that key (:mod:`runcell_celery.keys` checks
-    the key and names it ``"<limiter>:<key>"``); the keyed limiter itself holds no slots,
-    so a slot names one of its keys, never the keyed limiter.
-    """
+    """A keyed limiter: ``key("acme")`` is the limiter ``"<limiter>:acme"``."""
 
     def key(self, key: str) -> ConcurrencyLimiter: ...
 
 
-@runtime_checkable
-class SupportsSeveral(Protocol):
-    """Holds one request across several limiters of this backend, all together or none.
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One part of an admission decision: a limiter and the request made of it (later
+    kinds of member, such as rate buckets, join the same decision)."""
 
-    ``slot(openai, gpt_4o, tenants.key("acme"))`` calls it on the first limiter when
-    every limiter is of its class: one request, one slot in each limiter, granted
-    together (a request never holds part of its slots while it waits). Each limiter
-    keeps its own workloads, reservations, priorities and line; allocation is
-    :func:`runcell_celery.allocation.allocate_several`. Leases are renewed and released
-    one by one, with :meth:`ConcurrencyLimiter.renew` and
-    :meth:`ConcurrencyLimiter.release` of their own limiter.
-    """
-
-    def acquire_several(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Sequence[Lease]:
-        """Wait for one slot in every limiter of ``limiters`` and return their leases.
-
-        :param limiters: the limiters, distinct, this one among them.
-        :param requests: one request per limiter, in the same order: one request id,
-            run, budget and key, each with the workload it uses in that limiter.
-        :returns: one lease per limiter, in the same order.
-        :raises ConcurrencyConfigError: a limiter this backend cannot hold together
-            with the others (another process's, another database's).
-        :raises ConcurrencyTimeoutError, ConcurrencyQueueFullError,
-            ConcurrencyCancelledError, ConcurrencyLimiterError: as :meth:`acquire`;
-            no slot is held.
-        """
-        ...
+    limiter: ConcurrencyLimiter
+    request: AcquireRequest
 
 
 @runtime_checkable
-class SupportsSeveralAsync(Protocol):
-    """Waits for slots in several limiters without occupying a thread (an ``async with
-    slot(a, b)`` uses it; otherwise the blocking :class:`SupportsSeveral` runs in a
-    worker thread)."""
+class SupportsMembers(Protocol):
+    """Grants one request over members of this backend, all or none, asked through the
+    first member's limiter; leases in the members' order. Without it a limiter is a
+    one-member backend. Raises as ``acquire``, or ``ConcurrencyConfigError``."""
 
-    async def acquire_several_async(
+    def acquire_members(
         self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
+        members: Sequence[Member],
         *,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
-    ) -> Sequence[Lease]: ...
+    ) -> tuple[Lease, ...]: ...
+
+
+@runtime_checkable
+class SupportsMembersAsync(Protocol):
+    """:class:`SupportsMembers` without occupying a thread (``async with slot(...)``)."""
+
+    async def acquire_members_async(
+        self,
+        members: Sequence[Member],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...]: ...
+
+
+@runtime_checkable
+class SupportsReleaseExecutor(Protocol):
+    """A release doing I/O: an ``async with`` exit releases on these threads."""
+
+    @property
+    def release_executor(self) -> Executor: ...
 
 
 def _ability_cache() -> dict[tuple[type, type], bool]:
@@ -384,11 +268,7 @@ def _ability_cache() -> dict[tuple[type, type], bool]:
 
 
 def supports(limiter: object, ability: type) -> bool:
-    """``isinstance(limiter, ability)`` for a runtime-checkable ability, cached per class.
-
-    ``isinstance`` against a protocol inspects every member on each call; a limiter's
-    class does not change its abilities, so the answer is remembered.
-    """
+    """``isinstance(limiter, ability)``, cached per class (a protocol check is slow)."""
     key = (type(limiter), ability)
     found = _ability_cache().get(key)
     if found is None:
@@ -401,13 +281,6 @@ def announce_wait(
     deadline: float | None,
     place: Callable[[], QueuePlace | None] | None = None,
 ) -> None:
-    """Tell ``on_wait`` that a request waits: for a limiter to call once it queued one.
-
-    :param deadline: the wait's deadline, Unix time (``None``: no deadline).
-    :param place: finds the request's :class:`QueuePlace` (``None`` inside: unknown).
-        Called only when ``on_wait`` is an :class:`OnWaitWithPlace` that wants it, so a
-        limiter may count its line there; a plain callback gets the deadline alone.
-    """
     if on_wait is None:
         return
     if place is not None and wants_place(on_wait):
@@ -418,8 +291,6 @@ def announce_wait(
 
 
 def wants_place(on_wait: OnWait | None) -> bool:
-    """Whether ``on_wait`` is an :class:`OnWaitWithPlace` that wants the place now: for a
-    limiter that must ask for more to learn it (it is asked again at the wait)."""
     return (
         on_wait is not None
         and supports(on_wait, OnWaitWithPlace)
@@ -429,9 +300,4 @@ def wants_place(on_wait: OnWait | None) -> bool:
 
 @runtime_checkable
 class RunAdmission(Protocol):
-    """What a run carries to admit its first slot before its body runs, as the run sees
-    it (:class:`~runcell_celery.admission.Admission` is the one implementation): the
-    run only hands it to its child runs and ends it."""
-
-    def end(self, exc: BaseException | None) -> None:
-        """The run ended (``exc``: what its body raised)."""
+    def end(self, exc: BaseException | None) -> None: ...

@@ -1,36 +1,10 @@
 """The slot runtime: take a slot before a provider request, give it back after.
 
-:func:`slot` owns a slot's whole life (README, "A slot around each provider call"):
-
-1. **Ask**: :func:`~runcell_celery.request.build_request` resolves the limiter,
-   workload, request id and remaining budget from the run and the arguments; a
-   cancelled run or a spent budget never asks. The run's first request **adopts** the
-   slot admitted before the run's body (:func:`preadmit`,
-   :mod:`runcell_celery.admission`) when it names the same limiter and workload, and
-   skips step 2.
-2. **Acquire** with a deadline of ``min(workload max_wait_ms, run's remaining
-   timeout_ms)`` and the run's cancellation. A slot granted at the moment of a cancel
-   or timeout is returned to the limiter, never leaked.
-3. **Hold**: a :class:`~runcell_celery.hold.Hold` is kept by the process's one lease
-   keeper, which renews it about every third of its TTL and fires ``max_hold_ms`` and
-   the run's deadline. An abort (lease lost, ``max_hold_ms``, cancel, end of budget)
-   runs abort callbacks (``slot.on_abort(response.close)``), cancels an ``async with``
-   body, and ends the hold with the matching
-   :class:`~runcell_celery.errors.ConcurrencyError` instead of its result, so the
-   result of a call that ran without a valid slot is never returned as a success.
-   A thread cannot be interrupted safely from outside, so a sync body learns of the
-   abort through its callbacks or ``slot.aborted`` and is failed when it exits.
-4. **Release** exactly once, with an outcome; a failed release emits
-   ``release-failed`` and the run continues.
-
-Every step emits its event (see :mod:`runcell_celery.events`).
-
-``slot(a, b, c)`` (or ``slot()`` in a run of several limiters) is one request over
-several limiters (README, "Several limits and keys"): resolved by
-:func:`~runcell_celery.request.build_several`, acquired all together through the
-backend's :class:`~runcell_celery.protocol.SupportsSeveral`, held as one
-:class:`~runcell_celery.hold.Hold`. A request over one limiter is a group of one: the
-same path, asking its limiter's ``acquire``.
+:func:`slot` owns a slot's whole life: ask (the run's first request adopts the slot
+admitted before its body, :func:`preadmit`), acquire within the run's budget (a slot
+granted at the moment of a cancel goes back), hold (:class:`~runcell_celery.hold.Hold`)
+and release exactly once, emitting every step's event. ``slot(a, b)`` is one decision
+over its members; one limiter is a group of one.
 """
 
 from __future__ import annotations
@@ -47,53 +21,32 @@ from . import tracing
 from .admission import Admission, Deferred, DuplicateDelivery, PreAdmitted
 from .arguments import check_slot_arguments
 from .cancellation import CancellationToken
-from .context import current_run
+from .context import RunContext, current_run
 from .deadline import Deadline
 from .errors import (
-    ConcurrencyCancelledError,
-    ConcurrencyConfigError,
     ConcurrencyError,
     ConcurrencyLeaseLostError,
     ConcurrencyLimiterError,
-    ConcurrencyQueueFullError,
-    ConcurrencyTimeoutError,
 )
-from .events import EventType, describe_error, has_listeners
+from .events import describe_error, has_listeners
 from .hold import Hold, abort_error, is_interrupt, register_interrupt
 from .protocol import (
     ConcurrencyLimiter,
     Lease,
-    SupportsAsyncAcquire,
     SupportsConfig,
-    SupportsSeveral,
-    SupportsSeveralAsync,
+    SupportsMembers,
+    SupportsMembersAsync,
+    SupportsReleaseExecutor,
     supports,
 )
-from .request import SlotRequest, build_request, build_several, report_refusal
+from .request import SlotRequest, build_request, failure_event_type, report_refusal
 
 __all__ = ["Slot", "is_interrupt", "preadmit", "register_interrupt", "slot"]
 
-_WAIT_FAILURE_EVENTS: tuple[tuple[type[ConcurrencyError], EventType], ...] = (
-    (ConcurrencyTimeoutError, "timed-out"),
-    (ConcurrencyQueueFullError, "queue-full"),
-    (ConcurrencyCancelledError, "wait-cancelled"),
-    (ConcurrencyConfigError, "config-error"),
-)
-
 
 class Slot:
-    """One slot for one provider request; a sync and async context manager.
-
-    Use :func:`slot` to make one. Inside the block it is the handle of the held slot:
-    ``lease``, ``fencing_token`` (pass it to a provider proxy that fences stale
-    holders), ``aborted``, :meth:`on_abort` and :meth:`interruptible`. Over several
-    limiters ``lease`` and ``fencing_token`` are the first limiter's; ``leases`` and
-    ``fencing_tokens`` have them all.
-
-    Entering is one path for ``with`` and ``async with``: :meth:`_ask` (resolve the
-    request), a wait that differs (blocking, or awaiting), then :meth:`_granted` or
-    :meth:`_not_granted`.
-    """
+    """One slot for one provider request, and inside the block its handle (over several
+    limiters ``lease`` and ``fencing_token`` are the first's)."""
 
     def __init__(
         self,
@@ -114,50 +67,34 @@ class Slot:
         max_hold_ms: int | None,
         cancel: CancellationToken | None,
         request_id: str | None,
-        call: str = "slot",
+        call: str | None = "slot",
     ) -> None:
-        check_slot_arguments(call, limiters, workload, key, max_hold_ms, cancel, request_id)
-        # One limiter (or none: the run's) is the path it always was; several are one
-        # request over them all.
-        self._several: tuple[ConcurrencyLimiter, ...] | None = None
-        if len(limiters) == 1:
-            self._limiter_arg = limiters[0]
-        elif not limiters:
-            self._limiter_arg = None
-        else:
-            named = tuple(x for x in limiters if x is not None)
-            self._several = named if len(named) > 1 else None
-            self._limiter_arg = named[0] if len(named) == 1 else None
+        if call is not None:  # None: checked already (guard, when decorating)
+            check_slot_arguments(call, limiters, workload, key, max_hold_ms, cancel, request_id)
+        self._limiters = tuple(x for x in limiters if x is not None)
         self._key_arg = key
         self._workload_arg = workload
         self._max_hold_ms = max_hold_ms
         self._cancel_arg = cancel
         self._request_id = request_id
         self._hold: Hold | None = None
-        # Abort callbacks registered before the slot was entered.
         self._early_callbacks: list[Callable[[], object]] | None = None
-
-    # -- the handle ---------------------------------------------------------------
 
     @property
     def lease(self) -> Lease | None:
-        """The lease while held (and after, for the record); ``None`` before."""
         return self._hold.lease if self._hold is not None else None
 
     @property
     def fencing_token(self) -> int | None:
-        """The lease's fencing token while held (increases per lease and limiter)."""
         return self._hold.lease.fencing_token if self._hold is not None else None
 
     @property
     def leases(self) -> tuple[Lease, ...]:
-        """Every lease while held, one per limiter in the order given; ``()`` before."""
         hold = self._hold
         return () if hold is None else tuple(hold.leases)
 
     @property
     def fencing_tokens(self) -> dict[str, int]:
-        """Each limiter's fencing token while held, by limiter name; ``{}`` before."""
         hold = self._hold
         if hold is None:
             return {}
@@ -166,98 +103,68 @@ class Slot:
 
     @property
     def aborted(self) -> bool:
-        """True once the hold was aborted (lease lost, max hold, cancel, budget end)."""
         return self._hold is not None and self._hold.aborted
 
     def on_abort(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` (from another thread) if the hold is aborted, e.g. to close
-        the provider's response so a blocking read ends. Called at once if aborted."""
+        """Call ``callback`` (from another thread) on an abort, e.g. to close the
+        provider's response so a blocking read ends."""
         if self._hold is None:
             self._early_callbacks = [*(self._early_callbacks or ()), callback]
         else:
             self._hold.on_abort(callback)
 
     def interruptible(self) -> contextlib.AbstractContextManager[None]:
-        """Let an abort cancel the ``async with`` task only while the block runs
-        (see :meth:`~runcell_celery.hold.Hold.interruptible`)."""
         if self._hold is None:
             raise RuntimeError("interruptible() needs a held slot: enter the slot first")
         return self._hold.interruptible()
 
-    # -- entering: one path, two ways to wait ---------------------------------------
-
     def __enter__(self) -> Slot:
-        asked, cancel, cleanups = self._ask()
-        started = time.monotonic()
+        asked, cancel, cleanups, started = self._ask()
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
-            asked, leases, waited_ms = adopted
-            return self._granted(asked, leases, started, cancel, cleanups, None, waited_ms)
+            return self._granted(*adopted, started, cancel, cleanups, None)
         try:
             leases = _acquire(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
-        return self._granted(asked, leases, started, cancel, cleanups, None)
+        return self._granted(asked, leases, None, started, cancel, cleanups, None)
 
     async def __aenter__(self) -> Slot:
-        asked, cancel, cleanups = self._ask()
-        started = time.monotonic()
+        asked, cancel, cleanups, started = self._ask()
         task = asyncio.current_task()
         adopted = _adopt(asked, cleanups)
         if adopted is not None:
-            asked, leases, waited_ms = adopted
-            return self._granted(asked, leases, started, cancel, cleanups, task, waited_ms)
+            return self._granted(*adopted, started, cancel, cleanups, task)
         try:
             leases = await _acquire_async(asked, cancel)
         except BaseException as exc:
             self._not_granted(asked, exc, started, cleanups)
-        return self._granted(asked, leases, started, cancel, cleanups, task)
+        return self._granted(asked, leases, None, started, cancel, cleanups, task)
 
     def _ask(
         self,
-    ) -> tuple[SlotRequest, CancellationToken | None, list[Callable[[], object]]]:
+    ) -> tuple[SlotRequest, CancellationToken | None, list[Callable[[], object]], float]:
         if self._hold is not None:
             raise RuntimeError("a Slot is used once; call slot() again for the next request")
         run = current_run()
-        limiter = self._limiter_arg
-        several = self._several
-        if several is None and limiter is None and run is not None and len(run.limiters) > 1:
-            several = run.limiters
         try:
-            if several is not None:
-                asked = build_several(
-                    run,
-                    several,
-                    workload=self._workload_arg,
-                    key=self._key_arg,
-                    request_id=self._request_id,
-                    cancel=self._cancel_arg,
-                )
-            else:
-                asked = build_request(
-                    run,
-                    limiter,
-                    workload=self._workload_arg,
-                    request_id=self._request_id,
-                    cancel=self._cancel_arg,
-                    key=self._key_arg,
-                )
+            asked = build_request(
+                run,
+                *self._limiters,
+                workload=self._workload_arg,
+                key=self._key_arg,
+                request_id=self._request_id,
+                cancel=self._cancel_arg,
+            )
         except ConcurrencyError as exc:
-            holder = run.name if run is not None else None
-            if several is not None:
-                names = tuple(x.name for x in several)
-                report_refusal(exc, holder, limiters=names, key=self._key_arg)
-            else:
-                report_refusal(exc, holder)
+            _refused(exc, run, self._limiters or (run.limiters if run else ()), self._key_arg)
             raise
-        cleanups: list[Callable[[], object]] = []
         own = self._cancel_arg
         inherited = asked.run.cancel if asked.run is not None else None
         if own is None or inherited is None:
-            return asked, own or inherited, cleanups
+            return asked, own or inherited, [], time.monotonic()
         linked = CancellationToken(own, inherited)
-        cleanups.append(linked.detach)
-        return asked, linked, cleanups
+        return asked, linked, [linked.detach], time.monotonic()
 
     @staticmethod
     def _not_granted(
@@ -278,17 +185,16 @@ class Slot:
         self,
         asked: SlotRequest,
         leases: tuple[Lease, ...],
+        waited_ms: float | None,
         started: float,
         cancel: CancellationToken | None,
         cleanups: list[Callable[[], object]],
         task: asyncio.Task[Any] | None,
-        waited_ms: float | None = None,
     ) -> Slot:
         for lease in leases:
             if lease.valid_until is not None and lease.valid_until.passed():
-                # The process stood still between the grant and here (a pause, a
-                # swapped out host) for longer than the lease lives: another holder may
-                # have the slot by now. The body must not start on it.
+                # Paused longer than the lease lives since the grant: another holder
+                # may have the slot by now, the body must not start on it.
                 _expired_before_start(asked, leases, lease, started, cleanups)
         max_hold_ms = self._max_hold_ms
         if max_hold_ms is None:  # the smallest of the limiters'
@@ -300,22 +206,8 @@ class Slot:
             given = [x for x in configured if x is not None]
             max_hold_ms = min(given) if given else None
         max_hold = Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None
-        hold = Hold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
-        return self._start_hold(hold, asked, leases[0], started, cancel, waited_ms)
-
-    def _start_hold(
-        self,
-        hold: Hold,
-        asked: SlotRequest,
-        lease: Lease,
-        started: float,
-        cancel: CancellationToken | None,
-        waited_ms: float | None,
-    ) -> Slot:
-        """The hold begins: count the run's slot, say ``acquired`` (naming ``lease``, the
-        first of several), keep the lease(s) renewed, and listen for cancellation and
-        for aborts asked for before the grant."""
-        self._hold = hold
+        lease = leases[0]
+        hold = self._hold = Hold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
         hold.trace = tracing.start_hold(asked, hold, started, waited_ms)
         run = asked.run
         if run is not None:
@@ -336,8 +228,6 @@ class Slot:
             self._early_callbacks = None
         return self
 
-    # -- leaving --------------------------------------------------------------------
-
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -357,12 +247,13 @@ class Slot:
         hold = self._hold
         if hold is None:
             return
-        # A limiter whose release does I/O names the threads to run it on: the exit
-        # then never blocks the event loop (nor is the release cut short by a cancel).
-        executor = getattr(hold.slot_request.limiter, "release_executor", None)
-        if executor is None:
+        # A release doing I/O runs on the limiter's threads (never blocking the loop,
+        # never cut short by a cancel).
+        limiter = hold.slot_request.limiter
+        if not supports(limiter, SupportsReleaseExecutor):
             error = hold.end(exc)
         else:
+            executor = cast(SupportsReleaseExecutor, limiter).release_executor
             ending = contextvars.copy_context().run
             future = asyncio.get_running_loop().run_in_executor(executor, ending, hold.end, exc)
             error = await asyncio.shield(future)
@@ -372,6 +263,21 @@ class Slot:
             raise error from exc
 
 
+def _lost_before_start(
+    asked: SlotRequest,
+    leases: tuple[Lease, ...],
+    lost: Lease,
+    reason: str,
+    cleanups: list[Callable[[], object]],
+) -> None:
+    for cleanup in cleanups:
+        cleanup()
+    asked.event("lease-lost", lease_id=lost.lease_id, hold_ms=0.0, reason=reason, error=None)
+    for limiter, lease in zip(asked.limiters, leases, strict=True):
+        with contextlib.suppress(Exception):  # lost already: the limiter may know it
+            limiter.release(lease, "lease-lost")
+
+
 def _expired_before_start(
     asked: SlotRequest,
     leases: tuple[Lease, ...],
@@ -379,19 +285,8 @@ def _expired_before_start(
     started: float,
     cleanups: list[Callable[[], object]],
 ) -> NoReturn:
-    for cleanup in cleanups:
-        cleanup()
     tracing.wait_ended(asked, started, "expired-before-start")
-    asked.event(
-        "lease-lost",
-        lease_id=expired.lease_id,
-        hold_ms=0.0,
-        reason="expired-before-start",
-        error=None,
-    )
-    for limiter, lease in zip(asked.limiters, leases, strict=True):
-        with contextlib.suppress(Exception):  # expired already: the limiter may know it
-            limiter.release(lease, "lease-lost")
+    _lost_before_start(asked, leases, expired, "expired-before-start", cleanups)
     waited_ms = (time.monotonic() - started) * 1000
     raise asked.request.error(
         ConcurrencyLeaseLostError,
@@ -403,36 +298,30 @@ def _expired_before_start(
 
 
 def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> BaseException:
-    """Emit the event for a failed wait; return the error the caller should see."""
     wait_ms = (time.monotonic() - started) * 1000
     if is_interrupt(exc) and not isinstance(exc, ConcurrencyError):
         asked.event("wait-cancelled", wait_ms=wait_ms)
         return exc
-    for error_type, event_type in _WAIT_FAILURE_EVENTS:
-        if isinstance(exc, error_type):
-            extra = {"error": describe_error(exc)} if event_type == "config-error" else {}
-            asked.event(event_type, wait_ms=None if extra else wait_ms, **extra)
-            return exc
-    if isinstance(exc, ConcurrencyError):
+    type_ = failure_event_type(exc) if isinstance(exc, ConcurrencyError) else "limiter-error"
+    if type_ == "config-error":
+        asked.event(type_, wait_ms=None, error=describe_error(exc))
+    elif type_ in ("timed-out", "queue-full", "wait-cancelled"):
+        asked.event(type_, wait_ms=wait_ms)
+    else:
         asked.event("limiter-error", wait_ms=wait_ms, error=describe_error(exc))
+    if isinstance(exc, ConcurrencyError):
         return exc
     # Anything else from the limiter (a driver error, a bug) fails closed.
     name = asked.limiter.name
-    asked.event("limiter-error", wait_ms=wait_ms, error=describe_error(exc))
     return asked.error(ConcurrencyLimiterError, f"limiter {name!r} failed: {describe_error(exc)}")
 
 
 def _adopt(
     asked: SlotRequest, cleanups: list[Callable[[], object]]
 ) -> tuple[SlotRequest, tuple[Lease, ...], float] | None:
-    """The run's pre-admitted first slot, when this request is the run's first and
-    names its limiters with the same workloads (in any order): the request (with the
-    leases' request id), the leases in ``asked``'s order and how long its admission
-    waited. ``None``: acquire as usual. Slots admitted for anything else are given back
-    first: a run never holds part of its slots while it waits for others.
-
-    :raises ConcurrencyLeaseLostError: a pre-admitted lease was lost before now.
-    """
+    """The run's pre-admitted first slot, if this request asks for the same limiters and
+    workloads (else it was given back): the request under the leases' id, the leases in
+    ``asked``'s order and the admission's wait."""
     run = asked.run
     admission = run.admission if run is not None else None
     if not isinstance(admission, Admission):
@@ -447,52 +336,26 @@ def _adopt(
     leases = tuple(by_limiter[id(x)] for x in asked.limiters)
     asked = asked.with_request_id(admitted.slot_request.request.request_id)
     if kept == "lost":
-        for cleanup in cleanups:
-            cleanup()
-        lost = leases[0]
-        asked.event("lease-lost", lease_id=lost.lease_id, hold_ms=0.0, reason="renewal", error=None)
-        for limiter, lease in zip(asked.limiters, leases, strict=True):
-            with contextlib.suppress(Exception):  # lost already: the limiter may know it
-                limiter.release(lease, "lease-lost")
-        raise abort_error(asked, lost, "lease-lost")
+        _lost_before_start(asked, leases, leases[0], "renewal", cleanups)
+        raise abort_error(asked, leases[0], "lease-lost")
     return asked, leases, admitted.wait_ms
 
 
 def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery:
-    """Decide the current run's first slot before its body runs.
-
-    Asks through ``admission`` (which may park the run) for the slot the run's first
-    ``slot()`` would ask for: the run's limiter and workload, the admission's request
-    id. A granted slot is kept (renewed, released on cancellation or at the end of the
-    budget) as ``admission.admitted`` until a slot adopts it or the run ends
-    (:meth:`~runcell_celery.admission.Admission.end`).
-
-    :returns: the slot admitted; or :class:`~runcell_celery.admission.Deferred` (the
-        run was parked; no event: it is not a failure) or
-        :class:`~runcell_celery.admission.DuplicateDelivery`.
-    :raises ConcurrencyError: as entering a slot would, with the same events.
-    """
+    """Decide the current run's first slot before its body runs, through ``admission``
+    (which may park the run); raises as entering a slot would, with the same events.
+    The slot is kept until the run's first ``slot()`` adopts it or the run ends."""
     run = current_run()
     if run is None:
         raise RuntimeError("preadmit() needs the run whose first slot it admits")
-    several = len(admission.limiters) > 1
-    asked: SlotRequest
-    answer: Sequence[Lease] | Deferred | DuplicateDelivery
     try:
-        if several:
-            asked = build_several(run, admission.limiters, request_id=admission.request_id)
-        else:
-            asked = build_request(run, admission.limiter, request_id=admission.request_id)
+        asked = build_request(run, *admission.limiters, request_id=admission.request_id)
     except ConcurrencyError as exc:
-        if several:
-            names = tuple(x.name for x in admission.limiters)
-            report_refusal(exc, run.name, limiters=names, key=run.key)
-        else:
-            report_refusal(exc, run.name)
+        _refused(exc, run, admission.limiters, run.key)
         raise
     started = time.monotonic()
     try:
-        answer = admission.acquire(asked.limiters, asked.requests, run.cancel, asked)
+        answer = admission.acquire(asked.members, run.cancel, asked)
         if isinstance(answer, Deferred | DuplicateDelivery):
             parked = answer.parked if isinstance(answer, Deferred) else None
             tracing.wait_deferred(asked, started, parked)
@@ -502,30 +365,42 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
         Slot._not_granted(asked, exc, started, [])
     tracing.wait_granted(asked, started, leases)
     waited_ms = _whole_wait_ms(leases, started)
-    admitted = PreAdmitted(asked, leases if several else leases[0], wait_ms=waited_ms)
+    admitted = PreAdmitted(asked, leases, wait_ms=waited_ms)
     admission.hold(admitted, run.deadline, run.cancel)
     return admitted
 
 
 def _whole_wait_ms(leases: Sequence[Lease], started: float) -> float:
-    """How long a run's first slot was waited for: what the limiter measured when it
-    knows (a parked request's claim answers its wait since its first delivery asked, in
-    database time), else this delivery's own wait since ``started``."""
+    """What the limiter measured when it knows (a parked request's claim), else this
+    delivery's own wait."""
     known = [lease.waited_ms for lease in leases if lease.waited_ms is not None]
     return max(known) if known else (time.monotonic() - started) * 1000
 
 
+def _refused(
+    exc: ConcurrencyError,
+    run: RunContext | None,
+    limiters: Sequence[ConcurrencyLimiter],
+    key: str | None,
+) -> None:
+    holder = run.name if run is not None else None
+    if len(limiters) > 1:
+        report_refusal(exc, holder, limiters=tuple(x.name for x in limiters), key=key)
+    else:
+        report_refusal(exc, holder)
+
+
 def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
-    # The request is its own on_wait (it emits wait-started and keeps its place).
-    if not asked.several:
-        return (asked.limiter.acquire(asked.request, cancel=cancel, on_wait=asked),)
-    first = cast(SupportsSeveral, asked.limiter)
-    leases = first.acquire_several(asked.limiters, asked.requests, cancel=cancel, on_wait=asked)
+    # The request is its own on_wait; no SupportsMembers: one member (build_request checked).
+    first = asked.limiter
+    if not supports(first, SupportsMembers):
+        return (first.acquire(asked.request, cancel=cancel, on_wait=asked),)
+    members = cast(SupportsMembers, first)
+    leases = members.acquire_members(asked.members, cancel=cancel, on_wait=asked)
     return _check_leases(asked, tuple(leases))
 
 
 def _check_leases(asked: SlotRequest, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
-    """One lease per limiter, or none kept (a backend's bug fails closed)."""
     if len(leases) != len(asked.limiters):
         for limiter, lease in zip(asked.limiters, leases, strict=False):
             with contextlib.suppress(Exception):
@@ -539,18 +414,12 @@ def _check_leases(asked: SlotRequest, leases: tuple[Lease, ...]) -> tuple[Lease,
 
 
 async def _acquire_async(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
-    """Use the backend's ``acquire_async`` (``acquire_several_async``), or run a
-    blocking acquire in a thread: then an asyncio cancellation cancels the thread's
-    wait through a token, and slots granted meanwhile are released, not leaked."""
+    """Native, or a blocking acquire in a thread that an asyncio cancellation cancels
+    through a token (slots granted meanwhile are released)."""
     first = asked.limiter
-    if not asked.several and supports(first, SupportsAsyncAcquire):
-        native = cast(SupportsAsyncAcquire, first)
-        return (await native.acquire_async(asked.request, cancel=cancel, on_wait=asked),)
-    if asked.several and supports(first, SupportsSeveralAsync):
-        several = cast(SupportsSeveralAsync, first)
-        leases = await several.acquire_several_async(
-            asked.limiters, asked.requests, cancel=cancel, on_wait=asked
-        )
+    if supports(first, SupportsMembersAsync):
+        native = cast(SupportsMembersAsync, first)
+        leases = await native.acquire_members_async(asked.members, cancel=cancel, on_wait=asked)
         return _check_leases(asked, tuple(leases))
     stop = CancellationToken(cancel) if cancel is not None else CancellationToken()
     waiting = asyncio.ensure_future(asyncio.to_thread(_acquire, asked, stop))
@@ -580,26 +449,16 @@ def slot(
 ) -> Slot:
     """Hold one slot around one provider request (``with`` or ``async with``).
 
-    :param limiters: the limiter; defaults to the current run's. Several limiters
+    :param limiters: default: the current run's. Several limiters
         (``slot(openai, gpt_4o, tenants.key("acme"))``): one slot in each, granted
-        together or not at all, never some held while waiting for the others.
-    :param workload: the workload; defaults to the run's, then the limiter's default.
-        Over several limiters it applies in each that has it, the default elsewhere.
-    :param key: the fairness key (a tenant) for limiters with ``fairness:
-        "round_robin"``; defaults to the run's, then to the key of a key's limiter
-        among ``limiters`` (``tenants.key("acme")`` -> ``"acme"``).
-    :param max_hold_ms: end the hold as a lost lease after this long (defaults to the
-        limiter's ``max_hold_ms``).
-    :param cancel: a token that cancels this request (the run's still applies).
-    :param request_id: a stable id for the request (defaults to a new one).
-    :raises ConcurrencyConfigError: at once, naming the argument and the value, for an
-        argument that is not what it must be: a limiter that is not a limiter, a
-        blank workload or request id, a key :func:`~runcell_celery.keys.check_fair_key`
-        refuses, ``max_hold_ms`` not a positive finite number, ``cancel`` not a token.
+        together or not at all.
+    :param workload: default: the run's, then the limiter's (over several limiters:
+        in each that has it, the default elsewhere).
+    :param key: the fairness key; default: the run's, then a key's limiter's.
+    :param max_hold_ms: end the hold as a lost lease after this long.
+    :param cancel: cancels this request (the run's token still applies).
     :raises ConcurrencyError: see :mod:`runcell_celery.errors`; the provider must not
-        be called when entering fails. ``ConcurrencyConfigError`` for a keyed limiter
-        itself (name ``limiter.key(...)``), the same limiter twice, or limiters that
-        cannot be held together (different backends).
+        be called when entering fails.
 
     ::
 

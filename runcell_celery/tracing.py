@@ -177,7 +177,7 @@ def _record_wait(
 def _attributes(asked: SlotRequest, leases: Sequence[Lease]) -> dict[str, AttributeValue]:
     request = asked.request
     names = list(asked.names())
-    if asked.several:
+    if len(asked.limiters) > 1:
         key = asked.key
     else:
         key = request.key if request.key is not None else default_key((asked.limiter,))

@@ -1,36 +1,10 @@
 """Admission deferral: park a task that finds no slot, re-publish it when one frees.
 
-Blocking a prefork worker process while it waits for a slot wastes the process. A
-task declared with ``"admission": "defer"`` waits for its run's first slot only while
-waiting is expected to be short (``defer_after_ms``, or a fixed ``admission_wait_ms``;
-see :meth:`~runcell_celery.ports.SupportsParking.acquire_or_park`); then it is **parked**:
-
-1. its waiting queue row becomes a parked row holding the task message, keeping its
-   place (FIFO and priority hold across deferral);
-2. the task raises Celery's ``Ignore``: the message is acked only now, after the
-   parking committed (deferrable tasks are ``acks_late``), no retry is spent, no
-   ``task_failure`` fires and no FAILURE state is stored;
-3. when a release grants the parked row, the granting process re-publishes the
-   message at once (the limiter's parked-granted handler); the backend's wake-up
-   channel and a sweeper in every worker do it if that process cannot (see
-   :class:`~runcell_celery.ports.ParkingStore`). It goes to the granted queue of the
-   queue it came from (:func:`~.message.granted_queue`), which workers consume beside
-   it, so it overtakes that queue's backlog. Only processes of an app on the broker
-   it was parked from re-publish it (:mod:`.brokers`), so apps with brokers of their
-   own can share one limiter database;
-4. the re-published task (same task id) claims its granted lease, then runs its
-   body, whose first ``slot()`` adopts that lease. The grant waits for the claim only
-   the limiter's ``claim_window_ms``: not claimed by then, the slot passes to the
-   next in line and the parked row goes to the back of its workload's line, to be
-   granted and re-published again. Stale work — a parked run whose deadline passed —
-   is never re-published: the sweeper records it as failed
-   (``ConcurrencyTimeoutError``) in the result backend, and deletes its row only once
-   that is done.
-
-All of this happens before the task body starts (:meth:`.RunCellTask.__call__` takes
-the run's first slot first, :func:`runcell_celery.slot.preadmit`): a parked or
-duplicate delivery never runs its body, and a granted one hands its slot to the body's
-first ``slot()``. Only the first slot is decided this way; later ones wait as usual.
+Blocking a prefork worker while it waits wastes the process, so an ``"admission":
+"defer"`` task whose wait is not short is parked (its message stored in its place in
+line, the task ``Ignore``d) and re-published when a release grants it; the copy claims
+the grant and its first ``slot()`` adopts it. A parked run past its deadline is failed
+by the sweeper, never re-published.
 """
 
 from __future__ import annotations
@@ -41,7 +15,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import Celery, Task, states
@@ -59,22 +33,20 @@ from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
 from ..ports import (
-    ClaimMiss,
     Duplicate,
     ExpiredParked,
     Parked,
     ParkingStore,
     Republish,
     SupportsParking,
-    SupportsSeveralParking,
 )
 from ..protocol import (
-    AcquireRequest,
     ConcurrencyLimiter,
     Lease,
+    Member,
     OnWait,
+    SupportsMembers,
     SupportsReap,
-    SupportsSeveral,
 )
 from ..registry import LimiterRegistry
 from . import headers
@@ -94,31 +66,18 @@ __all__ = [
 
 logger = logging.getLogger("runcell_celery.celery.deferral")
 
-#: How often the sweeper looks for grants nobody published and for stale parked runs,
-#: and reaps expired leases (a grant whose claim window ended passes on at the next
-#: pass): well within the default claim window of 5 s.
+#: Sweeper period: well within the default claim window of 5 s.
 SWEEP_INTERVAL_S = 1.0
-#: A grant nobody published within this long is published by the sweeper (so a lost
-#: wake-up still leaves most of the claim window for the task to claim it).
+#: A grant nobody published within this long is published by the sweeper (a lost
+#: wake-up still leaves most of the claim window).
 REPUBLISH_AFTER_MS = 1_000
-
-
-#: What an admission holds once granted: one lease, or one per limiter.
-_Held = Lease | tuple[Lease, ...]
-#: Why an admission that asked holds nothing (yet).
-AdmissionResult = Parked | Duplicate
 
 
 def _payload(
     task: Task[Any, Any], request: Any, *, deadline_at: float | None, admission_id: str
 ) -> str:
-    """The task message to park: the delivered message (never decoded, so every
-    serializer round-trips), with only this run's runcell headers changed.
-
-    :raises ConcurrencyConfigError: the message was not kept (not protocol 2, or not
-        delivered through :class:`~.message.RunCellRequest`), or it is larger than
-        :data:`~.message.MAX_PARKED_MESSAGE_BYTES`.
-    """
+    """The delivered message (never decoded: every serializer round-trips) with this
+    run's runcell headers changed."""
     delivered = from_request(request)
     if delivered is None:
         raise ConcurrencyConfigError(
@@ -144,25 +103,9 @@ def _payload(
 
 
 class TaskAdmission(Admission):
-    """The admission of a deferrable run's first slot (one delivery of a task).
-
-    Only a limiter that can park (:class:`~runcell_celery.ports.SupportsParking`)
-    defers; with any other the first slot waits as usual. A run over several limiters
-    (``limiters``, the run's, in its order) parks as **one** request
-    (:class:`~runcell_celery.ports.SupportsSeveralParking`): a place in every limiter,
-    one message re-published once all its slots are granted together, claimed all at
-    once by the re-published task.
-
-    A queue place or lease belongs to one **delivery**, never to the task id alone:
-    every delivery asks with a request id of its own (``<task id>/<random>``), so a
-    message sent twice or redelivered while its first delivery runs never shares that
-    delivery's lease or fencing token; it waits for a slot of its own. The id travels
-    in the parked message (``runcell_admission``), so the re-publication of a parked
-    delivery claims the grant made to that delivery (``runcell_publication`` says
-    which publication may). A delivery given a slot while the task already has a
-    result (another delivery finished it) gives the slot back and is dropped as a
-    duplicate; without stored results it runs again (Celery's at-least-once).
-    """
+    """The admission of a deferrable run's first slot. A place or lease belongs to one
+    delivery (request id ``<task id>/<random>``, carried in the parked message), never
+    to the task id: a duplicate delivery must not claim another's grant."""
 
     def __init__(
         self,
@@ -180,9 +123,7 @@ class TaskAdmission(Admission):
         self._task_id: str = request.id or str(uuid.uuid4())
         parked_as = headers.read(request, headers.ADMISSION)
         self._publication = headers.read(request, headers.PUBLICATION)
-        #: A re-published copy of a parked delivery: it claims that delivery's grant.
         self._republished = parked_as is not None and self._publication is not None
-        #: Where a parked message must be re-published.
         self._broker = broker_identity(task.app)
         super().__init__(
             self._acquire,
@@ -194,145 +135,69 @@ class TaskAdmission(Admission):
 
     def _acquire(
         self,
-        limiters: tuple[ConcurrencyLimiter, ...],
-        requests: tuple[AcquireRequest, ...],
+        members: tuple[Member, ...],
         cancel: CancellationToken | None,
         on_wait: OnWait,
     ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
-        """The admission's ``acquire``: park or claim through the backend's parking of
-        one request, or of one request over several limiters."""
-        if len(limiters) > 1:
-            return self._acquire_all(limiters, requests, cancel, on_wait)
-        answer = self._acquire_one(limiters[0], requests[0], cancel, on_wait)
-        return (answer,) if isinstance(answer, Lease) else answer
-
-    def _admit(
-        self,
-        request_id: str,
-        limiters: Sequence[ConcurrencyLimiter],
-        claim: Callable[[str, str], _Held | ClaimMiss],
-        acquire_or_park: Callable[[str, str], _Held | AdmissionResult],
-    ) -> _Held | Deferred | DuplicateDelivery:
-        """The one admission path, for one limiter or several: a re-published copy
-        claims its delivery's grant; otherwise the delivery asks, waiting or parking.
-        ``claim(request_id, publication)`` and ``acquire_or_park(request_id,
-        payload)`` give a lease (one limiter) or leases (several), or say why not."""
+        first = members[0].limiter
+        if not isinstance(first, SupportsParking):  # it waits as any first slot
+            if isinstance(first, SupportsMembers):
+                return first.acquire_members(members, cancel=cancel, on_wait=on_wait)
+            return (first.acquire(members[0].request, cancel=cancel, on_wait=on_wait),)
+        limiters = tuple(member.limiter for member in members)
         task, task_id = self._task, self._task_id
+        request_id = members[0].request.request_id
         if self._republished:
             assert self._publication is not None
-            claimed = claim(request_id, self._publication)
+            claimed = first.claim_parked(limiters, request_id, self._publication)
             if not isinstance(claimed, str):
                 return _unless_finished(task, task_id, limiters, claimed)
             if claimed == "stale":
-                # The parked delivery is still stored (back in line, or granted to a
-                # newer publication): this copy ends, and the run stays parked (a
-                # deferral, as if it had parked again); its own publication runs it.
-                return Deferred()
-            # Nothing stored: another copy of this message claimed it (and runs), or it
-            # ended. This copy is a delivery of its own.
-            request_id = _delivery_id(task_id)
-            self.request_id = request_id  # what a withdrawal must name
+                return Deferred()  # still parked: its own publication runs it
+            # Nothing stored (another copy claimed it, or it ended): a new delivery.
+            request_id = self.request_id = _delivery_id(task_id)  # what a withdrawal names
+            members = tuple(
+                Member(m.limiter, dataclasses.replace(m.request, request_id=request_id))
+                for m in members
+            )
         payload = _payload(
             task, self._delivery, deadline_at=self._deadline_at, admission_id=request_id
         )
-        result = acquire_or_park(request_id, payload)
-        if not isinstance(result, Parked | Duplicate):
-            return _unless_finished(task, task_id, limiters, result)
+        result = first.acquire_or_park(
+            members,
+            payload=payload,
+            broker=self._broker,
+            admission_wait_ms=self._spec.admission_wait_ms,
+            defer_after_ms=self._spec.defer_after_ms,
+            cancel=cancel,
+            on_wait=on_wait,
+        )
         if isinstance(result, Duplicate):  # already parked and granted: its publication runs it
             return DuplicateDelivery()
-        return Deferred(result)  # its place and expected wait, for the log line
-
-    def _acquire_one(
-        self,
-        limiter: ConcurrencyLimiter,
-        slot_request: AcquireRequest,
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
-    ) -> Lease | Deferred | DuplicateDelivery:
-        if not isinstance(limiter, SupportsParking):
-            return limiter.acquire(slot_request, cancel=cancel, on_wait=on_wait)
-        parking: SupportsParking = limiter
-        spec = self._spec
-        held = self._admit(
-            slot_request.request_id,
-            (limiter,),
-            parking.claim_parked,
-            lambda request_id, payload: parking.acquire_or_park(
-                dataclasses.replace(slot_request, request_id=request_id),
-                broker=self._broker,
-                admission_wait_ms=spec.admission_wait_ms,
-                defer_after_ms=spec.defer_after_ms,
-                payload=payload,
-                cancel=cancel,
-                on_wait=on_wait,
-            ),
-        )
-        assert not isinstance(held, tuple)
-        return held
-
-    def _acquire_all(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
-    ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
-        first = limiters[0]
-        if not isinstance(first, SupportsSeveralParking):
-            return tuple(
-                _several(first).acquire_several(limiters, requests, cancel=cancel, on_wait=on_wait)
-            )
-        parking: SupportsSeveralParking = first
-        spec = self._spec
-        held = self._admit(
-            requests[0].request_id,
-            limiters,
-            lambda request_id, publication_id: parking.claim_parked_several(
-                limiters, request_id, publication_id
-            ),
-            lambda request_id, payload: parking.acquire_several_or_park(
-                [*limiters],
-                [dataclasses.replace(r, request_id=request_id) for r in requests],
-                broker=self._broker,
-                admission_wait_ms=spec.admission_wait_ms,
-                defer_after_ms=spec.defer_after_ms,
-                payload=payload,
-                cancel=cancel,
-                on_wait=on_wait,
-            ),
-        )
-        assert not isinstance(held, Lease)
-        return held
+        if isinstance(result, Parked):
+            return Deferred(result)  # its place and expected wait, for the log line
+        return _unless_finished(task, task_id, limiters, result)
 
 
-def _several(limiter: ConcurrencyLimiter) -> SupportsSeveral:
-    if not isinstance(limiter, SupportsSeveral):
-        raise ConcurrencyConfigError(
-            f"limiter {limiter.name!r} cannot hold a slot together with other limiters",
-            limiter=limiter.name,
-        )
-    return limiter
+def _parking_store(registry: LimiterRegistry) -> ParkingStore | None:
+    backend: object = registry.backend  # a Backend that may also be a ParkingStore
+    return backend if isinstance(backend, ParkingStore) else None
 
 
 def _delivery_id(task_id: str) -> str:
-    """A request id for one delivery of a task: never shared with another delivery."""
     return f"{task_id}/{uuid.uuid4().hex}"
 
 
 def _unless_finished(
-    task: Task[Any, Any], task_id: str, limiters: Sequence[ConcurrencyLimiter], held: _Held
-) -> _Held | DuplicateDelivery:
-    """Return ``held`` (a lease, or one per limiter), unless another delivery of the
-    task already finished it: then the slots are given back and this delivery dropped.
-
-    Read when the delivery has its slot, so a duplicate waits (parked, in line) until
-    the delivery it duplicates has finished, and only then is dropped; while that one
-    may still be running, or may have died, nothing is dropped. Without a stored
-    result (no result backend, ``ignore_result``, unreachable) the delivery runs.
-    """
+    task: Task[Any, Any],
+    task_id: str,
+    limiters: Sequence[ConcurrencyLimiter],
+    leases: tuple[Lease, ...],
+) -> tuple[Lease, ...] | DuplicateDelivery:
+    """``leases``, unless another delivery already finished the task (read once this one
+    has its slot, so a duplicate waits for the one it duplicates, which may have died)."""
     if not _finished(task, task_id):
-        return held
-    leases = (held,) if isinstance(held, Lease) else held
+        return leases
     for limiter, lease in zip(limiters, leases, strict=True):
         try:
             limiter.release(lease, "cancelled")
@@ -342,8 +207,6 @@ def _unless_finished(
 
 
 def _finished(task: Task[Any, Any], task_id: str) -> bool:
-    """Whether the task already has a result (another delivery finished it). Without a
-    stored result (no result backend, ``ignore_result``, unreachable): ``False``."""
     backend = task.backend
     if task.ignore_result or isinstance(backend, DisabledBackend):
         return False
@@ -356,8 +219,7 @@ def _finished(task: Task[Any, Any], task_id: str) -> bool:
 
 
 def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
-    """Publish re-publications claimed with ``claim_republish`` on a producer of the
-    app's pool; return how many were sent (see :func:`send_grants`)."""
+    """Publish claimed re-publications on a pooled producer; return how many were sent."""
     pending = list(items)
     if not pending:
         return 0
@@ -371,18 +233,8 @@ def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
 
 
 def send_grants(app: Celery, producer: Producer, items: Sequence[Republish]) -> list[Republish]:
-    """Publish claimed re-publications on ``producer``; return those not sent because
-    the broker is unreachable.
-
-    Each parked message is sent as the bytes it was delivered in, with its
-    ``runcell_publication`` header set to the claimed publication. Once the broker is
-    unreachable (after the app's bounded publish retries) the rest of the batch is
-    not tried one by one: all of it is returned, for the caller to give back
-    (:meth:`~runcell_celery.ports.ParkingStore.unclaim_republish`) so that it is sent
-    once the broker is back. A message that cannot be sent for another reason is
-    logged and skipped: its grant stays claimed but unclaimed by a task, so its claim
-    window ends, the slot passes on and the parked row goes back in line.
-    """
+    """Publish claimed re-publications; return the rest once the broker is unreachable
+    (for the caller to give back). Another failure skips that message."""
     for index, item in enumerate(items):
         try:
             republish(app, producer, item.payload, {headers.PUBLICATION: item.publication_id})
@@ -401,19 +253,9 @@ def send_grants(app: Celery, producer: Producer, items: Sequence[Republish]) -> 
 
 
 def wire_publisher(app: Celery, registry: LimiterRegistry) -> GrantPublisher:
-    """Make limiters created by ``registry`` hand the parked tasks they grant to the
-    app's :class:`~.publisher.GrantPublisher` (returned), which publishes them on
-    its own thread: a release does no broker I/O.
-
-    The publisher and the hook hold the app weakly: the registry belongs to the app's
-    state, which must not keep the app alive.
-    """
-
-    def store() -> ParkingStore | None:
-        backend: object = registry.backend  # a Backend that may also be a ParkingStore
-        return backend if isinstance(backend, ParkingStore) else None
-
-    publisher = GrantPublisher(app, store, send_grants)
+    """Make ``registry``'s limiters hand the parked tasks they grant to a publisher
+    thread, so a release does no broker I/O."""
+    publisher = GrantPublisher(app, lambda: _parking_store(registry), send_grants)
 
     def on_create(limiter: ConcurrencyLimiter) -> None:
         if isinstance(limiter, SupportsParking):
@@ -424,40 +266,25 @@ def wire_publisher(app: Celery, registry: LimiterRegistry) -> GrantPublisher:
 
 
 class Sweeper:
-    """Re-publishes grants nobody published, and fails parked runs gone stale.
-
-    One per worker (loop ``runcell-sweeper``, started by the worker bootstep); it also
-    reacts to grants to parked requests made by processes that cannot publish (a web
-    server), which the backend reports through its wake-up channel.
-
-    A parked run whose deadline passes before it is granted fails where its caller
-    looks: FAILURE with :class:`~runcell_celery.errors.ConcurrencyTimeoutError` in the
-    result backend, ``task_failure``, a ``timed-out`` event (counted as a concurrency
-    failure). This needs the result backend only, not the broker. It is done in two
-    phases so the run never vanishes: the row is taken out of line, the failure is
-    recorded, and only then is the row deleted; while the result backend (or the
-    database) is unreachable the row stays and every pass tries again.
-    """
+    """Re-publishes grants nobody published (e.g. made by a web server), and fails
+    parked runs gone stale in two phases (out of line, failure recorded, row deleted)
+    so a run never vanishes."""
 
     def __init__(
         self, app: Celery, registry: LimiterRegistry, publisher: GrantPublisher | None = None
     ) -> None:
         self._app = app
         self._registry = registry
-        #: Sends what the sweeper finds due, on its own thread (the app's, once wired).
         self._publisher = publisher or GrantPublisher(app, self._store, send_grants)
         self._loop = BackgroundLoop("runcell-sweeper", self, Sweeper._step)
         self._failing = threading.Lock()
-        #: Failures recorded whose rows are not deleted yet (the database failed): they
-        #: are deleted at the next pass, not recorded again.
+        #: Failures recorded whose rows are not deleted yet: not recorded again.
         self._recorded: dict[tuple[str, str], ExpiredParked] = {}
         #: Rows whose ``timed-out`` event was emitted and whose failure is not stored yet.
         self._announced: set[tuple[str, str]] = set()
-        #: Limiters it could not create (their limits conflict), said once per change.
         self._refused = SaidOnce()
 
     def start(self) -> None:
-        """Start sweeping, if the registry's backend parks tasks."""
         store = self._store()
         if store is None:
             return
@@ -476,12 +303,10 @@ class Sweeper:
         self._publisher.stop(timeout)
 
     def _store(self) -> ParkingStore | None:
-        store: object = self._registry.backend  # a Backend that may also be a ParkingStore
-        return store if isinstance(store, ParkingStore) else None
+        return _parking_store(self._registry)
 
     def sweep(self, *, stale_ms: int | None = None) -> int:
-        """Have the grants that are due published and fail the stale parked runs;
-        return how many runs were failed."""
+        """Publish the grants due and fail stale parked runs; return how many failed."""
         try:
             self.publish_due(stale_ms=stale_ms)
         except Exception as exc:  # the stale runs are failed all the same
@@ -489,8 +314,6 @@ class Sweeper:
         return self.fail_expired()
 
     def publish_due(self, *, stale_ms: int | None = None) -> None:
-        """Hand the publisher the grants to parked runs nobody published (and those
-        granted by the group passes run here); it sends them on its own thread."""
         store = self._store()
         if store is None:
             return
@@ -498,17 +321,14 @@ class Sweeper:
             limiter: object = self._limiter(name)  # a limiter that may also reap
             if isinstance(limiter, SupportsReap):
                 limiter.reap()  # expired leases of dead holders go to parked runs
-        # Parked requests over several limiters have no waiting process to run their
-        # group passes: the sweepers do, and publish what those grant at once.
+        # No process waits for parked requests over several limiters: pass them here.
         granted = store.pass_parked_groups()
         self._publisher.request(
             granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
 
     def _limiter(self, name: str) -> ConcurrencyLimiter | None:
-        """This process's limiter ``name``; ``None`` (said once per limiter and change)
-        when it cannot be created because its limits conflict with the stored ones: the
-        other limiters' parked tasks are swept all the same."""
+        """``None`` (said once per change) when its limits conflict with the stored ones."""
         try:
             limiter = self._registry.get(name)
         except ConcurrencyConfigError as exc:
@@ -523,11 +343,8 @@ class Sweeper:
         return limiter
 
     def fail_expired(self) -> int:
-        """Fail the parked runs whose deadline passed; return how many were failed.
-
-        One thread at a time: the store hands this process the same rows until they
-        are completed, so two passes at once would record a failure twice.
-        """
+        """Fail the parked runs past their deadline; one thread at a time (two passes
+        would record a failure twice)."""
         store = self._store()
         if store is None:
             return 0
@@ -550,8 +367,7 @@ class Sweeper:
             return failed
 
     def _record_failure(self, expired: ExpiredParked) -> bool:
-        """Record the stale run's failure; ``False`` if the result backend failed (the
-        row stays taken by this process, which tries again at its next pass)."""
+        """``False`` if the result backend failed (tried again at the next pass)."""
         app = self._app
         task_id = expired.run_id
         name = expired.holder_name
@@ -570,8 +386,7 @@ class Sweeper:
             return True  # not a task's row: nothing to record it in
         key = (expired.limiter, expired.request_id)
         if key not in self._announced and has_listeners():
-            # Before the failure is stored, as a slot's own timeout is: whoever sees the
-            # FAILURE can already see why. Once per row, however often recording fails.
+            # Before the failure is stored (whoever sees FAILURE can see why), once per row.
             self._announced.add(key)
             emit(
                 ConcurrencyEvent(
@@ -632,9 +447,8 @@ class Sweeper:
 def _failed_request(
     app: Celery, expired: ExpiredParked, name: str | None
 ) -> tuple[tuple[Any, ...], dict[str, Any], Context]:
-    """The request context of a stale parked task, rebuilt from its parked message, so
-    the result backend, chords, chains and errbacks see it as Celery's own failure
-    handling would. A message that cannot be read still gives the ids and name."""
+    """Rebuilt from the parked message so chords, chains and errbacks see Celery's own
+    failure."""
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     embed: dict[str, Any] = {}

@@ -34,8 +34,11 @@ from ..errors import (
     ConcurrencyNoLimiterError,
 )
 from ..patience import database_patience
-from ..ports import Parked, RunStore, SupportsSeveralParking
-from ..protocol import ConcurrencyLimiter, SupportsStats, SupportsWithdraw
+from ..ports import Parked, RunStore, SupportsParking
+from ..protocol import (
+    ConcurrencyLimiter,
+    SupportsStats,
+)
 from ..registry import LimiterRegistry
 from ..request import report_failure
 from ..several import resolve_workloads
@@ -524,8 +527,5 @@ def _withdraw(admission: Admission | None) -> None:
     if admission is None:
         return
     first = admission.limiter
-    if len(admission.limiters) > 1:
-        if isinstance(first, SupportsSeveralParking):
-            first.withdraw_several(admission.limiters, admission.request_id)
-    elif isinstance(first, SupportsWithdraw):
-        first.withdraw(admission.request_id)
+    if isinstance(first, SupportsParking):
+        first.withdraw_members(admission.limiters, admission.request_id)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ..cancellation import CancellationToken
@@ -19,21 +18,21 @@ from ..errors import (
 )
 from ._support import (
     SOON_S,
+    Cases,
     ConformanceCase,
     CreateLimiter,
     Queued,
     assert_idle,
+    assert_times_out,
     new_request,
     stats_of,
 )
 
 
-def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
-    def case(func: Callable[[], None]) -> Callable[[], None]:
-        cases.append(ConformanceCase(func.__name__, func))
-        return func
-
-    cases: list[ConformanceCase] = []
+def concurrency_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCase]:
+    """The named cases every :class:`ConcurrencyLimiter` must pass."""
+    create = create_limiter
+    case = cases = Cases()
 
     @case
     def grants_up_to_max_concurrent_then_times_out() -> None:
@@ -90,12 +89,7 @@ def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert fresh.lease_id != stale.lease_id
         assert limiter.renew(stale) is None, "renewing an expired lease must answer None"
         limiter.release(stale)  # releasing an expired lease does nothing ...
-        try:
-            limiter.acquire(new_request(timeout_ms=50))  # ... so the fresh lease still counts
-        except ConcurrencyTimeoutError:
-            pass
-        else:
-            raise AssertionError("releasing an expired lease freed someone else's slot")
+        assert_times_out(limiter, "releasing an expired lease freed someone else's slot")
         limiter.release(fresh)
         assert_idle(limiter)
 
@@ -109,12 +103,7 @@ def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             assert renewed is not None, "a held lease was not renewed"
             assert renewed.lease_id == lease.lease_id
         assert limiter.renew(lease) is not None, "renewing twice must work too"
-        try:
-            limiter.acquire(new_request(timeout_ms=50))
-        except ConcurrencyTimeoutError:
-            pass
-        else:
-            raise AssertionError("a renewed lease expired")
+        assert_times_out(limiter, "a renewed lease expired")
         limiter.release(lease)
         assert limiter.renew(lease) is None, "renewing a released lease must answer None"
         assert_idle(limiter)
@@ -127,12 +116,7 @@ def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         limiter.release(first)
         second = limiter.acquire(new_request(timeout_ms=1000))
         limiter.release(first)
-        try:
-            limiter.acquire(new_request(timeout_ms=50))
-        except ConcurrencyTimeoutError:
-            pass
-        else:
-            raise AssertionError("a repeated release freed a slot twice")
+        assert_times_out(limiter, "a repeated release freed a slot twice")
         limiter.release(second)
         assert_idle(limiter)
 
@@ -213,12 +197,7 @@ def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             workloads={"interactive": {"reserved": 1, "priority": 10}, "background": {}},
         )
         background = [limiter.acquire(new_request("background")) for _ in range(3)]
-        try:
-            limiter.acquire(new_request("background", timeout_ms=50))
-        except ConcurrencyTimeoutError:
-            pass
-        else:
-            raise AssertionError("background took the slot reserved for interactive")
+        assert_times_out(limiter, "background took the slot reserved for interactive", "background")
         interactive = limiter.acquire(new_request("interactive", timeout_ms=50))
         for lease in [*background, interactive]:
             limiter.release(lease)
@@ -274,12 +253,9 @@ def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def a_timed_out_request_leaves_the_queue() -> None:
         limiter = create(max_concurrent=1, workloads={"default": {"max_wait_ms": 100}})
         held = limiter.acquire(new_request())
-        try:
-            limiter.acquire(new_request(timeout_ms=60_000))
-        except ConcurrencyTimeoutError:
-            pass
-        else:
-            raise AssertionError("the workload's max_wait_ms did not bound the wait")
+        assert_times_out(
+            limiter, "the workload's max_wait_ms did not bound the wait", "default", 60_000
+        )
         stats = stats_of(limiter)
         assert stats is None or stats.queued == 0, f"the timed-out request still waits: {stats}"
         limiter.release(held)
@@ -296,7 +272,7 @@ def core_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             raise AssertionError("a request for an unknown workload was granted")
         assert_idle(limiter)
 
-    return iter(cases)
+    return list(cases)
 
 
 def first_done(waiters: list[Queued], taken: list[int]) -> int:

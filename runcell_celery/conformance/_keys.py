@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -16,6 +16,7 @@ from ..slot import slot
 from ._support import (
     SOON_S,
     WAIT_MS,
+    Cases,
     ConformanceCase,
     CreateLimiter,
     Queued,
@@ -72,12 +73,12 @@ def assert_no_key_in_use(keyed: Keyed) -> None:
         assert list(keyed.key_stats()) == [], f"idle keys listed: {keyed.key_stats()}"
 
 
-def keyed_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
-    def case(func: Callable[[], None]) -> Callable[[], None]:
-        cases.append(ConformanceCase(func.__name__, func))
-        return func
-
-    cases: list[ConformanceCase] = []
+def keyed_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCase]:
+    """The cases of a backend with keys: ``create_limiter(keyed=True, ...)`` returns a
+    :class:`~runcell_celery.protocol.SupportsKeys` that reports ``key_stats(limit)``,
+    ``keys_in_use()`` and ``stats(per_key=True)``."""
+    create = create_limiter
+    case = cases = Cases()
 
     @case
     def each_key_has_its_own_limit() -> None:
@@ -208,4 +209,4 @@ def keyed_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert list(reports.stats(per_key=True).keys) == [], "idle keys listed per key"
         assert_no_key_in_use(keyed)
 
-    return iter(cases)
+    return list(cases)

@@ -42,6 +42,14 @@ class ConformanceCase:
     run: Callable[[], None]
 
 
+class Cases(list[ConformanceCase]):
+    """A decorator collecting the cases it decorates, named after their function."""
+
+    def __call__(self, func: Callable[[], None]) -> Callable[[], None]:
+        self.append(ConformanceCase(func.__name__, func))
+        return func
+
+
 def new_request(workload: str = "default", timeout_ms: float | None = None) -> AcquireRequest:
     request_id = new_request_id()
     return AcquireRequest(
@@ -104,9 +112,11 @@ class Queued:
         return self.future.result(SOON_S)
 
 
-def assert_times_out(limiter: ConcurrencyLimiter, why: str) -> None:
+def assert_times_out(
+    limiter: ConcurrencyLimiter, why: str, workload: str = "default", timeout_ms: float = 50
+) -> None:
     try:
-        lease = limiter.acquire(new_request(timeout_ms=50))
+        lease = limiter.acquire(new_request(workload, timeout_ms=timeout_ms))
     except ConcurrencyTimeoutError as exc:
         assert exc.limiter == limiter.name, f"the timeout names {exc.limiter!r}"
     else:

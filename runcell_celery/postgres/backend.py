@@ -1,16 +1,10 @@
 """The PostgreSQL backend: the one port the Celery and Django layers use.
 
-A :class:`PostgresBackend` is built once per registry and process from the
-``DATABASE`` setting and the ``RUNCELL["POSTGRES"]`` section (it validates that section
-itself into :class:`~runcell_celery.postgres.PostgresOptions`). It owns, per process,
-one :class:`~.engine.Engine`: the pool, waiting room, listener, executor, lease keeper
-and key purgers that every limiter it creates and every store call share, and
-:meth:`PostgresBackend.close` ends them all. A forked child (Celery prefork) never
-uses nor closes its parent's: it makes its own engine on first use. Besides limiters
-it offers the stores of :mod:`runcell_celery.ports` (first starts, revocations,
-admission counters, parked tasks) and what an operator's dashboard needs (live
-state, stored limits, force release), so no other layer reads or writes the
-``runcell_*`` tables itself.
+Built once per registry and process from ``DATABASE`` and ``RUNCELL["POSTGRES"]``, it
+owns this process's :class:`~.engine.Engine` (pool, waiting room, listener, executor,
+keeper, key purgers; a forked child makes its own) and :meth:`PostgresBackend.close`
+ends it. Besides limiters it offers the stores of :mod:`runcell_celery.ports` and what
+an operator's dashboard needs, so no other layer touches the ``runcell_*`` tables.
 """
 
 from __future__ import annotations
@@ -45,16 +39,15 @@ from ..ports import (
     RunStore,
     SupportsParking,
 )
-from ..protocol import LimiterStats, WorkloadStats
+from ..protocol import LimiterStats
 from . import statements
 from .calls import CallFailedError, fetch_rows, lock_timeout_ms
 from .connection import Database, redacted
 from .engine import Engine, engines
+from .keyed import counted_stats
 from .limiter import PostgresConcurrencyLimiter
 from .options import PostgresOptions
 from .registration import differing_limits
-
-__all__ = ["LimiterState", "PostgresBackend", "ReleasedLease"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -66,13 +59,8 @@ KEEP_OPERATIONS_MS = 15 * 60_000
 #: Group passes of parked requests over several limiters per sweep (heads of line).
 PARKED_GROUP_PASSES = 8
 
-_COUNT_FIELDS = (
-    "deliveries",
-    "deferrals",
-    "provider_attempts",
-    "provider_failures",
-    "concurrency_failures",
-)
+#: The counts of an :class:`AdmissionCount` (after its task name and limiter).
+_COUNT_FIELDS = [f.name for f in dataclasses.fields(AdmissionCount)][2:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +80,8 @@ class ReleasedLease:
 
 @dataclass(frozen=True, slots=True)
 class LimiterState:
-    """One limiter's live counts, read in database time.
-
-    :param workloads: the workloads of its stored limits (each appears in the counts'
-        keys of :meth:`stats` even when idle).
-    :param active: slots held per workload (expired leases not counted).
-    :param queued: requests waiting per workload: waiting or parked, not yet granted.
-    :param oldest_wait_ms: how long the oldest of those has waited; ``None``: none waits.
+    """One limiter's live counts, read in database time: slots held and requests
+    queued (waiting or parked) per workload, and the oldest one's wait (``None``: none).
     """
 
     limiter: str
@@ -117,31 +100,18 @@ class LimiterState:
 
     def stats(self) -> LimiterStats:
         """The same counts as the limiter's own :meth:`~PostgresConcurrencyLimiter.stats`."""
-        names = list(self.workloads)
-        names += [w for counts in (self.active, self.queued) for w in counts if w not in names]
-        return LimiterStats(
-            active=self.total_active,
-            queued=self.total_queued,
-            workloads={
-                w: WorkloadStats(active=self.active.get(w, 0), queued=self.queued.get(w, 0))
-                for w in names
-            },
-        )
+        rows = [(w, self.active.get(w, 0), self.queued.get(w, 0)) for w in self.active]
+        rows += [(w, 0, n) for w, n in self.queued.items() if w not in self.active]
+        return counted_stats(self.workloads, rows)
 
 
 class PostgresBackend:
     """Limiters and stores on one PostgreSQL database, sharing one engine per process.
 
-    :param database: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool` the
-        caller owns. ``None`` builds a backend that only checked its options: any call
-        that needs the database raises :class:`~runcell_celery.errors.ConcurrencyConfigError`.
-    :param options: the ``RUNCELL["POSTGRES"]`` section (see :class:`PostgresOptions`).
-    :param path: how the settings spell that section, for error messages.
-    :raises ConcurrencyConfigError: an option is unknown or invalid (naming
-        ``path["option"]`` and the value).
-    :raises ConcurrencyConfigError: ``database`` is a string but not a DSN (masked in
-        the message, :mod:`runcell_celery.redaction`).
-    :raises TypeError: ``database`` is neither a DSN nor a pool.
+    :param database: a DSN, or a caller's :class:`psycopg_pool.ConnectionPool`; ``None``:
+        options checked only (a database call raises ``ConcurrencyConfigError``).
+    :param path: how the settings spell the options section, for error messages.
+    :raises ConcurrencyConfigError, TypeError: an invalid option or ``database``.
     """
 
     def __init__(
@@ -184,11 +154,8 @@ class PostgresBackend:
 
     @property
     def engine(self) -> Engine:
-        """This process's engine, taken on first use (in a forked child: its own).
-
-        Backends on the same database with the same options share one engine in a
-        process (:func:`~.engine.engines`): two Celery apps, or three limiters made
-        one by one, cost a process one pool, one listener and one keeper thread.
+        """This process's engine, taken on first use (in a forked child: its own);
+        backends on one database with the same options share it (:func:`~.engine.engines`).
         """
         engine, pid = self._engine, os.getpid()
         if engine is not None and self._pid == pid and not self._closed:
@@ -217,19 +184,13 @@ class PostgresBackend:
         """This process's connection pool (every limiter and store call uses it)."""
         return self.engine.database.pool
 
-    # -- limiters ---------------------------------------------------------------------
-
     def create_limiter(
         self, config: LimiterConfig, *, owns: bool = False
     ) -> PostgresConcurrencyLimiter:
-        """Build a limiter on this backend's pool; store its limits or check the stored.
+        """Build a limiter on this backend; store its limits or check the stored ones.
 
-        :param owns: the limiter's :meth:`~PostgresConcurrencyLimiter.close` closes
-            this backend (a backend made for that one limiter).
-
-        :raises ConcurrencyConfigError: the stored limits differ
-            (``on_conflict="error"``), or the tables are missing and ``ensure_schema``
-            is off.
+        :param owns: the limiter's ``close()`` closes this backend (made for it alone).
+        :raises ConcurrencyConfigError: the stored limits differ, or the tables are missing.
         :raises ConcurrencyLimiterError: the database failed.
         """
         limiter = PostgresConcurrencyLimiter(self, config, self.options, owns_backend=owns)
@@ -237,12 +198,8 @@ class PostgresBackend:
         return limiter
 
     def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]:
-        """The limiters of ``configs`` stored with other limits, which
-        :meth:`create_limiter` would refuse (``on_conflict="error"``; the other
-        policies refuse none): read on a connection of its own, closed at once, so a
-        prefork parent that checks before it forks leaves its children nothing.
-
-        :raises ConcurrencyLimiterError: the database could not be reached or read.
+        """The limiters of ``configs`` stored with other limits (``on_conflict="error"``
+        only), read on a connection closed at once: a prefork parent leaves its children nothing.
         """
         if self.options.on_conflict != "error" or not configs:
             return []
@@ -262,10 +219,10 @@ class PostgresBackend:
         return [LimitsConflict(limiter, differences) for limiter, differences in found]
 
     def close(self) -> None:
-        """End every thread this backend started in this process and close every
-        connection it opened (pool, listener); a caller's pool stays open (it is the
-        caller's). Its limiters must not be used afterwards: they fail closed. A
-        forked child's close leaves the parent's engine alone."""
+        """End every thread this backend started here and close every connection it opened
+        (a caller's pool stays open); its limiters then fail closed. A forked child's close
+        leaves the parent's engine alone.
+        """
         with self._lock:
             if self._pid != os.getpid() or self._closed:
                 return
@@ -274,24 +231,14 @@ class PostgresBackend:
         if finalizer is not None and finalizer.detach() is not None and self._engine is not None:
             engines().give_back(self._engine)
 
-    # -- RunStore ---------------------------------------------------------------------
-
     def first_start(self, run_id: str, timeout_ms: float) -> float:
         """Record the run's first start (or find it); return the ms left in its budget.
 
-        A redelivered or re-published run finds the deadline of its first start, so
-        its budget is never restarted. The answer is computed by the database (its
-        deadline minus its clock), so this host's clock does not shift it.
-
-        Keyed by the run id, so a retry after a lost reply finds the deadline the first
-        attempt stored. Within the run's
-        :func:`~runcell_celery.patience.database_patience` a dropped connection or a
-        database not up yet is retried until it ends.
+        A redelivered run finds its first start's deadline, computed in database time; keyed
+        by the run id, so a retry after a lost reply finds what the first attempt stored.
         """
         params = {"run_id": run_id, "timeout_ms": timeout_ms}
         return float(self._fetch(statements.FIRST_START, params)[0][0])
-
-    # -- RevocationStore --------------------------------------------------------------
 
     def add_revoked(self, run_ids: Sequence[str]) -> int:
         """Record revoked runs; return how many were new."""
@@ -310,13 +257,9 @@ class PostgresBackend:
         """Forget revocations older than ``keep_ms``; return how many went."""
         return len(self._fetch(statements.PURGE_REVOKED, {"keep_ms": keep_ms}))
 
-    # -- CounterStore -----------------------------------------------------------------
-
     def add_counts(self, counts: Sequence[AdmissionCount], *, batch_id: str | None = None) -> None:
-        """Add a batch of counts to the fleet-wide totals, in one statement.
-
-        :param batch_id: a UUID naming the batch: sent again (a retry after a lost
-            reply), it is not added twice (remembered 15 minutes).
+        """Add a batch of counts to the fleet-wide totals in one statement; a batch sent
+        again with its ``batch_id`` (a retry after a lost reply) is not added twice.
         """
         if not counts:
             return
@@ -333,8 +276,6 @@ class PostgresBackend:
         """Every worker's counts summed, per task name and limiter."""
         return [AdmissionCount(*row) for row in self._fetch(statements.ADMISSION_COUNTS)]
 
-    # -- ParkingStore -----------------------------------------------------------------
-
     def claim_republish(
         self,
         lease_ids: Sequence[str] = (),
@@ -343,12 +284,9 @@ class PostgresBackend:
         broker: str | None = None,
         others: set[str] | None = None,
     ) -> list[Republish]:
-        """Take the right to publish these grants (and any left unpublished past
-        ``stale_ms``); exactly one caller gets each (see :mod:`.parking`).
-
-        Only grants of tasks parked for ``broker`` (the caller's) are taken, and those
-        parked before brokers were recorded; the other brokers whose grants were due
-        are added to ``others``, their grants left to their own publishers.
+        """Take the right to publish these grants (and any unpublished past ``stale_ms``),
+        only those parked for ``broker``; exactly one caller gets each. Other brokers with
+        grants due are added to ``others``.
         """
         params = {"lease_ids": list(lease_ids), "stale_ms": stale_ms, "broker": broker}
         claimed: list[Republish] = []
@@ -375,12 +313,8 @@ class PostgresBackend:
 
     def take_expired_parked(self, *, broker: str | None = None) -> list[ExpiredParked]:
         """Take parked requests whose deadline passed out of line, for this process to
-        record their tasks' failure (phase one; see :class:`~runcell_celery.ports.ParkingStore`).
-
-        Nothing is deleted: until :meth:`complete_expired_parked`, this process gets
-        them again at every call, and any other once ``RETAKE_EXPIRED_AFTER_MS``
-        passed. Old operation records are purged on the way. With ``broker``, only
-        requests parked for that broker (or for none) are taken.
+        record their failure (phase one); they stay stored until
+        :meth:`complete_expired_parked` (another taker gets them after ``RETAKE_EXPIRED_AFTER_MS``).
         """
         params = {
             # This process, whichever host: a forked child is another taker.
@@ -415,11 +349,9 @@ class PostgresBackend:
         return int(answer["n"])
 
     def pass_parked_groups(self, limit: int = PARKED_GROUP_PASSES) -> list[str]:
-        """Run the group passes of up to ``limit`` parked requests over several
-        limiters, heads of line first, and return the lease ids of those granted (to
-        re-publish with :meth:`claim_republish`). No process waits for a parked
-        request, so the sweepers run its passes; releasers run them at once for the
-        requests they find first in line everywhere."""
+        """Run the group passes of up to ``limit`` parked requests over several limiters
+        (heads of line first: no process waits for them) and return the lease ids granted.
+        """
         rows = self._fetch(statements.PARKED_GROUPS, {"limit": limit * 4})
         granted: list[str] = []
         for group_id in list(dict.fromkeys(str(row[0]) for row in rows))[:limit]:
@@ -439,22 +371,12 @@ class PostgresBackend:
         if listener is not None:
             listener.add_parked_handler(handler)
 
-    # -- operators ----------------------------------------------------------------------
-
     def force_release(
         self, lease_ids: Sequence[str], *, actor: str | None = None
     ) -> list[ReleasedLease]:
-        """Take slots back from their holders now and give them to the next waiters.
-
-        The leases are expired in database time, then each affected limiter runs an
-        allocation pass with its stored limits, exactly as when a crashed holder's
-        lease runs out: a parked task's grant goes back in line, waiters are granted
-        by the allocation rules. The holder finds out at its next renewal and its
-        provider call is aborted; until then the fencing token protects the provider.
-
-        :param actor: who released them (a user name): the holder's lease-lost error
-            and event then say ``force-released by <actor>``.
-        :returns: the leases released (those already gone are left out).
+        """Take slots back from their holders now and give them to the next waiters, as
+        when a crashed holder's lease runs out; the holder learns it at its next renewal (its
+        error names ``actor``). Returns the leases released (those already gone left out).
         """
         params = {"lease_ids": [str(lease_id) for lease_id in lease_ids], "actor": actor}
         released = [ReleasedLease(*row) for row in self._fetch(statements.EXPIRE_LEASES, params)]
@@ -462,10 +384,8 @@ class PostgresBackend:
         return released
 
     def reap(self, limiter_names: Sequence[str]) -> None:
-        """Run one allocation pass on each named limiter, with its stored limits.
-
-        Any worker's next allocation would do it too; doing it now hands freed slots
-        to waiters at once. A limiter that fails is logged and the others still run.
+        """Run one allocation pass on each named limiter now (freed slots go to waiters at
+        once); a limiter that fails is logged and the others still run.
         """
         engine = self.engine
         for name in limiter_names:
@@ -479,10 +399,8 @@ class PostgresBackend:
                 logger.exception("runcell: an allocation pass on %r failed", name)
 
     def stored_limits(self, names: Sequence[str] | None = None) -> dict[str, LimiterConfig]:
-        """The limits stored for each limiter (or the named ones), by name.
-
-        A row whose stored limits no longer parse (written by another version) is
-        left out and logged.
+        """The limits stored for each limiter (or the named ones), by name; a row that no
+        longer parses is left out and logged.
         """
         params = {"names": None if names is None else list(names)}
         found: dict[str, LimiterConfig] = {}
@@ -508,8 +426,6 @@ class PostgresBackend:
                 statements.LIMITER_STATES, params
             )
         }
-
-    # -- plumbing -----------------------------------------------------------------------
 
     def _database(self) -> Database:
         if self._db is None:

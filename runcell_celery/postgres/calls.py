@@ -1,26 +1,12 @@
 """Sending one operation to the database: bounded, retried when safe, failing closed.
 
-Every limiter operation is one function call (one round trip, one transaction). It
-is sent as one simple-query message (parameters bound on the client) that first sets
-transaction-local bounds, so nothing stays behind on the server session and
-transaction poolers such as PgBouncer stay safe::
-
-    SET LOCAL statement_timeout = ...; SET LOCAL lock_timeout = ...; SELECT runcell_...(...)
-
-``lock_timeout`` is never longer than the caller may still wait: a process frozen or
-cut off while it holds the limiter row delays the others by at most that, and the
-server ends the frozen transaction on its own. A connection the database dropped
-(restart, ``pg_terminate_backend``) is found out when used; the call is then retried
-on another connection, which is safe because every operation is idempotent.
-
-Within a budget (``until``, by default the run's :func:`~runcell_celery.patience.current_patience`)
-a transient failure — a dropped connection (``terminating connection due to
-administrator command``), connection refused, a database still starting up, no pooled
-connection within the wait — is retried with backoff (50 ms doubling to 1 s, never
-past the deadline) until the budget ends: a database restart of a few seconds is a
-blip to a run. :func:`persist` is that loop; :func:`call`, :func:`fetch_rows` and the
-limiter's registration go through it. Once the budget has ended the last failure is
-raised as before (fail closed).
+Every operation is one function call sent as one simple-query message that first sets
+transaction-local bounds (``SET LOCAL statement_timeout``, ``lock_timeout``), so no
+session state stays behind (PgBouncer transaction mode is safe) and a frozen holder of
+a limiter row delays others by at most the caller's wait. A dropped connection is
+retried at once on another (every operation is idempotent); within a budget (``until``,
+by default the run's :func:`~runcell_celery.patience.current_patience`) any transient
+failure is retried with backoff (:func:`persist`), so a database restart is a blip.
 """
 
 from __future__ import annotations
@@ -36,21 +22,6 @@ from psycopg_pool import PoolTimeout
 from ..deadline import Deadline
 from ..patience import current_patience
 from .connection import Connection, Database, PoolBusy, fetch_all
-
-__all__ = [
-    "LOCK_WAIT_CAP_MS",
-    "STATEMENT_TIMEOUT_MS",
-    "WITHDRAW_GRACE_MS",
-    "CallFailedError",
-    "LimiterMissingError",
-    "LimitsReplacedError",
-    "RowBusyError",
-    "Stamp",
-    "call",
-    "fetch_rows",
-    "persist",
-    "transient",
-]
 
 T = TypeVar("T")
 
@@ -81,11 +52,10 @@ _BOUNDS: LiteralString = (
 
 
 class CallFailedError(Exception):
-    """The database could not do the operation (it did nothing, or nothing lasting).
+    """The database could not do the operation.
 
-    :param maybe_done: whether the operation may have taken effect after all (an
-        attempt was lost with its connection: it may have committed). ``False``:
-        it certainly did nothing (no connection could be had, or the row stayed locked).
+    :param maybe_done: whether it may have committed after all (an attempt was lost with
+        its connection); ``False``: it certainly did nothing.
     """
 
     def __init__(self, message: str, *, maybe_done: bool = True) -> None:
@@ -130,39 +100,26 @@ def call(
     params: Mapping[str, Any],
     *,
     lock_timeout_ms: int = LOCK_WAIT_CAP_MS,
-    retry: bool = True,
     rows: bool = False,
     stamp: Stamp | None = None,
     until: Deadline | None = None,
 ) -> Any:
-    """Run one bounded function call; return its single value (or every row's first
-    column with ``rows=True``).
-
-    :param until: retry transient failures until then (see :func:`persist`; default:
-        the run's :func:`~runcell_celery.patience.current_patience`).
+    """Run one bounded function call; return its single value (``rows=True``: every
+    row's first column). ``until``: retry transient failures until then (:func:`persist`).
 
     :raises RowBusyError: the limiter row stayed locked for ``lock_timeout_ms``.
-    :raises LimiterMissingError: the limiter row does not exist.
-    :raises LimitsReplacedError: the stored limits are not this worker's any more.
+    :raises LimiterMissingError, LimitsReplacedError: the row is gone, or its limits replaced.
     :raises CallFailedError: any other database failure; ``__cause__`` says which.
     """
-    bound = {
-        **params,
-        "statement_timeout_ms": STATEMENT_TIMEOUT_MS,
-        "lock_timeout_ms": lock_timeout_ms,
-    }
-    # An operation that may not be repeated is not repeated after a failure either.
-    patience = None if not retry else until if until is not None else current_patience()
+    bound = {**params, "statement_timeout_ms": STATEMENT_TIMEOUT_MS}
+    patience = until if until is not None else current_patience()
 
     def again(failed: CallFailedError) -> None:
         if failed.maybe_done and "retry" in bound:
             bound["retry"] = True  # the failed attempt may have committed
 
     def attempt() -> Any:
-        return _call_once(
-            database, query, bound, lock_timeout_ms, retry=retry, rows=rows, stamp=stamp,
-            until=patience,
-        )  # fmt: skip
+        return _call_once(database, query, bound, lock_timeout_ms, rows, stamp, patience)
 
     return persist(patience, attempt, on_retry=again)
 
@@ -172,15 +129,13 @@ def _call_once(
     query: LiteralString,
     bound: dict[str, Any],
     lock_timeout_ms: int,
-    *,
-    retry: bool,
     rows: bool,
     stamp: Stamp | None,
     until: Deadline | None,
 ) -> Any:
     """One round of :func:`call`: a dropped connection retried at once on a fresh one
     (up to the pool's size), every other failure raised."""
-    attempts = database.pool_max_size + 1 if retry else 1
+    attempts = database.pool_max_size + 1
     lost = False
     attempt = -1
     while attempt + 1 < attempts:
@@ -257,12 +212,8 @@ def persist(
     *,
     on_retry: Callable[[CallFailedError], None] | None = None,
 ) -> T:
-    """Run ``attempt`` and, while ``until`` lasts, run it again after each transient
-    failure (:func:`transient`), pausing 50 ms, doubling to 1 s, never past ``until``.
-
-    Without ``until`` it runs once. Once ``until`` has passed, the last failure is
-    raised. ``on_retry(failure)`` is called before each new attempt (to mark the next
-    one a retry of an operation that may have committed).
+    """Run ``attempt``, and again after each transient failure while ``until`` lasts
+    (pausing 50 ms doubling to 1 s); ``on_retry(failure)`` runs before each new attempt.
     """
     delay = FIRST_BACKOFF_S
     retried = 0
@@ -308,11 +259,8 @@ def fetch_rows(
     *,
     until: Deadline | None = None,
 ) -> list[tuple[Any, ...]]:
-    """Run one plain statement (its own transaction) and return its rows: retried at
-    once on a fresh connection after a dropped one, and after any transient failure
-    while ``until`` lasts (default: the run's
-    :func:`~runcell_celery.patience.current_patience`). The statement must be safe to
-    repeat after a lost reply.
+    """Run one plain statement, safe to repeat, and return its rows (retried as
+    :func:`call` is).
 
     :raises CallFailedError: the database failed; ``__cause__`` says how.
     """

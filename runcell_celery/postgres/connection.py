@@ -1,9 +1,5 @@
 """Connections for the PostgreSQL limiter: one pool per :class:`Database` object.
 
-A :class:`Database` made from a DSN opens its pool on first use and closes it in
-:meth:`Database.close`; the backend's engine makes one per process (a forked child
-never uses nor closes the parent's, see :class:`~.backend.PostgresBackend`).
-
 Connections are in autocommit mode with server-side prepared statements off
 (``prepare_threshold=None``): the limiter keeps no session state, so transaction-mode
 poolers such as PgBouncer work.
@@ -28,8 +24,6 @@ from ..errors import ConcurrencyConfigError
 from ..redaction import dsn_secrets, mask_dsn, scrub
 from .options import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE
 
-__all__ = ["Database", "PoolBusy", "check_dsn", "fetch_all", "fetch_one", "redacted", "scrubbed"]
-
 logger = logging.getLogger("runcell_celery.postgres")
 
 Connection = psycopg.Connection[Any]
@@ -49,22 +43,12 @@ class PoolBusy(PoolTimeout):
 def fetch_all(
     conn: Connection, query: LiteralString, params: Mapping[str, Any] | None = None
 ) -> list[tuple[Any, ...]]:
-    """Run one statement as its own transaction and return its rows.
-
-    In autocommit mode (pools made here) a statement is its own transaction; a
-    caller's pool may not be in autocommit mode, and a pool rolls back whatever a
-    returned connection left open, so the statement is wrapped then.
+    """Run one statement as its own transaction and return its rows (a caller's pool
+    may not be in autocommit mode: the statement is wrapped then).
     """
     context = contextlib.nullcontext() if conn.autocommit else conn.transaction()
     with context:
         return conn.execute(query, params).fetchall()
-
-
-def fetch_one(
-    conn: Connection, query: LiteralString, params: Mapping[str, Any] | None = None
-) -> tuple[Any, ...]:
-    """Run one statement that returns exactly one row (see :func:`fetch_all`)."""
-    return fetch_all(conn, query, params)[0]
 
 
 #: How long one direct attempt's finding stands for the calls that fail after it.
@@ -72,13 +56,11 @@ DIAGNOSIS_TTL_S = 1.0
 
 
 class Database:
-    """Where a limiter gets its connections: a DSN (pool made here) or the caller's pool.
+    """Where a limiter gets its connections: a DSN (pool made here) or the caller's pool
+    (which should use ``autocommit=True``, and ``prepare_threshold=None`` behind PgBouncer).
 
-    :param db: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool` the caller
-        owns. A caller's pool should use ``autocommit=True`` and, behind PgBouncer
-        before 1.21 in transaction mode, ``prepare_threshold=None``.
     :param setting: how errors name where ``db`` came from.
-    :raises ConcurrencyConfigError: ``db`` is a string but not a DSN (:func:`check_dsn`).
+    :raises ConcurrencyConfigError: ``db`` is a string but not a DSN.
     """
 
     def __init__(
@@ -172,11 +154,7 @@ class Database:
 
     @contextmanager
     def connection(self, timeout: float | None = None) -> Iterator[Connection]:
-        """Lend a connection for one operation; broken ones are discarded by the pool.
-
-        :param timeout: wait at most this long for one (default: the pool's timeout,
-            ``connect_timeout_ms``).
-        """
+        """Lend a connection for one operation (at most ``timeout`` s to wait for one)."""
         pool = self.pool
         lent = False
         try:
@@ -189,11 +167,9 @@ class Database:
             raise self._explained(exc, pool) from exc
 
     def _explained(self, exc: PoolTimeout, pool: ConnectionPool[Any]) -> PoolTimeout:
-        """``couldn't get a connection after 5.00 sec`` with why. The pool only logs its
-        failed attempts, so one direct attempt finds the cause (at most one a second
-        per database: an outage does not turn each failed call into a connection
-        attempt). A pool whose connections all look lent out while the database
-        answers is busy, not down: :class:`PoolBusy`."""
+        """``couldn't get a connection`` with why: one direct attempt finds the cause (at most
+        one a second); a pool all lent out while the database answers is :class:`PoolBusy`.
+        """
         cause = self._cause()
         if cause is not None:
             return PoolTimeout(f"{exc} ({cause})")
@@ -203,10 +179,10 @@ class Database:
         return PoolTimeout(str(exc))
 
     def direct_connection(self, **kwargs: Any) -> Connection:
-        """Open a connection outside the pool (the listener's), in autocommit mode.
+        """Open an autocommit connection outside the pool (the listener's).
 
-        :raises psycopg.OperationalError: it failed; the message never holds the
-            password (:func:`scrubbed`), nor does the exception's context.
+        :raises psycopg.OperationalError: it failed; neither the message nor its context holds
+            the password.
         """
         failure: psycopg.Error | None = None
         try:
@@ -255,12 +231,10 @@ def scrubbed(error: BaseException, conninfo: str) -> str:
 
 
 def check_dsn(dsn: str, *, setting: str = "DATABASE") -> dict[str, Any]:
-    """Parse the PostgreSQL DSN ``dsn`` (URI or ``key=value``); return its parameters.
+    """Parse the PostgreSQL DSN ``dsn``; return its parameters.
 
-    :param setting: how the error names where the DSN came from (empty: it does not).
-    :raises ConcurrencyConfigError: it cannot be parsed. The message shows the DSN with
-        its password masked and psycopg's reason scrubbed; the error has no cause or
-        context (psycopg's own message quotes the DSN).
+    :raises ConcurrencyConfigError: it cannot be parsed; the message masks the password
+        and has no cause or context (psycopg's own message quotes the DSN).
     """
     try:
         return psycopg.conninfo.conninfo_to_dict(dsn)

@@ -1,13 +1,9 @@
 """The engine: what a PostgreSQL backend's limiters share in one process.
 
-One :class:`Engine` per backend and process holds the database (its pool), the
-waiting room (its listener and safety poll), the ``runcell-db`` executor of async
-calls, the lease keeper and the key purgers; the limiter, keyed and several-limiter
-code reach them only through it (``limiter._engine``: :meth:`Engine.call`,
-:attr:`Engine.room`, ...), never through module state. :meth:`Engine.close` ends
-every thread it started and closes every connection it opened, like
-:meth:`psycopg_pool.ConnectionPool.close`. The backend makes one per process
-(:attr:`~.backend.PostgresBackend.engine`): a forked child gets its own.
+One :class:`Engine` per backend and process holds the database (its pool), the waiting
+room (listener, safety poll), the ``runcell-db`` executor, the lease keeper and the key
+purgers; :meth:`Engine.close` ends every thread it started and closes every connection
+it opened, like :meth:`psycopg_pool.ConnectionPool.close`.
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ from .calls import call
 from .connection import Database, redacted
 from .options import PostgresOptions
 from .waiting import WaitRoom
-
-__all__ = ["Engine", "EngineShares", "HasEngine", "engines"]
 
 #: How long :meth:`Engine.close` waits for each of its threads to end (seconds).
 CLOSE_TIMEOUT_S = 10.0
@@ -97,9 +91,8 @@ class Engine:
         return new
 
     def close(self) -> None:
-        """End every thread this engine started and close every connection it opened.
-
-        Leases still held are no longer renewed (they expire); waiters are not served.
+        """End every thread this engine started and close every connection it opened;
+        leases still held are no longer renewed, waiters are not served.
         """
         with self._lock:
             if self.closed:
@@ -128,12 +121,9 @@ class HasEngine(Protocol):
 
 class EngineShares:
     """The engines of this process: one per database and options, shared by every
-    backend on them, closed with the last backend's :meth:`give_back`.
-
-    A fleet's process has one database; two Celery apps, a Django admin and a script's
-    limiters on it share one pool, one listener and one keeper thread, as they would
-    share one psycopg pool. A forked child never uses its parent's entries (keyed by
-    process id): its backends take engines of its own.
+    backend on them (two Celery apps and a script cost one pool, one listener, one keeper)
+    and closed with the last backend's :meth:`give_back`. A forked child never uses its
+    parent's entries.
     """
 
     def __init__(self) -> None:

@@ -1,9 +1,4 @@
-"""``create_postgres_concurrency_limiter``: one limiter from keyword arguments.
-
-A thin wrapper: the limits go through :func:`~runcell_celery.config.limiter_config`,
-the PostgreSQL options through :class:`PostgresOptions`, and a
-:class:`~runcell_celery.postgres.PostgresBackend` builds and registers the limiter.
-"""
+"""``create_postgres_concurrency_limiter``: one limiter from keyword arguments."""
 
 from __future__ import annotations
 
@@ -23,8 +18,6 @@ from .options import (
     OnConflict,
     PostgresOptions,
 )
-
-__all__ = ["create_postgres_concurrency_limiter"]
 
 
 def create_postgres_concurrency_limiter(
@@ -48,20 +41,13 @@ def create_postgres_concurrency_limiter(
     pool_max_size: int = DEFAULT_POOL_MAX_SIZE,
     connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS,
 ) -> PostgresConcurrencyLimiter:
-    """Create a limiter whose slots every process using ``name`` on ``db`` shares.
+    """Create a limiter whose slots every process using ``name`` on ``db`` (a DSN or a
+    :class:`psycopg_pool.ConnectionPool`) shares; the options are those of
+    :class:`~runcell_celery.postgres.PostgresOptions` and
+    :class:`~runcell_celery.config.LimiterConfig`. The limiter owns a backend of its own:
+    ``limiter.close()`` ends its threads and connections.
 
-    :param db: a PostgreSQL DSN, or a :class:`psycopg_pool.ConnectionPool`.
-
-    ``poll_interval_ms``, ``queue_entry_ttl_ms``, ``ensure_schema``, ``on_conflict``,
-    ``listen``, ``pool_max_size`` and ``connect_timeout_ms`` are the fields of
-    :class:`~runcell_celery.postgres.PostgresOptions` (documented there); the others
-    those of :class:`~runcell_celery.config.LimiterConfig`. With ``keyed=True`` the
-    limiter is a template: ``limiter.key("acme")`` is the limiter of that key, with the
-    same limits (:mod:`runcell_celery.postgres.keyed`). The limiter owns a backend of
-    its own: ``limiter.close()`` ends its threads and closes its connections.
-
-    :raises ConcurrencyConfigError: an option or limit is invalid, or the stored
-        limits differ (``on_conflict="error"``).
+    :raises ConcurrencyConfigError: an option is invalid, or the stored limits differ.
     """
     options = PostgresOptions.from_mapping(
         {

@@ -1,14 +1,9 @@
-"""Every limiter's live figures for monitoring, read in one query (a metrics scrape).
+"""Every limiter's live figures for monitoring, read in one bounded query (a scrape).
 
-One row per limiter and workload, from the counts allocation keeps on each limiter
-row (``active``, ``waiting``: no ``count(*)`` over leases) and one pass over the
-requests still in line (parked ones and the oldest arrival). The keys of a keyed
-limiter (rows ``"tenant:acme"`` whose ``parent`` is ``"tenant"``) are summed under
-the keyed limiter's name: 100,000 tenants make one row per workload, not 100,000.
-
-Read-only, and bounded: the statement runs under its own ``statement_timeout``
-(``SET LOCAL`` in the same round trip), so a database that stalls fails the read
-instead of holding the scrape beyond Prometheus's own timeout.
+One row per limiter and workload, from the counts kept on each limiter row (no
+``count(*)`` over leases); a keyed limiter's keys are summed under its name, so
+100,000 tenants make one row per workload. The statement has its own
+``statement_timeout``: a stalled database fails the read, not the scrape.
 """
 
 from __future__ import annotations
@@ -23,8 +18,6 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..errors import ConcurrencyLimiterError
 from .connection import redacted, scrubbed
-
-__all__ = ["LIMITER_GAUGES", "WorkloadGauges", "gauges_from_rows", "read_workload_gauges"]
 
 #: One row per (limiter, workload); the read gives up after 5 s (a scrape's default
 #: timeout is 10 s); keys summed under their keyed limiter. The
@@ -95,22 +88,9 @@ ORDER BY w.limiter, w.workload
 
 @dataclass(frozen=True, slots=True)
 class WorkloadGauges:
-    """One workload of one limiter, now (keys of a keyed limiter summed).
-
-    :param limiter: the limiter's name (a keyed limiter's, never a key's).
-    :param workload: the workload's name.
-    :param keyed: whether the limiter has a limit per key.
-    :param limit: the limiter's ``max_concurrent`` (each key's, for a keyed limiter).
-    :param workload_limit: the workload's ceiling (at most ``limit``).
-    :param effective_limit: the most slots the workload could hold now, given what
-        the other workloads hold or keep reserved; summed over the stored keys.
-    :param held: slots held.
-    :param queued: requests in line, waiting or parked (not yet granted).
-    :param parked: of those, the parked ones (Celery admission deferral).
-    :param oldest_wait_s: how long the oldest of those has been in line; ``None``
-        when nothing is.
-    :param keys_in_use: a keyed limiter's keys holding a slot or with a request in
-        line (counted per workload row: the same for each).
+    """One workload of one limiter, now (a keyed limiter's keys summed): ``limit`` is
+    ``max_concurrent``, ``workload_limit`` the workload's ceiling, ``effective_limit`` the
+    most it could hold now; ``queued`` counts waiting and parked requests.
     """
 
     limiter: str
@@ -127,12 +107,8 @@ class WorkloadGauges:
 
 
 def read_workload_gauges(pool: ConnectionPool[Any]) -> list[WorkloadGauges]:
-    """Run :data:`LIMITER_GAUGES` on a connection of ``pool`` (one round trip).
-
-    Pass the backend's pool (:attr:`PostgresBackend.pool`). The statement has no
-    parameters, so it travels as one simple query: its ``SET LOCAL`` and its
-    ``SELECT`` run in one implicit transaction, and the timeout ends with it. A
-    caller's pool outside autocommit mode gets an explicit transaction.
+    """Run :data:`LIMITER_GAUGES` on a connection of ``pool`` (the backend's), in one
+    round trip and one transaction.
 
     :raises ConcurrencyLimiterError: the database failed or did not answer in time.
     """
@@ -152,31 +128,14 @@ def read_workload_gauges(pool: ConnectionPool[Any]) -> list[WorkloadGauges]:
 
 def gauges_from_rows(rows: Sequence[Sequence[Any]]) -> list[WorkloadGauges]:
     """Build the gauges from the rows of :data:`LIMITER_GAUGES`."""
-    return [
-        WorkloadGauges(
-            limiter=str(limiter),
-            workload=str(workload),
-            keyed=bool(keyed),
-            limit=int(limit),
-            workload_limit=int(ceiling if ceiling is not None else limit),
-            effective_limit=int(room),
-            held=int(held),
-            queued=int(waiting),
-            parked=int(parked),
-            oldest_wait_s=None if oldest is None else max(0.0, float(oldest)),
-            keys_in_use=int(keys_in_use),
-        )
-        for (
-            limiter,
-            workload,
-            keyed,
-            limit,
-            ceiling,
-            room,
-            held,
-            waiting,
-            parked,
-            oldest,
-            keys_in_use,
-        ) in rows
-    ]
+    out = []
+    for row in rows:
+        limiter, workload, keyed, limit, ceiling, room, held, waiting, parked, oldest, keys = row
+        workload_limit = int(ceiling if ceiling is not None else limit)
+        oldest_s = None if oldest is None else max(0.0, float(oldest))
+        gauges = WorkloadGauges(
+            str(limiter), str(workload), bool(keyed), int(limit), workload_limit,
+            int(room), int(held), int(waiting), int(parked), oldest_s, int(keys),
+        )  # fmt: skip
+        out.append(gauges)
+    return out

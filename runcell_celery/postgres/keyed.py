@@ -1,26 +1,17 @@
 """The keys of a keyed PostgreSQL limiter, in this process.
 
-A keyed limiter (``keyed=True``) is stored as one row, the template; each key is a
-limiter row of its own, ``"<limiter>:<key>"``, which the database creates on the first
-operation that names it (``runcell_create_key_v5``: no registration round trip, so a
-key's first acquire is still one round trip) and deletes once idle
-(``runcell_purge_idle_keys_v5``). This module keeps what the process needs besides:
-
-* the key's limiter objects, built without I/O and cached (least recently used first
-  out), since a fleet may see 100,000 tenants;
-* a purge loop, started by the first key used in the process: every
-  :data:`PURGE_INTERVAL_S` it deletes idle keys in batches (any process may: the
-  purge skips keys in use and never waits for one), and the round-robin history of
-  keys idle for :data:`FAIR_HISTORY_IDLE_MS`;
-* per-key counts for operators (the busiest keys, searchable) and the totals over all
-  keys.
+A keyed limiter is stored as one template row; each key is a limiter row of its own,
+``"<limiter>:<key>"``, created by the first operation that names it (no extra round
+trip) and purged once idle. Here: the keys' limiter objects (built without I/O, cached
+LRU), a purge loop started by the first key used (every :data:`PURGE_INTERVAL_S`, in
+batches, skipping keys in use), and per-key counts for operators.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Generic, LiteralString, Protocol, Self, TypeVar
 
 from ..background import BackgroundLoop
@@ -29,8 +20,6 @@ from ..keys import check_key, split_key_name
 from ..protocol import KeyStats, LimiterStats, WorkloadStats
 from . import statements
 from .engine import HasEngine
-
-__all__ = ["PURGE_BATCH", "PURGE_INTERVAL_S", "KeyLimiter", "KeySet"]
 
 #: How often a process that uses keys deletes the idle ones (seconds).
 PURGE_INTERVAL_S = 10.0
@@ -145,21 +134,29 @@ class KeySet(Generic[L]):
         """Slots held and requests waiting over every key, per workload; with
         ``per_key`` also the keys in use (:meth:`stats`)."""
         rows = self._parent.fetch(statements.KEYED_TOTALS, {"parent": self._parent.name})
-        workloads = list(self._parent.config.workloads)
-        active = dict.fromkeys(workloads, 0)
-        queued = dict.fromkeys(workloads, 0)
-        for workload, held, waiting in rows:
-            active[workload] = int(held or 0)
-            queued[workload] = int(waiting or 0)
-        return LimiterStats(
-            active=sum(active.values()),
-            queued=sum(queued.values()),
-            workloads={w: WorkloadStats(active=active[w], queued=queued[w]) for w in active},
-            keys=self.stats(limit=limit) if per_key else (),
-        )
+        keys = self.stats(limit=limit) if per_key else ()
+        return counted_stats(self._parent.config.workloads, rows, keys=keys)
 
     def stop(self) -> None:
         self._purger.stop()
+
+
+def counted_stats(
+    workloads: Iterable[str], rows: Iterable[Sequence[Any]], *, keys: Sequence[KeyStats] = ()
+) -> LimiterStats:
+    """Stats from ``(workload, held, waiting)`` rows; ``workloads`` (configured) first,
+    each shown even when idle."""
+    active = dict.fromkeys(workloads, 0)
+    queued = dict.fromkeys(workloads, 0)
+    for workload, held, waiting in rows:
+        active[workload] = int(held or 0)
+        queued[workload] = int(waiting or 0)
+    return LimiterStats(
+        active=sum(active.values()),
+        queued=sum(queued.values()),
+        workloads={w: WorkloadStats(active=active[w], queued=queued[w]) for w in active},
+        keys=keys,
+    )
 
 
 def _purge_step(keys: KeySet[Any]) -> float:

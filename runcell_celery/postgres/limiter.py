@@ -1,22 +1,25 @@
 """The PostgreSQL limiter: one limit shared by every worker on every host.
 
 Every operation is one call of a function in ``schema.sql`` (one round trip, one
-transaction) under the limiter row's lock:
+transaction) over the request's *members*, the limiter rows it needs, locked in name
+order (so two requests naming the same limiters in any order cannot deadlock):
 
-* **acquire** grants at once when nobody of the request's workload waits and the
-  workload has room, else queues the request (one synchronous commit);
+* **acquire** grants at once when, in every member, nobody of the request's workload
+  waits and the workload has room; else it queues one row per member and holds
+  nothing. A single limiter is a group of one, whose row is named by the request id
+  (the SQL's fast path); a member of several is ``"<request id>|<limiter>"``.
 * **release** frees the slot and grants the next waiters in the same transaction,
-  notifying each waiting process on its own channel with the leases (asynchronous
-  commit when it grants nobody);
-* a waiting request waits in its process's :class:`~.waiting.WaitRoom` and costs the
-  database nothing; when its wait ends it **withdraws** under the lock (a grant made
-  at that moment wins; a cancelled request gives it back).
+  notifying each waiting process on its own channel with the leases.
+* a waiting request waits in its process's :class:`~.waiting.WaitRoom` at no cost to
+  the database; when its wait ends it **withdraws** under the locks (a grant made at
+  that moment wins; a cancelled request gives it back).
 
-The allocation rules are those of :func:`runcell_celery.allocation.allocate`, which
-``runcell_allocate_v4`` carries out over kept counts and the head of each workload's
-line (``tests/postgres/test_allocation_in_sql.py`` checks the two agree). No
-connection is held while a request waits or a slot is held. Errors fail closed: the
-caller gets :class:`~runcell_celery.errors.ConcurrencyLimiterError` and no slot.
+Allocation never grants one member of several by itself: a member first in line in
+every limiter of its request has its slot set aside, and the transaction that found it
+tells its caller to run the request's *group pass* (``runcell_grant_request``), which
+grants all its members together. The waiting process runs that pass itself now and
+then (:data:`GROUP_PASS_S`), so a pass a releaser could not run is late, never lost.
+The rules are :func:`runcell_celery.allocation.allocate`'s. Errors fail closed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any, LiteralString, cast
+from dataclasses import replace
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -50,11 +54,12 @@ from ..protocol import (
     KeyStats,
     Lease,
     LimiterStats,
+    Member,
     OnWait,
     Outcome,
     QueuePlace,
-    WorkloadStats,
     announce_wait,
+    wants_place,
 )
 from . import statements
 from .calls import (
@@ -72,82 +77,140 @@ from .calls import (
 )
 from .connection import Database
 from .engine import Engine, HasEngine
-from .keyed import PURGE_BATCH, KeySet
+from .keyed import PURGE_BATCH, KeySet, counted_stats
 from .options import OnConflict, PostgresOptions
 from .parking import ParkRule
-from .registration import Stored, config_hash, store_limits
-from .several import acquire_several, claim_parked_group, run_group_pass, withdraw_group
-from .stored_limits import StoredLimits, announce_stored_limits, read_stored_limits
-from .waiting import Grant, Waiter, WaitRoom
-
-__all__ = ["AdmissionResult", "PostgresConcurrencyLimiter"]
+from .registration import (
+    Stored,
+    StoredLimits,
+    announce_stored_limits,
+    config_hash,
+    read_stored_limits,
+    store_limits,
+)
+from .waiting import Waiter, WaitRoom
 
 logger = logging.getLogger("runcell_celery.postgres")
 
-#: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides a lease.
+#: What :meth:`PostgresConcurrencyLimiter.acquire_or_park` may answer besides leases.
 AdmissionResult = Parked | Duplicate
+_Result = tuple[Lease, ...] | AdmissionResult
 
 #: A lease is taken as lost this much before its TTL would end on the database, so a
 #: pause or a slow clock never lets a body run on a lease another holder already has.
 MAX_SAFETY_MARGIN_MS = 1_000
 #: A release blocked this many times by a busy row gives up (the lease then expires).
 RELEASE_ATTEMPTS = 3
-#: An acquire takes the stored limits at most this many times (``use_stored``) before
-#: it fails: limits replaced again and again while it asks.
+#: An acquire takes the stored limits at most this many times (``use_stored``).
 ADOPT_ATTEMPTS = 3
+#: How often a process waiting on several limiters runs its request's group pass
+#: itself (seconds), besides the passes releasers run when they find it first in line.
+GROUP_PASS_S = 1.0
 
 
-class _Waiting:
-    """One waiting request's state while the limiter drives it (sync or async)."""
+def member_id(request_id: str, limiter: str, members: int) -> str:
+    """The queue row and lease request id of a request's slot in one limiter."""
+    return request_id if members == 1 else f"{request_id}|{limiter}"
 
-    __slots__ = (
-        "cancel",
-        "deadline",
-        "estimate",
-        "park",
-        "request",
-        "sent",
-        "settled",
-        "wait_ms",
-        "waiter",
-        "workload",
-    )
+
+class _Asked:
+    """One request over its members (in lock order) while it is asked for and waits."""
 
     def __init__(
         self,
-        request: AcquireRequest,
-        workload: str,
-        wait_ms: float | None,
+        limiters: list[PostgresConcurrencyLimiter],
+        requests: list[AcquireRequest],
+        workloads: list[str],
+        order: list[int],
         cancel: CancellationToken | None,
         park: ParkRule | None,
-        waiter: Waiter,
     ) -> None:
-        self.request = request
-        self.workload = workload
-        self.wait_ms = wait_ms
-        self.deadline = Deadline.after_ms(wait_ms) if wait_ms is not None else None
+        self.limiters = limiters
+        self.names = [x.name for x in limiters]
+        self.array = _array(self.names)
+        self.several = len(limiters) > 1
+        self.requests = requests
+        self.lead = requests[0]
+        self.workloads = workloads
+        #: Where each member stands in the caller's order.
+        self.order = order
+        self.ids = [member_id(self.request_id, x.name, len(limiters)) for x in limiters]
+        waits = [x._wait_ms(r, w) for x, r, w in zip(limiters, requests, workloads, strict=True)]
+        given = [w for w in waits if w is not None]
+        self.wait_ms = min(given) if given else None
+        self.deadline = Deadline.after_ms(self.wait_ms) if self.wait_ms is not None else None
         self.cancel = cancel
         self.park = park
-        self.waiter = waiter
-        self.sent = time.monotonic()
-        #: What the limiter said of its wait when it joined the line.
+        self.sent = self.last_pass = time.monotonic()
+        self.waiters: list[Waiter] = []
+        #: What the acquire said of its wait (one member), or of each line (several,
+        #: asked only for a tracer that records the place).
         self.estimate: WaitEstimate | None = None
-        #: Nothing is left in the database for this request but what it returned (a
-        #: lease, a parked row) or nothing at all: no withdrawal needed on the way out.
+        self.lines: list[WaitEstimate] | None = None
+        self.with_lines = False
+        #: Nothing is left in the database for it but what it returned (or what the
+        #: room withdraws in the background): no withdrawal on the way out.
         self.settled = False
+
+    @property
+    def request_id(self) -> str:
+        return self.lead.request_id
+
+    def remaining_ms(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline.remaining_ms())
 
     def pause_s(self) -> float | None:
         """How long to sleep before something is due (``None``: until woken)."""
-        due = [d for d in (self.deadline, self.park.until if self.park else None) if d]
-        return min(d.remaining_s() for d in due) if due else None
+        park = self.park.until if self.park is not None else None
+        due = [d.remaining_s() for d in (self.deadline, park) if d is not None]
+        if self.several:
+            due.append(GROUP_PASS_S - (time.monotonic() - self.last_pass))
+        return max(0.0, min(due)) if due else None
+
+    def waiter(self) -> Waiter:
+        """The waiter to sleep on: the first not granted yet."""
+        return next((w for w in self.waiters if w.grant is None), self.waiters[0])
+
+    def place(self) -> QueuePlace | None:
+        """Its place: the largest of its lines' (it is granted when every line lets it
+        through), with the longest expected wait when every line has one."""
+        lines = self.lines or ([self.estimate] if self.estimate is not None else None)
+        if not lines:
+            return None
+        expected = [line.expected_ms for line in lines]
+        known = [ms for ms in expected if ms is not None]
+        return QueuePlace(
+            place=max(line.place for line in lines),
+            expected_wait_ms=max(known) if len(known) == len(expected) else None,
+        )
+
+    def leases(self, pairs: Sequence[Any], sent: float | None) -> tuple[Lease, ...]:
+        """The leases of an answer (``[[lease_id, token], ...]`` in lock order)."""
+        return tuple(
+            x._lease(rid, w, pair, sent)
+            for x, rid, w, pair in zip(self.limiters, self.ids, self.workloads, pairs, strict=True)
+        )
+
+    def granted(self) -> tuple[Lease, ...] | None:
+        """Its leases once every member was told of its grant, else ``None``."""
+        if any(w.grant is None for w in self.waiters):
+            return None
+        return tuple(
+            x._granted(w, workload, self.sent)
+            for x, w, workload in zip(self.limiters, self.waiters, self.workloads, strict=True)
+        )
+
+    def member(self, name: object) -> tuple[PostgresConcurrencyLimiter, AcquireRequest, str]:
+        i = next((i for i, x in enumerate(self.limiters) if x.name == name), 0)
+        return self.limiters[i], self.requests[i], self.workloads[i]
+
+    def for_caller(self, result: _Result) -> _Result:
+        return _for_caller(self.order, result) if isinstance(result, tuple) else result
 
 
 class PostgresConcurrencyLimiter(ConfiguredLimiter):
-    """Slots shared through PostgreSQL by every process that uses the same name.
-
-    Create it with :meth:`PostgresBackend.create_limiter
-    <runcell_celery.postgres.PostgresBackend.create_limiter>` or
-    :func:`create_postgres_concurrency_limiter`.
+    """Slots shared through PostgreSQL by every process that uses the same name (made by
+    ``PostgresBackend.create_limiter`` or :func:`create_postgres_concurrency_limiter`).
     """
 
     def __init__(
@@ -177,12 +240,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     @property
     def engines(self) -> HasEngine:
-        """Its backend: gives each process its engine."""
+        """Its backend, which gives each process its engine."""
         return self._engines
 
     @property
     def _engine(self) -> Engine:
-        """This process's engine of the limiter's backend (pool, room, executor, keeper)."""
         return self._engines.engine
 
     @property
@@ -200,11 +262,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return self._engine.room
 
     @property
-    def database(self) -> Database:
-        """The pool and listener this limiter shares with its backend's other limiters."""
-        return self._db
-
-    @property
     def keeper(self) -> LeaseKeeper:
         """The lease keeper of its backend in this process (renews its held slots)."""
         return self._engine.keeper
@@ -216,8 +273,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     def close(self) -> None:
         """Close the backend this limiter owns (one made by
-        :func:`create_postgres_concurrency_limiter`): its threads end and its
-        connections close. A backend's limiter leaves that to ``backend.close()``."""
+        :func:`create_postgres_concurrency_limiter`); a backend's limiter leaves that
+        to ``backend.close()``."""
         if self._owns_backend:
             self._engines.close()
 
@@ -227,26 +284,13 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         return self._hash
 
     @property
-    def parked_granted_handler(self) -> Callable[[list[str]], None] | None:
-        return self._on_parked_granted
-
-    @property
     def given_config(self) -> LimiterConfig:
-        """The limits this limiter was created with (``config`` is what it works on:
-        the stored limits instead, once it took them under ``on_conflict="use_stored"``)."""
+        """The limits this limiter was created with (``config`` is what it works on)."""
         return self._given
 
-    # -- the stored limits (on_conflict="use_stored", :mod:`.stored_limits`) --------------
-
     def use_stored_limits(self, request: AcquireRequest | None = None) -> bool:
-        """Take the limits stored in the database as this limiter's own, after an
-        operation found them replaced by another worker.
-
-        Only under ``on_conflict="use_stored"``: otherwise, or when the limiter has no
-        row, nothing changes and the caller fails as before.
-
-        :returns: whether the limits were taken (the caller may ask again).
-        :raises ConcurrencyLimiterError: the database failed while reading them.
+        """Under ``on_conflict="use_stored"``, take the stored limits as this limiter's own
+        (another worker replaced them); return whether they were taken.
         """
         if self._options.on_conflict != "use_stored":
             return False
@@ -267,24 +311,20 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
     def _safety_margin_s(config: LimiterConfig) -> float:
         return min(MAX_SAFETY_MARGIN_MS, config.lease_ttl_ms / 10) / 1000
 
-    # -- keys -------------------------------------------------------------------------
-
     def key(self, key: str) -> PostgresConcurrencyLimiter:
         """The limiter of ``key`` of this keyed limiter (its row appears on first use).
 
-        :raises ConcurrencyConfigError: this limiter is not keyed, or the key is invalid
-            (:func:`runcell_celery.keys.check_key`).
+        :raises ConcurrencyConfigError: this limiter is not keyed, or the key is invalid.
         """
         return self._key_set().get(key)
 
     def purge_idle_keys(self, limit: int = PURGE_BATCH) -> int:
-        """Delete up to ``limit`` idle keys now (a loop does it every few seconds in a
-        process that uses keys); return how many went."""
+        """Delete up to ``limit`` idle keys now; return how many went."""
         return self._key_set().purge(limit)
 
     def key_stats(self, limit: int | None = 100, *, search: str | None = None) -> list[KeyStats]:
-        """The keys in use, busiest first (most slots held, then most waiting), at most
-        ``limit`` (``None``: all); ``search``: only keys containing it (any case)."""
+        """The keys in use, busiest first, at most ``limit`` (``None``: all);
+        ``search``: only keys containing it (any case)."""
         return self._key_set().stats(limit=limit, search=search)
 
     def keys_in_use(self) -> int:
@@ -310,115 +350,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             self._keys = KeySet(self)
         return self._keys
 
-    # -- several limiters in one slot (:mod:`.several`) ----------------------------------
-
-    def acquire_several(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> tuple[Lease, ...]:
-        """One slot in every limiter of ``limiters`` (all of this database), granted
-        together; see :class:`~runcell_celery.protocol.SupportsSeveral`."""
-        result = acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait)
-        assert isinstance(result, tuple)  # it parks only when asked to
-        return result
-
-    def acquire_several_or_park(
-        self,
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
-        *,
-        payload: str,
-        broker: str | None = None,
-        admission_wait_ms: float | None = None,
-        defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> tuple[Lease, ...] | AdmissionResult:
-        """:meth:`acquire_or_park` for one request over several limiters: it waits,
-        then parks as one request (every limiter keeps its place; the first in name
-        order carries ``payload``), and is granted all its slots together as a parked
-        request, its message re-published once. The acquire over several limiters
-        gives no wait estimate, so the rule waits up to ``defer_after_ms`` and then
-        parks (or waits ``admission_wait_ms``, when given).
-
-        :returns: the leases, in ``limiters``' order; :class:`~runcell_celery.ports.Parked`;
-            or :class:`~runcell_celery.ports.Duplicate` (already parked and granted: its
-            publication carries it).
-        """
-        park = ParkRule.of(payload, admission_wait_ms, defer_after_ms, broker)
-        return acquire_several(self, limiters, requests, cancel=cancel, on_wait=on_wait, park=park)
-
-    def claim_parked_several(
-        self, limiters: Sequence[ConcurrencyLimiter], request_id: str, publication_id: str
-    ) -> tuple[Lease, ...] | ClaimMiss:
-        """:meth:`claim_parked` for a request over several limiters: every lease, or
-        none; in ``limiters``' order."""
-        return claim_parked_group(self, limiters, request_id, publication_id)
-
-    def withdraw_several(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None:
-        """Give up the places or unclaimed parked grants of a request over several
-        limiters, in all of them."""
-        withdraw_group(self, limiters, request_id)
-
-    def call_request(
-        self,
-        request: AcquireRequest,
-        query: LiteralString,
-        params: Mapping[str, Any],
-        *,
-        lock_ms: int,
-        stamp: Stamp | None = None,
-    ) -> Any:
-        """One bounded call on behalf of ``request`` (failing closed, naming it; a row
-        that stayed locked raises :class:`~.calls.RowBusyError`)."""
-        return self._call(request, query, params, lock_ms=lock_ms, busy_ok=True, stamp=stamp)
-
-    def _run_due_groups(self, answer: Mapping[str, Any]) -> None:
-        """Run the group pass of each request over several limiters the operation found
-        first in line everywhere (``"grp"``): it may be granted now. Its own process
-        runs one now and then anyway, so a failure here only delays it."""
-        for group_id in answer.get("grp") or ():
-            try:
-                run_group_pass(self, str(group_id))
-            except ConcurrencyError as exc:
-                logger.info("runcell: the group pass of %s failed: %s", group_id, exc)
-
-    def republish(self, lease_ids: Any) -> None:
-        """Re-publish the parked tasks an operation granted (see :meth:`release`)."""
-        self._republish(lease_ids)
-
-    def make_lease(
-        self,
-        request_id: str,
-        workload: str,
-        lease: Sequence[Any],
-        sent: float | None,
-        *,
-        waited_ms: float | None = None,
-    ) -> Lease:
-        """A lease the database answered with (``[lease_id, token]``); ``waited_ms``
-        the request's whole wait when the database measured it (a parked claim)."""
-        return self._lease(request_id, workload, lease, sent, waited_ms=waited_ms)
-
-    def granted_lease(self, request_id: str, workload: str, grant: Grant, sent: float) -> Lease:
-        """A lease a notification (or a release) granted: valid for its TTL from the
-        grant's database time turned into local time (erring early), or from ``sent``
-        when the clock has no sample yet."""
-        start = self.room.clock.local(grant.granted_at)
-        return Lease(
-            lease_id=grant.lease_id,
-            limiter=self.name,
-            workload=workload,
-            request_id=request_id,
-            fencing_token=grant.fencing_token,
-            ttl_ms=self._config.lease_ttl_ms,
-            valid_until=self._valid_until(start if start is not None else sent),
-        )
-
     def call_database(self, query: LiteralString, params: Mapping[str, Any]) -> Any:
         """Run one bounded function call on this limiter's pool (failing closed)."""
         return self._call(None, query, params, lock_ms=lock_timeout_ms(None))
@@ -434,13 +365,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         integration installs it; without it, listeners and the sweeper do it)."""
         self._on_parked_granted = handler
 
-    # -- setup ------------------------------------------------------------------------
-
     def register(self, *, ensure: bool = True, on_conflict: OnConflict = "error") -> None:
         """Create the schema if asked, then store the limits or check the stored ones.
 
-        :raises ConcurrencyConfigError: the stored limits differ (``on_conflict="error"``),
-            or the tables are missing and ``ensure`` is false.
+        :raises ConcurrencyConfigError: the stored limits differ, or the tables are missing.
         :raises ConcurrencyLimiterError: the database failed.
         """
         config = self._config
@@ -458,40 +386,27 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 # Dropped or refused: storing the limits again is safe (same hash, same row).
                 raise CallFailedError(str(exc)) from exc
 
+        failed = f"limiter {self.name!r}: the database failed"
         try:
             stored = persist(patience, attempt)
             if stored.adopted is not None:
-                adopted, adopted_hash = stored.adopted
-                self._take(StoredLimits(config=adopted, config_hash=adopted_hash), None)
+                self._take(stored.adopted, None)
             if stored.allocated:
                 # New limits granted waiting requests: their processes were notified;
                 # parked tasks and requests over several limiters are ours to move on.
-                self._republish(stored.allocated.get("parked"))
-                self._run_due_groups(stored.allocated)
+                self._moved_on(stored.allocated)
         except ConcurrencyError:
             raise
-        except CallFailedError as exc:
-            raise ConcurrencyLimiterError(
-                f"limiter {self.name!r}: the database failed: {exc}", limiter=self.name
-            ) from exc.__cause__
-        except psycopg.Error as exc:
-            missing = psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction
-            if isinstance(exc, missing):
+        except Exception as exc:
+            if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction):
                 raise ConcurrencyConfigError(
                     f"limiter {self.name!r}: the runcell tables do not exist in this database; "
                     "apply postgres_concurrency_schema_sql() as a migration, or create the "
                     "limiter with ensure_schema=True",
                     limiter=self.name,
                 ) from exc
-            raise ConcurrencyLimiterError(
-                f"limiter {self.name!r}: the database failed: {exc}", limiter=self.name
-            ) from exc
-        except Exception as exc:
-            raise ConcurrencyLimiterError(
-                f"limiter {self.name!r}: the database failed: {exc}", limiter=self.name
-            ) from exc
-
-    # -- acquire ----------------------------------------------------------------------
+            cause = exc.__cause__ if isinstance(exc, CallFailedError) else exc
+            raise ConcurrencyLimiterError(f"{failed}: {exc}", limiter=self.name) from cause
 
     def acquire(
         self,
@@ -501,13 +416,24 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         on_wait: OnWait | None = None,
     ) -> Lease:
         """Wait for a slot; see :class:`~runcell_celery.protocol.ConcurrencyLimiter`."""
-        result = self._acquire(request, cancel, on_wait, park=None)
-        assert isinstance(result, Lease)
+        return self.acquire_members((Member(self, request),), cancel=cancel, on_wait=on_wait)[0]
+
+    def acquire_members(
+        self,
+        members: Sequence[Member],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...]:
+        """One slot in every member's limiter (all of this database), granted together;
+        see :class:`~runcell_celery.protocol.SupportsMembers`."""
+        result = self._admit(members, cancel, on_wait, park=None)
+        assert isinstance(result, tuple)  # it parks only when asked to
         return result
 
     def acquire_or_park(
         self,
-        request: AcquireRequest,
+        members: Sequence[Member],
         *,
         payload: str,
         broker: str | None = None,
@@ -515,188 +441,191 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         defer_after_ms: float = DEFAULT_DEFER_AFTER_MS,
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
-    ) -> Lease | AdmissionResult:
-        """Wait for a slot while waiting is cheaper than parking, then park the request.
-
-        By default the rule decides: when the request joins the line, the acquire's
-        answer gives its place and the limiter's mean hold time, and a request whose
-        expected wait (:class:`~runcell_celery.ports.WaitEstimate`) exceeds
-        ``defer_after_ms`` parks at once; any other waits up to ``defer_after_ms``
-        and then parks. So a worker process is never blocked longer than
-        ``defer_after_ms``, and never for a wait expected to be longer. An explicit
-        ``admission_wait_ms`` replaces the rule: wait that long, then park.
-
-        A parked request keeps its place in the queue, with ``payload`` (the task
-        message to re-publish) and no process waiting for it. When allocation grants
-        it, the lease is held for it and the message is re-published (see
-        :mod:`runcell_celery.postgres.parking`) by a publisher of ``broker`` (an
-        identity of the broker it must go back to; ``None``: any publisher); the
-        re-published task takes the lease with :meth:`claim_parked`.
-
-        :returns: the lease if one was granted in time; :class:`~runcell_celery.ports.Parked`
-            (with the place and expected wait) once the request is parked;
-            :class:`~runcell_celery.ports.Duplicate` if this request already had a lease
-            granted while parked (another delivery of the same task owns it).
-        :raises ConcurrencyConfigError: ``admission_wait_ms`` or ``defer_after_ms`` is
-            not a duration (naming which, and the bound).
+    ) -> _Result:
+        """Wait for the slots while waiting is cheaper than parking, then park the request
+        (:class:`~runcell_celery.ports.SupportsParking`): a one-limiter request whose expected
+        wait exceeds ``defer_after_ms`` parks at once. Parked, it keeps its place in every
+        line with ``payload`` and is re-published once all its slots are granted.
         """
         park = ParkRule.of(payload, admission_wait_ms, defer_after_ms, broker)
-        return self._acquire(request, cancel, on_wait, park=park, retry=True)
+        return self._admit(members, cancel, on_wait, park=park)
 
-    def _acquire(
+    async def acquire_members_async(
         self,
-        request: AcquireRequest,
+        members: Sequence[Member],
+        *,
+        cancel: CancellationToken | None = None,
+        on_wait: OnWait | None = None,
+    ) -> tuple[Lease, ...]:
+        """:meth:`acquire_members` in the event loop: the wait occupies no thread. The
+        round trips run in this process's ``runcell-db`` threads (never the loop's
+        default executor); the wait is a future the process's listener resolves."""
+        loop = asyncio.get_running_loop()
+        asked = self._begin(members, cancel, None, loop)
+        unlinks = _link(asked)
+        executor = self._engine.executor
+        try:
+            result = await loop.run_in_executor(executor, self._first, asked, on_wait)
+            while result is None:
+                await asked.waiter().wait_async(asked.pause_s())
+                result = await loop.run_in_executor(executor, self._step, asked)
+            asked.settled = True
+            leases = asked.for_caller(result)
+            assert isinstance(leases, tuple)
+            return leases
+        finally:
+            self._leave(asked, unlinks, withdraw=False)
+            if not asked.settled:
+                # Leave every line; slots granted meanwhile are given back, never leaked.
+                await asyncio.shield(loop.run_in_executor(executor, self._withdraw_quietly, asked))
+
+    def _admit(
+        self,
+        members: Sequence[Member],
         cancel: CancellationToken | None,
         on_wait: OnWait | None,
         *,
         park: ParkRule | None,
-        retry: bool = False,
-    ) -> Lease | AdmissionResult:
-        waiting = self._begin(request, cancel, park, loop=None)
-        unlink = cancel.add_callback(waiting.waiter.wake) if cancel is not None else _nothing
+    ) -> _Result:
+        asked = self._begin(members, cancel, park, None)
+        unlinks = _link(asked)
         try:
-            result = self._first(waiting, on_wait, retry=retry)
+            result = self._first(asked, on_wait)
             while result is None:
-                waiting.waiter.wait(waiting.pause_s())
-                result = self._step(waiting)
-            waiting.settled = True
-            return result
+                asked.waiter().wait(asked.pause_s())
+                result = self._step(asked)
+            asked.settled = True
+            return asked.for_caller(result)
         finally:
-            unlink()
-            self.room.remove(waiting.waiter)
-            if not waiting.settled:
-                # Interrupted (SIGTERM of a revoked task, KeyboardInterrupt) or failed:
-                # leave the queue; a slot granted meanwhile is given back, never leaked.
-                self._withdraw_quietly(request)
-
-    async def acquire_async(
-        self,
-        request: AcquireRequest,
-        *,
-        cancel: CancellationToken | None = None,
-        on_wait: OnWait | None = None,
-    ) -> Lease:
-        """Wait for a slot in the event loop: the wait occupies no thread.
-
-        The round trips run in this process's small ``runcell-db`` thread pool (never
-        the loop's default executor, which the caller's own I/O needs); the wait is a
-        future the process's listener resolves.
-        """
-        loop = asyncio.get_running_loop()
-        waiting = self._begin(request, cancel, None, loop=loop)
-        unlink = cancel.add_callback(waiting.waiter.wake) if cancel is not None else _nothing
-        executor = self._engine.executor
-        try:
-            result = await loop.run_in_executor(executor, self._first, waiting, on_wait, False)
-            while result is None:
-                await waiting.waiter.wait_async(waiting.pause_s())
-                result = await loop.run_in_executor(executor, self._step, waiting)
-            assert isinstance(result, Lease)
-            waiting.settled = True
-            return result
-        finally:
-            unlink()
-            self.room.remove(waiting.waiter)
-            if not waiting.settled:
-                # Leave the queue; a slot granted meanwhile is given back, never leaked.
-                await asyncio.shield(
-                    loop.run_in_executor(executor, self._withdraw_quietly, waiting.request)
-                )
+            # Interrupted (SIGTERM of a revoked task, KeyboardInterrupt) or failed:
+            # leave every line; a slot granted meanwhile is given back, never leaked.
+            self._leave(asked, unlinks, withdraw=True)
 
     def _begin(
         self,
-        request: AcquireRequest,
+        members: Sequence[Member],
         cancel: CancellationToken | None,
         park: ParkRule | None,
-        *,
         loop: asyncio.AbstractEventLoop | None,
-    ) -> _Waiting:
-        if self._config.keyed:
-            raise request.error(
-                ConcurrencyConfigError,
-                f"limiter {self.name!r} is keyed: a slot names one of its keys, "
-                f"{self.name}.key(...), not the keyed limiter itself",
-                limiter=self.name,
-            )
-        workload = self._resolve(request)
+    ) -> _Asked:
+        own = self._own([m.limiter for m in members])
+        order = [0] if len(own) == 1 else sorted(range(len(own)), key=lambda i: own[i].name)
+        limiters = [own[i] for i in order]
+        requests = [members[i].request for i in order]
+        workloads = []
+        for limiter, request in zip(limiters, requests, strict=True):
+            if limiter._config.keyed:
+                raise request.error(
+                    ConcurrencyConfigError,
+                    f"limiter {limiter.name!r} is keyed: a slot names one of its keys, "
+                    f"{limiter.name}.key(...), not the keyed limiter itself",
+                    limiter=limiter.name,
+                )
+            workloads.append(limiter._resolve(request))
         if cancel is not None and cancel.is_set():
-            raise self._cancelled(request)
-        wait_ms = self._wait_ms(request, workload)
+            raise self._cancelled(requests[0])
+        asked = _Asked(limiters, requests, workloads, order, cancel, park)
         # Registered before the request is sent, so a grant that arrives before the
         # answer finds its waiter.
-        waiter = self.room.add(request.request_id, self.name, loop, reap=self.reap)
-        return _Waiting(request, workload, wait_ms, cancel, park, waiter)
+        room = self.room
+        asked.waiters = [
+            room.add(rid, x.name, loop, reap=x.reap)
+            for rid, x in zip(asked.ids, limiters, strict=True)
+        ]
+        return asked
 
-    def _first(
-        self, waiting: _Waiting, on_wait: OnWait | None, retry: bool
-    ) -> Lease | AdmissionResult | None:
-        """Send the acquire; return its lease, or ``None`` when the request now waits."""
-        answer = self._send_acquire(waiting, retry=retry)
-        if answer is None:
-            if on_wait is not None:
-                deadline = waiting.deadline.to_unix() if waiting.deadline is not None else None
-                announce_wait(on_wait, deadline, functools.partial(_place, waiting.estimate))
-            return self._step(waiting)
-        return answer
+    def _own(self, limiters: Sequence[ConcurrencyLimiter]) -> list[PostgresConcurrencyLimiter]:
+        """``limiters`` as limiters of this database, or a configuration error."""
+        if len(limiters) == 1 and limiters[0] is self:
+            return [self]
+        names = [getattr(limiter, "name", repr(limiter)) for limiter in limiters]
+        own = [x for x in limiters if isinstance(x, PostgresConcurrencyLimiter)]
+        conninfo = self._db.conninfo
+        if len(own) != len(limiters) or any(x._db.conninfo != conninfo for x in own):
+            raise ConcurrencyConfigError(
+                "limiters " + ", ".join(repr(n) for n in names) + " cannot be held together: "
+                "several PostgreSQL limiters in one slot must share one database",
+                limiter=self.name,
+            )
+        if len(set(names)) != len(names):
+            raise ConcurrencyConfigError(
+                f"limiters {names!r} name one limiter twice", limiter=self.name
+            )
+        return own
 
-    def _send_acquire(self, waiting: _Waiting, *, retry: bool) -> Lease | AdmissionResult | None:
-        request = waiting.request
-        lineage = request.lineage
+    def _leave(self, asked: _Asked, unlinks: list[Callable[[], None]], *, withdraw: bool) -> None:
+        for unlink in unlinks:
+            unlink()
+        for waiter in asked.waiters:
+            self.room.remove(waiter)
+        if withdraw and not asked.settled:
+            self._withdraw_quietly(asked)
+
+    def _first(self, asked: _Asked, on_wait: OnWait | None) -> _Result | None:
+        """Send the acquire; the leases, or ``None`` when the request now waits. A
+        deferrable request may have been written already (a lost reply): it asks as a
+        retry, which also finds a parked grant that is not its to take."""
+        asked.with_lines = asked.several and wants_place(on_wait)
+        result = self._ask(asked, retry=asked.park is not None)
+        asked.with_lines = False
+        if result is not None:
+            return result
+        deadline = asked.deadline.to_unix() if asked.deadline is not None else None
+        announce_wait(on_wait, deadline, asked.place)
+        return self._step(asked)
+
+    def _ask(self, asked: _Asked, *, retry: bool) -> _Result | None:
+        """Send the acquire; the leases when granted at once, ``None`` when it waits,
+        :class:`~runcell_celery.ports.Duplicate` when a retry finds it parked and
+        granted (its own re-published message carries it)."""
+        lead = asked.lead
+        lineage = lead.lineage
+        asking = {"request_id": lead.request_id, "run_id": lineage.run_id,
+                   "root_run_id": lineage.root_run_id, "parent_run_id": lineage.parent_run_id,
+                   "holder_name": lead.holder_name, "in_progress": lead.in_progress,
+                   "key": lead.key}  # fmt: skip
         params: dict[str, Any] = {
-            "limiter": self.name,
-            "config_hash": self._hash,
-            "request": json.dumps(
-                {
-                    "request_id": request.request_id,
-                    "workload": waiting.workload,
-                    "run_id": lineage.run_id,
-                    "root_run_id": lineage.root_run_id,
-                    "parent_run_id": lineage.parent_run_id,
-                    "holder_name": request.holder_name,
-                    "in_progress": request.in_progress,
-                    "key": request.key,
-                }
-            ),
-            "process": json.dumps(self.room.process()),
+            "limiters": asked.array,
+            "hashes": _array([x._hash for x in asked.limiters]),
+            "workloads": _array(asked.workloads),
+            "request": json.dumps(asking),
+            "process": self.room.process,
             "retry": retry,
         }
+        query = statements.ACQUIRE_WITH_LINES if asked.with_lines else statements.ACQUIRE
         # Whether the request may already be in the database (a retry, a redelivered
         # deferral): then leaving means withdrawing it.
         written = retry
         adopted = 0
         while True:
-            # How long the request may still wait: in the queue, and for the row lock.
-            remaining = None
-            if waiting.deadline is not None:
-                remaining = max(0.0, waiting.deadline.remaining_ms())
-            params["wait_ms"] = remaining
+            remaining = params["wait_ms"] = asked.remaining_ms()
             sent = Stamp()
             try:
-                answer = self._call(
-                    request,
-                    statements.ACQUIRE,
-                    params,
-                    lock_ms=lock_timeout_ms(remaining),
-                    busy_ok=True,
-                    stamp=sent,
-                    until=waiting.deadline,  # a dropped connection is retried while it lasts
-                )
+                # A dropped connection is retried while its deadline lasts.
+                answer = self._call(lead, query, params, lock_ms=lock_timeout_ms(remaining),
+                                    busy_ok=True, stamp=sent, until=asked.deadline)  # fmt: skip
                 break
             except RowBusyError as exc:
-                # Nothing was done (a frozen holder of the row lock, a full pool).
+                # Nothing was done (a frozen holder of a row lock, a full pool).
                 written = written or exc.maybe_done
-                if waiting.deadline is not None and waiting.deadline.passed():
-                    waiting.settled = True
+                if asked.deadline is not None and asked.deadline.passed():
+                    asked.settled = True
                     if written:  # else nothing of ours to take back
-                        self._withdraw_in_time(request, give_back=True)
-                    raise self._timed_out(request, waiting.wait_ms) from None
+                        self._withdraw_in_time(asked, give_back=True)
+                    raise self._timed_out(lead, asked.wait_ms) from None
                 params["retry"] = written
             except ConcurrencyConfigError as exc:
-                # Refused before anything was written: the stored limits were replaced.
+                # Refused before anything was written: some stored limits were replaced.
+                # Under on_conflict="use_stored" each takes its stored limits and asks again.
+                pairs = zip(asked.limiters, asked.requests, strict=True)
                 replaced = isinstance(exc.__cause__, LimitsReplacedError)
-                if replaced and adopted < ADOPT_ATTEMPTS and self.use_stored_limits(request):
+                if (
+                    replaced
+                    and adopted < ADOPT_ATTEMPTS
+                    and all(x.use_stored_limits(r) for x, r in pairs)
+                ):
                     adopted += 1
-                    params["config_hash"] = self._hash
+                    params["hashes"] = _array([x._hash for x in asked.limiters])
                     continue
                 raise
             except ConcurrencyLimiterError as exc:
@@ -705,69 +634,145 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     # No connection could be had, so nothing was done. A request with a
                     # budget keeps trying while it lasts (a database restart is a blip
                     # to it); one without fails closed after connect_timeout_ms.
-                    if waiting.deadline is not None and not waiting.deadline.passed():
+                    if asked.deadline is not None and not asked.deadline.passed():
                         continue
-                    waiting.settled = not written
+                    asked.settled = not written
                 raise
         self.room.clock.sample(sent.at, float(answer["now"]))
-        self._republish(answer.get("parked"))
-        self._run_due_groups(answer)
+        self._moved_on(answer)
         status = answer["s"]
         if status == "granted":
-            return self._lease(request.request_id, waiting.workload, answer["lease"], sent.at)
-        if status == "queued":
-            self.room.queued(waiting.waiter)
-            self.room.expiry_in(answer.get("expiry_ms"))
-            if "ahead" in answer:  # a new place (a retry finding its row tells none)
-                waiting.estimate = _estimate(answer)
-                if waiting.park is not None:
-                    waiting.park.estimated(waiting.estimate)
-            return None
+            return asked.leases(answer["leases"], sent.at)
         if status == "duplicate":
             return Duplicate()
-        if status in ("no-wait", "queue-full", "unknown-workload"):
-            waiting.settled = True  # nothing was written
+        if status == "queued":
+            for waiter in asked.waiters:
+                self.room.queued(waiter)
+            self.room.expiry_in(answer.get("expiry_ms"))
+            if "ahead" in answer:  # a new place (a retry finding its row tells none)
+                hold_ms, slots = answer.get("hold_ms"), answer.get("slots")
+                asked.estimate = _estimate(answer["ahead"], hold_ms, slots)
+                if asked.park is not None:
+                    asked.park.estimated(asked.estimate)
+            if "lines" in answer:
+                asked.lines = _lines(answer["lines"])
+            if asked.several:
+                # Others of its lines wait ahead of it, but they may all be requests
+                # over several limiters waiting elsewhere: its group pass tells at once.
+                with contextlib.suppress(ConcurrencyError):
+                    self._group_pass(asked.request_id, asked)
+            return None
+        asked.settled = True  # refused: nothing of it is left in the database
+        limiter, request, workload = asked.member(answer.get("limiter"))
         if status == "no-wait":
-            raise self._timed_out(request, waiting.wait_ms)
+            raise self._timed_out(lead, asked.wait_ms)
         if status == "queue-full":
-            raise self._queue_full(request)
+            raise limiter._queue_full(request)
         raise request.error(
             ConcurrencyConfigError,
-            f"limiter {self.name!r} has no workload {waiting.workload!r} in its stored limits",
-            limiter=self.name,
+            f"limiter {limiter.name!r} has no workload {workload!r} in its stored limits",
+            limiter=limiter.name,
         )
 
-    def _step(self, waiting: _Waiting) -> Lease | AdmissionResult | None:
+    def _step(self, asked: _Asked) -> _Result | None:
         """Act on what happened since the last look; ``None``: keep waiting."""
-        request = waiting.request
-        grant = waiting.waiter.grant
-        if grant is not None:
-            return self._granted(waiting, grant)
-        if waiting.cancel is not None and waiting.cancel.is_set():
-            self._withdraw_quietly(request)
-            waiting.settled = True
-            raise self._cancelled(request)
-        if waiting.park is not None and waiting.park.until.passed():
-            parked = self._park(waiting)
+        leases = asked.granted()
+        if leases is not None:
+            return leases
+        if asked.cancel is not None and asked.cancel.is_set():
+            asked.settled = True  # withdrawn now, or in the background
+            with contextlib.suppress(ConcurrencyError):
+                self._withdraw_in_time(asked, give_back=True)
+            raise self._cancelled(asked.lead)
+        if asked.park is not None and asked.park.until.passed():
+            parked = self._park(asked)
             if parked is not None:
                 return parked
-        if waiting.deadline is not None and waiting.deadline.passed():
-            waiting.settled = True  # withdrawn now, or in the background
-            answer = self._withdraw_in_time(request, give_back=False)
-            if answer is not None and answer["s"] == "granted":
-                # Allocation chose us just before the deadline: the grant wins.
-                return self._lease(request.request_id, waiting.workload, answer["lease"], None)
-            raise self._timed_out(request, waiting.wait_ms)
-        if waiting.waiter.missing:
-            # Our queue row was dropped (this process stalled past queue_entry_ttl_ms):
+        if asked.deadline is not None and asked.deadline.passed():
+            asked.settled = True  # withdrawn now, or in the background
+            leases = self._withdraw_in_time(asked, give_back=False)
+            if leases is not None:
+                return leases  # allocation chose it just before the deadline: the grant wins
+            raise self._timed_out(asked.lead, asked.wait_ms)
+        if any(w.missing for w in asked.waiters):
+            # Its rows were dropped (this process stalled past queue_entry_ttl_ms):
             # take a new place, with the time left.
-            waiting.waiter.missing = False
-            waiting.waiter.queued = False
-            return self._send_acquire(waiting, retry=True)
+            for waiter in asked.waiters:
+                waiter.missing = waiter.queued = False
+            return self._ask(asked, retry=True)
+        if asked.several and time.monotonic() - asked.last_pass >= GROUP_PASS_S:
+            self._group_pass(asked.request_id, asked)
+            asked.last_pass = time.monotonic()
+            return asked.granted()
         return None
 
-    def _granted(self, waiting: _Waiting, grant: Grant) -> Lease:
-        return self.granted_lease(waiting.request.request_id, waiting.workload, grant, waiting.sent)
+    def _park(self, asked: _Asked) -> _Result | None:
+        """Park the waiting request as one (every member keeps its place); ``None`` when
+        not all of it waits any more. The operation id is made once: a retry after a lost
+        reply gets the first answer (a grant made in between must not read as "missing").
+        """
+        assert asked.park is not None
+        params = {
+            "limiters": asked.array,
+            "request_id": asked.request_id,
+            "payload": asked.park.payload,
+            "broker": asked.park.broker,
+            "op_id": _op_id(),
+        }
+        answer = self._call(asked.lead, statements.PARK, params, lock_ms=lock_timeout_ms(None))
+        if answer["s"] == "parked":
+            return Parked(
+                limiter=" + ".join(asked.names),
+                workload=asked.workloads[0],
+                estimate=asked.estimate,
+                waited_ms=(time.monotonic() - asked.sent) * 1000,
+            )
+        if answer["s"] == "granted":
+            return asked.leases(answer["leases"], None)
+        for waiter in asked.waiters:
+            waiter.missing = True
+        return None
+
+    def _group_pass(self, group_id: str, asked: _Asked | None = None) -> None:
+        """Run one request's group pass, waiting for its rows no longer than its budget
+        (rows that stay locked: the next pass tries again); wake this process's
+        members it granted, re-publish a parked request's task."""
+        remaining = asked.remaining_ms() if asked is not None else None
+        try:
+            answer = self._call(
+                asked.lead if asked is not None else None,
+                statements.ALLOCATE_GROUP,
+                {"group_id": group_id},
+                lock_ms=lock_timeout_ms(remaining),
+                busy_ok=True,
+            )
+        except RowBusyError:
+            return
+        if answer and answer.get("g"):
+            self.room.dispatch_grants(answer["t"], answer["g"])
+        if answer:
+            self._republish(answer.get("parked"))
+
+    def _moved_on(self, answer: Mapping[str, Any]) -> None:
+        """Re-publish the parked tasks an operation granted, and run the group pass of each
+        request it found first in line everywhere (``"grp"``); a failure only delays it.
+        """
+        self._republish(answer.get("parked"))
+        for group_id in answer.get("grp") or ():
+            try:
+                self._group_pass(str(group_id))
+            except ConcurrencyError as exc:
+                logger.info("runcell: the group pass of %s failed: %s", group_id, exc)
+
+    def _granted(self, waiter: Waiter, workload: str, sent: float) -> Lease:
+        """A lease a notification (or a release) granted: valid for its TTL from the
+        grant's database time turned into local time (erring early), or from ``sent``
+        when the clock has no sample yet."""
+        grant = waiter.grant
+        assert grant is not None
+        start = self.room.clock.local(grant.granted_at)
+        lease = (grant.lease_id, grant.fencing_token)
+        return self._lease(waiter.request_id, workload, lease, sent if start is None else start)
 
     def _lease(
         self,
@@ -778,87 +783,50 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         *,
         waited_ms: float | None = None,
     ) -> Lease:
-        lease_id, token = lease
-        return Lease(
-            lease_id=str(lease_id),
-            limiter=self.name,
-            workload=workload,
-            request_id=request_id,
-            fencing_token=int(token),
-            ttl_ms=self._config.lease_ttl_ms,
-            valid_until=self._valid_until(sent) if sent is not None else None,
-            waited_ms=waited_ms,
-        )
+        lease_id, token = lease[:2]
+        valid_until = self._valid_until(sent) if sent is not None else None
+        ttl_ms = self._config.lease_ttl_ms
+        return Lease(str(lease_id), self.name, workload, request_id, int(token), ttl_ms,
+                     valid_until, waited_ms)  # fmt: skip
 
     def _valid_until(self, start: float) -> Deadline:
         return Deadline(start + self._config.lease_ttl_ms / 1000 - self._margin_s)
 
-    def _park(self, waiting: _Waiting) -> Lease | AdmissionResult | None:
-        """Turn the waiting row into a parked one; ``None`` if it is gone.
+    def claim_parked(
+        self, limiters: Sequence[ConcurrencyLimiter], request_id: str, publication_id: str
+    ) -> tuple[Lease, ...] | ClaimMiss:
+        """Take every lease granted to a parked request, from its re-published message.
 
-        The operation id is made once, so the retry :func:`~.calls.call` sends after a
-        lost reply gets the first attempt's answer: a grant made in between must not
-        read as "missing".
+        :returns: the leases, renewed, in ``limiters``' order (``waited_ms``: the whole wait
+            from the first ask); ``"stale"`` (still stored for another publication) or
+            ``"missing"`` (claimed by another copy, withdrawn or failed). Idempotent.
         """
-        assert waiting.park is not None
-        request = waiting.request
-        answer = self._call(
-            request,
-            statements.PARK,
-            {
-                "limiter": self.name,
-                "request_id": request.request_id,
-                "payload": waiting.park.payload,
-                "broker": waiting.park.broker,
-                "op_id": _op_id(),
-            },
-            lock_ms=lock_timeout_ms(None),
-        )
-        if answer["s"] == "parked":
-            return Parked(
-                limiter=self.name,
-                workload=waiting.workload,
-                estimate=waiting.estimate,
-                waited_ms=(time.monotonic() - waiting.sent) * 1000,
-            )
-        if answer["s"] == "granted":
-            return self._lease(request.request_id, waiting.workload, answer["lease"], None)
-        # Neither waiting nor granted: let the next step ask again what it has (a new
-        # place if need be) rather than try to park a row that is not there.
-        waiting.waiter.missing = True
-        return None
-
-    def claim_parked(self, request_id: str, publication_id: str) -> Lease | ClaimMiss:
-        """Take the lease granted to a parked request, from its re-published message.
-
-        :returns: the lease, renewed, whose ``waited_ms`` is the request's whole wait
-            (from its first ask, before it was parked, to this claim: database time);
-            else ``"stale"`` when the request is still
-            stored for another publication (this message is an outdated copy), or
-            ``"missing"`` when nothing is stored for it (another copy claimed it, or it
-            was withdrawn or failed). A retry after a lost reply gets the same answer.
-        """
+        own = self._own(limiters)
+        order = sorted(range(len(own)), key=lambda i: own[i].name)
+        ordered = [own[i] for i in order]
         params = {
-            "limiter": self.name,
+            "limiters": _array([x.name for x in ordered]),
             "request_id": request_id,
             "publication_id": publication_id,
             "op_id": _op_id(),
         }
-        sent = time.monotonic()  # before any attempt: the lease is renewed after it
+        sent = time.monotonic()  # before any attempt: the leases are renewed after it
         answer = self._call(None, statements.CLAIM_PARKED, params)
         status = answer["s"]
-        if status == "claimed":
-            waited = answer.get("waited_ms")
-            return self._lease(
-                request_id,
-                str(answer["workload"]),
-                answer["lease"],
+        if status != "claimed":
+            return "stale" if status == "stale" else "missing"
+        waited = answer.get("waited_ms")
+        leases = [
+            x._lease(
+                member_id(request_id, x.name, len(ordered)),
+                str(workload),
+                (lease, token),
                 sent,
                 waited_ms=None if waited is None else float(waited),
             )
-        return "stale" if status == "stale" else "missing"
-
-    # -- renew, release, withdraw, reap, stats -------------------------------------------
+            for x, (lease, token, workload) in zip(ordered, answer["leases"], strict=True)
+        ]
+        return _for_caller(order, leases)
 
     def renew(self, lease: Lease) -> Lease | None:
         """Extend ``lease`` by its TTL (database time); ``None`` if no longer held."""
@@ -866,8 +834,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     def loss_reason(self, lease: Lease) -> str | None:
         """Why ``lease`` is no longer held, when an operator took it back:
-        ``"force-released by alice"`` (:meth:`PostgresBackend.force_release
-        <runcell_celery.postgres.PostgresBackend.force_release>`); ``None`` otherwise."""
+        ``"force-released by alice"``; ``None`` otherwise."""
         rows = self.fetch(statements.FORCE_RELEASED_BY, {"lease_id": lease.lease_id})
         return f"force-released by {rows[0][0]}" if rows and rows[0][0] else None
 
@@ -881,15 +848,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         valid_until = self._valid_until(sent.at)
         return {
             lease.lease_id: (
-                Lease(
-                    lease.lease_id,
-                    lease.limiter,
-                    lease.workload,
-                    lease.request_id,
-                    lease.fencing_token,
-                    lease.ttl_ms,
-                    valid_until,
-                )
+                replace(lease, valid_until=valid_until, waited_ms=None)
                 if lease.lease_id in renewed
                 else None
             )
@@ -914,15 +873,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 # Waiters of this process that the release granted start now; the
                 # others learn it from their notification.
                 self.room.dispatch_grants(answer["t"], answer["g"])
-            self._republish(answer.get("parked"))
-            self._run_due_groups(answer)
+            self._moved_on(answer)
             return
 
-    def withdraw(self, request_id: str) -> None:
-        """Take a request out of the queue (parked or waiting) and give back any slot
+    def withdraw_members(self, limiters: Sequence[ConcurrencyLimiter], request_id: str) -> None:
+        """Take a request out of every line (parked or waiting) and give back any slot
         it was granted; used when its run ends before it uses its place."""
         params = {
-            "limiter": self.name,
+            "limiters": _array(sorted(x.name for x in self._own(limiters))),
             "request_id": request_id,
             "give_back": True,
             "op_id": _op_id(),  # a retry re-publishes what the first attempt granted
@@ -930,40 +888,38 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         answer = self._call(None, statements.WITHDRAW, params, lock_ms=lock_timeout_ms(None))
         self._republish(answer.get("parked"))
 
-    def _withdraw_in_time(
-        self, request: AcquireRequest, *, give_back: bool
-    ) -> Mapping[str, Any] | None:
-        """Withdraw a request whose wait ended, waiting for the row at most
-        :data:`~.calls.WITHDRAW_GRACE_MS`; the answer, or ``None`` when the row stayed
-        locked: this process's room withdraws it later then, giving back any grant.
-        A grant made just before (``give_back=False``) is in the answer."""
+    def _withdraw_in_time(self, asked: _Asked, *, give_back: bool) -> tuple[Lease, ...] | None:
+        """Withdraw a request whose wait ended, waiting for its rows at most
+        :data:`~.calls.WITHDRAW_GRACE_MS` (longer: the room withdraws it later); a grant made
+        just before is returned unless ``give_back``.
+        """
         params = {
-            "limiter": self.name,
-            "request_id": request.request_id,
+            "limiters": asked.array,
+            "request_id": asked.request_id,
             "give_back": give_back,
             "op_id": None,  # repeating it gives the same outcome: nothing to record
         }
         try:
             answer = self._call(
-                request, statements.WITHDRAW, params, lock_ms=WITHDRAW_GRACE_MS, busy_ok=True
+                asked.lead, statements.WITHDRAW, params, lock_ms=WITHDRAW_GRACE_MS, busy_ok=True
             )
         except RowBusyError:
-            self.room.withdraw_later(functools.partial(self.withdraw, request.request_id))
+            later = functools.partial(self.withdraw_members, asked.limiters, asked.request_id)
+            self.room.withdraw_later(later)
             return None
         self._republish(answer.get("parked"))
-        return cast(Mapping[str, Any], answer)
+        return asked.leases(answer["leases"], None) if answer["s"] == "granted" else None
 
-    def _withdraw_quietly(self, request: AcquireRequest) -> None:
+    def _withdraw_quietly(self, asked: _Asked) -> None:
         try:
-            self.withdraw(request.request_id)
-        except ConcurrencyError as exc:  # the row is dropped with the process later
-            logger.warning("runcell: withdrawing %s failed: %s", request.request_id, exc)
+            self.withdraw_members(asked.limiters, asked.request_id)
+        except ConcurrencyError as exc:  # the rows are dropped with the process later
+            logger.warning("runcell: withdrawing %s failed: %s", asked.request_id, exc)
 
     def reap(self) -> None:
         """Run one allocation pass: reap expired leases and abandoned queue rows, and
         grant what frees (the waiting room and the sweeper call it). For a keyed
-        limiter: a pass on each of its keys that has an expired lease (the sweeper
-        knows only the keyed limiter's name; a key's parked tasks wait on the key)."""
+        limiter: a pass on each of its keys that has an expired lease."""
         if self._config.keyed:
             self._key_set().reap_expired()
             return
@@ -974,44 +930,25 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
 
     def stats(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
         """Slots held and requests waiting, in total and per workload, as allocation
-        counts them (a crashed holder's slot counts until its lease is reaped). For a
-        keyed limiter: over every key, and with ``per_key=True`` the keys in use too
-        (:meth:`key_stats`, at most ``limit``)."""
+        counts them. For a keyed limiter: over every key, and with ``per_key=True`` the
+        keys in use too (:meth:`key_stats`, at most ``limit``)."""
         if self._config.keyed:
             return self._key_set().totals(per_key=per_key, limit=limit)
         with _failing_closed(self, None), self._db.connection() as conn:
             row = conn.execute(statements.STATS, {"limiter": self.name}).fetchone()
-        names: list[str] = list(self._config.workloads)
-        active: dict[str, int] = {}
-        queued: dict[str, int] = {}
-        if row is not None:
-            workloads, held, waiting = row
-            for i, name in enumerate(workloads or ()):
-                active[name] = int(held[i]) if held and i < len(held) else 0
-                queued[name] = int(waiting[i]) if waiting and i < len(waiting) else 0
-                if name not in names:
-                    names.append(name)
-        return LimiterStats(
-            active=sum(active.values()),
-            queued=sum(queued.values()),
-            workloads={
-                w: WorkloadStats(active=active.get(w, 0), queued=queued.get(w, 0)) for w in names
-            },
-        )
+        workloads, held, waiting = row or ((), (), ())
+        rows = zip(workloads or (), held or (), waiting or (), strict=False)
+        return counted_stats(self._config.workloads, rows)
 
     @property
     def listening(self) -> bool | None:
-        """Whether waiters of this process are woken by ``LISTEN/NOTIFY``.
-
-        ``None`` until the listener has checked itself; ``False`` when polling alone.
-        """
+        """Whether waiters of this process are woken by ``LISTEN/NOTIFY`` (``None``
+        until the listener has checked itself; ``False`` when polling alone)."""
         listener = self.room.listener
         if listener is None:
             return False
         listener.start()  # asking starts it, as a first waiter would
         return listener.available
-
-    # -- plumbing -----------------------------------------------------------------------
 
     def _republish(self, lease_ids: Any) -> None:
         if not lease_ids or self._on_parked_granted is None:
@@ -1040,6 +977,20 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             )  # fmt: skip
 
 
+def _for_caller(order: Sequence[int], leases: Sequence[Lease]) -> tuple[Lease, ...]:
+    """``leases`` (in lock order) in the caller's order (``order[i]``: where the i-th goes)."""
+    out = list(leases)
+    for position, lease in zip(order, leases, strict=True):
+        out[position] = lease
+    return tuple(out)
+
+
+def _link(asked: _Asked) -> list[Callable[[], None]]:
+    """Wake every waiter of ``asked`` when its cancellation is set."""
+    cancel = asked.cancel
+    return [cancel.add_callback(w.wake) for w in asked.waiters] if cancel is not None else []
+
+
 @contextlib.contextmanager
 def _failing_closed(
     limiter: PostgresConcurrencyLimiter,
@@ -1049,6 +1000,7 @@ def _failing_closed(
 ) -> Iterator[None]:
     """Turn database failures into :class:`ConcurrencyLimiterError` (or a config error)
     naming the limiter and the request; ``busy_ok`` lets :class:`RowBusyError` through."""
+    name = limiter.name
     try:
         yield
     except ConcurrencyError:
@@ -1056,26 +1008,24 @@ def _failing_closed(
     except RowBusyError:
         if busy_ok:
             raise
-        error: ConcurrencyError = _limiter_error(limiter.name, "the limiter row stayed locked")
-        raise _for(error, request, limiter.name) from None
+        raise _for(_limiter_error(name, "the limiter row stayed locked"), request, name) from None
     except LimitsReplacedError as exc:
-        error = ConcurrencyConfigError(
-            f"the limits of limiter {limiter.name!r} were replaced by another worker; "
+        error: ConcurrencyError = ConcurrencyConfigError(
+            f"the limits of limiter {name!r} were replaced by another worker; "
             "restart this worker with the new limits (with on_conflict='use_stored' it "
             "would work on the stored limits instead)",
-            limiter=limiter.name,
+            limiter=name,
         )
-        raise _for(error, request, limiter.name) from exc
+        raise _for(error, request, name) from exc
     except LimiterMissingError as exc:
         error = _limiter_error(
-            limiter.name,
+            name,
             "it is not registered in the database (its row was deleted?); "
             "restart the workers to register it",
         )
-        raise _for(error, request, limiter.name) from exc
+        raise _for(error, request, name) from exc
     except (CallFailedError, psycopg.Error, PoolTimeout) as exc:
-        error = _limiter_error(limiter.name, f"the database failed: {exc}")
-        raise _for(error, request, limiter.name) from exc
+        raise _for(_limiter_error(name, f"the database failed: {exc}"), request, name) from exc
 
 
 def _limiter_error(name: str, what: str) -> ConcurrencyLimiterError:
@@ -1086,26 +1036,27 @@ def _for(error: ConcurrencyError, request: AcquireRequest | None, name: str) -> 
     return error if request is None else request.error(type(error), error.message, limiter=name)
 
 
-def _nothing() -> None:
-    return None
-
-
-def _estimate(answer: Mapping[str, Any]) -> WaitEstimate:
-    """The wait estimate of a queued acquire's answer."""
-    hold_ms = answer.get("hold_ms")
+def _estimate(ahead: Any, hold_ms: Any, slots: Any) -> WaitEstimate:
     return WaitEstimate(
-        ahead=int(answer["ahead"]),
+        ahead=int(ahead),
         hold_ms=float(hold_ms) if hold_ms is not None else None,
-        slots=int(answer.get("slots") or 0),
+        slots=int(slots or 0),
     )
 
 
-def _place(estimate: WaitEstimate | None) -> QueuePlace | None:
-    """A queued request's place, from its acquire's answer (``None``: the answer told
-    none, as a retry that found its row already waiting)."""
-    if estimate is None:
+def _lines(lines: Sequence[Any] | None) -> list[WaitEstimate] | None:
+    """The ``"lines"`` of :data:`~.statements.ACQUIRE_WITH_LINES`' answer, or ``None``
+    if one is missing (a limiter row not found)."""
+    if not lines or any(line is None or line[0] is None for line in lines):
         return None
-    return QueuePlace(place=estimate.place, expected_wait_ms=estimate.expected_ms)
+    return [_estimate(*line) for line in lines]
+
+
+def _array(values: Sequence[str]) -> str:
+    """``values`` as a PostgreSQL ``text[]`` literal: dumped as one string, much cheaper
+    on the hot path than psycopg's list adaptation."""
+    quoted = (v.replace("\\", "\\\\").replace('"', '\\"') for v in values)
+    return "{" + ",".join(f'"{v}"' for v in quoted) + "}"
 
 
 def _op_id() -> str:

@@ -1,17 +1,12 @@
 """Wake-ups by ``LISTEN/NOTIFY``: one listener connection per process and database.
 
-A transaction that grants slots to waiting requests notifies each waiting process on
-its own channel (``runcell_w_...``) with the leases, so the waiter holds its slot as
-soon as the notification arrives, and grants to parked tasks on ``runcell_parked``
-for whoever re-publishes them. This module keeps one direct (non-pooled) autocommit
-connection per process and database listening on those channels (thread
-``runcell-listener``) and hands each payload to its owner.
-
-Notifications sent while the listener is disconnected are lost, so the waiting room
-keeps a safety poll and, when the listener (re)connects, looks at once. Behind a
-transaction pooler ``LISTEN`` silently receives nothing, so the listener checks itself
-at start by notifying its own channel from a second connection, as grants are sent;
-if that notification does not arrive it gives up and waiters rely on polling alone.
+A transaction that grants slots notifies each waiting process on its own channel
+(``runcell_w_...``) with the leases, and grants to parked tasks on ``runcell_parked``.
+The listener (thread ``runcell-listener``, one direct autocommit connection) hands each
+payload to its owner. Notifications sent while it is away are lost, so the waiting room
+keeps a safety poll and looks at once on reconnect; behind a transaction pooler
+``LISTEN`` receives nothing, so the listener checks itself at start (a notification
+from a second connection) and gives up if it never arrives: waiters then poll.
 """
 
 from __future__ import annotations
@@ -31,8 +26,6 @@ from ..background import BackgroundLoop
 from . import statements
 from .connection import Database, redacted
 
-__all__ = ["GrantListener"]
-
 logger = logging.getLogger("runcell_celery.postgres.listener")
 
 SELF_CHECK_PREFIX = "?self-check "
@@ -48,11 +41,8 @@ ParkedHandler = Callable[[str, list[str]], None]
 
 
 class GrantListener:
-    """Listens on a process's own channel (and, on request, on ``runcell_parked``).
-
-    :param channel: the process's channel; its payloads go to ``on_grants``.
-    :param on_connect: called each time the listener (re)connects: grants made while
-        it was away were announced to nobody.
+    """Listens on a process's own channel (and, on request, on ``runcell_parked``);
+    ``on_connect`` runs at each (re)connect: grants made meanwhile reached nobody.
     """
 
     def __init__(
@@ -129,10 +119,8 @@ class GrantListener:
                 logger.exception("runcell: a parked-grant handler failed")
 
     def _step(self) -> float | None:
-        """Connect if needed, else dispatch what arrives within a second.
-
-        :returns: the pause before the next step (a back-off after a failure), or
-            ``None`` once ``LISTEN`` proved useless here (waiters then poll only).
+        """Connect if needed, else dispatch what arrives within a second; return the pause
+        before the next step, or ``None`` once ``LISTEN`` proved useless here.
         """
         try:
             if self._conn is None:

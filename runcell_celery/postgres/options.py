@@ -1,9 +1,5 @@
-"""The PostgreSQL backend's own settings (``RUNCELL["POSTGRES"]``), validated in one place.
-
-The registry does not know these options: it hands the section to
-:class:`~runcell_celery.postgres.PostgresBackend`, which validates it here, and
-:func:`~runcell_celery.postgres.create_postgres_concurrency_limiter` validates its
-keyword arguments through the same function, so both report a bad value alike.
+"""The PostgreSQL backend's own settings (``RUNCELL["POSTGRES"]``), validated in one
+place for the settings section and for ``create_postgres_concurrency_limiter``'s arguments.
 """
 
 from __future__ import annotations
@@ -15,16 +11,6 @@ from typing import Literal
 from ..config import MAX_DURATION_MS
 from ..errors import ConcurrencyConfigError
 from ..hints import did_you_mean
-
-__all__ = [
-    "DEFAULT_CONNECT_TIMEOUT_MS",
-    "DEFAULT_POLL_INTERVAL_MS",
-    "DEFAULT_POOL_MAX_SIZE",
-    "DEFAULT_QUEUE_ENTRY_TTL_MS",
-    "ON_CONFLICT_VALUES",
-    "OnConflict",
-    "PostgresOptions",
-]
 
 #: What a worker does when the stored limits differ from its settings.
 OnConflict = Literal["error", "replace", "use_stored"]
@@ -47,26 +33,12 @@ _BOOLS = ("ensure_schema", "listen")
 class PostgresOptions:
     """How the PostgreSQL backend talks to its database (not the limits themselves).
 
-    :param poll_interval_ms: how often a waiting request checks for a slot. The
-        database load is about (waiting requests / poll interval) short statements.
-    :param queue_entry_ttl_ms: how long a crashed waiter's queue row survives.
-    :param ensure_schema: create tables and functions on first use; ``False`` after
-        applying :func:`~runcell_celery.postgres.postgres_concurrency_schema_sql` as a
-        migration.
-    :param on_conflict: when stored limits differ: ``"error"`` raises
-        :class:`~runcell_celery.errors.ConcurrencyConfigError` naming the fields (a
-        Celery worker checks at start and refuses to start, :mod:`runcell_celery.celery.conflicts`),
-        ``"replace"`` stores the new limits instead, ``"use_stored"`` works on the
-        stored limits (at startup, and when another worker replaces them while this
-        one runs) with a warning and a ``config-error`` event
-        (:mod:`~runcell_celery.postgres.stored_limits`). Under ``"error"`` and
-        ``"replace"`` a worker whose limits were replaced while it runs fails every
-        acquire until it restarts.
-    :param listen: wake waiters by ``LISTEN/NOTIFY`` (polling stays the fallback);
-        turn off behind a transaction pooler to skip the self-check.
-    :param pool_max_size: connections the pool made from a DSN may open (per process).
-    :param connect_timeout_ms: how long to wait for a connection before a call fails
-        closed with :class:`~runcell_celery.errors.ConcurrencyLimiterError`.
+    ``poll_interval_ms``: how often waiters poll without a listener; ``queue_entry_ttl_ms``:
+    how long a crashed waiter's row survives; ``ensure_schema``: create or upgrade the
+    schema on first use; ``on_conflict``: when stored limits differ, refuse (``"error"``),
+    store these (``"replace"``) or work on the stored ones (``"use_stored"``);
+    ``listen``: wake waiters by ``LISTEN/NOTIFY``; ``pool_max_size``: connections per
+    process; ``connect_timeout_ms``: how long a call waits for a connection.
     """
 
     poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS
@@ -79,12 +51,8 @@ class PostgresOptions:
 
     @classmethod
     def from_mapping(cls, options: object, *, path: str | None = None) -> PostgresOptions:
-        """Validate a settings section and return the options with defaults filled in.
-
-        :param path: how the caller's settings spell the section (``RUNCELL["POSTGRES"]``);
-            errors then name ``RUNCELL["POSTGRES"]["option"]``. Without it they name
-            the bare option (keyword arguments).
-        :raises ConcurrencyConfigError: naming the option and its value.
+        """Validate a settings section and return the options with defaults filled in;
+        errors name ``path["option"]`` (or the bare option without ``path``) and the value.
         """
         if not isinstance(options, Mapping):
             where = path or "options"

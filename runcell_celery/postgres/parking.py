@@ -1,37 +1,17 @@
 """Parked requests: the database side of Celery's admission deferral.
 
-A request parked with :meth:`PostgresConcurrencyLimiter.acquire_or_park` keeps its
-place in the limiter's queue with the task message beside it. When allocation grants
-it, its lease is held and its message must be re-published, exactly once per grant:
-
-* the process that made the grant does it at once (the limiter's
-  ``set_parked_granted_handler``);
-* processes listening on ``runcell_parked`` hear of the grant and try too;
-* a sweeper re-publishes grants nobody published within a few seconds.
-
-They all go through :meth:`~runcell_celery.postgres.PostgresBackend.claim_republish`,
-whose ``UPDATE ... WHERE published_at IS NULL`` lets exactly one of them publish each
-grant, and only to a caller of the broker the task was parked for
-(``runcell_queue.broker``, an identity the caller gave; a row without one is
-anyone's). If a grant's task does not start within the lease TTL (the publisher
-died, the broker lost it, no process of its broker runs), the lease expires and the
-request is back in line in its old place, to be granted and published again: a
-parked task is never lost.
-
-Each parked request belongs to one delivery of its task (the Celery layer gives every
-delivery a request id of its own), so a duplicate message never shares a grant.
-Parking, claiming, withdrawing and completing carry a client-made operation id,
-recorded with the answer in the same transaction (``runcell_operation``, purged by
-age): a retry after a lost reply gets that answer again instead of reading its own
-work as someone else's.
-
-Requests whose deadline passes while parked are failed in two phases, so they never
-vanish: :meth:`~runcell_celery.postgres.PostgresBackend.take_expired_parked` takes them
-out of line and hands them to the calling process, which records the task's failure
-and then deletes them with
-:meth:`~runcell_celery.postgres.PostgresBackend.complete_expired_parked`. Until then
-they stay stored, handed again to the same process at its next call and to any other
-after ``RETAKE_EXPIRED_AFTER_MS``.
+A parked request (:meth:`~.limiter.PostgresConcurrencyLimiter.acquire_or_park`) keeps
+its place in line with the task message beside it. When allocation grants it, its
+message must be re-published exactly once per grant: by the granting process at once
+(``set_parked_granted_handler``), by processes listening on ``runcell_parked``, or by
+a sweeper after :data:`REPUBLISH_AFTER_MS`; :meth:`~.backend.PostgresBackend.claim_republish`
+(``UPDATE ... WHERE published_at IS NULL``) lets one of them publish each grant, to the
+broker it was parked for. A grant whose task does not start within the lease TTL
+expires and the request is back in its old place: a parked task is never lost.
+Parking, claiming and withdrawing carry an operation id recorded with the answer, so
+a retry after a lost reply gets that answer again. Requests whose deadline passes
+while parked are failed in two phases (``take_expired_parked``, then
+``complete_expired_parked``), so they never vanish.
 """
 
 from __future__ import annotations
@@ -40,18 +20,13 @@ from ..config import check_duration_ms
 from ..deadline import Deadline
 from ..ports import WaitEstimate
 
-__all__ = ["REPUBLISH_AFTER_MS", "ParkRule"]
-
 #: A grant nobody published within this long is published by the sweeper.
 REPUBLISH_AFTER_MS = 2_000
 
 
 class ParkRule:
-    """When to park a waiting request, and the message it parks with.
-
-    It waits until ``until`` and then parks; under the expected-wait rule
-    (``rule_ms`` set) a queued answer whose expected wait exceeds ``rule_ms`` moves
-    ``until`` to now, so the request parks at once.
+    """When to park a waiting request (at ``until``, or at once when the expected wait
+    exceeds ``rule_ms``), and the message it parks with.
     """
 
     __slots__ = ("broker", "payload", "rule_ms", "until")
@@ -74,10 +49,7 @@ class ParkRule:
         broker: str | None = None,
     ) -> ParkRule:
         """The rule of an ``acquire_or_park`` call: a fixed ``admission_wait_ms``, else
-        the expected-wait rule with threshold ``defer_after_ms``.
-
-        :raises ConcurrencyConfigError: either is not a duration (naming which).
-        """
+        the expected-wait rule with ``defer_after_ms`` (each checked as a duration)."""
         rule_ms = check_duration_ms(defer_after_ms, field="defer_after_ms", allow_zero=True)
         if admission_wait_ms is None:
             return cls(rule_ms, payload, rule_ms=rule_ms, broker=broker)

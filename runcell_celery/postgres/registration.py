@@ -1,14 +1,13 @@
 """Stored limits: the first worker stores them, every other worker must agree.
 
-All workers that share a limiter name must apply the same rules, or two of them could
-grant slots under different limits. The first worker stores its limits (with a hash)
-in the limiter's row; a worker whose limits differ fails at startup with
-:class:`~runcell_celery.errors.ConcurrencyConfigError` naming each differing field,
-unless it was created with ``on_conflict="replace"`` (its limits replace the stored
-ones) or ``on_conflict="use_stored"`` (it works on the stored ones,
-:mod:`~.stored_limits`). Every allocation then checks the hash, so a worker left
-running with old limits never grants by them: it stops, or with ``"use_stored"``
-takes the stored limits.
+Two workers granting under different limits would break the limit, so a worker whose
+limits differ from the stored ones fails at startup naming each field, unless
+``on_conflict="replace"`` (its limits replace them) or ``"use_stored"`` (it works on
+them). Every allocation checks the stored hash, so during a rolling change of limits
+a worker with old settings refuses every acquire, or with ``"use_stored"`` takes the
+stored limits and asks again: every worker grants by one set of limits and no task
+fails. A process says so once per limiter and change (a warning naming each field and
+a ``config-error`` event; a keyed limiter's keys count as one).
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +24,14 @@ from psycopg.types.json import Jsonb
 
 from ..config import LimiterConfig
 from ..errors import ConcurrencyConfigError
-from ..keys import key_name_clash, split_key_name
+from ..events import ConcurrencyEvent, emit, has_listeners
+from ..keys import config_for_key, key_name_clash, split_key_name
+from ..protocol import AcquireRequest
 from . import statements
 from .calls import LOCK_WAIT_CAP_MS
 from .connection import Connection
 from .options import OnConflict
 from .schema import ensure_schema
-
-__all__ = ["OnConflict", "Stored", "config_hash", "differing_limits", "store_limits"]
 
 logger = logging.getLogger("runcell_celery.postgres")
 
@@ -43,12 +43,20 @@ def config_hash(config: LimiterConfig) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredLimits:
+    """The limits stored for a limiter and the hash every allocation checks."""
+
+    config: LimiterConfig
+    config_hash: str
+
+
+@dataclass(frozen=True, slots=True)
 class Stored:
     """What :func:`store_limits` came to."""
 
     #: With ``on_conflict="use_stored"`` and stored limits that differ: those limits
     #: and their hash (the caller works on them).
-    adopted: tuple[LimiterConfig, str] | None = None
+    adopted: StoredLimits | None = None
     #: After replacing the limits: what the allocation pass it ran granted
     #: (:data:`~.statements.ALLOCATE_AFTER_NEW_LIMITS`), for the caller to re-publish
     #: parked tasks (``"parked"``) and run group passes (``"grp"``).
@@ -58,10 +66,8 @@ class Stored:
 def store_limits(
     conn: Connection, config: LimiterConfig, *, ensure: bool, on_conflict: OnConflict
 ) -> Stored:
-    """Create the schema if asked, then store ``config`` or check the stored limits.
-
-    Replaced limits reach the requests already waiting at once: the same transaction
-    runs allocation on the limiter and on its keys that have waiters.
+    """Create the schema if asked, then store ``config`` or check the stored limits;
+    replaced limits reach the waiting requests in the same transaction.
     """
     ensure_schema(conn, create=ensure)
     params = {
@@ -81,7 +87,9 @@ def store_limits(
         if stored[1] == params["config_hash"]:
             return Stored()
         if on_conflict == "use_stored":
-            return Stored(adopted=(LimiterConfig.from_mapping(stored[0]), str(stored[1])))
+            return Stored(
+                adopted=StoredLimits(LimiterConfig.from_mapping(stored[0]), str(stored[1]))
+            )
         differences = describe_differences(config, stored[0])
         if on_conflict == "replace":
             conn.execute(statements.REPLACE_LIMITER, params)
@@ -106,10 +114,9 @@ def store_limits(
 
 
 def differing_limits(conn: Connection, configs: Sequence[LimiterConfig]) -> list[tuple[str, str]]:
-    """The limiters of ``configs`` stored with other limits, each with its differences
-    (:func:`describe_differences`), read without storing or locking anything: what
-    :func:`store_limits` would refuse under ``on_conflict="error"``. A limiter not
-    stored yet differs from nothing."""
+    """The limiters of ``configs`` stored with other limits, with their differences,
+    read without storing or locking anything (a limiter not stored yet differs from nothing).
+    """
     found: list[tuple[str, str]] = []
     for config in configs:
         row = conn.execute(statements.READ_STORED_LIMITER, {"name": config.name}).fetchone()
@@ -156,3 +163,64 @@ def _dig(tree: Mapping[str, Any], path: str) -> Any:
     for part in path.split("."):
         node = node.get(part) if isinstance(node, Mapping) else None
     return node
+
+
+def read_stored_limits(conn: Connection, name: str) -> StoredLimits | None:
+    """The limits stored for limiter ``name`` (``None``: no row); a key's are its keyed
+    limiter's, under the key's name.
+    """
+    parent, key = split_key_name(name)
+    if key is not None:
+        stored = _read(conn, parent)
+        if stored is not None and stored.config.keyed:
+            return StoredLimits(config_for_key(stored.config, key), stored.config_hash)
+    return _read(conn, name)
+
+
+def _read(conn: Connection, name: str) -> StoredLimits | None:
+    row = conn.execute(statements.READ_STORED_LIMITER, {"name": name}).fetchone()
+    if row is None:
+        return None
+    return StoredLimits(config=LimiterConfig.from_mapping(row[0]), config_hash=str(row[1]))
+
+
+def announce_stored_limits(
+    given: LimiterConfig,
+    stored: StoredLimits,
+    first_time: Callable[[str, str], bool],
+    *,
+    request: AcquireRequest | None = None,
+) -> str | None:
+    """Warn and emit a ``config-error`` event that this process uses ``stored`` instead
+    of ``given``, once per limiter and stored hash (``first_time``); return the message, or
+    ``None`` when nothing was said. ``request``: the one that found the limits replaced.
+    """
+    if not given.differences(stored.config):
+        return None
+    differences = describe_differences(given, stored.config.to_dict())
+    limiter = split_key_name(given.name)[0]
+    if not first_time(limiter, stored.config_hash):
+        return None
+    message = (
+        f"limiter {limiter!r}: this worker's settings differ from the stored limits "
+        f"({differences}); it uses the stored limits (on_conflict='use_stored') until "
+        "it is restarted with settings that match them"
+    )
+    logger.warning("runcell: %s", message)
+    if has_listeners():
+        lineage = request.lineage if request is not None else None
+        emit(
+            ConcurrencyEvent(
+                type="config-error",
+                limiter=given.name,
+                workload=request.workload if request is not None else None,
+                run_id=lineage.run_id if lineage is not None else None,
+                root_run_id=lineage.root_run_id if lineage is not None else None,
+                parent_run_id=lineage.parent_run_id if lineage is not None else None,
+                request_id=request.request_id if request is not None else None,
+                timestamp=time.time(),
+                holder_name=request.holder_name if request is not None else None,
+                error=message,
+            )
+        )
+    return message

@@ -1,9 +1,7 @@
-"""The limiter's tables and functions: where the DDL lives, its version, how it is applied.
-
-One schema version, :data:`SCHEMA_VERSION`, recorded in the database (``runcell_schema``)
-and checked by every worker at start: a database older (stale) or newer than this code
-is refused with a :class:`~runcell_celery.ConcurrencyConfigError` naming both versions,
-unless the worker may upgrade it (``ensure_schema=True``, the default).
+"""The limiter's tables and functions: where the DDL lives, its version, how it is
+applied. One version, :data:`SCHEMA_VERSION`, recorded in the database and checked at
+start: an older or newer schema is refused naming both versions, unless the worker
+may upgrade it (``ensure_schema=True``).
 """
 
 from __future__ import annotations
@@ -16,14 +14,7 @@ import psycopg
 
 from ..errors import ConcurrencyConfigError
 from . import statements
-from .connection import fetch_one
-
-__all__ = [
-    "SCHEMA_VERSION",
-    "database_schema_version",
-    "ensure_schema",
-    "postgres_concurrency_schema_sql",
-]
+from .connection import fetch_all
 
 #: Advisory lock key for schema creation (stable across processes and versions).
 _SCHEMA_LOCK_KEY = zlib.crc32(b"runcell_celery.schema")
@@ -42,11 +33,8 @@ def _schema_file() -> str:
 
 
 def postgres_concurrency_schema_sql() -> str:
-    """Return the DDL for the limiter's tables and functions, at :data:`SCHEMA_VERSION`.
-
-    Apply it as a migration when the database role may not run DDL, and create the
-    limiter with ``ensure_schema=False``. It is idempotent, brings a database of an
-    earlier version up to this one, and records the version.
+    """Return the idempotent DDL of the tables and functions at :data:`SCHEMA_VERSION`
+    (apply it as a migration and create limiters with ``ensure_schema=False``).
     """
     record = (
         "DELETE FROM runcell_schema;\n"
@@ -57,22 +45,17 @@ def postgres_concurrency_schema_sql() -> str:
 
 def database_schema_version(conn: psycopg.Connection[Any]) -> int | None:
     """The schema version recorded in the database, or ``None`` without the tables."""
-    if not fetch_one(conn, statements.SCHEMA_EXISTS)[0]:
+    if not fetch_all(conn, statements.SCHEMA_EXISTS)[0][0]:
         return None
-    version = fetch_one(conn, statements.SCHEMA_VERSION_RECORDED)[0]
+    version = fetch_all(conn, statements.SCHEMA_VERSION_RECORDED)[0][0]
     return None if version is None else int(version)
 
 
 def ensure_schema(conn: psycopg.Connection[Any], *, create: bool = True) -> None:
-    """Check the database's schema version; create or upgrade it when ``create``.
-
-    Workers starting at the same moment on a new database take turns on an advisory
-    lock, so concurrent ``CREATE`` statements never collide; whoever gets the lock
-    after another worker applied the DDL finds it current and applies nothing (the
-    DDL takes table locks that running operations would otherwise queue behind). An
-    upgrade that deadlocks with running operations is tried again. Without ``create``
-    (``ensure_schema=False``) a missing, older or newer schema raises
-    :class:`~runcell_celery.ConcurrencyConfigError`; a newer one always does.
+    """Check the database's schema version; create or upgrade it when ``create``
+    (workers starting together take turns on an advisory lock; a deadlocked upgrade is
+    tried again). A missing or older schema without ``create``, or a newer one, raises
+    :class:`~runcell_celery.ConcurrencyConfigError`.
     """
     if _checked(conn, database_schema_version(conn), create=create):
         return

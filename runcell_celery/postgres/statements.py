@@ -52,31 +52,58 @@ SET config = %(config)s, config_hash = %(config_hash)s, updated_at = clock_times
 WHERE name = %(name)s
 """
 
-# Every operation on a limiter is one call of a function of ``schema.sql`` (one round
-# trip, one transaction), sent as one simple-query message behind ``SET LOCAL``
-# bounds on the statement and on the wait for the limiter row's lock (see
-# :func:`runcell_celery.postgres.calls.call`); parameters are bound client-side.
+# Every operation is one call of a function of ``schema.sql`` (one round trip, one
+# transaction) over the request's limiters in lock (name) order, sent as one
+# simple-query message behind ``SET LOCAL`` bounds on the statement and the lock wait
+# (:func:`runcell_celery.postgres.calls.call`). ``op_id`` (a client-made UUID, or NULL)
+# makes a retry after a lost reply get the first attempt's answer (``runcell_operation``).
 
 ACQUIRE: LiteralString = """
-SELECT runcell_acquire(ARRAY[%(limiter)s::text], ARRAY[%(config_hash)s::text], NULL,
-                       %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
-                       %(lock_timeout_ms)s, %(retry)s)
+SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[], %(workloads)s::text[],
+    %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb, %(lock_timeout_ms)s, %(retry)s)
+"""
+
+#: :data:`ACQUIRE` also saying where the request joins each line (sent instead only for
+#: a request over several limiters when a tracer records the wait's place): ``"lines"``,
+#: one ``[ahead, hold_ms, slots]`` per limiter, read with the statement's snapshot.
+ACQUIRE_WITH_LINES: LiteralString = """
+SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[], %(workloads)s::text[],
+    %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb, %(lock_timeout_ms)s, %(retry)s)
+    || jsonb_build_object('lines', (
+        SELECT jsonb_agg(jsonb_build_array(
+                   l.waiting[array_position(l.workloads, u.workload)],
+                   l.hold_ms_avg,
+                   least(l.ceilings[array_position(l.workloads, u.workload)],
+                         l.max_concurrent))
+               ORDER BY u.o)
+        FROM unnest(%(limiters)s::text[], %(workloads)s::text[])
+             WITH ORDINALITY AS u(name, workload, o)
+        JOIN runcell_limiter AS l ON l.name = u.name))
 """
 
 RELEASE: LiteralString = """
 SELECT runcell_release(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)
 """
 
-#: ``op_id`` (a client-made UUID, or NULL) makes a retry after a lost reply get the
-#: first attempt's answer (see ``runcell_operation`` in ``schema.sql``).
 WITHDRAW: LiteralString = """
-SELECT runcell_withdraw(ARRAY[%(limiter)s::text], %(request_id)s, %(give_back)s,
-                        %(op_id)s::uuid, %(lock_timeout_ms)s)
+SELECT runcell_withdraw(%(limiters)s::text[], %(request_id)s, %(give_back)s,
+    %(op_id)s::uuid, %(lock_timeout_ms)s)
 """
 
 PARK: LiteralString = """
-SELECT runcell_park(ARRAY[%(limiter)s::text], %(request_id)s, %(payload)s::jsonb,
-                    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
+SELECT runcell_park(%(limiters)s::text[], %(request_id)s, %(payload)s::jsonb,
+    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
+"""
+
+#: A re-published parked task takes its delivery's leases (its publication only).
+CLAIM_PARKED: LiteralString = """
+SELECT runcell_claim(%(limiters)s::text[], %(request_id)s, %(publication_id)s::uuid,
+    %(op_id)s::uuid)
+"""
+
+#: The group pass of a request over several limiters (``runcell_grant_request``).
+ALLOCATE_GROUP: LiteralString = """
+SELECT runcell_grant_request(%(group_id)s, %(lock_timeout_ms)s)
 """
 
 REAP: LiteralString = "SELECT runcell_reap(%(limiter)s, %(lock_timeout_ms)s)"
@@ -95,12 +122,8 @@ SELECT runcell_renew(%(limiter)s, %(lease_ids)s::uuid[])
 #: After storing or replacing limits: their array form and the counts, from the rows.
 SET_LIMITS: LiteralString = "SELECT runcell_set_limits(%(name)s)"
 
-#: After replacing limits, in the same transaction: an allocation pass
-#: (``runcell_reap``) on the limiter and on each of its keys that has requests
-#: waiting, in lock (name) order, so they get raised room at once; their processes are
-#: notified as by any allocation. Answers like a release: ``{"parked": [lease ids of
-#: parked requests granted, to re-publish], "grp": [requests over several limiters due
-#: a group pass]}``.
+#: After replacing limits, in the same transaction: an allocation pass on the limiter
+#: and each of its keys with waiters, in lock order (answers like a release).
 ALLOCATE_AFTER_NEW_LIMITS: LiteralString = """
 SELECT runcell_due_groups(jsonb_build_object('parked', coalesce(jsonb_agg(p.lease), '[]')))
 FROM (SELECT l.name FROM runcell_limiter AS l
@@ -110,19 +133,9 @@ FROM (SELECT l.name FROM runcell_limiter AS l
      LATERAL jsonb_array_elements(r.parked) AS p(lease)
 """
 
-#: A re-published parked task takes the lease granted to its delivery: its queue row
-#: goes and the lease is renewed. Only the publication it was sent as can claim it;
-#: the answer says whether the request is still stored for another publication.
-CLAIM_PARKED: LiteralString = """
-SELECT runcell_claim(ARRAY[%(limiter)s::text], %(request_id)s, %(publication_id)s::uuid,
-                     %(op_id)s::uuid)
-"""
-
-#: Take the right to re-publish granted parked tasks, once per grant: those just
-#: granted (by lease id), and any whose grant nobody published within ``stale_ms``;
-#: only those parked for ``broker`` (or for no broker in particular: rows parked
-#: before brokers were recorded). The other brokers with grants due are answered too,
-#: as rows with only the last column set: they are left to their own publishers.
+#: Take the right to re-publish grants once each: those just granted and any unpublished
+#: past ``stale_ms``, parked for ``broker`` (or none); other brokers due come as rows
+#: with only the last column set.
 CLAIM_REPUBLISH: LiteralString = """
 WITH claimed AS (
     UPDATE runcell_queue
@@ -142,10 +155,8 @@ WHERE granted_lease_id IS NOT NULL AND published_at IS NULL
   AND broker IS DISTINCT FROM %(broker)s::text AND broker IS NOT NULL
 """
 
-#: Give back the right to publish grants whose publication failed (the broker was
-#: unreachable): still granted, they are claimed again by the next sweep, so their
-#: tasks are sent as soon as the broker is back, within their claim window. A row
-#: claimed meanwhile by its task, or granted again, is left alone.
+#: Give back the right to publish grants whose publication failed (the next sweep takes
+#: them again); a row claimed or granted again meanwhile is left alone.
 UNCLAIM_REPUBLISH: LiteralString = """
 UPDATE runcell_queue AS q
 SET published_at = NULL
@@ -156,10 +167,8 @@ WHERE q.limiter = f.limiter AND q.request_id = f.request_id
 RETURNING q.request_id
 """
 
-#: Parked requests whose deadline passed while they waited, phase one: taken out of
-#: line and handed to ``taker`` to record their tasks' failure; they stay stored until
-#: ``COMPLETE_EXPIRED`` (another taker gets them after ``retake_after_ms``). Also purges
-#: operation records older than ``keep_ops_ms``.
+#: Parked requests past their deadline, phase one: taken out of line and handed to
+#: ``taker``, stored until ``COMPLETE_EXPIRED``; also purges old operation records.
 TAKE_EXPIRED_PARKED: LiteralString = """
 SELECT limiter, request_id, workload, run_id, root_run_id, parent_run_id, holder_name,
        payload::text, (extract(epoch FROM expired_at - enqueued_at) * 1000)::float8
@@ -182,9 +191,7 @@ ON CONFLICT (run_id) DO UPDATE SET run_id = EXCLUDED.run_id
 RETURNING (extract(epoch FROM deadline - clock_timestamp()) * 1000)::float8
 """
 
-#: Add a batch of counts (one row per task name and limiter) in one statement. A batch
-#: with an id (``batch_id``, recorded in runcell_operation) is added once: a retry after
-#: its reply was lost adds nothing.
+#: Add a batch of counts in one statement; a batch with an id is added once.
 ADD_ADMISSION_COUNTS: LiteralString = """
 WITH op AS (
     INSERT INTO runcell_operation (op_id)
@@ -238,11 +245,8 @@ STATS: LiteralString = """
 SELECT workloads, active, waiting FROM runcell_limiter WHERE name = %(limiter)s
 """
 
-#: Expire leases now (force release), so the next allocation pass reaps them like a
-#: crashed holder's (a parked task's grant goes back in line) and renewals fail.
-#: An operator's force release: expire the leases and, in the same transaction, note
-#: who did it where the holder looks when its renewal finds the lease gone
-#: (``runcell_operation``, keyed by the lease id; purged by age like the others).
+#: An operator's force release: expire the leases (the next pass reaps them) and note
+#: who did it where the holder looks when its renewal fails.
 EXPIRE_LEASES: LiteralString = """
 WITH expired AS (
     UPDATE runcell_lease SET expires_at = clock_timestamp()
@@ -272,9 +276,7 @@ WHERE %(names)s::text[] IS NULL OR name = ANY(%(names)s::text[])
 ORDER BY name
 """
 
-#: Per limiter: its configured workloads, slots held and requests queued (waiting or
-#: parked, not granted) per workload, and how long the oldest of those has waited.
-#: The counts are those of ``STATS`` (the limiter's own view), for every limiter at once.
+#: Per limiter: workloads, slots held and requests queued per workload, oldest wait.
 LIMITER_STATES: LiteralString = """
 SELECT l.name, l.workloads, l.active, l.waiting,
        (SELECT extract(epoch FROM clock_timestamp() - min(q.enqueued_at)) * 1000
@@ -303,9 +305,8 @@ SYNC_KEYS: LiteralString = """
 SELECT runcell_sync_keys(%(name)s)
 """
 
-#: The busiest keys of a keyed limiter in use (most held, then most waiting; idle key
-#: rows not purged yet are left out), at most ``limit`` (NULL: all), optionally only
-#: those whose key contains ``search`` (case-insensitive).
+#: The busiest keys of a keyed limiter in use, at most ``limit``, optionally those
+#: containing ``search`` (any case).
 KEY_STATS: LiteralString = """
 SELECT k.name, h.held, q.queued
 FROM runcell_limiter AS k,
@@ -353,60 +354,6 @@ KEYS_WITH_EXPIRED_LEASES: LiteralString = """
 SELECT DISTINCT l.limiter FROM runcell_lease AS l
 WHERE l.expires_at <= clock_timestamp()
   AND left(l.limiter, length(%(parent)s) + 1) = %(parent)s || ':'
-"""
-
-#: One request over several limiters of this database (``runcell_acquire``):
-#: ``limiters`` in lock (name) order, with their limits' checksums and the workload
-#: the request uses in each.
-ACQUIRE_SEVERAL: LiteralString = """
-SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[],
-    %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
-    %(lock_timeout_ms)s, %(retry)s)
-"""
-
-#: :data:`ACQUIRE_SEVERAL`, also saying where the request joins each line, in the same
-#: round trip (sent instead only when a tracer records the wait's place): ``"lines"``,
-#: one ``[ahead, hold_ms, slots]`` per limiter in ``limiters``' order, as
-#: ``runcell_acquire``'s answer tells them. Read with the statement's snapshot, so
-#: as the lines stood when it asked (before it waited for the rows' locks, if it did).
-ACQUIRE_SEVERAL_WITH_LINES: LiteralString = """
-SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[],
-    %(workloads)s::text[], %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb,
-    %(lock_timeout_ms)s, %(retry)s)
-    || jsonb_build_object('lines', (
-        SELECT jsonb_agg(jsonb_build_array(
-                   l.waiting[array_position(l.workloads, u.workload)],
-                   l.hold_ms_avg,
-                   least(l.ceilings[array_position(l.workloads, u.workload)],
-                         l.max_concurrent))
-               ORDER BY u.o)
-        FROM unnest(%(limiters)s::text[], %(workloads)s::text[])
-             WITH ORDINALITY AS u(name, workload, o)
-        JOIN runcell_limiter AS l ON l.name = u.name))
-"""
-
-#: The group pass of a request over several limiters (``runcell_grant_request``).
-ALLOCATE_GROUP: LiteralString = """
-SELECT runcell_grant_request(%(group_id)s, %(lock_timeout_ms)s)
-"""
-
-#: Withdraw a request over several limiters (``runcell_withdraw``).
-WITHDRAW_GROUP: LiteralString = """
-SELECT runcell_withdraw(%(limiters)s::text[], %(group_id)s, %(give_back)s, NULL,
-    %(lock_timeout_ms)s)
-"""
-
-#: Park a waiting request over several limiters as one (``runcell_park``).
-PARK_GROUP: LiteralString = """
-SELECT runcell_park(%(limiters)s::text[], %(group_id)s, %(payload)s::jsonb,
-    %(op_id)s::uuid, %(lock_timeout_ms)s, %(broker)s)
-"""
-
-#: A re-published task takes every lease of its parked request over several limiters
-#: (``runcell_claim``).
-CLAIM_PARKED_GROUP: LiteralString = """
-SELECT runcell_claim(%(limiters)s::text[], %(group_id)s,
-    %(publication_id)s::uuid, %(op_id)s::uuid)
 """
 
 #: Parked requests over several limiters due a group pass: no process waits for them,

@@ -1,21 +1,11 @@
-"""Waiting for slots: one waiting room per engine (backend and process), never a poller per request.
+"""Waiting for slots: one waiting room per engine, never a poller per request.
 
-A request that finds no slot is queued in the database and then waits here, at no
-cost to the database: it holds no pooled connection and sends nothing. The room
-learns of grants in two ways:
-
-* **Told directly.** The transaction that grants a slot (a release, a reap) sends
-  ``NOTIFY`` on this process's own channel with the lease, so the waiter holds its
-  slot without another round trip. One listener connection per process serves every
-  waiter of every limiter on that database.
-* **A safety poll,** one statement for all of the process's waiters: while the
-  listener is connected it runs every ``queue_entry_ttl_ms / 2`` and mostly renews the
-  process's liveness (which keeps every queue row of the process alive, one row per
-  process instead of one per waiter); without a listener (a transaction pooler, or
-  ``listen=False``) it runs every ``poll_interval_ms`` and is how grants are found.
-
-The room also keeps the estimate of the database's clock that turns a grant's
-database time into a local deadline (:class:`DatabaseClock`).
+A queued request waits here, holding no connection and sending nothing. The room
+learns of grants by ``NOTIFY`` on this process's own channel (the granting transaction
+sends the leases: no further round trip), and by one safety poll for all the process's
+waiters: every ``queue_entry_ttl_ms / 2`` while listening (mostly renewing the process's
+liveness, which keeps all its queue rows), every ``poll_interval_ms`` without a listener.
+:class:`DatabaseClock` turns a grant's database time into a local deadline.
 """
 
 from __future__ import annotations
@@ -43,8 +33,6 @@ from .connection import Database
 from .listener import GrantListener
 from .options import PostgresOptions
 
-__all__ = ["DatabaseClock", "Grant", "WaitRoom", "Waiter"]
-
 logger = logging.getLogger("runcell_celery.postgres.waiting")
 
 #: How soon a request found missing is looked at again; it is taken as dropped only
@@ -59,10 +47,7 @@ _HOST = socket.gethostname()
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """A slot granted to a waiting request, as its process learned it.
-
-    :param granted_at: when the grant committed, in the database's clock (epoch s).
-    """
+    """A slot granted to a waiting request; ``granted_at``: database time (epoch s)."""
 
     lease_id: str
     fencing_token: int
@@ -72,11 +57,9 @@ class Grant:
 class DatabaseClock:
     """Turns database instants into local monotonic instants, erring early.
 
-    Every round trip that returns the database's ``clock_timestamp()`` is a sample:
-    the server read its clock at some moment between sending and receiving, so
-    ``local(t) >= t - db_now + sent`` for any database instant ``t``. A grant's local
-    start is taken at that lower bound, so the lease's local expiry is never later
-    than the database's.
+    Each round trip returning ``clock_timestamp()`` bounds the offset from below
+    (``local(t) >= t - db_now + sent``), so a lease's local expiry is never later than the
+    database's.
     """
 
     #: Samples older than this no longer count: the two clocks drift apart slowly, so
@@ -112,17 +95,6 @@ class DatabaseClock:
 
 class Waiter:
     """One waiting request: woken when granted, when gone, or to look again."""
-
-    __slots__ = (
-        "_event",
-        "_future",
-        "_loop",
-        "grant",
-        "limiter",
-        "missing",
-        "queued",
-        "request_id",
-    )
 
     def __init__(
         self, request_id: str, limiter: str, loop: asyncio.AbstractEventLoop | None
@@ -171,15 +143,18 @@ class Waiter:
 
 
 class WaitRoom:
-    """Every waiting request of this process on one database, and its one listener.
-
-    Made by its :class:`~.engine.Engine` (one per backend and process).
-    """
+    """Every waiting request of this process on one database, and its one listener."""
 
     def __init__(self, database: Database, options: PostgresOptions) -> None:
         self.process_id = uuid.uuid4().hex
         self.channel = f"runcell_w_{self.process_id[:24]}"
         self.clock = DatabaseClock()
+        #: Who waits, as the database records it (``runcell_process``); a room is one
+        #: process's (its engine is).
+        self.process = json.dumps(
+            {"process_id": self.process_id, "channel": self.channel, "host": _HOST,
+             "pid": os.getpid(), "ttl_ms": options.queue_entry_ttl_ms}
+        )  # fmt: skip
         self._database = database
         self._queue_ttl_ms = options.queue_entry_ttl_ms
         self._poll_s = options.poll_interval_ms / 1000
@@ -192,8 +167,7 @@ class WaitRoom:
         self._waiters: dict[str, Waiter] = {}
         self._limiters: Counter[str] = Counter()
         self._reapers: dict[str, weakref.WeakMethod[Callable[[], None]]] = {}
-        #: Requests the last poll found missing, to confirm at the next look.
-        #: Requests the poll found gone, and when it first did.
+        #: Requests the poll found gone, and when it first did (confirmed at a next look).
         self._suspects: dict[str, float] = {}
         self._heartbeat_due = 0.0
         #: When to look for expired leases next (the earliest lease of a limiter we
@@ -221,18 +195,6 @@ class WaitRoom:
         if self.listener is not None:
             self.listener.stop()
 
-    def process(self) -> dict[str, Any]:
-        """Who waits, as the database records it (see ``runcell_process``)."""
-        return {
-            "process_id": self.process_id,
-            "channel": self.channel,
-            "host": _HOST,
-            "pid": os.getpid(),
-            "ttl_ms": self._queue_ttl_ms,
-        }
-
-    # -- waiters ------------------------------------------------------------------------
-
     @property
     def listening(self) -> bool:
         """Whether grants reach this process by notification right now."""
@@ -248,10 +210,7 @@ class WaitRoom:
         reap: Callable[[], None] | None = None,
     ) -> Waiter:
         """Register a waiter *before* its acquire is sent, so no grant finds nobody.
-
-        :param reap: the limiter's own allocation pass (held weakly), which the safety
-            poll runs when the limiter holds expired leases: unlike a bare statement it
-            re-publishes at once the parked tasks that pass grants.
+        ``reap``: the limiter's allocation pass (held weakly) the poll runs on expired leases.
         """
         waiter = Waiter(request_id, limiter, loop)
         with self._lock:
@@ -282,15 +241,10 @@ class WaitRoom:
             return len(self._waiters)
 
     def withdraw_later(self, withdraw: Callable[[], object]) -> None:
-        """Run ``withdraw`` in this room's ``runcell-late-withdraw`` thread, one at a
-        time, retried a few times if it fails (a withdrawal is idempotent).
-
-        For a request whose wait ended while its limiter rows stayed locked: it leaves
-        at once, within its budget, and its rows go once the locks are free. Until
-        then they are harmless: no allocation grants a row past its deadline, and a
-        grant made before the deadline is given back by ``withdraw``. A withdrawal
-        that never succeeds leaves rows that go with this process's liveness
-        (``queue_entry_ttl_ms`` after it stops renewing it).
+        """Run ``withdraw`` (idempotent) in the ``runcell-late-withdraw`` thread, retried a
+        few times: for a request whose wait ended while its rows stayed locked. Its rows are
+        harmless meanwhile (none is granted past its deadline; a grant is given back), and go
+        with this process's liveness if it never succeeds.
         """
         with self._lock:
             self._late.append((withdraw, 0))
@@ -317,8 +271,6 @@ class WaitRoom:
             return 1.0
         return 0.0
 
-    # -- news from the database ---------------------------------------------------------
-
     def dispatch(self, payload: str) -> None:
         """Wake the waiters named in a grant notification (see runcell_notify_grants_v4)."""
         try:
@@ -331,10 +283,9 @@ class WaitRoom:
         self.dispatch_grants(message.get("t"), message.get("g"))
 
     def dispatch_grants(self, granted_at: Any, grants: Any) -> None:
-        """Wake the waiters of this process among ``grants`` (``[[request_id, lease_id,
-        token], ...]`` granted at database time ``granted_at``); others are ignored.
-        A waiter told twice (by its notification and by the release that granted it)
-        keeps the first."""
+        """Wake this process's waiters among ``grants`` (``[[request_id, lease_id, token]]``
+        at database time ``granted_at``); a waiter told twice keeps the first.
+        """
         try:
             at = float(granted_at)
             found_grants = [(str(r), str(lease), int(token)) for r, lease, token in grants]
@@ -391,7 +342,7 @@ class WaitRoom:
     def _poll_once(self, ids: Sequence[str], limiters: Sequence[str], *, heartbeat: bool) -> None:
         sent = Stamp()
         params = {
-            "process": json.dumps(self.process()),
+            "process": self.process,
             "request_ids": list(ids),
             "limiters": list(limiters),
             "heartbeat": heartbeat,

@@ -23,7 +23,7 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from runcell_celery import AcquireRequest, RunLineage, slot
+from runcell_celery import AcquireRequest, Member, RunLineage, slot
 from runcell_celery.celery.deferral import Sweeper
 from runcell_celery.celery.message import DeliveredMessage
 from runcell_celery.celery.state import state_for
@@ -177,7 +177,7 @@ def _exit_time(limiter: Any, app: Any) -> tuple[float, str]:
     block = slot(limiter)
     block.__enter__()
     parked = limiter.acquire_or_park(
-        request, admission_wait_ms=0, payload=_parked_message(app, task_id)
+        [Member(limiter, request)], admission_wait_ms=0, payload=_parked_message(app, task_id)
     )
     assert isinstance(parked, Parked), parked
     started = time.perf_counter()

@@ -18,7 +18,7 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from runcell_celery import AcquireRequest, RunLineage, slot
+from runcell_celery import AcquireRequest, Member, RunLineage, slot
 from runcell_celery.celery import registry_for
 from runcell_celery.celery.brokers import broker_identity
 from runcell_celery.celery.deferral import Sweeper, send_grants
@@ -147,7 +147,9 @@ def test_a_sweeper_leaves_another_brokers_granted_task_and_says_so_once(
     holder, parked = unique_name("holder"), unique_name("parked")
     held = limiter.acquire(AcquireRequest(holder, "background", RunLineage(holder, holder)))
     request = AcquireRequest(parked, "background", RunLineage(parked, parked))
-    assert limiter.acquire_or_park(request, payload="{}", admission_wait_ms=0, broker=other)
+    assert limiter.acquire_or_park(
+        [Member(limiter, request)], payload="{}", admission_wait_ms=0, broker=other
+    )
     limiter.release(held)  # granted to the parked task of the other broker
     store = registry_for(app).backend
     assert isinstance(store, ParkingStore)
@@ -169,4 +171,4 @@ def test_a_sweeper_leaves_another_brokers_granted_task_and_says_so_once(
             ).fetchone()
         assert row == (True, None), "another broker's grant was taken for publication"
     finally:
-        limiter.withdraw(parked)
+        limiter.withdraw_members([limiter], parked)

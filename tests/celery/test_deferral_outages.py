@@ -21,6 +21,7 @@ from runcell_celery import (
     AcquireRequest,
     ConcurrencyEvent,
     ConcurrencyTimeoutError,
+    Member,
     RunLineage,
     add_event_listener,
     remove_event_listener,
@@ -150,7 +151,9 @@ def test_a_stale_parked_task_stays_stored_while_the_result_backend_is_down(
             exchange="",
             routing_key="runcell-test",
         )
-        parked = limiter.acquire_or_park(request, admission_wait_ms=0, payload=message.to_payload())
+        parked = limiter.acquire_or_park(
+            [Member(limiter, request)], admission_wait_ms=0, payload=message.to_payload()
+        )
         assert isinstance(parked, Parked)
         sweeper = Sweeper(app, registry)  # its passes are run here, not by its loop
         own_redis.stop()

@@ -12,7 +12,7 @@ that finds no room parks as one request over both limiters, and both limits stil
 when the parked runs are re-published and claim their slots together.
 
 A tenant's second task waiting while its first runs must not hold up another tenant's
-task that has room (as ``allocate_several`` and the in-memory limiter decide).
+task that has room (as ``allocate_members`` and the in-memory limiter decide).
 """
 
 from __future__ import annotations

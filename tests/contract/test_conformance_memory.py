@@ -13,7 +13,7 @@ from runcell_celery.conformance import (
     ConformanceCase,
     concurrency_conformance_cases,
     keyed_conformance_cases,
-    several_limiters_conformance_cases,
+    members_conformance_cases,
 )
 
 _numbers = itertools.count(1)
@@ -29,7 +29,7 @@ def create(**options: Any) -> ConcurrencyLimiter:
 
 CASES = concurrency_conformance_cases(create)
 KEYED_CASES = keyed_conformance_cases(create)
-SEVERAL_CASES = several_limiters_conformance_cases(create)
+MEMBER_CASES = members_conformance_cases(create)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
@@ -42,6 +42,6 @@ def test_in_memory_keyed_limiter_conforms(case: ConformanceCase) -> None:
     case.run()
 
 
-@pytest.mark.parametrize("case", SEVERAL_CASES, ids=lambda case: case.name)
+@pytest.mark.parametrize("case", MEMBER_CASES, ids=lambda case: case.name)
 def test_in_memory_limiters_held_together_conform(case: ConformanceCase) -> None:
     case.run()

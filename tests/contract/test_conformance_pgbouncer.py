@@ -18,12 +18,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from runcell_celery import AcquireRequest, LimiterConfig, RunLineage
+from runcell_celery import AcquireRequest, LimiterConfig, Member, RunLineage
 from runcell_celery.config import limiter_config
 from runcell_celery.conformance import (
     concurrency_conformance_cases,
     keyed_conformance_cases,
-    several_limiters_conformance_cases,
+    members_conformance_cases,
 )
 from runcell_celery.ports import Parked
 from runcell_celery.postgres import (
@@ -37,9 +37,7 @@ from tests.support.pgbouncer import POOL_SIZE, PgBouncer, run_pgbouncer
 
 CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
 KEYED_CASE_NAMES = [case.name for case in keyed_conformance_cases(lambda **options: None)]
-SEVERAL_CASE_NAMES = [
-    case.name for case in several_limiters_conformance_cases(lambda **options: None)
-]
+MEMBER_CASE_NAMES = [case.name for case in members_conformance_cases(lambda **options: None)]
 
 #: A case in which requests wait and are granted by another request's release.
 WAITING_CASE = "waiters_are_served_in_arrival_order"
@@ -101,12 +99,12 @@ def test_keyed_postgres_limiter_conforms_through_a_transaction_pooler(
     cases[name].run()
 
 
-@pytest.mark.parametrize("name", SEVERAL_CASE_NAMES)
+@pytest.mark.parametrize("name", MEMBER_CASE_NAMES)
 def test_postgres_limiters_held_together_conform_through_a_transaction_pooler(
     pgbouncer_dsn: str, name: str
 ) -> None:
     factory = _factory(pgbouncer_dsn, listen=False)
-    cases = {case.name: case for case in several_limiters_conformance_cases(factory)}
+    cases = {case.name: case for case in members_conformance_cases(factory)}
     cases[name].run()
 
 
@@ -205,7 +203,10 @@ def test_the_backends_stores_work_through_the_pooler(pgbouncer_dsn: str) -> None
     limiter = backend.create_limiter(config)
     held = limiter.acquire(_request())
     parked = _request()
-    assert isinstance(limiter.acquire_or_park(parked, admission_wait_ms=0, payload="{}"), Parked)
+    assert isinstance(
+        limiter.acquire_or_park([Member(limiter, parked)], admission_wait_ms=0, payload="{}"),
+        Parked,
+    )
     run_id = unique_name("run")
     assert 0 < backend.first_start(run_id, 60_000) <= 60_000
     assert backend.add_revoked([run_id]) == 1

@@ -13,16 +13,14 @@ from runcell_celery.config import limiter_config
 from runcell_celery.conformance import (
     concurrency_conformance_cases,
     keyed_conformance_cases,
-    several_limiters_conformance_cases,
+    members_conformance_cases,
 )
 from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
 from tests.support.pg import unique_name
 
 CASE_NAMES = [case.name for case in concurrency_conformance_cases(lambda **options: None)]
 KEYED_CASE_NAMES = [case.name for case in keyed_conformance_cases(lambda **options: None)]
-SEVERAL_CASE_NAMES = [
-    case.name for case in several_limiters_conformance_cases(lambda **options: None)
-]
+MEMBER_CASE_NAMES = [case.name for case in members_conformance_cases(lambda **options: None)]
 
 
 Factory = Callable[..., PostgresConcurrencyLimiter]
@@ -54,8 +52,8 @@ def test_postgres_keyed_limiter_conforms(factory: Factory, name: str) -> None:
     cases[name].run()
 
 
-@pytest.mark.parametrize("name", SEVERAL_CASE_NAMES)
+@pytest.mark.parametrize("name", MEMBER_CASE_NAMES)
 @pytest.mark.parametrize("listen", [True, False], ids=["notify", "poll"])
 def test_postgres_limiters_held_together_conform(factory: Factory, name: str) -> None:
-    cases = {case.name: case for case in several_limiters_conformance_cases(factory)}
+    cases = {case.name: case for case in members_conformance_cases(factory)}
     cases[name].run()

@@ -1,4 +1,4 @@
-"""Several limiters, keys and fairness: ``allocate_several`` against a reference model.
+"""Several limiters, keys and fairness: ``allocate_members`` against a reference model.
 
 The reference model below shares no code with :mod:`runcell_celery.allocation`. It
 recomputes everything from scratch before each grant, from the rules as the module
@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runcell_celery import LimiterConfig, allocate
-from runcell_celery.allocation import LimiterId, allocate_several
+from runcell_celery.allocation import LimiterId, allocate_members
 
 EXAMPLES = settings(max_examples=400, deadline=None)
 SIMULATIONS = settings(max_examples=150, deadline=None)
@@ -180,7 +180,7 @@ class Lines:
         return all(self.has_room(lid, p) and not self.kept_out(lid, p) for lid in limiters)
 
 
-def reference_allocate_several(
+def reference_allocate_members(
     limits: Mapping[LimiterId, LimiterConfig],
     active: Mapping[LimiterId, Mapping[str, int]],
     waiting: Sequence[Request],
@@ -299,7 +299,7 @@ def situations(draw: st.DrawFn, *, max_waiting: int = 10) -> Situation:
 
 
 def run(situation: Situation) -> list[int]:
-    return allocate_several(
+    return allocate_members(
         situation.limits, situation.held, situation.waiting, last_granted=situation.history
     )
 
@@ -320,7 +320,7 @@ def apply(situation: Situation, granted: Sequence[int]) -> Held:
 @EXAMPLES
 @given(situations())
 def test_allocation_grants_exactly_what_the_reference_model_grants(situation: Situation) -> None:
-    assert run(situation) == reference_allocate_several(
+    assert run(situation) == reference_allocate_members(
         situation.limits, situation.held, situation.waiting, situation.history
     )
 
@@ -400,7 +400,7 @@ def test_with_one_fifo_limiter_it_grants_exactly_what_allocate_grants(data: st.D
     waiting = data.draw(st.lists(picks, max_size=14))
     several = [Request(("claude",), w, started, key) for w, started, key in waiting]
     single = [Single(w, started) for w, started, _ in waiting]
-    assert allocate_several({"claude": config}, {"claude": held}, several) == allocate(
+    assert allocate_members({"claude": config}, {"claude": held}, several) == allocate(
         config, held, single
     )
 
@@ -425,8 +425,8 @@ def test_a_request_blocked_in_another_limiter_holds_up_nobody_behind_it(
     older = Request(("openai",))
     # Its own key: a request that waits keeps its key's place in a round robin.
     blocked = Request(("gpt_4o", "openai"), data.draw(st.sampled_from(WORKLOADS)), key="umbrella")
-    granted = allocate_several(limits, active, [older, blocked, *behind])
-    alone = allocate_several({"gpt_4o": gpt}, {"gpt_4o": held}, behind)
+    granted = allocate_members(limits, active, [older, blocked, *behind])
+    alone = allocate_members({"gpt_4o": gpt}, {"gpt_4o": held}, behind)
     assert granted == [p + 2 for p in alone]
 
 
@@ -438,7 +438,7 @@ def test_a_request_behind_a_blocked_one_takes_the_slot_the_blocked_one_could_not
         Request(("gpt_4o", "openai")),  # room at gpt_4o, none at openai
         Request(("gpt_4o",)),
     ]
-    assert allocate_several(limits, active, waiting) == [2]
+    assert allocate_members(limits, active, waiting) == [2]
 
 
 # -- no starvation: anchoring ------------------------------------------------------------------
@@ -450,9 +450,9 @@ def test_a_request_first_in_line_everywhere_keeps_its_room_while_it_waits_elsewh
         Request(("gpt_4o", "openai")),  # anchored: first at both; openai is full
         Request(("gpt_4o",)),  # would take the gpt_4o slot it waits to pair
     ]
-    assert allocate_several(limits, {"openai": {"default": 1}}, waiting) == []
+    assert allocate_members(limits, {"openai": {"default": 1}}, waiting) == []
     # openai's holder leaves: the anchored request takes both at once.
-    assert allocate_several(limits, {}, waiting) == [0]
+    assert allocate_members(limits, {}, waiting) == [0]
 
 
 def test_a_request_over_several_limiters_holds_no_room_until_it_has_aged() -> None:
@@ -461,9 +461,9 @@ def test_a_request_over_several_limiters_holds_no_room_until_it_has_aged() -> No
     limits = {"openai": LimiterConfig(max_concurrent=1), "gpt_4o": LimiterConfig(max_concurrent=1)}
     full = {"openai": {"default": 1}}
     young = [Request(("gpt_4o", "openai"), aged=False), Request(("gpt_4o",))]
-    assert allocate_several(limits, full, young) == [1]
+    assert allocate_members(limits, full, young) == [1]
     aged = [Request(("gpt_4o", "openai"), aged=True), Request(("gpt_4o",))]
-    assert allocate_several(limits, full, aged) == []
+    assert allocate_members(limits, full, aged) == []
 
 
 def test_a_young_request_lacking_room_only_in_one_limiter_is_served_at_its_place_there() -> None:
@@ -471,8 +471,8 @@ def test_a_young_request_lacking_room_only_in_one_limiter_is_served_at_its_place
     goes before a later request for gpt_4o alone, aged or not."""
     limits = {"openai": LimiterConfig(max_concurrent=1), "gpt_4o": LimiterConfig(max_concurrent=1)}
     waiting = [Request(("gpt_4o", "openai"), aged=False), Request(("gpt_4o",))]
-    assert allocate_several(limits, {"gpt_4o": {"default": 1}}, waiting) == []
-    assert allocate_several(limits, {}, waiting) == [0]
+    assert allocate_members(limits, {"gpt_4o": {"default": 1}}, waiting) == []
+    assert allocate_members(limits, {}, waiting) == [0]
 
 
 def test_an_anchored_request_never_takes_another_workloads_reservation() -> None:
@@ -486,7 +486,7 @@ def test_an_anchored_request_never_takes_another_workloads_reservation() -> None
         Request(("gpt_4o",), "interactive"),  # its own reserved slot: not the anchor's
         Request(("gpt_4o",), "background"),
     ]
-    assert allocate_several(limits, active, waiting) == [1]
+    assert allocate_members(limits, active, waiting) == [1]
 
 
 def test_an_anchored_request_at_its_workloads_ceiling_sets_nothing_aside_there() -> None:
@@ -500,9 +500,9 @@ def test_an_anchored_request_at_its_workloads_ceiling_sets_nothing_aside_there()
         Request(("gpt_4o",), "chat"),
     ]
     # A workload at its ceiling never blocks another: chat takes both free slots.
-    assert allocate_several(limits, {"gpt_4o": {"batch": 1}}, waiting) == [1, 2]
+    assert allocate_members(limits, {"gpt_4o": {"batch": 1}}, waiting) == [1, 2]
     # Its own workload's release gives it room (and chat holds the rest).
-    assert allocate_several(limits, {"gpt_4o": {"chat": 2}}, waiting[:1]) == [0]
+    assert allocate_members(limits, {"gpt_4o": {"chat": 2}}, waiting[:1]) == [0]
 
 
 def test_priority_moves_the_anchor_to_the_higher_priority_request() -> None:
@@ -514,7 +514,7 @@ def test_priority_moves_the_anchor_to_the_higher_priority_request() -> None:
         Request(("gpt_4o", "openai"), "batch"),  # first at openai, second at gpt_4o
         Request(("gpt_4o",), "chat"),  # first at gpt_4o: priority
     ]
-    assert allocate_several(limits, {"openai": {"default": 1}}, waiting) == [1]
+    assert allocate_members(limits, {"openai": {"default": 1}}, waiting) == [1]
 
 
 def test_when_limiters_disagree_the_oldest_goes_first() -> None:
@@ -526,8 +526,8 @@ def test_when_limiters_disagree_the_oldest_goes_first() -> None:
         Request(("gpt_4o", "openai"), "batch"),  # first at openai (oldest)
         Request(("gpt_4o", "openai"), "chat"),  # first at gpt_4o (priority)
     ]
-    assert allocate_several(limits, {}, waiting) == [0]
-    assert reference_allocate_several(limits, {}, waiting) == [0]
+    assert allocate_members(limits, {}, waiting) == [0]
+    assert reference_allocate_members(limits, {}, waiting) == [0]
 
 
 # -- keys, workloads, unknowns -----------------------------------------------------------------
@@ -542,7 +542,7 @@ def test_each_key_of_a_keyed_limiter_is_its_own_limit() -> None:
         Request(("openai", ("tenant", "acme"))),
         Request(("openai", ("tenant", "globex"))),
     ]
-    assert allocate_several(limits, {}, waiting) == [0, 2]
+    assert allocate_members(limits, {}, waiting) == [0, 2]
 
 
 def test_a_workload_a_limiter_lacks_falls_back_to_its_default() -> None:
@@ -552,8 +552,8 @@ def test_a_workload_a_limiter_lacks_falls_back_to_its_default() -> None:
     limits = {"gpt_4o": gpt, "tenant": LimiterConfig(max_concurrent=1)}
     waiting = [Request(("gpt_4o", "tenant"), "interactive")]
     # "interactive" in gpt_4o (at its ceiling), "default" in tenant.
-    assert allocate_several(limits, {"gpt_4o": {"interactive": 1}}, waiting) == []
-    assert allocate_several(limits, {"tenant": {"default": 0}}, waiting) == [0]
+    assert allocate_members(limits, {"gpt_4o": {"interactive": 1}}, waiting) == []
+    assert allocate_members(limits, {"tenant": {"default": 0}}, waiting) == [0]
 
 
 def test_requests_that_can_never_run_are_never_granted_and_block_nobody() -> None:
@@ -568,7 +568,7 @@ def test_requests_that_can_never_run_are_never_granted_and_block_nobody() -> Non
         Request(("free", "no_default")),  # no workload there
         Request(("free",)),
     ]
-    assert allocate_several(limits, {}, waiting) == [3]
+    assert allocate_members(limits, {}, waiting) == [3]
 
 
 # -- the limits hold over time, and nobody starves ---------------------------------------------
@@ -594,9 +594,9 @@ class Fleet:
 
     def allocate(self, *, check_reference: bool = True) -> list[int]:
         requests = [r for _, r in self.waiting]
-        granted = allocate_several(self.limits, self.held(), requests, last_granted=self.history)
+        granted = allocate_members(self.limits, self.held(), requests, last_granted=self.history)
         if check_reference:
-            assert granted == reference_allocate_several(
+            assert granted == reference_allocate_members(
                 self.limits, self.held(), requests, self.history
             )
         for p in granted:
@@ -704,7 +704,7 @@ def test_round_robin_serves_the_ith_request_of_every_key_before_any_keys_next(
     history = {
         key: data.draw(st.integers(0, 3)) for key in data.draw(st.sets(st.sampled_from(KEYS)))
     }
-    granted = allocate_several(
+    granted = allocate_members(
         {"openai": config}, {"openai": held}, waiting, last_granted={"openai": history}
     )
     for workload in config.workloads:

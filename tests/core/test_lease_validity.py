@@ -286,11 +286,11 @@ def test_a_hold_over_several_limiters_ending_after_a_lease_validity_passed_raise
 
 def _admission(limiter: ConcurrencyLimiter, *, limiters: list[Any] | None = None) -> Admission:
     def acquire(
-        limiters: Any, requests: Any, cancel: CancellationToken | None, on_wait: OnWait
+        members: Any, cancel: CancellationToken | None, on_wait: OnWait
     ) -> tuple[Lease, ...]:
-        if len(limiters) == 1:
-            return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
-        return tuple(x.acquire(r, cancel=cancel) for x, r in zip(limiters, requests, strict=True))
+        if len(members) == 1:
+            return (members[0].limiter.acquire(members[0].request, cancel=cancel, on_wait=on_wait),)
+        return tuple(m.limiter.acquire(m.request, cancel=cancel) for m in members)
 
     return Admission(acquire, limiters=limiters or (limiter,), request_id="delivery-1")
 

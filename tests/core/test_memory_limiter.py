@@ -20,6 +20,7 @@ from runcell_celery import (
     ConcurrencyTimeoutError,
     InMemoryConcurrencyLimiter,
     Lease,
+    Member,
     RunLineage,
     WorkloadStats,
     create_concurrency_limiter,
@@ -30,6 +31,13 @@ if TYPE_CHECKING:
 
 SOON_S = 10.0
 _numbers = iter(range(1, 1_000_000))
+
+
+async def acquire_async(
+    limiter: InMemoryConcurrencyLimiter, request: AcquireRequest, **options: Any
+) -> Lease:
+    """One member asked without blocking the event loop."""
+    return (await limiter.acquire_members_async((Member(limiter, request),), **options))[0]
 
 
 def request(
@@ -381,7 +389,7 @@ def test_an_async_acquire_does_not_block_the_event_loop() -> None:
         held = limiter.acquire(request())
         queued = asyncio.Event()
         waiting = asyncio.create_task(
-            limiter.acquire_async(request(), on_wait=lambda _d: queued.set())
+            acquire_async(limiter, request(), on_wait=lambda _d: queued.set())
         )
         await queued.wait()
         ticks = 0
@@ -404,7 +412,7 @@ def test_an_async_waiter_is_woken_by_a_release_in_another_thread() -> None:
         held = limiter.acquire(request())
         queued = asyncio.Event()
         waiting = asyncio.create_task(
-            limiter.acquire_async(request(), on_wait=lambda _d: queued.set())
+            acquire_async(limiter, request(), on_wait=lambda _d: queued.set())
         )
         await queued.wait()
         await asyncio.to_thread(limiter.release, held)
@@ -420,7 +428,7 @@ def test_cancelling_a_waiting_async_acquire_leaves_no_queue_entry_and_no_slot() 
         held = limiter.acquire(request())
         queued = asyncio.Event()
         waiting = asyncio.create_task(
-            limiter.acquire_async(request(), on_wait=lambda _d: queued.set())
+            acquire_async(limiter, request(), on_wait=lambda _d: queued.set())
         )
         await queued.wait()
         assert limiter.stats().queued == 1
@@ -443,7 +451,7 @@ def test_an_async_acquire_cancelled_as_it_is_granted_never_returns_a_lease(turns
         held = limiter.acquire(request())
         queued = asyncio.Event()
         waiting = asyncio.create_task(
-            limiter.acquire_async(request(timeout_ms=60_000), on_wait=lambda _d: queued.set())
+            acquire_async(limiter, request(timeout_ms=60_000), on_wait=lambda _d: queued.set())
         )
         await queued.wait()
         limiter.release(held)
@@ -470,7 +478,7 @@ def test_a_cancellation_token_stops_an_async_acquire() -> None:
         cancel = CancellationToken()
         queued = asyncio.Event()
         waiting = asyncio.create_task(
-            limiter.acquire_async(request(), cancel=cancel, on_wait=lambda _d: queued.set())
+            acquire_async(limiter, request(), cancel=cancel, on_wait=lambda _d: queued.set())
         )
         await queued.wait()
         await asyncio.to_thread(cancel.cancel, "user pressed stop")
@@ -487,7 +495,7 @@ def test_an_async_acquire_times_out_and_leaves_the_queue() -> None:
         limiter = create_concurrency_limiter(1)
         held = limiter.acquire(request())
         with pytest.raises(ConcurrencyTimeoutError):
-            await limiter.acquire_async(request(timeout_ms=20))
+            await acquire_async(limiter, request(timeout_ms=20))
         assert limiter.stats().queued == 0
         limiter.release(held)
 
@@ -498,7 +506,7 @@ def test_threads_and_coroutines_share_one_limiters_slots(pool: Any) -> None:
     limiter = create_concurrency_limiter(1)
 
     async def take() -> Lease:
-        return await limiter.acquire_async(request(timeout_ms=SOON_S * 1000))
+        return await acquire_async(limiter, request(timeout_ms=SOON_S * 1000))
 
     held = limiter.acquire(request())
     result: Future[Lease] = pool.submit(asyncio.run, take())

@@ -27,7 +27,7 @@ from runcell_celery import (
 )
 from runcell_celery.admission import Admission, Deferred
 from runcell_celery.keeper import get_keeper
-from runcell_celery.protocol import AcquireRequest, OnWait
+from runcell_celery.protocol import Member, OnWait
 from runcell_celery.slot import preadmit
 from tests.conftest import EventRecorder, wait_until
 
@@ -41,12 +41,9 @@ WORKLOADS = {"chat": {}, "batch": {}}
 
 def _admission(limiter: ConcurrencyLimiter, request_id: str = "delivery-1") -> Admission:
     def acquire(
-        limiters: tuple[ConcurrencyLimiter, ...],
-        requests: tuple[AcquireRequest, ...],
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
+        members: tuple[Member, ...], cancel: CancellationToken | None, on_wait: OnWait
     ) -> tuple[Lease, ...]:
-        return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
+        return (members[0].limiter.acquire(members[0].request, cancel=cancel, on_wait=on_wait),)
 
     return Admission(acquire, limiters=(limiter,), request_id=request_id)
 

@@ -37,7 +37,7 @@ from runcell_celery import (
 )
 from runcell_celery.allocation import GROUP_AGEING_MS
 from runcell_celery.backends import MemoryBackend
-from runcell_celery.conformance import several_limiters_conformance_cases
+from runcell_celery.conformance import members_conformance_cases
 from runcell_celery.memory import Coordinator
 from tests.conftest import FakeClock
 from tests.core.conftest import direct_request
@@ -287,11 +287,11 @@ def test_a_request_over_two_limiters_is_granted_within_the_ageing_bound_under_ch
     names = itertools.count()
     cases = {
         case.name: case
-        for case in several_limiters_conformance_cases(
+        for case in members_conformance_cases(
             lambda **options: create_concurrency_limiter(name=f"bound-{next(names)}", **options)
         )
     }
-    cases["a_young_request_over_several_limiters_holds_no_room_and_ages_within_its_bound"].run()
+    cases["a_young_request_over_many_limiters_holds_no_room_and_ages_within_its_bound"].run()
 
 
 def test_a_request_waiting_in_one_limiter_is_not_starved_by_requests_naming_only_the_other() -> (

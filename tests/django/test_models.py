@@ -22,6 +22,7 @@ from runcell_celery import (
 from runcell_celery.celery.counters import AdmissionCounters
 from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
+from runcell_celery.protocol import Member
 from runcell_django.models import (
     AdmissionCount,
     ConcurrencyEvent,
@@ -167,7 +168,12 @@ def test_waiting_and_parked_requests_read_back_through_the_orm(pg_limiter: MakeL
     try:
         wait_until(lambda: QueueEntry.objects.filter(request_id="req-waiting").exists(), "queued")
         parked = limiter.acquire_or_park(
-            AcquireRequest("req-parked", "default", RunLineage("parked", "parked"), 60_000),
+            [
+                Member(
+                    limiter,
+                    AcquireRequest("req-parked", "default", RunLineage("parked", "parked"), 60_000),
+                )
+            ],
             admission_wait_ms=0,
             payload=json.dumps({"args": ["secret"]}),
         )
@@ -246,7 +252,9 @@ def test_the_queue_places_runs_in_progress_first_as_allocation_serves_them(
     payload = json.dumps({"task": "example"})
     for name in ("parked-1", "parked-2"):
         assert isinstance(
-            limiter.acquire_or_park(_plain_request(name), admission_wait_ms=0, payload=payload),
+            limiter.acquire_or_park(
+                [Member(limiter, _plain_request(name))], admission_wait_ms=0, payload=payload
+            ),
             Parked,
         )
     queued = threading.Event()

@@ -26,7 +26,7 @@ from runcell_celery.postgres import (
     WorkloadGauges,
     read_workload_gauges,
 )
-from runcell_celery.protocol import AcquireRequest, Lease
+from runcell_celery.protocol import AcquireRequest, Lease, Member
 from tests.conftest import FakeClock, wait_until
 
 from .conftest import Scrape
@@ -87,7 +87,7 @@ def test_held_queued_parked_and_the_oldest_wait_are_read_per_workload(
     waiter = waiting(llm, "background")  # the interactive reservation keeps the other
     parked_id = uuid.uuid4().hex
     parked = llm.acquire_or_park(
-        AcquireRequest(parked_id, "background", RunLineage(parked_id, parked_id)),
+        [Member(llm, AcquireRequest(parked_id, "background", RunLineage(parked_id, parked_id)))],
         payload="{}",
         admission_wait_ms=0,
     )
@@ -111,7 +111,7 @@ def test_held_queued_parked_and_the_oldest_wait_are_read_per_workload(
     assert got.values("runcell_workload_limit", **bg) == [2]
     assert got.values("runcell_database_up") == [1]
 
-    llm.withdraw(parked_id)
+    llm.withdraw_members([llm], parked_id)
     llm.release(held)
     waiter.join(10)
     got = scrape(gauges)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runcell_celery import LimiterConfig, allocate
-from runcell_celery.allocation import allocate_several
+from runcell_celery.allocation import allocate_members
 from runcell_celery.postgres import postgres_concurrency_schema_sql
 from tests.support.pg import create_database, drop_database
 
@@ -188,13 +188,13 @@ def fair_states(
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(state=fair_states())
-def test_a_round_robin_limiter_grants_what_allocate_several_grants_in_the_same_order(
+def test_a_round_robin_limiter_grants_what_allocate_members_grants_in_the_same_order(
     database: psycopg.Connection[tuple[object, ...]],
     state: tuple[LimiterConfig, dict[str, int], list[KeyedWaiter], dict[str | None, int]],
 ) -> None:
     config, active, waiting, history = state
     last_granted: dict[Hashable | None, int] = dict(history.items())
-    expected = allocate_several(
+    expected = allocate_members(
         {"l": config}, {"l": active}, waiting, last_granted={"l": last_granted}
     )
     with database.transaction(force_rollback=True):

@@ -29,6 +29,7 @@ from runcell_celery.ports import (
     SupportsParking,
 )
 from runcell_celery.postgres import PostgresBackend, PostgresOptions
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 SOON_S = 15.0
@@ -199,7 +200,10 @@ def test_a_grant_to_a_parked_request_is_claimed_for_publication_exactly_once(
     limiter = backend.create_limiter(_config())
     held = limiter.acquire(_request())
     parked = _request()
-    assert isinstance(limiter.acquire_or_park(parked, admission_wait_ms=0, payload=PAYLOAD), Parked)
+    assert isinstance(
+        limiter.acquire_or_park([Member(limiter, parked)], admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
+    )
     granted: list[list[str]] = []
     limiter.set_parked_granted_handler(granted.append)
 
@@ -215,7 +219,7 @@ def test_a_grant_to_a_parked_request_is_claimed_for_publication_exactly_once(
     )
     again = backend.claim_republish(granted[0], stale_ms=0)
     assert [c for c in again if c.limiter == limiter.name] == [], "claimed once only"
-    lease = limiter.claim_parked(parked.request_id, claim.publication_id)
+    (lease,) = limiter.claim_parked([limiter], parked.request_id, claim.publication_id)
     assert lease is not None
     assert lease.request_id == parked.request_id
     limiter.release(lease)
@@ -230,7 +234,10 @@ def test_other_processes_hear_of_parked_grants_through_the_backend(
     _wait_for(lambda: limiter.listening is True, "the listener is connected")
     held = limiter.acquire(_request())
     parked = _request()
-    assert isinstance(limiter.acquire_or_park(parked, admission_wait_ms=0, payload=PAYLOAD), Parked)
+    assert isinstance(
+        limiter.acquire_or_park([Member(limiter, parked)], admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
+    )
 
     limiter.release(held)
 
@@ -242,7 +249,10 @@ def test_parked_requests_past_their_deadline_are_taken_out(backend: PostgresBack
     held = limiter.acquire(_request())
     rid = unique_name("stale")
     stale = AcquireRequest(rid, "default", RunLineage(rid, "root", "parent"), timeout_ms=50)
-    assert isinstance(limiter.acquire_or_park(stale, admission_wait_ms=0, payload=PAYLOAD), Parked)
+    assert isinstance(
+        limiter.acquire_or_park([Member(limiter, stale)], admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
+    )
     expired: list[str] = []
     _wait_for(
         lambda: bool(
@@ -315,7 +325,9 @@ def test_limiter_states_count_what_the_limiter_itself_counts(backend: PostgresBa
     held = [limiter.acquire(_request("interactive")), limiter.acquire(_request("batch"))]
     for workload in ("interactive", "batch", "batch"):
         assert isinstance(
-            limiter.acquire_or_park(_request(workload), admission_wait_ms=0, payload=PAYLOAD),
+            limiter.acquire_or_park(
+                [Member(limiter, _request(workload))], admission_wait_ms=0, payload=PAYLOAD
+            ),
             Parked,
         )
 

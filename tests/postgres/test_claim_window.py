@@ -29,6 +29,7 @@ from runcell_celery.postgres import (
     PostgresConcurrencyLimiter,
     create_postgres_concurrency_limiter,
 )
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 PAYLOAD = '{"task": "demo.summarize", "args": [42]}'
@@ -89,7 +90,10 @@ def test_an_unclaimed_parked_grant_passes_to_the_next_waiter_after_the_claim_win
     held = limiter.acquire(_request(unique_name("holder")))
     parked, waiter = unique_name("parked"), unique_name("waiter")
     assert isinstance(
-        limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD), Parked
+        limiter.acquire_or_park(
+            [Member(limiter, _request(parked))], admission_wait_ms=0, payload=PAYLOAD
+        ),
+        Parked,
     )
     with ThreadPoolExecutor(1) as pool:
         # A plain waiter behind the parked request: its process waits, and reaps.
@@ -118,7 +122,7 @@ def test_an_unclaimed_parked_grant_passes_to_the_next_waiter_after_the_claim_win
     assert _queue(pg_dsn, limiter.name) == [(parked, True, True)]
     (claim,) = [c for c in backend.claim_republish(stale_ms=0) if c.limiter == limiter.name]
     assert claim.request_id == parked
-    claimed = limiter.claim_parked(parked, claim.publication_id)
+    (claimed,) = limiter.claim_parked([limiter], parked, claim.publication_id)
     assert isinstance(claimed, Lease)
     limiter.release(claimed)
 
@@ -130,7 +134,9 @@ def test_an_unclaimed_parked_grant_goes_behind_the_requests_that_waited_after_it
     held = limiter.acquire(_request(unique_name("holder")))
     first, second, third = (unique_name(n) for n in ("first", "second", "third"))
     for request_id in (first, second, third):
-        limiter.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD)
+        limiter.acquire_or_park(
+            [Member(limiter, _request(request_id))], admission_wait_ms=0, payload=PAYLOAD
+        )
     limiter.release(held)
     assert _queue(pg_dsn, limiter.name)[0] == (first, True, True)
 
@@ -150,11 +156,13 @@ def test_a_claim_within_the_window_holds_the_slot_for_the_full_lease_ttl(
     limiter = _limiter(backend, lease_ttl_ms=20_000)
     held = limiter.acquire(_request(unique_name("holder")))
     parked = unique_name("parked")
-    limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD)
+    limiter.acquire_or_park(
+        [Member(limiter, _request(parked))], admission_wait_ms=0, payload=PAYLOAD
+    )
     limiter.release(held)
     assert _lease_left_ms(pg_dsn, parked) <= CLAIM_WINDOW_MS
     (claim,) = [c for c in backend.claim_republish(stale_ms=0) if c.limiter == limiter.name]
-    lease = limiter.claim_parked(parked, claim.publication_id)
+    (lease,) = limiter.claim_parked([limiter], parked, claim.publication_id)
     assert isinstance(lease, Lease)
     assert _lease_left_ms(pg_dsn, parked) > 15_000
     time.sleep(CLAIM_WINDOW_MS / 1000 + 0.3)

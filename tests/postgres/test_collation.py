@@ -28,6 +28,7 @@ from runcell_celery.postgres import (
     create_postgres_concurrency_limiter,
     postgres_concurrency_schema_sql,
 )
+from runcell_celery.protocol import Member
 from runcell_celery.testing.databases import (
     COLLATION_ENV,
     collation_from_env,
@@ -207,8 +208,10 @@ def test_a_parked_request_over_such_limiters_is_granted_claimed_and_released(
     b = make("claude-opus", max_concurrent=1)
     held = a.acquire(_requests("holder", 1)[0])
 
-    parked = a.acquire_several_or_park(
-        [a, b], _requests("parked"), admission_wait_ms=0, payload=PAYLOAD
+    parked = a.acquire_or_park(
+        [Member(x, r) for x, r in zip([a, b], _requests("parked"), strict=True)],
+        admission_wait_ms=0,
+        payload=PAYLOAD,
     )
 
     assert isinstance(parked, Parked), parked
@@ -227,7 +230,7 @@ def test_a_parked_request_over_such_limiters_is_granted_claimed_and_released(
     # The message rides on the first member in byte order, whatever the database's.
     assert claim.request_id == "parked|claude-opus"
     assert json.loads(claim.payload) == json.loads(PAYLOAD)
-    leases = a.claim_parked_several([a, b], "parked", claim.publication_id)
+    leases = a.claim_parked([a, b], "parked", claim.publication_id)
     assert isinstance(leases, tuple), leases
     assert [lease.limiter for lease in leases] == ["claude_sonnet", "claude-opus"]
     assert _members(en_us_dsn, "parked") == []
@@ -242,12 +245,14 @@ def test_a_parked_request_over_such_limiters_is_withdrawn_from_every_line(
     a = make("OpenAI", max_concurrent=1)
     b = make("gpt-4o", max_concurrent=1)
     held = b.acquire(_requests("holder", 1)[0])
-    parked = b.acquire_several_or_park(
-        [b, a], _requests("parked"), admission_wait_ms=0, payload=PAYLOAD
+    parked = b.acquire_or_park(
+        [Member(x, r) for x, r in zip([b, a], _requests("parked"), strict=True)],
+        admission_wait_ms=0,
+        payload=PAYLOAD,
     )
     assert isinstance(parked, Parked), parked
 
-    b.withdraw_several([b, a], "parked")
+    b.withdraw_members([b, a], "parked")
 
     assert _members(en_us_dsn, "parked") == []
     assert (a.stats().queued, b.stats().queued) == (0, 0)

@@ -26,6 +26,7 @@ from psycopg_pool import ConnectionPool
 from runcell_celery import AcquireRequest, ConcurrencyConfigError, Lease, RunLineage
 from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 PAYLOAD = '{"task": "demo.summarize", "args": [42]}'
@@ -70,7 +71,9 @@ def _parked_rows(dsn: str, name: str) -> list[str]:
 def _line_of(limiter: PostgresConcurrencyLimiter, waiting: int) -> None:
     """Put ``waiting`` requests in line (parked, so no thread waits for them)."""
     for _ in range(waiting):
-        parked = limiter.acquire_or_park(_request("ahead"), admission_wait_ms=0, payload=PAYLOAD)
+        parked = limiter.acquire_or_park(
+            [Member(limiter, _request("ahead"))], admission_wait_ms=0, payload=PAYLOAD
+        )
         assert isinstance(parked, Parked)
 
 
@@ -83,7 +86,7 @@ def test_a_deferrable_request_behind_a_long_line_parks_at_once(
     _line_of(limiter, 3)
 
     started = time.monotonic()
-    result = limiter.acquire_or_park(_request("late"), payload=PAYLOAD)
+    result = limiter.acquire_or_park([Member(limiter, _request("late"))], payload=PAYLOAD)
     took_s = time.monotonic() - started
 
     # Expected wait (3 + 1) x 2 s / 1 slot = 8 s, over the 1 s threshold: no waiting
@@ -109,12 +112,14 @@ def test_a_request_expected_to_wait_briefly_waits_and_gets_the_slot_without_park
     releaser = threading.Timer(0.7, limiter.release, [holder])
     releaser.start()
     try:
-        result = limiter.acquire_or_park(_request("soon"), payload=PAYLOAD)
+        result = limiter.acquire_or_park([Member(limiter, _request("soon"))], payload=PAYLOAD)
     finally:
         releaser.join()
-    assert isinstance(result, Lease), f"expected a slot, got {result!r}"
+    assert isinstance(result, tuple), f"expected a slot, got {result!r}"
+    (lease,) = result
+    assert isinstance(lease, Lease)
     assert _parked_rows(pg_dsn, limiter.name) == []
-    limiter.release(result)
+    limiter.release(lease)
 
 
 def test_a_request_with_no_hold_history_waits_up_to_the_threshold_then_parks(
@@ -123,7 +128,9 @@ def test_a_request_with_no_hold_history_waits_up_to_the_threshold_then_parks(
     limiter = make_limiter(max_concurrent=1)
     holder = limiter.acquire(_request("holder"))  # no release yet: nothing to estimate
     started = time.monotonic()
-    result = limiter.acquire_or_park(_request("first"), payload=PAYLOAD, defer_after_ms=300)
+    result = limiter.acquire_or_park(
+        [Member(limiter, _request("first"))], payload=PAYLOAD, defer_after_ms=300
+    )
     took_s = time.monotonic() - started
     assert isinstance(result, Parked)
     assert took_s >= 0.3, "it parked before its threshold without any estimate"
@@ -140,7 +147,9 @@ def test_an_explicit_admission_wait_keeps_its_fixed_wait_whatever_the_estimate(
     _line_of(limiter, 3)
 
     started = time.monotonic()
-    result = limiter.acquire_or_park(_request("fixed"), admission_wait_ms=300, payload=PAYLOAD)
+    result = limiter.acquire_or_park(
+        [Member(limiter, _request("fixed"))], admission_wait_ms=300, payload=PAYLOAD
+    )
     took_s = time.monotonic() - started
 
     # The rule would park it at once (8 s expected); the explicit wait is kept.
@@ -169,7 +178,7 @@ def test_a_bad_admission_threshold_is_refused_naming_it_before_anything_is_queue
     holder = limiter.acquire(_request("holder"))
     request = _request("refused")
     with pytest.raises(ConcurrencyConfigError, match=message):
-        limiter.acquire_or_park(request, payload=PAYLOAD, **options)
+        limiter.acquire_or_park([Member(limiter, request)], payload=PAYLOAD, **options)
     with psycopg.connect(pg_dsn) as conn:
         queued = conn.execute(
             "SELECT count(*) FROM runcell_queue WHERE request_id = %s", [request.request_id]
@@ -282,7 +291,7 @@ def test_acquire_and_release_stay_one_round_trip_each_while_keeping_the_estimate
             "UPDATE runcell_limiter SET hold_ms_avg = 60000 WHERE name = %s", [limiter.name]
         )
     traced.mark()
-    parked = limiter.acquire_or_park(_request("parks"), payload=PAYLOAD)
+    parked = limiter.acquire_or_park([Member(limiter, _request("parks"))], payload=PAYLOAD)
     assert isinstance(parked, Parked)
     assert parked.place == 1
     # The estimate came with the acquire's answer: an acquire, then the park, nothing else.

@@ -19,6 +19,7 @@ import pytest
 from runcell_celery import AcquireRequest, Lease, RunLineage
 from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
@@ -72,7 +73,9 @@ def test_a_claimed_parked_grant_carries_the_wait_since_the_request_first_asked(
     parked_id = unique_name("parked")
     asked = time.monotonic()
     assert isinstance(
-        limiter.acquire_or_park(_request(parked_id), admission_wait_ms=0, payload=PAYLOAD),
+        limiter.acquire_or_park(
+            [Member(limiter, _request(parked_id))], admission_wait_ms=0, payload=PAYLOAD
+        ),
         Parked,
     )
     first_ask = _asked_at(pg_dsn, parked_id)
@@ -84,7 +87,9 @@ def test_a_claimed_parked_grant_carries_the_wait_since_the_request_first_asked(
     finally:
         backend.close()
 
-    lease = limiter.claim_parked(parked_id, publication)  # ... and claimed by its copy
+    (lease,) = limiter.claim_parked(
+        [limiter], parked_id, publication
+    )  # ... and claimed by its copy
     elapsed_ms = (time.monotonic() - asked) * 1000
 
     assert isinstance(lease, Lease)
@@ -101,7 +106,9 @@ def test_a_parked_request_s_wait_keeps_its_first_ask_after_an_unclaimed_grant(
     limiter = make_limiter(max_concurrent=1, lease_ttl_ms=300)
     held = limiter.acquire(_request(unique_name("holder")))
     parked_id = unique_name("parked")
-    limiter.acquire_or_park(_request(parked_id), admission_wait_ms=0, payload=PAYLOAD)
+    limiter.acquire_or_park(
+        [Member(limiter, _request(parked_id))], admission_wait_ms=0, payload=PAYLOAD
+    )
     first_ask = _asked_at(pg_dsn, parked_id)
     limiter.release(held)  # granted, but its task never claims it ...
     time.sleep(0.5)
@@ -111,7 +118,7 @@ def test_a_parked_request_s_wait_keeps_its_first_ask_after_an_unclaimed_grant(
     backend = PostgresBackend(database=pg_dsn)
     try:
         limiter.reap()  # nothing else in line: granted to it again
-        lease = limiter.claim_parked(parked_id, _publication(backend, parked_id))
+        (lease,) = limiter.claim_parked([limiter], parked_id, _publication(backend, parked_id))
     finally:
         backend.close()
     assert isinstance(lease, Lease)
@@ -127,8 +134,10 @@ def test_leases_claimed_together_over_several_limiters_carry_the_request_s_whole
     b = make_limiter(max_concurrent=1)
     held = b.acquire(_request(unique_name("holder")))
     group = unique_name("parked")
-    parked = a.acquire_several_or_park(
-        [a, b], [_request(group), _request(group)], admission_wait_ms=0, payload=PAYLOAD
+    parked = a.acquire_or_park(
+        [Member(a, _request(group)), Member(b, _request(group))],
+        admission_wait_ms=0,
+        payload=PAYLOAD,
     )
     assert isinstance(parked, Parked)
     first_ask = _asked_at(pg_dsn, group)
@@ -142,7 +151,7 @@ def test_leases_claimed_together_over_several_limiters_carry_the_request_s_whole
     finally:
         backend.close()
 
-    leases = a.claim_parked_several([a, b], group, claim.publication_id)
+    leases = a.claim_parked([a, b], group, claim.publication_id)
 
     assert isinstance(leases, tuple)
     expected = _ms(_picked_up_at(pg_dsn, leases[0]) - first_ask)

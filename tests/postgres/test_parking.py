@@ -12,6 +12,7 @@ import psycopg
 from runcell_celery import AcquireRequest, Lease, RunLineage
 from runcell_celery.ports import Parked, Republish
 from runcell_celery.postgres import PostgresBackend
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 PAYLOAD = '{"task": "demo.summarize", "args": [42]}'
@@ -43,11 +44,15 @@ def test_parked_requests_keep_their_place_and_their_grant_is_published_once(
     held = limiter.acquire(_request(unique_name("holder")))
     first, second = unique_name("first"), unique_name("second")
     assert isinstance(
-        limiter.acquire_or_park(_request(first), admission_wait_ms=0, payload=PAYLOAD),
+        limiter.acquire_or_park(
+            [Member(limiter, _request(first))], admission_wait_ms=0, payload=PAYLOAD
+        ),
         Parked,
     )
     assert isinstance(
-        limiter.acquire_or_park(_request(second), admission_wait_ms=0, payload=PAYLOAD),
+        limiter.acquire_or_park(
+            [Member(limiter, _request(second))], admission_wait_ms=0, payload=PAYLOAD
+        ),
         Parked,
     )
     assert _queue(pg_dsn, limiter.name) == [(first, True, False), (second, True, False)]
@@ -68,10 +73,12 @@ def test_parked_requests_keep_their_place_and_their_grant_is_published_once(
     assert mine(backend.claim_republish(stale_ms=0)) == []
 
     # Another publication's copy: the request is still stored for its own publication.
-    assert limiter.claim_parked(first, "00000000-0000-0000-0000-000000000000") == "stale"
-    lease = limiter.claim_parked(first, claim.publication_id)
+    assert limiter.claim_parked([limiter], first, "00000000-0000-0000-0000-000000000000") == "stale"
+    (lease,) = limiter.claim_parked([limiter], first, claim.publication_id)
     assert isinstance(lease, Lease)
-    assert limiter.claim_parked(first, claim.publication_id) == "missing", "claimed twice"
+    assert limiter.claim_parked([limiter], first, claim.publication_id) == "missing", (
+        "claimed twice"
+    )
     assert _queue(pg_dsn, limiter.name) == [(second, True, False)]
     limiter.release(lease)
     assert _queue(pg_dsn, limiter.name) == [(second, True, True)]
@@ -83,8 +90,12 @@ def test_a_grant_nobody_picks_up_passes_on_and_the_request_waits_at_the_back(
     limiter = make_limiter(max_concurrent=1, lease_ttl_ms=300)
     held = limiter.acquire(_request(unique_name("holder")))
     first, second = unique_name("first"), unique_name("second")
-    limiter.acquire_or_park(_request(first), admission_wait_ms=0, payload=PAYLOAD)
-    limiter.acquire_or_park(_request(second), admission_wait_ms=0, payload=PAYLOAD)
+    limiter.acquire_or_park(
+        [Member(limiter, _request(first))], admission_wait_ms=0, payload=PAYLOAD
+    )
+    limiter.acquire_or_park(
+        [Member(limiter, _request(second))], admission_wait_ms=0, payload=PAYLOAD
+    )
     limiter.release(held)
     assert _queue(pg_dsn, limiter.name)[0] == (first, True, True)
     time.sleep(0.5)  # the grant's claim window (the 300 ms TTL) ends: its task never started
@@ -99,7 +110,9 @@ def test_a_run_in_progress_goes_before_parked_requests_that_queued_earlier(
     limiter = make_limiter(max_concurrent=1)
     held = limiter.acquire(_request(unique_name("holder")))
     parked = unique_name("parked")
-    limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD)
+    limiter.acquire_or_park(
+        [Member(limiter, _request(parked))], admission_wait_ms=0, payload=PAYLOAD
+    )
     queued = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         # A running agent's second call: its task holds a worker process.
@@ -123,12 +136,14 @@ def test_another_delivery_of_a_parked_request_parks_it_again_without_error(
     held = limiter.acquire(_request(unique_name("holder")))
     request = _request(unique_name("redelivered"))
     assert isinstance(
-        limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD), Parked
+        limiter.acquire_or_park([Member(limiter, request)], admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
     )
     # The same task delivered again (its message was redelivered): it waits a moment on
     # the parked row it already has, polling it, then leaves it parked.
     assert isinstance(
-        limiter.acquire_or_park(request, admission_wait_ms=300, payload=PAYLOAD), Parked
+        limiter.acquire_or_park([Member(limiter, request)], admission_wait_ms=300, payload=PAYLOAD),
+        Parked,
     )
     assert _queue(pg_dsn, limiter.name) == [(request.request_id, True, False)]
     limiter.release(held)
@@ -142,7 +157,8 @@ def test_a_stale_parked_request_stays_stored_until_its_failure_is_completed(
     stale = unique_name("stale")
     request = AcquireRequest(stale, "default", RunLineage(stale, stale), timeout_ms=50)
     assert isinstance(
-        limiter.acquire_or_park(request, admission_wait_ms=0, payload=PAYLOAD), Parked
+        limiter.acquire_or_park([Member(limiter, request)], admission_wait_ms=0, payload=PAYLOAD),
+        Parked,
     )
     time.sleep(0.1)  # its deadline passes while it is parked
     taker, other = PostgresBackend(database=pg_dsn), PostgresBackend(database=pg_dsn)
@@ -170,18 +186,20 @@ def test_a_claimed_parked_lease_is_never_withdrawn_by_its_request_id(
     held = limiter.acquire(_request(unique_name("holder")))
     parked = unique_name("parked")
     assert isinstance(
-        limiter.acquire_or_park(_request(parked), admission_wait_ms=0, payload=PAYLOAD),
+        limiter.acquire_or_park(
+            [Member(limiter, _request(parked))], admission_wait_ms=0, payload=PAYLOAD
+        ),
         Parked,
     )
     limiter.release(held)
     backend = PostgresBackend(database=pg_dsn)
     (claim,) = [c for c in backend.claim_republish(stale_ms=0) if c.limiter == limiter.name]
-    lease = limiter.claim_parked(parked, claim.publication_id)
+    (lease,) = limiter.claim_parked([limiter], parked, claim.publication_id)
     assert isinstance(lease, Lease)
 
     # Another copy of the same message gives up "its" place: the running delivery's
     # lease is not its to give back.
-    limiter.withdraw(parked)
+    limiter.withdraw_members([limiter], parked)
 
     assert limiter.renew(lease) is not None, "the running delivery lost its lease"
     assert limiter.stats().active == 1

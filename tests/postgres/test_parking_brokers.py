@@ -9,6 +9,7 @@ import psycopg
 from runcell_celery import AcquireRequest, RunLineage
 from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresBackend
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 PAYLOAD = '{"task": "demo.summarize", "args": [42]}'
@@ -37,7 +38,10 @@ def test_a_granted_parked_task_is_republished_only_by_a_publisher_of_its_broker(
     of_a, of_b, legacy = unique_name("of-a"), unique_name("of-b"), unique_name("legacy")
     for request_id, broker in ((of_a, broker_a), (of_b, broker_b), (legacy, None)):
         parked = limiter.acquire_or_park(
-            _request(request_id), admission_wait_ms=0, payload=PAYLOAD, broker=broker
+            [Member(limiter, _request(request_id))],
+            admission_wait_ms=0,
+            payload=PAYLOAD,
+            broker=broker,
         )
         assert isinstance(parked, Parked)
     assert _brokers(pg_dsn, limiter.name) == {of_a: broker_a, of_b: broker_b, legacy: None}
@@ -72,7 +76,10 @@ def test_a_parked_task_past_its_deadline_is_failed_only_by_a_worker_of_its_broke
     broker_a, broker_b = unique_name("redis:a"), unique_name("redis:b")
     stale = unique_name("stale")
     parked = limiter.acquire_or_park(
-        _request(stale, timeout_ms=50), admission_wait_ms=0, payload=PAYLOAD, broker=broker_a
+        [Member(limiter, _request(stale, timeout_ms=50))],
+        admission_wait_ms=0,
+        payload=PAYLOAD,
+        broker=broker_a,
     )
     assert isinstance(parked, Parked)
     time.sleep(0.1)  # its deadline passes while it is parked

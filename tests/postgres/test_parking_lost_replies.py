@@ -23,6 +23,7 @@ from runcell_celery.postgres import (
     PostgresConcurrencyLimiter,
     create_postgres_concurrency_limiter,
 )
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 from tests.support.reply_dropper import ReplyDropper
 
@@ -104,7 +105,9 @@ def test_a_lost_reply_to_park_gets_its_answer_even_when_a_grant_came_in_between(
     dropper.arm(b"runcell_park(", before_cut=lambda: direct.release(held))
 
     answer = _in_thread(
-        lambda: proxied.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD),
+        lambda: proxied.acquire_or_park(
+            [Member(proxied, _request(request_id))], admission_wait_ms=0, payload=PAYLOAD
+        ),
         timeout=20,
     )
 
@@ -122,17 +125,24 @@ def test_a_lost_reply_to_claim_gives_the_claimed_lease_to_the_retry(
     held = direct.acquire(_request(unique_name("holder")))
     request_id = unique_name("parked")
     assert isinstance(
-        direct.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD), Parked
+        direct.acquire_or_park(
+            [Member(direct, _request(request_id))], admission_wait_ms=0, payload=PAYLOAD
+        ),
+        Parked,
     )
     direct.release(held)  # granted to the parked request
     backend = PostgresBackend(database=pg_dsn)
     (claim,) = [c for c in backend.claim_republish(stale_ms=0) if c.limiter == proxied.name]
     dropper.arm(b"runcell_claim(")
 
-    lease = _in_thread(lambda: proxied.claim_parked(request_id, claim.publication_id), 20)
+    claimed = _in_thread(
+        lambda: proxied.claim_parked([proxied], request_id, claim.publication_id), 20
+    )
 
     assert dropper.dropped[b"runcell_claim("] == 1, "no reply was lost"
-    assert isinstance(lease, Lease), f"the retry read its own claim as {lease!r}"
+    assert isinstance(claimed, tuple), f"the retry read its own claim as {claimed!r}"
+    (lease,) = claimed
+    assert isinstance(lease, Lease)
     assert request_id not in _queue(pg_dsn, proxied.name)
     assert proxied.renew(lease) is not None, "the claimed lease is not held"
     proxied.release(lease)
@@ -146,7 +156,9 @@ def test_a_lost_reply_to_withdraw_still_hands_its_grants_to_be_published(
     first, second = unique_name("first"), unique_name("second")
     for request_id in (first, second):
         assert isinstance(
-            direct.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD),
+            direct.acquire_or_park(
+                [Member(direct, _request(request_id))], admission_wait_ms=0, payload=PAYLOAD
+            ),
             Parked,
         )
     direct.release(held)  # granted to the first; the second waits behind it
@@ -156,7 +168,7 @@ def test_a_lost_reply_to_withdraw_still_hands_its_grants_to_be_published(
 
     # The first's run ends before it uses its grant: the slot goes to the second, whose
     # task must be re-published at once, retry or not.
-    _in_thread(lambda: proxied.withdraw(first), 20)
+    _in_thread(lambda: proxied.withdraw_members([proxied], first), 20)
 
     assert dropper.dropped[b"runcell_withdraw("] == 1, "no reply was lost"
     queue = _queue(pg_dsn, proxied.name)
@@ -174,7 +186,9 @@ def test_a_lost_reply_to_complete_reports_the_rows_it_deleted(
     request_id = unique_name("stale")
     assert isinstance(
         direct.acquire_or_park(
-            _request(request_id, timeout_ms=50), admission_wait_ms=0, payload=PAYLOAD
+            [Member(direct, _request(request_id, timeout_ms=50))],
+            admission_wait_ms=0,
+            payload=PAYLOAD,
         ),
         Parked,
     )

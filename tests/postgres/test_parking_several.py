@@ -19,12 +19,13 @@ import psycopg
 import pytest
 
 from runcell_celery import AcquireRequest, Lease, RunLineage
-from runcell_celery.ports import Duplicate, Parked, Republish, SupportsSeveralParking
+from runcell_celery.ports import Duplicate, Parked, Republish, SupportsParking
 from runcell_celery.postgres import (
     PostgresBackend,
     PostgresConcurrencyLimiter,
     create_postgres_concurrency_limiter,
 )
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 from tests.support.reply_dropper import ReplyDropper
 
@@ -71,8 +72,10 @@ def backend(pg_dsn: str) -> Iterator[PostgresBackend]:
 def _park(
     a: PostgresConcurrencyLimiter, b: PostgresConcurrencyLimiter, group: str, **extra: Any
 ) -> tuple[Lease, ...] | Parked | str:
-    return a.acquire_several_or_park(
-        [a, b], _requests(group, **extra), admission_wait_ms=0, payload=PAYLOAD
+    return a.acquire_or_park(
+        [Member(x, r) for x, r in zip([a, b], _requests(group, **extra), strict=True)],
+        admission_wait_ms=0,
+        payload=PAYLOAD,
     )
 
 
@@ -81,7 +84,7 @@ def test_a_parked_request_keeps_a_place_in_each_limiter_and_is_granted_and_claim
 ) -> None:
     a = make_limiter(max_concurrent=1)
     b = make_limiter(max_concurrent=1)
-    assert isinstance(a, SupportsSeveralParking)
+    assert isinstance(a, SupportsParking)
     held = b.acquire(_requests(unique_name("holder"), 1)[0])
     group = unique_name("parked")
 
@@ -105,12 +108,12 @@ def test_a_parked_request_keeps_a_place_in_each_limiter_and_is_granted_and_claim
     assert json.loads(claims[0].payload) == json.loads(PAYLOAD)
     assert _mine(backend.claim_republish(stale_ms=0), group) == []
 
-    stale = a.claim_parked_several([a, b], group, "00000000-0000-0000-0000-000000000000")
+    stale = a.claim_parked([a, b], group, "00000000-0000-0000-0000-000000000000")
     assert stale == "stale"
-    leases = b.claim_parked_several([b, a], group, claims[0].publication_id)
+    leases = b.claim_parked([b, a], group, claims[0].publication_id)
     assert isinstance(leases, tuple)
     assert [lease.limiter for lease in leases] == [b.name, a.name], "not in the caller's order"
-    assert a.claim_parked_several([a, b], group, claims[0].publication_id) == "missing"
+    assert a.claim_parked([a, b], group, claims[0].publication_id) == "missing"
     assert _rows(pg_dsn, group) == []
     for limiter, lease in zip([b, a], leases, strict=True):
         assert limiter.renew(lease) is not None, "a claimed lease is not held"
@@ -174,8 +177,8 @@ def test_a_grant_nobody_claims_passes_on_and_the_request_is_granted_again_later(
     assert len(again) == 1
     assert again[0].publication_id != first[0].publication_id
     # The first publication's copy is outdated; the new one claims both leases.
-    assert a.claim_parked_several([a, b], group, first[0].publication_id) == "stale"
-    leases = a.claim_parked_several([a, b], group, again[0].publication_id)
+    assert a.claim_parked([a, b], group, first[0].publication_id) == "stale"
+    leases = a.claim_parked([a, b], group, again[0].publication_id)
     assert isinstance(leases, tuple)
     for limiter, lease in zip([a, b], leases, strict=True):
         limiter.release(lease)
@@ -193,7 +196,7 @@ def test_a_claim_with_one_lease_past_its_window_takes_none(
     (claim,) = _mine(backend.claim_republish(stale_ms=0), group)
     time.sleep(0.4)  # a's claim window (its 300 ms TTL) ended; b's is 5 s
 
-    assert a.claim_parked_several([a, b], group, claim.publication_id) == "stale"
+    assert a.claim_parked([a, b], group, claim.publication_id) == "stale"
     assert b.stats().active == 1, "b's lease was taken alone"
     with psycopg.connect(pg_dsn) as conn:
         picked = conn.execute(
@@ -247,7 +250,7 @@ def test_withdrawing_a_parked_request_leaves_every_line(
     group = unique_name("parked")
     assert isinstance(_park(a, b, group), Parked)
 
-    a.withdraw_several([a, b], group)
+    a.withdraw_members([a, b], group)
 
     assert _rows(pg_dsn, group) == []
     assert (a.stats().queued, b.stats().queued) == (0, 0)
@@ -265,8 +268,10 @@ def test_a_request_granted_while_it_waits_before_parking_keeps_its_leases(
     timer = threading.Timer(0.2, a.release, [held])
     timer.start()
     try:
-        result = a.acquire_several_or_park(
-            [a, b], _requests(group), admission_wait_ms=5_000, payload=PAYLOAD
+        result = a.acquire_or_park(
+            [Member(x, r) for x, r in zip([a, b], _requests(group), strict=True)],
+            admission_wait_ms=5_000,
+            payload=PAYLOAD,
         )
     finally:
         timer.join()
@@ -311,8 +316,10 @@ def test_a_lost_reply_to_a_group_park_gets_its_answer_even_when_a_grant_came_in_
     # granted (as a parked request).
     dropper.arm(b"runcell_park(", before_cut=lambda: pair.direct[0].release(held))
 
-    answer = pair.proxied[0].acquire_several_or_park(
-        pair.proxied, _requests(group), admission_wait_ms=0, payload=PAYLOAD
+    answer = pair.proxied[0].acquire_or_park(
+        [Member(x, r) for x, r in zip(pair.proxied, _requests(group), strict=True)],
+        admission_wait_ms=0,
+        payload=PAYLOAD,
     )
 
     assert dropper.dropped[b"runcell_park("] == 1, "no reply was lost"
@@ -331,7 +338,7 @@ def test_a_lost_reply_to_a_group_claim_gives_every_claimed_lease_to_the_retry(
     (claim,) = _mine(backend.claim_republish(stale_ms=0), group)
     dropper.arm(b"runcell_claim(")
 
-    leases = pair.proxied[0].claim_parked_several(pair.proxied, group, claim.publication_id)
+    leases = pair.proxied[0].claim_parked(pair.proxied, group, claim.publication_id)
 
     assert dropper.dropped[b"runcell_claim("] == 1, "no reply was lost"
     assert isinstance(leases, tuple), f"the retry read its own claim as {leases!r}"

@@ -15,6 +15,7 @@ from runcell_celery import AcquireRequest, RunLineage, run, slot
 from runcell_celery.ports import Parked
 from runcell_celery.postgres import PostgresConcurrencyLimiter
 from runcell_celery.postgres.statements import PARKED_CHANNEL
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
@@ -125,7 +126,9 @@ def test_a_raised_limit_grants_parked_requests_and_announces_them_for_re_publish
     held = limiter.acquire(_request(unique_name("holder")))
     parked = [unique_name("first"), unique_name("second")]
     for request_id in parked:
-        answer = limiter.acquire_or_park(_request(request_id), admission_wait_ms=0, payload=PAYLOAD)
+        answer = limiter.acquire_or_park(
+            [Member(limiter, _request(request_id))], admission_wait_ms=0, payload=PAYLOAD
+        )
         assert isinstance(answer, Parked)
     with psycopg.connect(pg_dsn, autocommit=True) as listener:
         listener.execute(f"LISTEN {PARKED_CHANNEL}")

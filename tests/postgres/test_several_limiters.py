@@ -20,7 +20,7 @@ from runcell_celery import (
     run,
     slot,
 )
-from runcell_celery.conformance import several_limiters_conformance_cases
+from runcell_celery.conformance import members_conformance_cases
 from runcell_celery.postgres import PostgresConcurrencyLimiter, create_postgres_concurrency_limiter
 from tests.support.pg import unique_name
 from tests.support.reply_dropper import ReplyDropper
@@ -338,5 +338,5 @@ def test_a_young_request_over_two_limiters_holds_no_room_and_is_granted_within_i
     def create(**options: Any) -> PostgresConcurrencyLimiter:
         return create_postgres_concurrency_limiter(pg_dsn, name=unique_name("ageing"), **options)
 
-    cases = {case.name: case for case in several_limiters_conformance_cases(create)}
-    cases["a_young_request_over_several_limiters_holds_no_room_and_ages_within_its_bound"].run()
+    cases = {case.name: case for case in members_conformance_cases(create)}
+    cases["a_young_request_over_many_limiters_holds_no_room_and_ages_within_its_bound"].run()

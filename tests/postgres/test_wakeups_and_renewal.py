@@ -16,6 +16,7 @@ from runcell_celery.ports import Parked
 from runcell_celery.postgres import create_postgres_concurrency_limiter
 from runcell_celery.postgres.connection import Database
 from runcell_celery.postgres.listener import GrantListener
+from runcell_celery.protocol import Member
 from tests.support.pg import unique_name
 
 SOON_S = 15.0
@@ -307,7 +308,9 @@ def test_a_parked_grant_made_by_the_safety_polls_reap_is_republished_at_once(
 
     limiter.acquire(request(unique_name("dead-holder")))  # never renewed: expires in 1 s
     parked = limiter.acquire_or_park(
-        request(unique_name("parked")), admission_wait_ms=0, payload='{"task": "t"}'
+        [Member(limiter, request(unique_name("parked")))],
+        admission_wait_ms=0,
+        payload='{"task": "t"}',
     )
     assert isinstance(parked, Parked)
 

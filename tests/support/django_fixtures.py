@@ -27,6 +27,7 @@ from runcell_celery.postgres import (
     create_postgres_concurrency_limiter,
     statements,
 )
+from runcell_celery.protocol import Member
 from tests.conftest import wait_until
 from tests.support.pg import ADMIN_DSN
 
@@ -220,13 +221,18 @@ def scenario(
                 )
         assert not errors, errors
         parked = limiter.acquire_or_park(
-            AcquireRequest(
-                request_id=f"req-{state.parked_task_id}",
-                workload="background",
-                lineage=RunLineage(state.parked_task_id, state.parked_task_id),
-                timeout_ms=600_000,
-                holder_name=TASK,
-            ),
+            [
+                Member(
+                    limiter,
+                    AcquireRequest(
+                        request_id=f"req-{state.parked_task_id}",
+                        workload="background",
+                        lineage=RunLineage(state.parked_task_id, state.parked_task_id),
+                        timeout_ms=600_000,
+                        holder_name=TASK,
+                    ),
+                )
+            ],
             admission_wait_ms=0,
             payload=json.dumps({"args": [SECRET_ARGUMENT], "kwargs": {}}),
         )

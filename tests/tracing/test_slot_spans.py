@@ -33,7 +33,7 @@ from runcell_celery import (
 from runcell_celery.admission import Admission, Deferred, DuplicateDelivery
 from runcell_celery.background import DEFAULT_REGISTRY
 from runcell_celery.ports import Parked, WaitEstimate
-from runcell_celery.protocol import AcquireRequest, ConcurrencyLimiter, OnWait
+from runcell_celery.protocol import ConcurrencyLimiter, Member, OnWait
 from runcell_celery.slot import preadmit
 from runcell_celery.tracing import current_tracer
 from tests.conftest import wait_until
@@ -258,14 +258,11 @@ def test_an_async_slot_records_both_spans(spans: RecordedSpans) -> None:
 
 def _admission(limiter: ConcurrencyLimiter, parked: Parked | None = None) -> Admission:
     def acquire(
-        limiters: tuple[ConcurrencyLimiter, ...],
-        requests: tuple[AcquireRequest, ...],
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
+        members: tuple[Member, ...], cancel: CancellationToken | None, on_wait: OnWait
     ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
         if parked is not None:
             return Deferred(parked)
-        return (limiters[0].acquire(requests[0], cancel=cancel, on_wait=on_wait),)
+        return (members[0].limiter.acquire(members[0].request, cancel=cancel, on_wait=on_wait),)
 
     return Admission(acquire, limiters=(limiter,), request_id="delivery-1")
 

@@ -33,6 +33,7 @@ from runcell_celery.ports import Parked
 from runcell_celery.protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
+    Member,
     OnWait,
     Outcome,
     QueuePlace,
@@ -272,24 +273,21 @@ def test_a_run_over_several_postgres_limiters_parked_by_deferral_records_its_pla
     line.hold(b)
     line.join(b, request_id=ids["b-1"], waits=lambda: _queued(b) == 1)
 
-    def acquire_several(
-        limiters: Sequence[ConcurrencyLimiter],
-        requests: Sequence[AcquireRequest],
-        cancel: CancellationToken | None,
-        on_wait: OnWait,
+    def acquire_members(
+        members: Sequence[Member], cancel: CancellationToken | None, on_wait: OnWait
     ) -> Deferred:
-        result = a.acquire_several_or_park(
-            limiters, requests, payload="{}", admission_wait_ms=0, cancel=cancel, on_wait=on_wait
+        result = a.acquire_or_park(
+            members, payload="{}", admission_wait_ms=0, cancel=cancel, on_wait=on_wait
         )
         assert isinstance(result, Parked), result
         return Deferred(result)
 
-    admission = Admission(acquire_several, limiters=(a, b), request_id=ids["run"])
+    admission = Admission(acquire_members, limiters=(a, b), request_id=ids["run"])
     try:
         with run(limiter=[a, b], admission=admission):
             assert isinstance(preadmit(admission), Deferred)
     finally:
-        a.withdraw_several([a, b], ids["run"])
+        a.withdraw_members([a, b], ids["run"])
     # The line leaves while its limiters are open (make_limiter closes them before the
     # line fixture's teardown would let it go).
     line.let_go()

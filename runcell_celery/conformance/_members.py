@@ -1,5 +1,5 @@
 """The cases of a backend that holds several limiters in one slot
-(:func:`~runcell_celery.conformance.several_limiters_conformance_cases`)."""
+(:func:`~runcell_celery.conformance.members_conformance_cases`)."""
 
 # Test code shipped in the package: it asserts on the exceptions it catches.
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from ..allocation import GROUP_AGEING_MS
 from ..cancellation import CancellationToken
@@ -24,16 +25,18 @@ from ..protocol import (
     ConcurrencyLimiter,
     KeyStats,
     Lease,
+    Member,
     OnWait,
     Outcome,
     RunLineage,
-    SupportsSeveral,
+    SupportsMembers,
 )
 from ..slot import slot
 from ._keys import ReportsKeys, assert_no_key_in_use, keyed_limiter
 from ._support import (
     SOON_S,
     WAIT_MS,
+    Cases,
     ConformanceCase,
     CreateLimiter,
     assert_idle,
@@ -47,9 +50,10 @@ from ._support import (
 HOLD_S = 0.02
 #: Scheduling slack on top of a documented bound (threads, a database round trip).
 SLACK_S = 1.0
+E = TypeVar("E", bound=BaseException)
 
 
-def several_requests(
+def member_requests(
     limiters: Sequence[ConcurrencyLimiter],
     workloads: Sequence[str] | None = None,
     timeout_ms: float | None = None,
@@ -65,7 +69,7 @@ def several_requests(
     ]
 
 
-def acquire_several(
+def acquire_members(
     limiters: Sequence[ConcurrencyLimiter],
     requests: Sequence[AcquireRequest] | None = None,
     *,
@@ -74,14 +78,44 @@ def acquire_several(
     on_wait: OnWait | None = None,
 ) -> Sequence[Lease]:
     first = limiters[0]
-    assert isinstance(first, SupportsSeveral), (
-        f"{first!r} cannot hold one request over several limiters (no acquire_several)"
+    assert isinstance(first, SupportsMembers), (
+        f"{first!r} cannot hold one request over several limiters (no acquire_members)"
     )
-    asked = requests or several_requests(limiters, timeout_ms=timeout_ms)
-    leases = first.acquire_several(limiters, asked, cancel=cancel, on_wait=on_wait)
+    asked = requests or member_requests(limiters, timeout_ms=timeout_ms)
+    members = [Member(x, r) for x, r in zip(limiters, asked, strict=True)]
+    leases = first.acquire_members(members, cancel=cancel, on_wait=on_wait)
     names = [lease.limiter for lease in leases]
     assert names == [x.name for x in limiters], f"leases of {names}, in the wrong order?"
     return leases
+
+
+def wait_members(
+    pool: ThreadPoolExecutor,
+    limiters: Sequence[ConcurrencyLimiter],
+    what: str,
+    requests: Sequence[AcquireRequest] | None = None,
+    cancel: CancellationToken | None = None,
+) -> Future[Sequence[Lease]]:
+    """Start ``acquire_members`` (budget ``WAIT_MS``) in ``pool``; return once it waits."""
+    return start_waiting(
+        pool,
+        lambda on_wait: acquire_members(
+            limiters, requests, timeout_ms=WAIT_MS, cancel=cancel, on_wait=on_wait
+        ),
+        what,
+    )
+
+
+def assert_refused(
+    limiters: Sequence[ConcurrencyLimiter], error: type[E], why: str, timeout_ms: float
+) -> E:
+    """The ``error`` a request over ``limiters`` is refused with (granted: ``why``)."""
+    try:
+        leases = acquire_members(limiters, timeout_ms=timeout_ms)
+    except error as exc:
+        return exc
+    release_all(limiters, leases)
+    raise AssertionError(why)
 
 
 def release_all(limiters: Sequence[ConcurrencyLimiter], leases: Sequence[Lease]) -> None:
@@ -150,23 +184,18 @@ class Foreign:
         return None
 
 
-def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
-    def case(func: Callable[[], None]) -> Callable[[], None]:
-        cases.append(ConformanceCase(func.__name__, func))
-        return func
-
-    cases: list[ConformanceCase] = []
+def members_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCase]:
+    """The cases of a backend that holds one request over several of its limiters
+    (:class:`~runcell_celery.protocol.SupportsMembers`); one asks ``keyed=True`` too."""
+    create = create_limiter
+    case = cases = Cases()
 
     @case
-    def a_request_over_several_limiters_holds_none_while_it_waits() -> None:
+    def a_request_over_many_limiters_holds_none_while_it_waits() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_several([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
-                "a and b",
-            )
+            waiting = wait_members(pool, [a, b], "a and b")
             time.sleep(0.05)  # time to take a's slot early, if it would
             assert active_of(a) in (0, None), f"a's slot was taken while b was full: {stats_of(a)}"
             assert active_of(b) in (1, None), f"b: {stats_of(b)}"
@@ -176,7 +205,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_idle(a, b)
 
     @case
-    def a_young_request_over_several_limiters_holds_no_room_and_ages_within_its_bound() -> None:
+    def a_young_request_over_many_limiters_holds_no_room_and_ages_within_its_bound() -> None:
         """``[a, b]`` waits on ``b``: ``a`` alone is granted at once; then, with three
         threads churning ``a`` and ``b`` freed, ``[a, b]`` is granted within
         ``GROUP_AGEING_MS`` + one hold of ``a`` (+ slack)."""
@@ -191,11 +220,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 a.release(lease)
 
         with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(3) as churners:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_several([a, b], timeout_ms=WAIT_MS, on_wait=on_wait),
-                "a and b",
-            )
+            waiting = wait_members(pool, [a, b], "a and b")
             began = time.monotonic()
             try:
                 alone = a.acquire(new_request(timeout_ms=GROUP_AGEING_MS / 4))
@@ -223,15 +248,11 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_idle(a, b)
 
     @case
-    def several_limiters_are_granted_together_once_the_last_frees() -> None:
+    def many_limiters_are_granted_together_once_the_last_frees() -> None:
         a, b, c = (create(max_concurrent=1) for _ in range(3))
         held_b, held_c = b.acquire(new_request()), c.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_several([a, b, c], timeout_ms=WAIT_MS, on_wait=on_wait),
-                "a, b, c",
-            )
+            waiting = wait_members(pool, [a, b, c], "a, b, c")
             b.release(held_b)
             time.sleep(0.05)
             assert not waiting.done(), "granted while c was still full"
@@ -243,7 +264,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                 assert_times_out(limiter, "the request over all three holds its slot")
             release_all([a, b, c], leases)
         assert_idle(a, b, c)
-        again = acquire_several([c, a, b], timeout_ms=SOON_S * 1000)
+        again = acquire_members([c, a, b], timeout_ms=SOON_S * 1000)
         release_all([c, a, b], again)
         assert_idle(a, b, c)
 
@@ -270,7 +291,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_idle(first, second)
 
     @case
-    def single_and_several_requests_keep_every_limit_under_threads() -> None:
+    def single_and_member_requests_keep_every_limit_under_threads() -> None:
         a, b = create(max_concurrent=2), create(max_concurrent=3)
         witness = Witness()
         shapes: list[list[ConcurrencyLimiter]] = [[a, b], [b, a], [a], [b]]
@@ -300,14 +321,10 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
             assert active_of(provider) in (1, None), f"{stats_of(provider)}"
             if isinstance(tenants, ReportsKeys):
                 assert list(tenants.key_stats()) == [KeyStats("acme", 1, 0)]
-            try:  # the key's limit applies to a request over both
-                leases = acquire_several([provider, acme], timeout_ms=50)
-            except ConcurrencyTimeoutError:
-                pass
-            else:
-                release_all([provider, acme], leases)
-                raise AssertionError("a second slot of a key with max_concurrent=1")
-            other = acquire_several([provider, tenants.key("globex")], timeout_ms=1000)
+            # The key's limit applies to a request over both.
+            why = "a second slot of a key with max_concurrent=1"
+            assert_refused([provider, acme], ConcurrencyTimeoutError, why, 50)
+            other = acquire_members([provider, tenants.key("globex")], timeout_ms=1000)
             release_all([provider, tenants.key("globex")], other)
         try:
             with slot(provider, tenants):
@@ -318,18 +335,12 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         assert_no_key_in_use(tenants)
 
     @case
-    def cancelling_a_request_for_several_limiters_leaves_nothing_held() -> None:
+    def cancelling_a_request_for_many_limiters_leaves_nothing_held() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
         cancel = CancellationToken()
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_several(
-                    [a, b], timeout_ms=WAIT_MS, cancel=cancel, on_wait=on_wait
-                ),
-                "a and b",
-            )
+            waiting = wait_members(pool, [a, b], "a and b", cancel=cancel)
             cancel.cancel()
             try:
                 release_all([a, b], waiting.result(SOON_S))
@@ -341,39 +352,29 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         stats = stats_of(b)
         assert stats is None or (stats.active, stats.queued) == (1, 0), f"b: {stats}"
         b.release(held)
-        release_all([a, b], acquire_several([a, b], timeout_ms=1000))
+        release_all([a, b], acquire_members([a, b], timeout_ms=1000))
         assert_idle(a, b)
 
     @case
-    def a_request_for_several_limiters_times_out_holding_nothing() -> None:
+    def a_request_for_many_limiters_times_out_holding_nothing() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         held = b.acquire(new_request())
-        try:
-            leases = acquire_several([a, b], timeout_ms=100)
-        except ConcurrencyTimeoutError as exc:
-            assert exc.limiter in (a.name, b.name), f"the timeout names {exc.limiter!r}"
-        else:
-            release_all([a, b], leases)
-            raise AssertionError("granted a and b while b was full")
+        why = "granted a and b while b was full"
+        exc = assert_refused([a, b], ConcurrencyTimeoutError, why, 100)
+        assert exc.limiter in (a.name, b.name), f"the timeout names {exc.limiter!r}"
         assert_idle(a)
         a.release(a.acquire(new_request(timeout_ms=50)))  # a's one slot is free
         b.release(held)
         assert_idle(a, b)
 
     @case
-    def cancel_at_the_moment_of_a_grant_over_several_limiters_leaks_no_slot() -> None:
+    def cancel_at_the_moment_of_a_grant_over_many_limiters_leaks_no_slot() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1)
         with ThreadPoolExecutor(2) as pool:
             for _ in range(20):
                 held = b.acquire(new_request())
                 cancel = CancellationToken()
-
-                def acquire(on_wait: OnWait, token: CancellationToken = cancel) -> Sequence[Lease]:
-                    return acquire_several(
-                        [a, b], timeout_ms=WAIT_MS, cancel=token, on_wait=on_wait
-                    )
-
-                waiting = start_waiting(pool, acquire, "a and b")
+                waiting = wait_members(pool, [a, b], "a and b", cancel=cancel)
                 release = pool.submit(b.release, held)
                 cancel.cancel()
                 release.result(SOON_S)
@@ -383,7 +384,7 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
                     pass
                 else:
                     release_all([a, b], leases)  # granted before the cancel was seen
-                again = acquire_several([a, b], timeout_ms=SOON_S * 1000)
+                again = acquire_members([a, b], timeout_ms=SOON_S * 1000)
                 release_all([a, b], again)
         assert_idle(a, b)
 
@@ -393,13 +394,8 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
         b = create(max_concurrent=2)
         held = a.acquire(new_request("batch"))
         with ThreadPoolExecutor(1) as pool:
-            waiting = start_waiting(
-                pool,
-                lambda on_wait: acquire_several(
-                    [a, b], several_requests([a, b], ["batch", "default"], WAIT_MS), on_wait=on_wait
-                ),
-                "batch in a, default in b",
-            )
+            asked = member_requests([a, b], ["batch", "default"], WAIT_MS)
+            waiting = wait_members(pool, [a, b], "batch in a, default in b", asked)
             assert active_of(b) in (0, None), "b's slot was taken while a's batch was full"
             a.release(held)
             leases = waiting.result(SOON_S)
@@ -411,13 +407,9 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def a_full_queue_in_any_limiter_refuses_the_request() -> None:
         a, b = create(max_concurrent=1), create(max_concurrent=1, max_queued=0)
         held = b.acquire(new_request())
-        try:
-            leases = acquire_several([a, b], timeout_ms=1000)
-        except ConcurrencyQueueFullError as exc:
-            assert exc.limiter == b.name, f"the error names {exc.limiter!r}, not b"
-        else:
-            release_all([a, b], leases)
-            raise AssertionError("b's max_queued=0 let a request wait")
+        why = "b's max_queued=0 let a request wait"
+        full = assert_refused([a, b], ConcurrencyQueueFullError, why, 1000)
+        assert full.limiter == b.name, f"the error names {full.limiter!r}, not b"
         assert_idle(a)
         b.release(held)
         assert_idle(a, b)
@@ -426,14 +418,10 @@ def several_cases(create: CreateLimiter) -> Iterator[ConformanceCase]:
     def a_limiter_it_cannot_hold_with_its_own_is_refused() -> None:
         a = create(max_concurrent=1)
         foreign = Foreign()
-        try:
-            leases = acquire_several([a, foreign], timeout_ms=1000)
-        except ConcurrencyConfigError as exc:
-            assert foreign.name in str(exc), f"the error does not name the limiter: {exc}"
-        else:
-            release_all([a, foreign], leases)
-            raise AssertionError("held a limiter of no backend together with its own")
+        why = "held a limiter of no backend together with its own"
+        error = assert_refused([a, foreign], ConcurrencyConfigError, why, 1000)
+        assert foreign.name in str(error), f"the error does not name the limiter: {error}"
         assert_idle(a)
         a.release(a.acquire(new_request(timeout_ms=50)))
 
-    return iter(cases)
+    return list(cases)
