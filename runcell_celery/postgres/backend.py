@@ -60,7 +60,7 @@ KEEP_OPERATIONS_MS = 15 * 60_000
 PARKED_GROUP_PASSES = 8
 
 #: The counts of an :class:`AdmissionCount` (after its task name and limiter).
-_COUNT_FIELDS = [f.name for f in dataclasses.fields(AdmissionCount)][2:]
+_COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(AdmissionCount))[2:]
 
 
 @dataclass(frozen=True, slots=True)

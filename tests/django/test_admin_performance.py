@@ -8,6 +8,7 @@ limiters' live counts), so the data is committed where both connections see it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, LiteralString
 
@@ -120,14 +121,18 @@ def seeded(pg_limiter: Callable[..., PostgresConcurrencyLimiter], test_dsn: str)
 
 @pytest.fixture
 def backend_statements(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Every statement the PostgreSQL backend runs on its pool (run for real, listed)."""
+    """Every statement the PostgreSQL backend runs on its pool for this test's thread (run
+    for real, listed): the page is rendered on it, while background threads other tests
+    left (counters, recorders) may write through a backend too and are not the page's."""
     sent: list[tuple[str, Any]] = []
     fetch = PostgresBackend._fetch
+    page_thread = threading.get_ident()
 
     def listed(
         self: PostgresBackend, query: LiteralString, params: Mapping[str, Any] | None = None
     ) -> list[tuple[Any, ...]]:
-        sent.append((query, params))
+        if threading.get_ident() == page_thread:
+            sent.append((query, params))
         return fetch(self, query, params)
 
     monkeypatch.setattr(PostgresBackend, "_fetch", listed)

@@ -21,6 +21,7 @@ from psycopg import sql
 from runcell_celery import ConcurrencyConfigError, ConcurrencyLimiterError, guard, slot
 from runcell_celery.celery import RunCellTask
 from runcell_celery.celery import headers as run_headers
+from runcell_celery.celery.state import discard_state
 from runcell_celery.context import run
 from runcell_celery.keys import MAX_KEY_LENGTH
 from runcell_celery.postgres import (
@@ -100,6 +101,11 @@ def unreachable(
         yield fair, tenant, app
     finally:
         _allow_connections(fresh_dsn, True)
+        # The app's counters would otherwise go on retrying the dropped database, in
+        # every later test of this process.
+        discard_state(app)
+        fair.close()
+        tenant.close()
 
 
 def _entries(
