@@ -378,30 +378,13 @@ class LimiterConfig:
 def limiter_config(
     max_concurrent: int,
     *,
-    max_queued: int | None = None,
     workloads: Mapping[str, WorkloadConfig | Mapping[str, Any]] | None = None,
-    default_workload: str | None = None,
-    name: str = "default",
-    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
-    max_hold_ms: int | None = None,
-    claim_window_ms: int | None = None,
-    fairness: Fairness = "fifo",
-    keyed: bool = False,
+    **options: Any,
 ) -> LimiterConfig:
-    """Build limits from the limiter factories' keyword arguments (workloads may be dicts)."""
+    """Build limits from the limiter factories' keyword arguments (the fields of
+    :class:`LimiterConfig`; workloads may be dicts, ``None`` one ``"default"``)."""
     extra: dict[str, Any] = {} if workloads is None else {"workloads": workloads}
-    return LimiterConfig(
-        max_concurrent,
-        max_queued,
-        default_workload=default_workload,
-        name=name,
-        lease_ttl_ms=lease_ttl_ms,
-        max_hold_ms=max_hold_ms,
-        claim_window_ms=claim_window_ms,
-        fairness=fairness,
-        keyed=keyed,
-        **extra,
-    )
+    return LimiterConfig(max_concurrent, **options, **extra)
 
 
 def _diff(mine: Any, theirs: Any, path: str) -> list[str]:

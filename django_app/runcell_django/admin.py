@@ -292,20 +292,8 @@ class LeaseAdmin(_HolderAdmin):
     ordering = ("acquired_at", "lease_id")
     actions = ("force_release",)
     fields = (
-        "lease_id",
-        "limiter_name",
-        "workload",
-        *_RUN,
-        "request_id",
-        "held_with",
-        "holder",
-        "fencing_token",
-        "acquired",
-        "renewed",
-        "expires",
-        "ttl_ms",
-        "parked",
-        "picked_up",
+        *("lease_id", "limiter_name", "workload", *_RUN, "request_id", "held_with", "holder"),
+        *("fencing_token", "acquired", "renewed", "expires", "ttl_ms", "parked", "picked_up"),
     )
     readonly_fields = fields
 
@@ -437,27 +425,11 @@ class QueueEntryAdmin(_HolderAdmin):
     search_help_text = _("An exact run id (Celery task id), root run id or request id.")
     ordering = ("limiter", "position")
     fields = (
-        "request_id",
-        "limiter_name",
-        "workload",
-        "fair_key",
-        "group_id",
-        "request_group",
-        "state",
-        "place",
-        "why",
-        "in_progress",
-        "priority",
-        "enqueued",
-        "waited",
-        "deadline_at",
-        "deadline_left",
+        *("request_id", "limiter_name", "workload", "fair_key", "group_id", "request_group"),
+        *("state", "place", "why", "in_progress", "priority"),
+        *("enqueued", "waited", "deadline_at", "deadline_left"),
         *_RUN,
-        "holder",
-        "granted_lease_id",
-        "granted",
-        "published",
-        "broker",
+        *("holder", "granted_lease_id", "granted", "published", "broker"),
     )
     readonly_fields = fields
 
@@ -609,24 +581,11 @@ class ConcurrencyEventAdmin(ReadOnlyAdmin):
     # over a table this large.
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
+    _slot = ("lease_id", "fencing_token", "wait_deadline", "wait_ms", "hold_ms")
     fieldsets = (
         (None, {"fields": ("type", "occurred", "limiter", "limiters", "key", "workload")}),
         (_("run"), {"fields": (*_RUN, "request_id")}),
-        (
-            _("slot"),
-            {
-                "fields": (
-                    "lease_id",
-                    "fencing_token",
-                    "wait_deadline",
-                    "wait_ms",
-                    "hold_ms",
-                    "outcome",
-                    "reason",
-                    "error",
-                )
-            },
-        ),
+        (_("slot"), {"fields": (*_slot, "outcome", "reason", "error")}),
         (_("recorded by"), {"fields": ("host", "pid", "actor", "dropped")}),
     )
     wait_deadline = timestamp_field(ConcurrencyEvent, "deadline")

@@ -96,15 +96,8 @@ def line_chart(
 
     lines: list[Line] = []
     if limit is not None:
-        lines.append(
-            Line(
-                limit[0],
-                "#ba2121",
-                f"M{LEFT} {y(limit[1]):.1f} H{WIDTH - RIGHT}",
-                dashed=True,
-                last=show(limit[1]),
-            )
-        )
+        path = f"M{LEFT} {y(limit[1]):.1f} H{WIDTH - RIGHT}"
+        lines.append(Line(limit[0], "#ba2121", path, dashed=True, last=show(limit[1])))
     for label, (color, points) in series.items():
         parts: list[str] = []
         dots: list[tuple[float, float]] = []
@@ -114,16 +107,8 @@ def line_chart(
             dots.append((round(x(at), 1), round(y(points[at]), 1)))
             parts.append(f"{'M' if gap else 'L'}{dots[-1][0]} {dots[-1][1]}")
             previous = at
-        last = points[max(points)] if points else None
-        lines.append(
-            Line(
-                label,
-                color,
-                " ".join(parts),
-                last="" if last is None else show(last),
-                dots=tuple(dots),
-            )
-        )
+        last = show(points[max(points)]) if points else ""
+        lines.append(Line(label, color, " ".join(parts), last=last, dots=tuple(dots)))
     y_ticks = tuple(Tick(y(y_max * i / 4), show(y_max * i / 4)) for i in range(5))
     x_ticks = tuple(Tick(x(at), label) for at, label in time_ticks(start, end))
     return Chart(title, tuple(lines), y_ticks, x_ticks, empty=not values)

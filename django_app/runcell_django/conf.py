@@ -202,14 +202,10 @@ def broker_settings() -> BrokerSettings:
     return BrokerSettings(**values)
 
 
-def _is_alias(value: str) -> bool:
-    return value in connections.settings
-
-
 def resolve_database(value: str) -> str:
     """Turn ``RUNCELL["DATABASE"]`` into a DSN: an alias gives its database's DSN, read
     when a limiter is created (so tests switching the alias to a test database work)."""
-    if not _is_alias(value):
+    if value not in connections.settings:
         return value
     connection = connections[value]
     if connection.vendor != "postgresql":
@@ -233,7 +229,7 @@ def database_alias() -> str | None:
     value = runcell_settings().get("DATABASE")
     if not isinstance(value, str) or not value:
         return None
-    if _is_alias(value):
+    if value in connections.settings:
         return value
     return databases.register_dsn(value) if looks_like_dsn(value) else None
 
@@ -247,7 +243,7 @@ def _check_database(config: Mapping[str, Any]) -> None:
     """Refuse a ``DATABASE`` that is neither a PostgreSQL alias nor a DSN that parses
     (the core refuses other types)."""
     value = config.get("DATABASE")
-    if not isinstance(value, str) or not value or _is_alias(value):
+    if not isinstance(value, str) or not value or value in connections.settings:
         if isinstance(value, str) and value:
             resolve_database(value)  # rejects an alias that is not PostgreSQL
         return
@@ -281,18 +277,16 @@ def validate() -> None:
 def registry() -> LimiterRegistry:
     """The limiters of ``settings.RUNCELL``, validated on first use (one per process)."""
     found: LimiterRegistry | None = DEFAULT_REGISTRY.value("django.conf.registry", None)
-    if found is not None:
-        return found
-    with DEFAULT_REGISTRY.lock("django.conf"):
-        _registry: LimiterRegistry | None = DEFAULT_REGISTRY.value("django.conf.registry", None)
-        if _registry is None:
-            config = runcell_settings()
-            _check_database(config)
-            made = LimiterRegistry(resolve_database=resolve_database)
-            made.configure(config, path=SETTING)
-            DEFAULT_REGISTRY.put("django.conf.registry", made)
-            _registry = made
-        return _registry
+    if found is None:
+        with DEFAULT_REGISTRY.lock("django.conf"):
+            found = DEFAULT_REGISTRY.value("django.conf.registry", None)
+            if found is None:
+                config = runcell_settings()
+                _check_database(config)
+                found = LimiterRegistry(resolve_database=resolve_database)
+                found.configure(config, path=SETTING)
+                DEFAULT_REGISTRY.put("django.conf.registry", found)
+    return found
 
 
 def postgres_backend() -> PostgresBackend:

@@ -229,17 +229,9 @@ class EventManager(_RunCellManager):
             cursor.execute(query, params)
             return list(cursor.fetchall())
 
-    def wait_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
-        """``(limiter, bucket, p50, p95, max, count, longest)`` (waits in progress too)."""
-        return self._raw(sql.WAIT_PER_BUCKET, minutes=minutes, bucket_s=bucket_s)
-
-    def occupancy_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
-        """``(limiter, bucket, most active, most queued)`` from occupancy samples."""
-        return self._raw(sql.OCCUPANCY_PER_BUCKET, minutes=minutes, bucket_s=bucket_s)
-
-    def failures_per_bucket(self, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
-        """``(limiter, event type, bucket, count)``: the runs that failed, by kind."""
-        return self._raw(sql.FAILURES_PER_BUCKET, minutes=minutes, bucket_s=bucket_s)
+    def per_bucket(self, query: Any, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
+        """The rows of a ``*_PER_BUCKET`` query of :mod:`.sql` over the last ``minutes``."""
+        return self._raw(query, minutes=minutes, bucket_s=bucket_s)
 
     def dropped_per_limiter(self, minutes: int) -> dict[str, int]:
         """Events dropped by full recorder buffers in the window, per limiter."""

@@ -37,6 +37,10 @@ def _optional(field: Any, *args: Any, **options: Any) -> Any:
     return field(*args, null=True, blank=True, **options)
 
 
+def _text(verbose_name: Any, max_length: int = 255, **options: Any) -> Any:
+    return _optional(models.CharField, verbose_name, max_length=max_length, **options)
+
+
 class Limiter(models.Model):
     """A limiter as stored by the first worker that used its name."""
 
@@ -121,6 +125,17 @@ class Limiter(models.Model):
             return None
 
 
+def _limiter_of(related_name: str) -> Any:
+    return models.ForeignKey(
+        Limiter,
+        models.DO_NOTHING,
+        db_column="limiter",
+        db_constraint=False,
+        related_name=related_name,
+        verbose_name=_("limiter"),
+    )
+
+
 class _Holder(models.Model):
     """Who asked for a slot: the run lineage and the holder process."""
 
@@ -144,14 +159,7 @@ class Lease(_Holder):
     """A held slot: one row per holder, renewed while its provider call runs."""
 
     lease_id = models.UUIDField(_("lease id"), primary_key=True)
-    limiter = models.ForeignKey(
-        Limiter,
-        models.DO_NOTHING,
-        db_column="limiter",
-        db_constraint=False,
-        related_name="leases",
-        verbose_name=_("limiter"),
-    )
+    limiter = _limiter_of("leases")
     request_id = models.TextField(_("request id"), unique=True)
     fencing_token = models.BigIntegerField(
         _("fencing token"),
@@ -191,14 +199,7 @@ class QueueEntry(_Holder):
     """A request waiting for a slot, or parked (a deferred Celery task)."""
 
     request_id = models.TextField(_("request id"), primary_key=True)
-    limiter = models.ForeignKey(
-        Limiter,
-        models.DO_NOTHING,
-        db_column="limiter",
-        db_constraint=False,
-        related_name="queue_entries",
-        verbose_name=_("limiter"),
-    )
+    limiter = _limiter_of("queue_entries")
     position = models.BigIntegerField(_("arrival order"))
     enqueued_at = models.DateTimeField(_("queued at"))
     deadline = models.DateTimeField(
@@ -341,44 +342,24 @@ class ConcurrencyEvent(models.Model):
         verbose_name=_("limiters"),
         help_text=_("Every limiter of a request over several, in the order given."),
     )
-    key = _optional(
-        models.CharField,
-        _("key"),
-        max_length=255,
-        help_text=_("The request's fairness key (a tenant), if it has one."),
-    )
-    workload = _optional(models.CharField, _("workload"), max_length=200)
-    run_id = _optional(
-        models.CharField,
-        _("run id"),
-        max_length=255,
-        help_text=_("For a Celery task, the task id."),
-    )
-    root_run_id = _optional(models.CharField, _("root run id"), max_length=255)
-    parent_run_id = _optional(models.CharField, _("parent run id"), max_length=255)
-    request_id = _optional(models.CharField, _("request id"), max_length=255)
-    holder_name = _optional(
-        models.CharField,
-        _("task"),
-        max_length=255,
-        help_text=_("The run's name: the Celery task name."),
-    )
-    host = _optional(models.CharField, _("host"), max_length=255)
+    key = _text(_("key"), help_text=_("The request's fairness key (a tenant), if it has one."))
+    workload = _text(_("workload"), 200)
+    run_id = _text(_("run id"), help_text=_("For a Celery task, the task id."))
+    root_run_id = _text(_("root run id"))
+    parent_run_id = _text(_("parent run id"))
+    request_id = _text(_("request id"))
+    holder_name = _text(_("task"), help_text=_("The run's name: the Celery task name."))
+    host = _text(_("host"))
     pid = _optional(models.IntegerField, _("process id"))
     deadline = _optional(models.DateTimeField, _("wait deadline"))
-    lease_id = _optional(models.CharField, _("lease id"), max_length=100)
+    lease_id = _text(_("lease id"), 100)
     fencing_token = _optional(models.BigIntegerField, _("fencing token"))
     wait_ms = _optional(models.FloatField, _("wait (ms)"))
     hold_ms = _optional(models.FloatField, _("hold (ms)"))
-    outcome = _optional(models.CharField, _("outcome"), max_length=32)
-    reason = _optional(models.CharField, _("reason"), max_length=32)
+    outcome = _text(_("outcome"), 32)
+    reason = _text(_("reason"), 32)
     error = _optional(models.TextField, _("error"))
-    actor = _optional(
-        models.CharField,
-        _("user"),
-        max_length=150,
-        help_text=_("Who forced a release (force-released events)."),
-    )
+    actor = _text(_("user"), 150, help_text=_("Who forced a release (force-released events)."))
     dropped = _optional(
         models.IntegerField,
         _("dropped events"),

@@ -154,12 +154,8 @@ class EventRecorder:
     def stats(self) -> RecorderStats:
         buffer = self._buffer.get()
         with buffer.lock:
-            return RecorderStats(
-                buffered=len(buffer.events),
-                recorded=buffer.recorded,
-                dropped=buffer.dropped,
-                buffer_size=self.buffer_size,
-            )
+            buffered = len(buffer.events)
+            return RecorderStats(buffered, buffer.recorded, buffer.dropped, self.buffer_size)
 
     def flush(self) -> int:
         """Write every buffered event now; return how many were written (if the database
@@ -259,12 +255,8 @@ def start_recorder() -> EventRecorder | None:
     with DEFAULT_REGISTRY.lock("django.recorder"):
         _recorder: EventRecorder | None = DEFAULT_REGISTRY.value("django.recorder", None)
         if _recorder is None:
-            _recorder = EventRecorder(
-                buffer_size=options.buffer_size,
-                flush_interval_ms=options.flush_interval_ms,
-                batch_size=options.batch_size,
-                sample_interval_ms=options.sample_interval_ms,
-            )
+            names = ("buffer_size", "flush_interval_ms", "batch_size", "sample_interval_ms")
+            _recorder = EventRecorder(**{name: getattr(options, name) for name in names})
             _recorder.start()
             DEFAULT_REGISTRY.put("django.recorder", _recorder)
         return _recorder

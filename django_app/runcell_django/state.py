@@ -136,12 +136,9 @@ def _key_totals(usage: Mapping[str, object]) -> tuple[dict[str, int], dict[str, 
 
 def live_states(limiters: Iterable[Limiter] | None = None) -> list[LimiterState]:
     """The live state of every stored limiter, keys left out (a keyed limiter sums them)."""
-    rows = (
-        Limiter.objects.without_keys().with_key_usage().with_live_stats()
-        if limiters is None
-        else limiters
-    )
-    return [LimiterState.of(row) for row in rows]
+    if limiters is None:
+        limiters = Limiter.objects.without_keys().with_key_usage().with_live_stats()
+    return [LimiterState.of(row) for row in limiters]
 
 
 def format_ms(ms: float | None) -> str:

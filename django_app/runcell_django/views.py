@@ -27,6 +27,7 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
+from . import sql
 from .charts import Chart, line_chart
 from .models import ConcurrencyEvent
 from .state import LimiterState, format_ms, live_states
@@ -145,15 +146,17 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
     events = ConcurrencyEvent.objects
     active: Series = defaultdict(dict)
     queued: Series = defaultdict(dict)
-    for limiter, at, most_active, most_queued in events.occupancy_per_bucket(minutes, bucket_s):
+    for limiter, at, most_active, most_queued in events.per_bucket(
+        sql.OCCUPANCY_PER_BUCKET, minutes, bucket_s
+    ):
         active[limiter][at] = float(most_active)
         queued[limiter][at] = float(most_queued)
     p50: Series = defaultdict(dict)
     p95: Series = defaultdict(dict)
     longest: Series = defaultdict(dict)
     acquired: dict[str, int] = defaultdict(int)
-    for limiter, at, median, high, _most, count, most_ms in events.wait_per_bucket(
-        minutes, bucket_s
+    for limiter, at, median, high, _most, count, most_ms in events.per_bucket(
+        sql.WAIT_PER_BUCKET, minutes, bucket_s
     ):
         if count:
             p50[limiter][at] = float(median or 0)
@@ -163,7 +166,7 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
             longest[limiter][at] = float(most_ms)
     failed: dict[str, Series] = defaultdict(lambda: defaultdict(dict))
     failed_at: Series = defaultdict(dict)  # any kind: to fit the time axis
-    for limiter, type_, at, count in events.failures_per_bucket(minutes, bucket_s):
+    for limiter, type_, at, count in events.per_bucket(sql.FAILURES_PER_BUCKET, minutes, bucket_s):
         failed[limiter][type_][at] = failed_at[limiter][at] = float(count)
     dropped = events.dropped_per_limiter(minutes)
     start = end - datetime.timedelta(minutes=minutes)
@@ -198,10 +201,9 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
             **axis,
         )
         failures, total = failures_chart(failed.get(name, {}), **axis)
+        dropped_here = dropped.get(name, 0)
         panels.append(
-            Panel(
-                state, held, waiting, waits, acquired[name], dropped.get(name, 0), failures, total
-            )
+            Panel(state, held, waiting, waits, acquired[name], dropped_here, failures, total)
         )
     return panels
 

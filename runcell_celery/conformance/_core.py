@@ -25,6 +25,7 @@ from ._support import (
     assert_idle,
     assert_times_out,
     new_request,
+    raises,
     stats_of,
 )
 
@@ -38,13 +39,9 @@ def concurrency_conformance_cases(create_limiter: CreateLimiter) -> list[Conform
     def grants_up_to_max_concurrent_then_times_out() -> None:
         limiter = create(max_concurrent=3)
         leases = [limiter.acquire(new_request()) for _ in range(3)]
-        try:
-            limiter.acquire(new_request(timeout_ms=50))
-        except ConcurrencyTimeoutError as exc:
-            assert exc.limiter == limiter.name
-            assert exc.workload == "default"
-        else:
-            raise AssertionError("a fourth slot was granted with max_concurrent=3")
+        why = "a fourth slot was granted with max_concurrent=3"
+        exc = raises(ConcurrencyTimeoutError, why, limiter.acquire, new_request(timeout_ms=50))
+        assert (exc.limiter, exc.workload) == (limiter.name, "default")
         for lease in leases:
             limiter.release(lease)
         assert_idle(limiter)
@@ -142,12 +139,7 @@ def concurrency_conformance_cases(create_limiter: CreateLimiter) -> list[Conform
         with ThreadPoolExecutor(1) as pool:
             waiter = Queued(pool, limiter, new_request(), cancel)
             cancel.cancel()
-            try:
-                waiter.lease()
-            except ConcurrencyCancelledError:
-                pass
-            else:
-                raise AssertionError("a cancelled acquire returned a lease")
+            raises(ConcurrencyCancelledError, "a cancelled acquire got a lease", waiter.lease)
         stats = stats_of(limiter)
         assert stats is None or stats.queued == 0, f"the cancelled request still waits: {stats}"
         limiter.release(held)
@@ -239,12 +231,11 @@ def concurrency_conformance_cases(create_limiter: CreateLimiter) -> list[Conform
         held = limiter.acquire(new_request())
         with ThreadPoolExecutor(1) as pool:
             waiting = Queued(pool, limiter, new_request())
-            try:
-                limiter.acquire(new_request(timeout_ms=1000))
-            except ConcurrencyQueueFullError as exc:
-                assert exc.limiter == limiter.name
-            else:
-                raise AssertionError("max_queued=1 let a second request wait")
+            why = "max_queued=1 let a second request wait"
+            full = raises(
+                ConcurrencyQueueFullError, why, limiter.acquire, new_request(timeout_ms=1000)
+            )
+            assert full.limiter == limiter.name
             limiter.release(held)
             limiter.release(waiting.lease())
         assert_idle(limiter)
@@ -264,12 +255,9 @@ def concurrency_conformance_cases(create_limiter: CreateLimiter) -> list[Conform
     @case
     def an_unknown_workload_is_a_config_error() -> None:
         limiter = create(max_concurrent=1, workloads={"interactive": {}, "background": {}})
-        try:
-            limiter.acquire(new_request("batch"))
-        except ConcurrencyConfigError as exc:
-            assert "batch" in str(exc)
-        else:
-            raise AssertionError("a request for an unknown workload was granted")
+        why = "a request for an unknown workload was granted"
+        exc = raises(ConcurrencyConfigError, why, limiter.acquire, new_request("batch"))
+        assert "batch" in str(exc)
         assert_idle(limiter)
 
     return list(cases)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..protocol import ConcurrencyLimiter, KeyStats, LimiterStats, SupportsKeys
@@ -23,6 +23,7 @@ from ._support import (
     assert_idle,
     assert_times_out,
     new_request,
+    raises,
 )
 
 
@@ -112,13 +113,10 @@ def keyed_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCa
     @case
     def the_keyed_limiter_itself_refuses_a_slot() -> None:
         keyed = keyed_limiter(create, max_concurrent=1)
-        try:
-            lease = keyed.acquire(new_request(timeout_ms=50))
-        except ConcurrencyConfigError as exc:
-            assert exc.limiter == keyed.name, f"the error names {exc.limiter!r}"
-        else:
-            keyed.release(lease)
-            raise AssertionError("the keyed limiter itself granted a slot")
+        asked = new_request(timeout_ms=50)
+        why = "the keyed limiter itself granted a slot"
+        exc = raises(ConcurrencyConfigError, why, lambda: keyed.release(keyed.acquire(asked)))
+        assert exc.limiter == keyed.name, f"the error names {exc.limiter!r}"
         try:
             with slot(keyed):
                 raise AssertionError("slot() entered on the keyed limiter itself")
@@ -130,12 +128,8 @@ def keyed_conformance_cases(create_limiter: CreateLimiter) -> list[ConformanceCa
     def invalid_keys_are_refused_naming_the_key() -> None:
         keyed = keyed_limiter(create, max_concurrent=1)
         for bad in ["", "   ", "x" * 129, "line\nbreak", "bell\a", 42, None]:
-            try:
-                limiter = keyed.key(cast(Any, bad))
-            except ConcurrencyConfigError as exc:
-                assert repr(bad) in str(exc), f"the error does not name key {bad!r}: {exc}"
-            else:
-                raise AssertionError(f"key {bad!r} was accepted, named {limiter.name!r}")
+            exc = raises(ConcurrencyConfigError, f"key {bad!r} was accepted", keyed.key, bad)
+            assert repr(bad) in str(exc), f"the error does not name key {bad!r}: {exc}"
         assert_no_key_in_use(keyed)
 
     @case

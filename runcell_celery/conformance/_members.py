@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
 
 from ..allocation import GROUP_AGEING_MS
 from ..cancellation import CancellationToken
@@ -19,7 +18,6 @@ from ..errors import (
     ConcurrencyQueueFullError,
     ConcurrencyTimeoutError,
 )
-from ..ids import new_request_id
 from ..protocol import (
     AcquireRequest,
     ConcurrencyLimiter,
@@ -28,7 +26,6 @@ from ..protocol import (
     Member,
     OnWait,
     Outcome,
-    RunLineage,
     SupportsMembers,
 )
 from ..slot import slot
@@ -39,9 +36,12 @@ from ._support import (
     Cases,
     ConformanceCase,
     CreateLimiter,
+    E,
     assert_idle,
     assert_times_out,
     new_request,
+    new_requests,
+    raises,
     start_waiting,
     stats_of,
 )
@@ -50,23 +50,6 @@ from ._support import (
 HOLD_S = 0.02
 #: Scheduling slack on top of a documented bound (threads, a database round trip).
 SLACK_S = 1.0
-E = TypeVar("E", bound=BaseException)
-
-
-def member_requests(
-    limiters: Sequence[ConcurrencyLimiter],
-    workloads: Sequence[str] | None = None,
-    timeout_ms: float | None = None,
-) -> list[AcquireRequest]:
-    """One request over ``limiters``: one id, run and budget, a workload per limiter."""
-    request_id = new_request_id()
-    lineage = RunLineage(run_id=request_id, root_run_id=request_id)
-    return [
-        AcquireRequest(
-            request_id=request_id, workload=workload, lineage=lineage, timeout_ms=timeout_ms
-        )
-        for workload in workloads or ["default"] * len(limiters)
-    ]
 
 
 def acquire_members(
@@ -81,7 +64,7 @@ def acquire_members(
     assert isinstance(first, SupportsMembers), (
         f"{first!r} cannot hold one request over several limiters (no acquire_members)"
     )
-    asked = requests or member_requests(limiters, timeout_ms=timeout_ms)
+    asked = requests or new_requests(["default"] * len(limiters), timeout_ms)
     members = [Member(x, r) for x, r in zip(limiters, asked, strict=True)]
     leases = first.acquire_members(members, cancel=cancel, on_wait=on_wait)
     names = [lease.limiter for lease in leases]
@@ -110,12 +93,9 @@ def assert_refused(
     limiters: Sequence[ConcurrencyLimiter], error: type[E], why: str, timeout_ms: float
 ) -> E:
     """The ``error`` a request over ``limiters`` is refused with (granted: ``why``)."""
-    try:
-        leases = acquire_members(limiters, timeout_ms=timeout_ms)
-    except error as exc:
-        return exc
-    release_all(limiters, leases)
-    raise AssertionError(why)
+    return raises(
+        error, why, lambda: release_all(limiters, acquire_members(limiters, timeout_ms=timeout_ms))
+    )
 
 
 def release_all(limiters: Sequence[ConcurrencyLimiter], leases: Sequence[Lease]) -> None:
@@ -342,12 +322,10 @@ def members_conformance_cases(create_limiter: CreateLimiter) -> list[Conformance
         with ThreadPoolExecutor(1) as pool:
             waiting = wait_members(pool, [a, b], "a and b", cancel=cancel)
             cancel.cancel()
-            try:
-                release_all([a, b], waiting.result(SOON_S))
-            except ConcurrencyCancelledError:
-                pass
-            else:
-                raise AssertionError("a cancelled request over several limiters got its slots")
+            why = "a cancelled request over several limiters got its slots"
+            raises(
+                ConcurrencyCancelledError, why, lambda: release_all([a, b], waiting.result(SOON_S))
+            )
         assert_idle(a)
         stats = stats_of(b)
         assert stats is None or (stats.active, stats.queued) == (1, 0), f"b: {stats}"
@@ -394,7 +372,7 @@ def members_conformance_cases(create_limiter: CreateLimiter) -> list[Conformance
         b = create(max_concurrent=2)
         held = a.acquire(new_request("batch"))
         with ThreadPoolExecutor(1) as pool:
-            asked = member_requests([a, b], ["batch", "default"], WAIT_MS)
+            asked = new_requests(["batch", "default"], WAIT_MS)
             waiting = wait_members(pool, [a, b], "batch in a, default in b", asked)
             assert active_of(b) in (0, None), "b's slot was taken while a's batch was full"
             a.release(held)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,6 +27,7 @@ from ..protocol import (
 
 CreateLimiter = Callable[..., ConcurrencyLimiter]
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 #: Upper bound for anything that should happen "soon" (a wake-up, an expiry poll).
 SOON_S = 10.0
@@ -50,14 +51,27 @@ class Cases(list[ConformanceCase]):
         return func
 
 
-def new_request(workload: str = "default", timeout_ms: float | None = None) -> AcquireRequest:
+def new_requests(workloads: Sequence[str], timeout_ms: float | None = None) -> list[AcquireRequest]:
+    """One request's members: one id, run and budget, a workload per limiter."""
     request_id = new_request_id()
-    return AcquireRequest(
-        request_id=request_id,
-        workload=workload,
-        lineage=RunLineage(run_id=request_id, root_run_id=request_id),
-        timeout_ms=timeout_ms,
-    )
+    lineage = RunLineage(run_id=request_id, root_run_id=request_id)
+    return [
+        AcquireRequest(request_id=request_id, workload=w, lineage=lineage, timeout_ms=timeout_ms)
+        for w in workloads
+    ]
+
+
+def new_request(workload: str = "default", timeout_ms: float | None = None) -> AcquireRequest:
+    return new_requests([workload], timeout_ms)[0]
+
+
+def raises(error: type[E], why: str, call: Callable[..., object], *args: object) -> E:
+    """The ``error`` ``call(*args)`` raises; ``AssertionError(why)`` if it returns."""
+    try:
+        call(*args)
+    except error as exc:
+        return exc
+    raise AssertionError(why)
 
 
 def stats_of(limiter: ConcurrencyLimiter) -> LimiterStats | None:

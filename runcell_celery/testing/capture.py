@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import Self
 
 from ..events import ConcurrencyEvent, EventType, add_event_listener, remove_event_listener
@@ -44,12 +44,7 @@ class EventCapture:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _record(self, event: ConcurrencyEvent) -> None:

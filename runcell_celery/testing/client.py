@@ -45,11 +45,8 @@ class FakeProviderClient:
         fencing_token: int | None = None,
         limiter: str | None = None,
     ) -> JSONObject:
-        """Send one message request and return the provider's JSON reply.
-
-        ``latency_ms`` overrides the server's default; ``fencing_token`` (with
-        ``limiter``) is sent as the lease's fencing headers.
-        """
+        """Send one message request and return the provider's JSON reply (``latency_ms``
+        overrides the server's; ``fencing_token`` and ``limiter`` are the fencing headers)."""
         with self._message(prompt, fencing_token, limiter, latency_ms=latency_ms) as response:
             return _decode_object(response.read())
 

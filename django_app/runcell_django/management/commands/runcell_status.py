@@ -17,17 +17,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         rows: list[tuple[str, ...]] = []
         for state in live_states():
-            rows.append(
-                (
-                    state.name,
-                    "(all)",
-                    str(state.active),
-                    str(state.limit),
-                    str(state.queued),
-                    format_ms(state.oldest_wait_ms),
-                    format_ms(state.p95_wait_ms),
-                )
-            )
+            counts = (str(state.active), str(state.limit), str(state.queued))
+            waits = (format_ms(state.oldest_wait_ms), format_ms(state.p95_wait_ms))
+            rows.append((state.name, "(all)", *counts, *waits))
             for w in state.workloads:
                 limit = f"{w.limit}" + (f" ({w.reserved} reserved)" if w.reserved else "")
                 rows.append(("", w.name, str(w.active), limit, str(w.queued), "", ""))
