@@ -8,6 +8,7 @@ task arguments: a parked task's message (``runcell_queue.payload``) is mapped by
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlencode
@@ -17,11 +18,12 @@ from django.contrib.admin import helpers
 from django.contrib.admin.filters import DateFieldListFilter
 from django.contrib.admin.utils import quote
 from django.core.exceptions import PermissionDenied
+from django.db import connections, router, transaction
 from django.db.models import QuerySet
 from django.db.models.expressions import Combinable
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
-from django.template.response import TemplateResponse
+from django.template.response import SimpleTemplateResponse, TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -78,10 +80,44 @@ def _read_at(start: str, elapsed: str) -> Callable[[Any], datetime.datetime | No
     return now
 
 
+def _planned_without_jit(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """``view`` with its queries, rendering included, in a transaction that plans them
+    without JIT compilation (``SET LOCAL jit = off``).
+
+    The pages' queries read a page of rows, but the planner estimates them from the
+    tables' statistics: where those are stale (autovacuum off, or behind after keys came
+    and went by the thousand) the dead rows count as live, and a page's estimate passes
+    ``jit_above_cost``. A JIT compile then costs a page hundreds of milliseconds for work
+    of a few. ``SET LOCAL`` ends with the transaction, so the setting never outlives the
+    page, not even on a connection a pooler in transaction mode shares.
+    """
+
+    @functools.wraps(view)
+    def planned(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        alias = router.db_for_read(Limiter)
+        with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+            cursor.execute("SET LOCAL jit = off")
+            response = view(request, *args, **kwargs)
+            if isinstance(response, SimpleTemplateResponse):
+                response.render()
+            return response
+
+    return planned
+
+
+def _with_views_planned_without_jit(urls: list[URLPattern]) -> list[URLPattern]:
+    for url in urls:
+        url.callback = _planned_without_jit(url.callback)
+    return urls
+
+
 class ReadOnlyAdmin(_ModelAdmin):
     """Live state and history: viewable, never added, changed or deleted here."""
 
     list_per_page = 100
+
+    def get_urls(self) -> list[URLPattern]:
+        return _with_views_planned_without_jit(super().get_urls())
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -651,7 +687,8 @@ class DashboardAdmin(ReadOnlyAdmin):
 
     def get_urls(self) -> list[URLPattern]:
         name = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
-        return [path("", self.admin_site.admin_view(self.changelist_view), name=name)]
+        view = self.admin_site.admin_view(self.changelist_view)
+        return _with_views_planned_without_jit([path("", view, name=name)])
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None

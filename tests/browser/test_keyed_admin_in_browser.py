@@ -46,6 +46,10 @@ def _fits(page: Any) -> None:
 
 
 def _one_line_each(page: Any, selector: str) -> list[str]:
+    """The text of each cell ``selector`` finds, each checked to fit on one line, once
+    the page has loaded (a click's navigation may have just begun)."""
+    page.wait_for_load_state()
+    page.locator(selector).first.wait_for()
     cells = page.locator(selector).all()
     assert cells, selector
     names = []
@@ -73,6 +77,7 @@ def test_keys_read_on_one_line_at_1280_px(
         _fits(page)
 
         page.get_by_role("link", name="busiest keys").click()
+        page.wait_for_url(f"{base}/admin/runcell_django/limiter/?keys_of=tenant")
         names = _one_line_each(page, "#result_list th.field-name a")
         assert names[:3] == ["tenant:zeta", "tenant:alpha", "tenant:mid"]
         assert {f"tenant:{key}" for key in LONG_KEYS} <= set(names)
@@ -87,6 +92,7 @@ def test_keys_read_on_one_line_at_1280_px(
         _fits(page)
 
         page.get_by_role("link", name="zeta", exact=True).click()
+        page.wait_for_url("**/limiter/tenant_3Azeta/change/")
         page.get_by_role("link", name="tenant", exact=True).first.wait_for()
         page.screenshot(path=str(screenshot_dir / "04-key-zeta.png"), full_page=True)
         _fits(page)

@@ -16,9 +16,11 @@ import psycopg
 import pytest
 from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 
 from runcell_celery.postgres import PostgresBackend, PostgresConcurrencyLimiter
 from runcell_django.models import ConcurrencyEvent
+from tests.support.page_queries import page_statements, reads
 
 pytestmark = pytest.mark.django_db
 
@@ -82,26 +84,26 @@ SEED = [
     "ANALYZE runcell_queue",
 ]
 
-#: Page -> the most queries it may make: 2 for the session and the user, then the
-#: page's own (paginator count, total count, rows, the filters' limiter list, and
-#: the events page's dropped-events warning; the dashboard's series: occupancy, waits,
-#: failures, drops; the
-#: limiters' live counts: one statement on the backend's pool; the queue page's
-#: summary: its counts grouped in the database, and the limiters they wait on).
+#: Page -> the most queries it may make: 1 to plan without JIT (``SET LOCAL``), 2 for
+#: the session and the user, then the page's own (paginator count, total count, rows,
+#: the filters' limiter list, and the events page's dropped-events warning; the
+#: dashboard's series: occupancy, waits, failures, drops; the limiters' live counts: one
+#: statement on the backend's pool; the queue page's summary: its counts grouped in the
+#: database, and the limiters they wait on).
 PAGES = {
-    f"{ADMIN}/limiter/": 6,
-    f"{ADMIN}/lease/": 6,
-    f"{ADMIN}/lease/?limiter=claude&workload=interactive": 6,
-    f"{ADMIN}/lease/?q=held-task-500": 6,
-    f"{ADMIN}/queueentry/": 8,
-    f"{ADMIN}/queueentry/?state=parked&limiter=gpt": 8,
-    f"{ADMIN}/concurrencyevent/": 6,
-    f"{ADMIN}/concurrencyevent/?type__exact=acquired": 6,
-    f"{ADMIN}/concurrencyevent/?limiter=gpt&workload=background": 6,
-    f"{ADMIN}/concurrencyevent/?q=task-1234": 6,
-    f"{ADMIN}/concurrencyevent/?occurred_at__gte=2000-01-01+00%3A00%3A00%2B00%3A00": 6,
-    f"{ADMIN}/admissioncount/": 6,
-    f"{ADMIN}/dashboard/": 8,
+    f"{ADMIN}/limiter/": 7,
+    f"{ADMIN}/lease/": 7,
+    f"{ADMIN}/lease/?limiter=claude&workload=interactive": 7,
+    f"{ADMIN}/lease/?q=held-task-500": 7,
+    f"{ADMIN}/queueentry/": 9,
+    f"{ADMIN}/queueentry/?state=parked&limiter=gpt": 9,
+    f"{ADMIN}/concurrencyevent/": 7,
+    f"{ADMIN}/concurrencyevent/?type__exact=acquired": 7,
+    f"{ADMIN}/concurrencyevent/?limiter=gpt&workload=background": 7,
+    f"{ADMIN}/concurrencyevent/?q=task-1234": 7,
+    f"{ADMIN}/concurrencyevent/?occurred_at__gte=2000-01-01+00%3A00%3A00%2B00%3A00": 7,
+    f"{ADMIN}/admissioncount/": 7,
+    f"{ADMIN}/dashboard/": 9,
 }
 
 
@@ -146,8 +148,6 @@ def test_every_admin_list_page_makes_a_bounded_number_of_queries(
     test_dsn: str,
     record_property: Callable[[str, object], None],
 ) -> None:
-    from django.test.utils import CaptureQueriesContext
-
     assert ConcurrencyEvent.objects.count() == EVENTS
     client = admin_client_for(superuser=True)
     counts: dict[str, int] = {}
@@ -156,11 +156,11 @@ def test_every_admin_list_page_makes_a_bounded_number_of_queries(
         with CaptureQueriesContext(connection) as captured:
             response = client.get(url)
         assert response.status_code == 200, url
-        counts[url] = len(captured) + len(backend_statements)
-        assert counts[url] <= most, (url, [q["sql"] for q in captured], backend_statements)
+        counts[url] = len(page_statements(captured)) + len(backend_statements)
+        assert counts[url] <= most, (url, page_statements(captured), backend_statements)
         # Bounded work per query too: no plan big enough for PostgreSQL to JIT-compile.
-        for query in captured.captured_queries:
-            assert "JIT:" not in _explain(query["sql"]), (url, query["sql"])
+        for sql in reads(captured):
+            assert "JIT:" not in _explain(sql), (url, sql)
         for statement, params in backend_statements:
             with psycopg.connect(test_dsn) as conn:
                 plan = conn.execute(b"EXPLAIN " + statement.encode(), params).fetchall()
@@ -178,8 +178,6 @@ def _explain(sql: str) -> str:
 
 def _plans_of_event_queries(client: Client, url: str) -> list[str]:
     """EXPLAIN every query a page sends that reads ``runcell_event`` for its rows."""
-    from django.test.utils import CaptureQueriesContext
-
     with CaptureQueriesContext(connection) as captured:
         assert client.get(url).status_code == 200
     plans = [
@@ -207,3 +205,48 @@ def test_the_events_page_reads_its_rows_through_an_index(
     for plan in _plans_of_event_queries(client, f"{ADMIN}/concurrencyevent/{query}"):
         assert "Seq Scan on runcell_event" not in plan, plan
         assert index in plan, plan
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_pages_plan_their_reads_without_jit_and_leave_the_connection_as_it_was(
+    pg_limiter: Callable[..., PostgresConcurrencyLimiter],
+    admin_client_for: Callable[..., Client],
+) -> None:
+    """Stale statistics (autovacuum off, thousands of keys gone since the last ANALYZE)
+    can make any page's estimate pass ``jit_above_cost``: here the cost is set to 0, so
+    that every plan of the connection would JIT-compile. The page plans its reads with
+    JIT off all the same, and the setting ends with the page."""
+    pg_limiter(name="claude", max_concurrent=3, keyed=True)
+    client = admin_client_for(superuser=True)
+    planned_with: list[str] = []
+
+    def jit_of_each_read(execute: Any, sql: str, *args: Any) -> Any:
+        if sql.lstrip().startswith("SELECT"):
+            planned_with.append(_show_jit())  # below this wrapper: not wrapped again
+        return execute(sql, *args)
+
+    with connection.cursor() as cursor:
+        cursor.execute("SET jit_above_cost = 0")
+    try:
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get(f"{ADMIN}/limiter/").status_code == 200
+        rows = [sql for sql in reads(captured) if 'FROM "runcell_limiter"' in sql]
+        assert rows
+        assert "JIT:" in _explain(rows[-1]), "this server plans no JIT"
+
+        for page in ("limiter", "lease", "queueentry", "concurrencyevent", "dashboard"):
+            planned_with.clear()
+            with connection.execute_wrapper(jit_of_each_read):
+                assert client.get(f"{ADMIN}/{page}/").status_code == 200
+            assert planned_with, page
+            assert set(planned_with) == {"off"}, (page, planned_with)
+            assert _show_jit() == "on"  # the page's setting, not the connection's
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET jit_above_cost")
+
+
+def _show_jit() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW jit")
+        return str(cursor.fetchone()[0])

@@ -26,6 +26,7 @@ from runcell_celery.postgres import PostgresConcurrencyLimiter
 from runcell_django.waiting import why_it_waits
 from tests.conftest import wait_until
 from tests.django.test_admin_pages import _cells, _text
+from tests.support.page_queries import page_statements
 
 pytestmark = pytest.mark.django_db
 
@@ -226,7 +227,7 @@ def test_the_queue_page_makes_as_many_queries_for_five_limiters_as_for_one(
     def queries() -> int:
         with CaptureQueriesContext(connection) as captured:
             assert superuser.get(QUEUE).status_code == 200
-        return len(captured)
+        return len(page_statements(captured))
 
     first = pg_limiter(max_concurrent=1)
     line.hold(first)
