@@ -44,6 +44,7 @@ __all__ = [
     "SupportsStats",
     "SupportsValidateWorkload",
     "WorkloadStats",
+    "acquire_members",
     "announce_wait",
     "supports",
     "wants_place",
@@ -240,6 +241,21 @@ class SupportsMembers(Protocol):
         cancel: CancellationToken | None = None,
         on_wait: OnWait | None = None,
     ) -> tuple[Lease, ...]: ...
+
+
+def acquire_members(
+    members: Sequence[Member],
+    *,
+    cancel: CancellationToken | None = None,
+    on_wait: OnWait | None = None,
+) -> tuple[Lease, ...]:
+    """Grant one request over ``members`` through the first member's limiter: its
+    ``acquire_members``, or ``acquire`` for a one-member backend (one member only)."""
+    first = members[0].limiter
+    if supports(first, SupportsMembers):
+        granted = cast(SupportsMembers, first).acquire_members
+        return tuple(granted(members, cancel=cancel, on_wait=on_wait))
+    return (first.acquire(members[0].request, cancel=cancel, on_wait=on_wait),)
 
 
 @runtime_checkable

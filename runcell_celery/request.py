@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from .cancellation import CancellationToken
@@ -197,13 +198,20 @@ def build_request(
 
 def report_refusal(
     error: ConcurrencyError,
-    holder_name: str | None,
-    *,
-    limiters: tuple[str, ...] | None = None,
-    key: str | None = None,
+    run: RunContext | None,
+    limiters: Sequence[ConcurrencyLimiter],
+    key: str | None,
 ) -> None:
-    """Emit the event for a request :func:`build_request` refused."""
-    report_failure(error, limiter=None, holder_name=holder_name, limiters=limiters, key=key)
+    """Emit the event for a request :func:`build_request` refused (over several
+    ``limiters`` naming them and the ``key``)."""
+    several = len(limiters) > 1
+    report_failure(
+        error,
+        limiter=None,
+        holder_name=run.name if run is not None else None,
+        limiters=tuple(x.name for x in limiters) if several else None,
+        key=key if several else None,
+    )
 
 
 def failure_event_type(error: ConcurrencyError) -> EventType:

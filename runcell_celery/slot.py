@@ -21,7 +21,7 @@ from . import tracing
 from .admission import Admission, Deferred, DuplicateDelivery, PreAdmitted
 from .arguments import check_slot_arguments
 from .cancellation import CancellationToken
-from .context import RunContext, current_run
+from .context import current_run
 from .deadline import Deadline
 from .errors import (
     ConcurrencyError,
@@ -34,9 +34,9 @@ from .protocol import (
     ConcurrencyLimiter,
     Lease,
     SupportsConfig,
-    SupportsMembers,
     SupportsMembersAsync,
     SupportsReleaseExecutor,
+    acquire_members,
     supports,
 )
 from .request import SlotRequest, build_request, failure_event_type, report_refusal
@@ -126,7 +126,7 @@ class Slot:
         try:
             leases = _acquire(asked, cancel)
         except BaseException as exc:
-            self._not_granted(asked, exc, started, cleanups)
+            _not_granted(asked, exc, started, cleanups)
         return self._granted(asked, leases, None, started, cancel, cleanups, None)
 
     async def __aenter__(self) -> Slot:
@@ -138,7 +138,7 @@ class Slot:
         try:
             leases = await _acquire_async(asked, cancel)
         except BaseException as exc:
-            self._not_granted(asked, exc, started, cleanups)
+            _not_granted(asked, exc, started, cleanups)
         return self._granted(asked, leases, None, started, cancel, cleanups, task)
 
     def _ask(
@@ -157,7 +157,7 @@ class Slot:
                 cancel=self._cancel_arg,
             )
         except ConcurrencyError as exc:
-            _refused(exc, run, self._limiters or (run.limiters if run else ()), self._key_arg)
+            report_refusal(exc, run, self._limiters or (run.limiters if run else ()), self._key_arg)
             raise
         own = self._cancel_arg
         inherited = asked.run.cancel if asked.run is not None else None
@@ -165,21 +165,6 @@ class Slot:
             return asked, own or inherited, [], time.monotonic()
         linked = CancellationToken(own, inherited)
         return asked, linked, [linked.detach], time.monotonic()
-
-    @staticmethod
-    def _not_granted(
-        asked: SlotRequest,
-        exc: BaseException,
-        started: float,
-        cleanups: list[Callable[[], object]],
-    ) -> NoReturn:
-        for cleanup in cleanups:
-            cleanup()
-        tracing.wait_failed(asked, exc, started)
-        error = _wait_failed(asked, exc, started)
-        if error is exc:
-            raise exc
-        raise error from exc
 
     def _granted(
         self,
@@ -297,11 +282,19 @@ def _expired_before_start(
     )
 
 
-def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> BaseException:
+def _not_granted(
+    asked: SlotRequest,
+    exc: BaseException,
+    started: float,
+    cleanups: list[Callable[[], object]],
+) -> NoReturn:
+    for cleanup in cleanups:
+        cleanup()
+    tracing.wait_failed(asked, exc, started)
     wait_ms = (time.monotonic() - started) * 1000
     if is_interrupt(exc) and not isinstance(exc, ConcurrencyError):
         asked.event("wait-cancelled", wait_ms=wait_ms)
-        return exc
+        raise exc
     type_ = failure_event_type(exc) if isinstance(exc, ConcurrencyError) else "limiter-error"
     if type_ == "config-error":
         asked.event(type_, wait_ms=None, error=describe_error(exc))
@@ -310,10 +303,11 @@ def _wait_failed(asked: SlotRequest, exc: BaseException, started: float) -> Base
     else:
         asked.event("limiter-error", wait_ms=wait_ms, error=describe_error(exc))
     if isinstance(exc, ConcurrencyError):
-        return exc
+        raise exc
     # Anything else from the limiter (a driver error, a bug) fails closed.
     name = asked.limiter.name
-    return asked.error(ConcurrencyLimiterError, f"limiter {name!r} failed: {describe_error(exc)}")
+    error = asked.error(ConcurrencyLimiterError, f"limiter {name!r} failed: {describe_error(exc)}")
+    raise error from exc
 
 
 def _adopt(
@@ -351,7 +345,7 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
     try:
         asked = build_request(run, *admission.limiters, request_id=admission.request_id)
     except ConcurrencyError as exc:
-        _refused(exc, run, admission.limiters, run.key)
+        report_refusal(exc, run, admission.limiters, run.key)
         raise
     started = time.monotonic()
     try:
@@ -362,7 +356,7 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
             return answer
         leases = _check_leases(asked, tuple(answer))
     except BaseException as exc:
-        Slot._not_granted(asked, exc, started, [])
+        _not_granted(asked, exc, started, [])
     tracing.wait_granted(asked, started, leases)
     waited_ms = _whole_wait_ms(leases, started)
     admitted = PreAdmitted(asked, leases, wait_ms=waited_ms)
@@ -377,27 +371,9 @@ def _whole_wait_ms(leases: Sequence[Lease], started: float) -> float:
     return max(known) if known else (time.monotonic() - started) * 1000
 
 
-def _refused(
-    exc: ConcurrencyError,
-    run: RunContext | None,
-    limiters: Sequence[ConcurrencyLimiter],
-    key: str | None,
-) -> None:
-    holder = run.name if run is not None else None
-    if len(limiters) > 1:
-        report_refusal(exc, holder, limiters=tuple(x.name for x in limiters), key=key)
-    else:
-        report_refusal(exc, holder)
-
-
 def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
     # The request is its own on_wait; no SupportsMembers: one member (build_request checked).
-    first = asked.limiter
-    if not supports(first, SupportsMembers):
-        return (first.acquire(asked.request, cancel=cancel, on_wait=asked),)
-    members = cast(SupportsMembers, first)
-    leases = members.acquire_members(asked.members, cancel=cancel, on_wait=asked)
-    return _check_leases(asked, tuple(leases))
+    return _check_leases(asked, acquire_members(asked.members, cancel=cancel, on_wait=asked))
 
 
 def _check_leases(asked: SlotRequest, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
