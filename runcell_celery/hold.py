@@ -180,9 +180,7 @@ class Hold(KeptLeases):
 
     @property
     def aborted(self) -> bool:
-        if self._abort_reason is None:
-            self._check_validity()
-        return self._abort_reason is not None
+        return self.abort_reason is not None
 
     @property
     def abort_reason(self) -> AbortReason | None:

@@ -6,7 +6,6 @@ checks that read a limiter's stats when it has them."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,13 +84,6 @@ def assert_idle(*limiters: ConcurrencyLimiter) -> None:
             assert (stats.active, stats.queued) == (0, 0), (
                 f"expected {limiter.name!r} idle, got {stats}"
             )
-
-
-def eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + SOON_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.01)
 
 
 def start_waiting(pool: ThreadPoolExecutor, acquire: Callable[[OnWait], T], what: str) -> Future[T]:
