@@ -73,24 +73,22 @@ class PreAdmitted(KeptLeases):
     def hand_over(self) -> Literal["held", "lost"] | None:
         """Stop keeping the leases for the adopting slot: ``"lost"`` (it fails as a lost
         lease), or ``None`` (already released: it asks for its own)."""
-        self._check_validity()
-        with self._lock:
-            state = self._state
-            if state not in ("held", "lost"):
-                return None
-            self._state = "adopted"
-        self._stop()
-        return state
+        return self._end("adopted")
 
     def release(self, outcome: Outcome) -> None:
+        state = self._end("released")
+        if state is not None:
+            self._release_all("lease-lost" if state == "lost" else outcome)
+
+    def _end(self, to: Literal["adopted", "released"]) -> Literal["held", "lost"] | None:
         self._check_validity()
         with self._lock:
             state = self._state
             if state not in ("held", "lost"):
-                return
-            self._state = "released"
+                return None  # adopted or released already
+            self._state = to
         self._stop()
-        self._release_all("lease-lost" if state == "lost" else outcome)
+        return state
 
     def _check_validity(self) -> None:
         index = self._first_invalid() if self._state == "held" else None
