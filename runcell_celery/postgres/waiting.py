@@ -186,12 +186,10 @@ class WaitRoom:
     def close(self) -> None:
         """Stop the safety poll and the listener (and close its connection). Waiters
         still here are not served any more: close a database nobody waits on."""
-        self._loop.stop()
-        self._wake_poll.set()  # the poll's wait ends now, not at its next interval
-        self._loop.stop(timeout=5)
-        self._late_loop.stop()
-        self._late_ready.set()
-        self._late_loop.stop(timeout=5)
+        for loop, wake in ((self._loop, self._wake_poll), (self._late_loop, self._late_ready)):
+            loop.stop()
+            wake.set()  # its wait ends now, not at its next interval
+            loop.stop(timeout=5)
         if self.listener is not None:
             self.listener.stop()
 
