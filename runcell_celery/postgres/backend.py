@@ -41,7 +41,7 @@ from ..ports import (
 )
 from ..protocol import LimiterStats
 from . import statements
-from .calls import CallFailedError, call, fetch_rows, lock_timeout_ms
+from .calls import CallFailedError, call, fetch_rows, lock_timeout_ms, reap_limiter
 from .connection import Database, redacted
 from .engine import Engine, engines
 from .keyed import counted_stats
@@ -384,12 +384,7 @@ class PostgresBackend:
         database = self.engine.database
         for name in limiter_names:
             try:
-                call(
-                    database,
-                    statements.REAP,
-                    {"limiter": name},
-                    lock_timeout_ms=lock_timeout_ms(None),
-                )
+                reap_limiter(database, name)
             except Exception:
                 logger.exception("runcell: an allocation pass on %r failed", name)
 

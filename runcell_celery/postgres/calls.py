@@ -22,6 +22,7 @@ from psycopg_pool import PoolTimeout
 
 from ..deadline import Deadline
 from ..patience import current_patience
+from . import statements
 from .connection import Connection, Database, PoolBusy, fetch_all
 
 T = TypeVar("T")
@@ -123,6 +124,11 @@ def call(
         return _call_once(database, query, bound, lock_timeout_ms, rows, stamp, patience)
 
     return persist(patience, attempt, on_retry=again)
+
+
+def reap_limiter(database: Database, limiter: str) -> Any:
+    """Run one allocation pass on ``limiter``; return the parked leases it granted."""
+    return call(database, statements.REAP, {"limiter": limiter})
 
 
 def _call_once(

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..background import BackgroundLoop
 from . import statements
-from .calls import Stamp, call, lock_timeout_ms
+from .calls import Stamp, call, reap_limiter
 from .connection import Database
 from .listener import GrantListener
 from .options import PostgresOptions
@@ -390,11 +390,6 @@ class WaitRoom:
                 if reap is not None:
                     reap()
                 else:  # its limiter is gone: the sweeper re-publishes what this grants
-                    call(
-                        self._database,
-                        statements.REAP,
-                        {"limiter": limiter},
-                        lock_timeout_ms=lock_timeout_ms(None),
-                    )
+                    reap_limiter(self._database, limiter)
             except Exception as exc:  # the next poll tries again
                 logger.info("runcell: reaping %r failed: %s", limiter, exc)
