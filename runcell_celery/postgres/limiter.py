@@ -74,6 +74,7 @@ from .calls import (
     lock_timeout_ms,
     persist,
     pool_wait_s,
+    reap_limiter,
 )
 from .connection import Database
 from .engine import Engine, HasEngine
@@ -143,6 +144,8 @@ class _Asked:
         self.park = park
         self.sent = self.last_pass = time.monotonic()
         self.waiters: list[Waiter] = []
+        #: Each unregisters a wake-up of its waiters by its cancellation (see ``_begin``).
+        self.unlinks: list[Callable[[], None]] = []
         #: What the acquire said of its wait (one member), or of each line (several,
         #: asked only for a tracer that records the place).
         self.estimate: WaitEstimate | None = None
@@ -462,7 +465,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         default executor); the wait is a future the process's listener resolves."""
         loop = asyncio.get_running_loop()
         asked = self._begin(members, cancel, None, loop)
-        unlinks = _link(asked)
         executor = self._engine.executor
         try:
             result = await loop.run_in_executor(executor, self._first, asked, on_wait)
@@ -474,7 +476,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             assert isinstance(leases, tuple)
             return leases
         finally:
-            self._leave(asked, unlinks, withdraw=False)
+            self._leave(asked, withdraw=False)
             if not asked.settled:
                 # Leave every line; slots granted meanwhile are given back, never leaked.
                 await asyncio.shield(loop.run_in_executor(executor, self._withdraw_quietly, asked))
@@ -488,7 +490,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         park: ParkRule | None,
     ) -> _Result:
         asked = self._begin(members, cancel, park, None)
-        unlinks = _link(asked)
         try:
             result = self._first(asked, on_wait)
             while result is None:
@@ -499,7 +500,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         finally:
             # Interrupted (SIGTERM of a revoked task, KeyboardInterrupt) or failed:
             # leave every line; a slot granted meanwhile is given back, never leaked.
-            self._leave(asked, unlinks, withdraw=True)
+            self._leave(asked, withdraw=True)
 
     def _begin(
         self,
@@ -532,6 +533,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             room.add(rid, x.name, loop, reap=x.reap)
             for rid, x in zip(asked.ids, limiters, strict=True)
         ]
+        if cancel is not None:  # cancelling wakes every waiter
+            asked.unlinks = [cancel.add_callback(w.wake) for w in asked.waiters]
         return asked
 
     def _own(self, limiters: Sequence[ConcurrencyLimiter]) -> list[PostgresConcurrencyLimiter]:
@@ -553,8 +556,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             )
         return own
 
-    def _leave(self, asked: _Asked, unlinks: list[Callable[[], None]], *, withdraw: bool) -> None:
-        for unlink in unlinks:
+    def _leave(self, asked: _Asked, *, withdraw: bool) -> None:
+        for unlink in asked.unlinks:
             unlink()
         for waiter in asked.waiters:
             self.room.remove(waiter)
@@ -923,9 +926,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         if self._config.keyed:
             self._key_set().reap_expired()
             return
-        parked = self._call(
-            None, statements.REAP, {"limiter": self.name}, lock_ms=lock_timeout_ms(None)
-        )
+        with _failing_closed(self, None):
+            parked = reap_limiter(self._db, self.name)
         self._republish(parked)
 
     def stats(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
@@ -983,12 +985,6 @@ def _for_caller(order: Sequence[int], leases: Sequence[Lease]) -> tuple[Lease, .
     for position, lease in zip(order, leases, strict=True):
         out[position] = lease
     return tuple(out)
-
-
-def _link(asked: _Asked) -> list[Callable[[], None]]:
-    """Wake every waiter of ``asked`` when its cancellation is set."""
-    cancel = asked.cancel
-    return [cancel.add_callback(w.wake) for w in asked.waiters] if cancel is not None else []
 
 
 @contextlib.contextmanager
