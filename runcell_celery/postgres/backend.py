@@ -284,11 +284,10 @@ class PostgresBackend:
         params = {"lease_ids": list(lease_ids), "stale_ms": stale_ms, "broker": broker}
         claimed: list[Republish] = []
         for *row, other in self._fetch(statements.CLAIM_REPUBLISH, params):
-            if other is not None:
-                if others is not None:
-                    others.add(other)
-            else:
+            if other is None:
                 claimed.append(Republish(*row))
+            elif others is not None:
+                others.add(other)
         return claimed
 
     def unclaim_republish(self, items: Sequence[Republish]) -> int:

@@ -936,9 +936,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         keys in use too (:meth:`key_stats`, at most ``limit``)."""
         if self._config.keyed:
             return self._key_set().totals(per_key=per_key, limit=limit)
-        with _failing_closed(self, None), self._db.connection() as conn:
-            row = conn.execute(statements.STATS, {"limiter": self.name}).fetchone()
-        workloads, held, waiting = row or ((), (), ())
+        found = self.fetch(statements.STATS, {"limiter": self.name})
+        workloads, held, waiting = found[0] if found else ((), (), ())
         rows = zip(workloads or (), held or (), waiting or (), strict=False)
         return counted_stats(self._config.workloads, rows)
 
