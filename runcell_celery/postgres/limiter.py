@@ -150,7 +150,6 @@ class _Asked:
         #: asked only for a tracer that records the place).
         self.estimate: WaitEstimate | None = None
         self.lines: list[WaitEstimate] | None = None
-        self.with_lines = False
         #: Nothing is left in the database for it but what it returned (or what the
         #: room withdraws in the background): no withdrawal on the way out.
         self.settled = False
@@ -568,16 +567,15 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """Send the acquire; the leases, or ``None`` when the request now waits. A
         deferrable request may have been written already (a lost reply): it asks as a
         retry, which also finds a parked grant that is not its to take."""
-        asked.with_lines = asked.several and wants_place(on_wait)
-        result = self._ask(asked, retry=asked.park is not None)
-        asked.with_lines = False
+        with_lines = asked.several and wants_place(on_wait)
+        result = self._ask(asked, retry=asked.park is not None, with_lines=with_lines)
         if result is not None:
             return result
         deadline = asked.deadline.to_unix() if asked.deadline is not None else None
         announce_wait(on_wait, deadline, asked.place)
         return self._step(asked)
 
-    def _ask(self, asked: _Asked, *, retry: bool) -> _Result | None:
+    def _ask(self, asked: _Asked, *, retry: bool, with_lines: bool = False) -> _Result | None:
         """Send the acquire; the leases when granted at once, ``None`` when it waits,
         :class:`~runcell_celery.ports.Duplicate` when a retry finds it parked and
         granted (its own re-published message carries it)."""
@@ -595,7 +593,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             "process": self.room.process,
             "retry": retry,
         }
-        query = statements.ACQUIRE_WITH_LINES if asked.with_lines else statements.ACQUIRE
+        query = statements.ACQUIRE_WITH_LINES if with_lines else statements.ACQUIRE
         # Whether the request may already be in the database (a retry, a redelivered
         # deferral): then leaving means withdrawing it.
         written = retry
