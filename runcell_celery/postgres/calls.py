@@ -260,18 +260,14 @@ def transient(exc: CallFailedError) -> bool:
 
 
 def fetch_rows(
-    database: Database,
-    query: LiteralString,
-    params: Mapping[str, Any] | None = None,
-    *,
-    until: Deadline | None = None,
+    database: Database, query: LiteralString, params: Mapping[str, Any] | None = None
 ) -> list[tuple[Any, ...]]:
     """Run one plain statement, safe to repeat, and return its rows (retried as
-    :func:`call` is).
+    :func:`call` is: within the run's :func:`~runcell_celery.patience.current_patience`).
 
     :raises CallFailedError: the database failed; ``__cause__`` says how.
     """
-    patience = until if until is not None else current_patience()
+    patience = current_patience()
 
     def attempt() -> list[tuple[Any, ...]]:
         lost = False
