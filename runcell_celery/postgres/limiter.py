@@ -219,7 +219,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self,
         engines: HasEngine,
         config: LimiterConfig,
-        options: PostgresOptions = PostgresOptions(),  # noqa: B008 - frozen, shared safely
+        options: PostgresOptions,
         *,
         stored_hash: str | None = None,
         owns_backend: bool = False,

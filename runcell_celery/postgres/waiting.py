@@ -203,9 +203,9 @@ class WaitRoom:
         self,
         request_id: str,
         limiter: str,
-        loop: asyncio.AbstractEventLoop | None = None,
+        loop: asyncio.AbstractEventLoop | None,
         *,
-        reap: Callable[[], None] | None = None,
+        reap: Callable[[], None],
     ) -> Waiter:
         """Register a waiter *before* its acquire is sent, so no grant finds nobody.
         ``reap``: the limiter's allocation pass (held weakly) the poll runs on expired leases.
@@ -214,8 +214,7 @@ class WaitRoom:
         with self._lock:
             self._waiters[request_id] = waiter
             self._limiters[limiter] += 1
-            if reap is not None:
-                self._reapers[limiter] = weakref.WeakMethod(reap)
+            self._reapers[limiter] = weakref.WeakMethod(reap)
         if self.listener is not None:
             self.listener.start()
         self._loop.start()
