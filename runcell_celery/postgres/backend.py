@@ -41,7 +41,7 @@ from ..ports import (
 )
 from ..protocol import LimiterStats
 from . import statements
-from .calls import CallFailedError, fetch_rows, lock_timeout_ms
+from .calls import CallFailedError, call, fetch_rows, lock_timeout_ms, reap_limiter
 from .connection import Database, redacted
 from .engine import Engine, engines
 from .keyed import counted_stats
@@ -140,13 +140,6 @@ class PostgresBackend:
                 timeout=self.options.connect_timeout_ms / 1000,
                 setting=f'{setting}["DATABASE"]',
             )
-
-    @classmethod
-    def from_options(
-        cls, database: str | ConnectionPool[Any], options: PostgresOptions
-    ) -> PostgresBackend:
-        """Build from options already validated (``create_postgres_concurrency_limiter``)."""
-        return cls(database=database, options=dataclasses.asdict(options))
 
     def __repr__(self) -> str:
         where = "no database" if self._db is None else redacted(self._db.conninfo)
@@ -291,11 +284,10 @@ class PostgresBackend:
         params = {"lease_ids": list(lease_ids), "stale_ms": stale_ms, "broker": broker}
         claimed: list[Republish] = []
         for *row, other in self._fetch(statements.CLAIM_REPUBLISH, params):
-            if other is not None:
-                if others is not None:
-                    others.add(other)
-            else:
+            if other is None:
                 claimed.append(Republish(*row))
+            elif others is not None:
+                others.add(other)
         return claimed
 
     def unclaim_republish(self, items: Sequence[Republish]) -> int:
@@ -343,7 +335,7 @@ class PostgresBackend:
             "op_id": str(uuid.uuid4()),
         }
         try:
-            answer = self.engine.call(statements.COMPLETE_EXPIRED, params)
+            answer = call(self.engine.database, statements.COMPLETE_EXPIRED, params)
         except CallFailedError as exc:
             raise ConcurrencyLimiterError(f"the runcell database failed: {exc}") from exc
         return int(answer["n"])
@@ -353,10 +345,11 @@ class PostgresBackend:
         (heads of line first: no process waits for them) and return the lease ids granted.
         """
         rows = self._fetch(statements.PARKED_GROUPS, {"limit": limit * 4})
+        database = self.engine.database
         granted: list[str] = []
         for group_id in list(dict.fromkeys(str(row[0]) for row in rows))[:limit]:
             try:
-                answer = self.engine.call(statements.ALLOCATE_GROUP, {"group_id": group_id})
+                answer = call(database, statements.ALLOCATE_GROUP, {"group_id": group_id})
             except CallFailedError as exc:  # the next sweep tries again
                 logger.info("runcell: the group pass of parked %s failed: %s", group_id, exc)
                 continue
@@ -387,14 +380,10 @@ class PostgresBackend:
         """Run one allocation pass on each named limiter now (freed slots go to waiters at
         once); a limiter that fails is logged and the others still run.
         """
-        engine = self.engine
+        database = self.engine.database
         for name in limiter_names:
             try:
-                engine.call(
-                    statements.REAP,
-                    {"limiter": name},
-                    lock_timeout_ms=lock_timeout_ms(None),
-                )
+                reap_limiter(database, name)
             except Exception:
                 logger.exception("runcell: an allocation pass on %r failed", name)
 

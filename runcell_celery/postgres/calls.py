@@ -11,6 +11,7 @@ failure is retried with backoff (:func:`persist`), so a database restart is a bl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -21,6 +22,7 @@ from psycopg_pool import PoolTimeout
 
 from ..deadline import Deadline
 from ..patience import current_patience
+from . import statements
 from .connection import Connection, Database, PoolBusy, fetch_all
 
 T = TypeVar("T")
@@ -122,6 +124,11 @@ def call(
         return _call_once(database, query, bound, lock_timeout_ms, rows, stamp, patience)
 
     return persist(patience, attempt, on_retry=again)
+
+
+def reap_limiter(database: Database, limiter: str) -> Any:
+    """Run one allocation pass on ``limiter``; return the parked leases it granted."""
+    return call(database, statements.REAP, {"limiter": limiter})
 
 
 def _call_once(
@@ -253,18 +260,14 @@ def transient(exc: CallFailedError) -> bool:
 
 
 def fetch_rows(
-    database: Database,
-    query: LiteralString,
-    params: Mapping[str, Any] | None = None,
-    *,
-    until: Deadline | None = None,
+    database: Database, query: LiteralString, params: Mapping[str, Any] | None = None
 ) -> list[tuple[Any, ...]]:
     """Run one plain statement, safe to repeat, and return its rows (retried as
-    :func:`call` is).
+    :func:`call` is: within the run's :func:`~runcell_celery.patience.current_patience`).
 
     :raises CallFailedError: the database failed; ``__cause__`` says how.
     """
-    patience = until if until is not None else current_patience()
+    patience = current_patience()
 
     def attempt() -> list[tuple[Any, ...]]:
         lost = False
@@ -301,27 +304,15 @@ def pool_wait_s(database: Database, wait_s: float | None, until: Deadline | None
 
 def _send(conn: Connection, query: LiteralString, params: Mapping[str, Any], *, rows: bool) -> Any:
     cursor = psycopg.ClientCursor(conn)
-    if not conn.autocommit:
-        # A caller's pool may not be in autocommit mode: make the call its own
-        # transaction all the same (SET LOCAL needs one).
-        with conn.transaction():
-            return _read(cursor, query, params, rows=rows)
-    return _read(cursor, query, params, rows=rows)
-
-
-def _read(
-    cursor: psycopg.ClientCursor[Any],
-    query: LiteralString,
-    params: Mapping[str, Any],
-    *,
-    rows: bool,
-) -> Any:
-    cursor.execute(query, params)
-    cursor.nextset()  # past SET statement_timeout
-    cursor.nextset()  # past SET lock_timeout
-    if rows:
-        return [row[0] for row in cursor.fetchall()]
-    row = cursor.fetchone()
+    # A caller's pool may not be in autocommit mode: make the call its own transaction
+    # all the same (SET LOCAL needs one).
+    with contextlib.nullcontext() if conn.autocommit else conn.transaction():
+        cursor.execute(query, params)
+        cursor.nextset()  # past SET statement_timeout
+        cursor.nextset()  # past SET lock_timeout
+        if rows:
+            return [row[0] for row in cursor.fetchall()]
+        row = cursor.fetchone()
     return row[0] if row is not None else None
 
 

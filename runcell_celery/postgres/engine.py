@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, LiteralString, Protocol
+from typing import Any, Protocol
 
 from ..background import DEFAULT_REGISTRY, BackgroundLoop
 from ..errors import ConcurrencyLimiterError
 from ..keeper import LeaseKeeper
-from .calls import call
 from .connection import Database, redacted
 from .options import PostgresOptions
 from .waiting import WaitRoom
@@ -65,10 +63,6 @@ class Engine:
                     max_workers=self.database.pool_max_size, thread_name_prefix="runcell-db"
                 )
         return executor
-
-    def call(self, query: LiteralString, params: Mapping[str, Any], **options: Any) -> Any:
-        """One bounded function call (see :func:`.calls.call`)."""
-        return call(self.database, query, params, **options)
 
     def track(self, loop: BackgroundLoop[Any]) -> None:
         """Stop ``loop`` (a key purger) when the engine closes."""

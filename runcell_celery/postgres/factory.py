@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,7 +73,7 @@ def create_postgres_concurrency_limiter(
         keyed=keyed,
         fairness=fairness,
     )
-    backend = PostgresBackend.from_options(db, options)
+    backend = PostgresBackend(database=db, options=dataclasses.asdict(options))
     try:
         return backend.create_limiter(config, owns=True)
     except BaseException:

@@ -137,9 +137,6 @@ class KeySet(Generic[L]):
         keys = self.stats(limit=limit) if per_key else ()
         return counted_stats(self._parent.config.workloads, rows, keys=keys)
 
-    def stop(self) -> None:
-        self._purger.stop()
-
 
 def counted_stats(
     workloads: Iterable[str], rows: Iterable[Sequence[Any]], *, keys: Sequence[KeyStats] = ()

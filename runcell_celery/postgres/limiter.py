@@ -74,6 +74,7 @@ from .calls import (
     lock_timeout_ms,
     persist,
     pool_wait_s,
+    reap_limiter,
 )
 from .connection import Database
 from .engine import Engine, HasEngine
@@ -143,11 +144,12 @@ class _Asked:
         self.park = park
         self.sent = self.last_pass = time.monotonic()
         self.waiters: list[Waiter] = []
+        #: Each unregisters a wake-up of its waiters by its cancellation (see ``_begin``).
+        self.unlinks: list[Callable[[], None]] = []
         #: What the acquire said of its wait (one member), or of each line (several,
         #: asked only for a tracer that records the place).
         self.estimate: WaitEstimate | None = None
         self.lines: list[WaitEstimate] | None = None
-        self.with_lines = False
         #: Nothing is left in the database for it but what it returned (or what the
         #: room withdraws in the background): no withdrawal on the way out.
         self.settled = False
@@ -217,7 +219,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self,
         engines: HasEngine,
         config: LimiterConfig,
-        options: PostgresOptions = PostgresOptions(),  # noqa: B008 - frozen, shared safely
+        options: PostgresOptions,
         *,
         stored_hash: str | None = None,
         owns_backend: bool = False,
@@ -462,7 +464,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         default executor); the wait is a future the process's listener resolves."""
         loop = asyncio.get_running_loop()
         asked = self._begin(members, cancel, None, loop)
-        unlinks = _link(asked)
         executor = self._engine.executor
         try:
             result = await loop.run_in_executor(executor, self._first, asked, on_wait)
@@ -474,7 +475,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             assert isinstance(leases, tuple)
             return leases
         finally:
-            self._leave(asked, unlinks, withdraw=False)
+            self._leave(asked, withdraw=False)
             if not asked.settled:
                 # Leave every line; slots granted meanwhile are given back, never leaked.
                 await asyncio.shield(loop.run_in_executor(executor, self._withdraw_quietly, asked))
@@ -488,7 +489,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         park: ParkRule | None,
     ) -> _Result:
         asked = self._begin(members, cancel, park, None)
-        unlinks = _link(asked)
         try:
             result = self._first(asked, on_wait)
             while result is None:
@@ -499,7 +499,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         finally:
             # Interrupted (SIGTERM of a revoked task, KeyboardInterrupt) or failed:
             # leave every line; a slot granted meanwhile is given back, never leaked.
-            self._leave(asked, unlinks, withdraw=True)
+            self._leave(asked, withdraw=True)
 
     def _begin(
         self,
@@ -532,6 +532,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             room.add(rid, x.name, loop, reap=x.reap)
             for rid, x in zip(asked.ids, limiters, strict=True)
         ]
+        if cancel is not None:  # cancelling wakes every waiter
+            asked.unlinks = [cancel.add_callback(w.wake) for w in asked.waiters]
         return asked
 
     def _own(self, limiters: Sequence[ConcurrencyLimiter]) -> list[PostgresConcurrencyLimiter]:
@@ -553,8 +555,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             )
         return own
 
-    def _leave(self, asked: _Asked, unlinks: list[Callable[[], None]], *, withdraw: bool) -> None:
-        for unlink in unlinks:
+    def _leave(self, asked: _Asked, *, withdraw: bool) -> None:
+        for unlink in asked.unlinks:
             unlink()
         for waiter in asked.waiters:
             self.room.remove(waiter)
@@ -565,16 +567,15 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         """Send the acquire; the leases, or ``None`` when the request now waits. A
         deferrable request may have been written already (a lost reply): it asks as a
         retry, which also finds a parked grant that is not its to take."""
-        asked.with_lines = asked.several and wants_place(on_wait)
-        result = self._ask(asked, retry=asked.park is not None)
-        asked.with_lines = False
+        with_lines = asked.several and wants_place(on_wait)
+        result = self._ask(asked, retry=asked.park is not None, with_lines=with_lines)
         if result is not None:
             return result
         deadline = asked.deadline.to_unix() if asked.deadline is not None else None
         announce_wait(on_wait, deadline, asked.place)
         return self._step(asked)
 
-    def _ask(self, asked: _Asked, *, retry: bool) -> _Result | None:
+    def _ask(self, asked: _Asked, *, retry: bool, with_lines: bool = False) -> _Result | None:
         """Send the acquire; the leases when granted at once, ``None`` when it waits,
         :class:`~runcell_celery.ports.Duplicate` when a retry finds it parked and
         granted (its own re-published message carries it)."""
@@ -592,7 +593,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             "process": self.room.process,
             "retry": retry,
         }
-        query = statements.ACQUIRE_WITH_LINES if asked.with_lines else statements.ACQUIRE
+        query = statements.ACQUIRE_WITH_LINES if with_lines else statements.ACQUIRE
         # Whether the request may already be in the database (a retry, a redelivered
         # deferral): then leaving means withdrawing it.
         written = retry
@@ -923,9 +924,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         if self._config.keyed:
             self._key_set().reap_expired()
             return
-        parked = self._call(
-            None, statements.REAP, {"limiter": self.name}, lock_ms=lock_timeout_ms(None)
-        )
+        with _failing_closed(self, None):
+            parked = reap_limiter(self._db, self.name)
         self._republish(parked)
 
     def stats(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
@@ -934,9 +934,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         keys in use too (:meth:`key_stats`, at most ``limit``)."""
         if self._config.keyed:
             return self._key_set().totals(per_key=per_key, limit=limit)
-        with _failing_closed(self, None), self._db.connection() as conn:
-            row = conn.execute(statements.STATS, {"limiter": self.name}).fetchone()
-        workloads, held, waiting = row or ((), (), ())
+        found = self.fetch(statements.STATS, {"limiter": self.name})
+        workloads, held, waiting = found[0] if found else ((), (), ())
         rows = zip(workloads or (), held or (), waiting or (), strict=False)
         return counted_stats(self._config.workloads, rows)
 
@@ -983,12 +982,6 @@ def _for_caller(order: Sequence[int], leases: Sequence[Lease]) -> tuple[Lease, .
     for position, lease in zip(order, leases, strict=True):
         out[position] = lease
     return tuple(out)
-
-
-def _link(asked: _Asked) -> list[Callable[[], None]]:
-    """Wake every waiter of ``asked`` when its cancellation is set."""
-    cancel = asked.cancel
-    return [cancel.add_callback(w.wake) for w in asked.waiters] if cancel is not None else []
 
 
 @contextlib.contextmanager

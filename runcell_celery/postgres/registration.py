@@ -190,17 +190,17 @@ def announce_stored_limits(
     first_time: Callable[[str, str], bool],
     *,
     request: AcquireRequest | None = None,
-) -> str | None:
+) -> None:
     """Warn and emit a ``config-error`` event that this process uses ``stored`` instead
-    of ``given``, once per limiter and stored hash (``first_time``); return the message, or
-    ``None`` when nothing was said. ``request``: the one that found the limits replaced.
+    of ``given``, once per limiter and stored hash (``first_time``). ``request``: the one
+    that found the limits replaced.
     """
     if not given.differences(stored.config):
-        return None
+        return
     differences = describe_differences(given, stored.config.to_dict())
     limiter = split_key_name(given.name)[0]
     if not first_time(limiter, stored.config_hash):
-        return None
+        return
     message = (
         f"limiter {limiter!r}: this worker's settings differ from the stored limits "
         f"({differences}); it uses the stored limits (on_conflict='use_stored') until "
@@ -223,4 +223,3 @@ def announce_stored_limits(
                 error=message,
             )
         )
-    return message

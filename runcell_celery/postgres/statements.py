@@ -66,10 +66,9 @@ SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[], %(workloads)s::
 #: :data:`ACQUIRE` also saying where the request joins each line (sent instead only for
 #: a request over several limiters when a tracer records the wait's place): ``"lines"``,
 #: one ``[ahead, hold_ms, slots]`` per limiter, read with the statement's snapshot.
-ACQUIRE_WITH_LINES: LiteralString = """
-SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[], %(workloads)s::text[],
-    %(request)s::jsonb, %(wait_ms)s, %(process)s::jsonb, %(lock_timeout_ms)s, %(retry)s)
-    || jsonb_build_object('lines', (
+ACQUIRE_WITH_LINES: LiteralString = (
+    ACQUIRE
+    + """    || jsonb_build_object('lines', (
         SELECT jsonb_agg(jsonb_build_array(
                    l.waiting[array_position(l.workloads, u.workload)],
                    l.hold_ms_avg,
@@ -80,6 +79,7 @@ SELECT runcell_acquire(%(limiters)s::text[], %(hashes)s::text[], %(workloads)s::
              WITH ORDINALITY AS u(name, workload, o)
         JOIN runcell_limiter AS l ON l.name = u.name))
 """
+)
 
 RELEASE: LiteralString = """
 SELECT runcell_release(%(limiter)s, %(lease_id)s::uuid, %(lock_timeout_ms)s)

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..background import BackgroundLoop
 from . import statements
-from .calls import Stamp, call, lock_timeout_ms
+from .calls import Stamp, call, reap_limiter
 from .connection import Database
 from .listener import GrantListener
 from .options import PostgresOptions
@@ -186,12 +186,10 @@ class WaitRoom:
     def close(self) -> None:
         """Stop the safety poll and the listener (and close its connection). Waiters
         still here are not served any more: close a database nobody waits on."""
-        self._loop.stop()
-        self._wake_poll.set()  # the poll's wait ends now, not at its next interval
-        self._loop.stop(timeout=5)
-        self._late_loop.stop()
-        self._late_ready.set()
-        self._late_loop.stop(timeout=5)
+        for loop, wake in ((self._loop, self._wake_poll), (self._late_loop, self._late_ready)):
+            loop.stop()
+            wake.set()  # its wait ends now, not at its next interval
+            loop.stop(timeout=5)
         if self.listener is not None:
             self.listener.stop()
 
@@ -205,9 +203,9 @@ class WaitRoom:
         self,
         request_id: str,
         limiter: str,
-        loop: asyncio.AbstractEventLoop | None = None,
+        loop: asyncio.AbstractEventLoop | None,
         *,
-        reap: Callable[[], None] | None = None,
+        reap: Callable[[], None],
     ) -> Waiter:
         """Register a waiter *before* its acquire is sent, so no grant finds nobody.
         ``reap``: the limiter's allocation pass (held weakly) the poll runs on expired leases.
@@ -216,8 +214,7 @@ class WaitRoom:
         with self._lock:
             self._waiters[request_id] = waiter
             self._limiters[limiter] += 1
-            if reap is not None:
-                self._reapers[limiter] = weakref.WeakMethod(reap)
+            self._reapers[limiter] = weakref.WeakMethod(reap)
         if self.listener is not None:
             self.listener.start()
         self._loop.start()
@@ -392,11 +389,6 @@ class WaitRoom:
                 if reap is not None:
                     reap()
                 else:  # its limiter is gone: the sweeper re-publishes what this grants
-                    call(
-                        self._database,
-                        statements.REAP,
-                        {"limiter": limiter},
-                        lock_timeout_ms=lock_timeout_ms(None),
-                    )
+                    reap_limiter(self._database, limiter)
             except Exception as exc:  # the next poll tries again
                 logger.info("runcell: reaping %r failed: %s", limiter, exc)
