@@ -93,7 +93,7 @@ class PreAdmitted(KeptLeases):
     def _check_validity(self) -> None:
         index = self._first_invalid() if self._state == "held" else None
         if index is not None:
-            self.part_lost(index, None)
+            self.lease_lost(index, None)
 
     def _stop(self) -> None:
         self._forget()
@@ -101,15 +101,13 @@ class PreAdmitted(KeptLeases):
             self._detach()
             self._detach = None
 
-    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
-        if self._state != "held":
-            return None
-        return self.limiters[index], self.leases[index]
+    def kept_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
+        return (self.limiters[index], self.leases[index]) if self._state == "held" else None
 
-    def part_renewal_failed(self, index: int, error: BaseException) -> None:
+    def renewal_failed(self, index: int, error: BaseException) -> None:
         logger.warning("renewing a pre-admitted slot failed: %s", describe_error(error))
 
-    def part_lost(self, index: int, error: BaseException | None) -> None:
+    def lease_lost(self, index: int, error: BaseException | None) -> None:
         with self._lock:
             if self._state != "held":
                 return

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Protocol, cast
 
@@ -27,7 +26,7 @@ from .errors import (
     ConcurrencyTimeoutError,
 )
 from .events import describe_error, has_listeners
-from .keeper import LeaseKeeper, LeaseTakenBackError, get_keeper, local_validity
+from .keeper import LeaseHolder, LeaseTakenBackError, get_keeper, local_validity
 from .protocol import ConcurrencyLimiter, Lease, Outcome
 from .request import SlotRequest
 
@@ -68,16 +67,14 @@ def outcome_of(exc: BaseException | None) -> Outcome:
 
 
 class KeptLeases:
-    """One lease per limiter of a request, each kept through a :class:`LeasePart` (so
+    """One lease per limiter of a request, each kept by the keeper under its index (so
     renewals batch per limiter); the deadline is watched once, on the first."""
 
     def __init__(self, slot_request: SlotRequest, leases: Sequence[Lease]) -> None:
         self.slot_request = slot_request
         self.leases = list(leases)  # in the order of the request's limiters
-        self._keeper: LeaseKeeper | None = None
-        self._parts: list[LeasePart] = []
+        self._keeper = get_keeper(slot_request.limiter)
         self._keys: list[int] = []
-        self._clock = get_keeper(slot_request.limiter).clock
         self._valid_from_now()
 
     @property
@@ -89,37 +86,25 @@ class KeptLeases:
         return self.slot_request.limiters
 
     def _valid_from_now(self) -> None:
-        now = self._clock.monotonic()
+        now = self._keeper.clock.monotonic()
         self._valid_until = [local_validity(lease, now).at for lease in self.leases]
 
     def _keep(self, deadline: Deadline | None) -> None:
-        keeper = self._keeper = get_keeper(self.slot_request.limiter)
-        # The keeper holds its holders weakly: this keeps its parts alive.
-        holder = cast("PartedHolder", self)  # a subclass tells the parts' news
-        self._parts = [LeasePart(holder, index) for index in range(len(self.leases))]
+        keeper, holder = self._keeper, cast(LeaseHolder, self)  # a subclass answers the keeper
         self._keys = [
-            keeper.keep(
-                part,
-                lease.ttl_ms,
-                deadline if part.index == 0 else None,
-                Deadline(self._valid_until[part.index]),
-            )
-            for part, lease in zip(self._parts, self.leases, strict=True)
+            keeper.keep(holder, index, lease.ttl_ms, None if index else deadline, Deadline(until))
+            for index, (lease, until) in enumerate(zip(self.leases, self._valid_until, strict=True))
         ]
 
     def _forget(self) -> None:
-        if self._keeper is not None:
-            for key in self._keys:
-                self._keeper.forget(key)
+        for key in self._keys:
+            self._keeper.forget(key)
 
     def _first_invalid(self) -> int | None:
         """The first lease whose local validity has passed (the keeper may not have run:
         a paused or starved process)."""
-        now = self._clock.monotonic()
-        for index, valid_until in enumerate(self._valid_until):
-            if now >= valid_until:
-                return index
-        return None
+        now = self._keeper.clock.monotonic()
+        return next((i for i, until in enumerate(self._valid_until) if now >= until), None)
 
     def _release_all(self, outcome: Outcome) -> bool:
         """Release every lease (the TTL frees one that fails); ``False`` if one failed."""
@@ -134,7 +119,7 @@ class KeptLeases:
                 request.event("release-failed", lease_id=lease.lease_id, error=describe_error(exc))
         return not failed
 
-    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
+    def lease_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None:
         self.leases[index] = lease
         self._valid_until[index] = valid_until.at
 
@@ -171,9 +156,7 @@ class Hold(KeptLeases):
         self.trace: HoldTrace | None = None
 
     def keep(self, deadline: Deadline | None) -> None:
-        self._keep(
-            deadline if self.max_hold is None else Deadline.earliest(self.max_hold, deadline)
-        )
+        self._keep(Deadline.earliest(self.max_hold, deadline))
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         self._cleanups.append(cleanup)
@@ -231,10 +214,9 @@ class Hold(KeptLeases):
         return abort_error(self.slot_request, lease, reason, why=self._lost_why)
 
     def _check_validity(self) -> None:
-        if not (self._ended or self._released):
-            index = self._first_invalid()
-            if index is not None:
-                self.part_lost(index, None)
+        index = None if self._ended or self._released else self._first_invalid()
+        if index is not None:
+            self.lease_lost(index, None)
 
     def settle_task(self) -> None:
         if self._task_cancelled and self._task is not None:
@@ -246,17 +228,15 @@ class Hold(KeptLeases):
             lease_id = self.lease.lease_id
             self.slot_request.event("released", lease_id=lease_id, hold_ms=hold_ms, outcome=outcome)
 
-    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
-        if self._ended or self._released:
-            return None
-        return self.slot_request.limiters[index], self.leases[index]
+    def kept_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
+        return None if self._ended or self._released else (self.limiters[index], self.leases[index])
 
-    def part_renewal_failed(self, index: int, error: BaseException) -> None:
+    def renewal_failed(self, index: int, error: BaseException) -> None:
         self.slot_request.event(
             "renewal-failed", lease_id=self.leases[index].lease_id, error=describe_error(error)
         )
 
-    def part_lost(self, index: int, error: BaseException | None) -> None:
+    def lease_lost(self, index: int, error: BaseException | None) -> None:
         with self._state:
             if self._lost_lease is None and self._abort_reason is None:
                 self._lost_lease = self.leases[index]
@@ -347,48 +327,6 @@ def abort_error(
         cls = ConcurrencyTimeoutError
         message = f"the run's time budget ended while holding slot {lease_id} of {name!r}"
     return slot_request.error(cls, message)
-
-
-class PartedHolder(Protocol):
-    def part_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None: ...
-    def part_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None: ...
-    def part_renewal_failed(self, index: int, error: BaseException) -> None: ...
-    def part_lost(self, index: int, error: BaseException | None) -> None: ...
-    def deadline_passed(self) -> Deadline | None: ...
-
-
-class LeasePart:
-    """One lease of a holder, as the keeper sees it; weak, so a holder dropped
-    unreleased stops being renewed."""
-
-    __slots__ = ("__weakref__", "_holder", "index")
-
-    def __init__(self, holder: PartedHolder, index: int) -> None:
-        self._holder = weakref.ref(holder)
-        self.index = index
-
-    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
-        holder = self._holder()
-        return None if holder is None else holder.part_lease(self.index)
-
-    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None:
-        holder = self._holder()
-        if holder is not None:
-            holder.part_renewed(self.index, lease, valid_until)
-
-    def renewal_failed(self, error: BaseException) -> None:
-        holder = self._holder()
-        if holder is not None:
-            holder.part_renewal_failed(self.index, error)
-
-    def lease_lost(self, error: BaseException | None) -> None:
-        holder = self._holder()
-        if holder is not None:
-            holder.part_lost(self.index, error)
-
-    def deadline_passed(self) -> Deadline | None:
-        holder = self._holder()
-        return None if holder is None else holder.deadline_passed()
 
 
 def _call_safely(callback: Callable[[], object]) -> None:

@@ -67,16 +67,17 @@ def local_validity(lease: Lease, now: float) -> Deadline:
 
 
 class LeaseHolder(Protocol):
-    """What the keeper needs from whoever holds a lease (:class:`~.hold.Hold`)."""
+    """What the keeper needs from whoever holds leases (:class:`~.hold.Hold`); ``index``
+    says which of them: each lease is kept on its own, so renewals batch per limiter."""
 
-    def kept_lease(self) -> tuple[ConcurrencyLimiter, Lease] | None:
+    def kept_lease(self, index: int) -> tuple[ConcurrencyLimiter, Lease] | None:
         """The limiter and lease to renew, or ``None`` once the hold has ended."""
 
-    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None: ...
+    def lease_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None: ...
 
-    def renewal_failed(self, error: BaseException) -> None: ...
+    def renewal_failed(self, index: int, error: BaseException) -> None: ...
 
-    def lease_lost(self, error: BaseException | None) -> None: ...
+    def lease_lost(self, index: int, error: BaseException | None) -> None: ...
 
     def deadline_passed(self) -> Deadline | None:
         """The deadline given to :meth:`LeaseKeeper.keep` passed; a later one to watch,
@@ -84,17 +85,19 @@ class LeaseHolder(Protocol):
 
 
 class _Entry:
-    __slots__ = ("deadline", "expires_at", "holder", "renew_at", "ttl")
+    __slots__ = ("deadline", "expires_at", "holder", "index", "renew_at", "ttl")
 
     def __init__(
         self,
         holder: LeaseHolder,
+        index: int,
         ttl: float,
         now: float,
         deadline: Deadline | None,
         valid_until: Deadline | None,
     ) -> None:
         self.holder = weakref.ref(holder)
+        self.index = index
         self.ttl = ttl
         self.renew_at = now + ttl * RENEW_FRACTION
         # Lost past this without a renewal (local_validity; the holder reads the same).
@@ -121,13 +124,14 @@ class LeaseKeeper:
     def keep(
         self,
         holder: LeaseHolder,
+        index: int,
         ttl_ms: int,
         deadline: Deadline | None,
         valid_until: Deadline | None = None,
     ) -> int:
-        """Renew ``holder``'s lease (lost past ``valid_until``, default a TTL from now)
-        and fire ``deadline``; return a key for :meth:`forget`."""
-        entry = _Entry(holder, ttl_ms / 1000, self.clock.monotonic(), deadline, valid_until)
+        """Renew ``holder``'s lease ``index`` (lost past ``valid_until``, default a TTL
+        from now) and fire ``deadline``; return a key for :meth:`forget`."""
+        entry = _Entry(holder, index, ttl_ms / 1000, self.clock.monotonic(), deadline, valid_until)
         with self._cond:
             self._entries[key := next(self._keys)] = entry
             if not self._started:
@@ -182,19 +186,19 @@ class LeaseKeeper:
         due: set[int] = set()
         for key, entry in entries:
             holder = entry.holder()
-            kept = holder.kept_lease() if holder is not None else None
+            kept = holder.kept_lease(entry.index) if holder is not None else None
             if holder is None or kept is None:
                 self.forget(key)
                 continue
             if entry.deadline <= now:
                 later = _safely(holder.deadline_passed)
                 entry.deadline = math.inf if later is None else later.at
-                if holder.kept_lease() is None:
+                if holder.kept_lease(entry.index) is None:
                     self.forget(key)
                     continue
             if entry.expires_at <= now:
                 self.forget(key)
-                _safely(holder.lease_lost, None)
+                _safely(holder.lease_lost, entry.index, None)
                 continue
             # Renew with a due lease every lease of its limiter due within a period: they
             # stay in step, one renew_many call per limiter and period.
@@ -218,7 +222,7 @@ class LeaseKeeper:
                 entry.renew_at = sent_at + min(RETRY_SECONDS, entry.ttl * RENEW_FRACTION / 2)
                 holder = entry.holder()
                 if holder is not None:
-                    _safely(holder.renewal_failed, exc)
+                    _safely(holder.renewal_failed, entry.index, exc)
             return
         for key, entry, lease in batch:
             holder = entry.holder()
@@ -227,12 +231,12 @@ class LeaseKeeper:
                 self.forget(key)
             elif renewed is None:
                 self.forget(key)
-                _safely(holder.lease_lost, _why_lost(limiter, lease))
+                _safely(holder.lease_lost, entry.index, _why_lost(limiter, lease))
             else:
                 entry.renew_at = sent_at + entry.ttl * RENEW_FRACTION
                 bound = local_validity(renewed, sent_at)
                 entry.expires_at = bound.at
-                _safely(holder.lease_renewed, renewed, bound)
+                _safely(holder.lease_renewed, entry.index, renewed, bound)
 
 
 def _renew(limiter: ConcurrencyLimiter, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:

@@ -1,7 +1,7 @@
 """A held slot's end: aborts happen once, the slot is released exactly once.
 
 These tests drive a :class:`~runcell_celery.hold.Hold` directly, as the lease keeper
-(through each lease's part) and a cancelling thread do, without handing it to the
+(naming each lease by its index) and a cancelling thread do, without handing it to the
 keeper: every outcome comes from a call the test makes, never from waiting.
 """
 
@@ -49,7 +49,7 @@ def test_a_hold_is_released_once_with_the_outcome_of_its_body(
     assert hold.end(body_raised) is None
     assert hold.end(None) is None
     assert limiter.released == [(hold.lease.lease_id, outcome)]
-    assert hold.part_lease(0) is None
+    assert hold.kept_lease(0) is None
     assert limiter.stats().active == 0
 
 
@@ -59,7 +59,7 @@ def test_the_first_abort_wins_and_its_callbacks_run_once(custom_limiter: CustomF
     calls: list[str] = []
     hold.on_abort(lambda: calls.append("close the response"))
     hold.cancelled()
-    hold.part_lost(0, None)
+    hold.lease_lost(0, None)
     hold.abort("timed-out")
     assert calls == ["close the response"]
     assert hold.abort_reason == "cancelled"
@@ -78,7 +78,7 @@ def test_max_hold_after_an_earlier_abort_releases_at_once_and_never_again(
     assert limiter.released == []
     hold.abort("max-hold")
     assert limiter.released == [(hold.lease.lease_id, "max-hold")]
-    assert hold.part_lease(0) is None
+    assert hold.kept_lease(0) is None
     assert isinstance(hold.end(None), ConcurrencyTimeoutError)
     assert limiter.released == [(hold.lease.lease_id, "max-hold")]
     (lost,) = events.of("lease-lost", limiter=limiter.name)
@@ -92,7 +92,7 @@ def test_an_abort_after_the_end_changes_nothing(custom_limiter: CustomFactory) -
     hold.on_abort(lambda: calls.append("late"))
     hold.end(None)
     hold.abort("max-hold")
-    hold.part_lost(0, None)
+    hold.lease_lost(0, None)
     assert calls == []
     assert not hold.aborted
     assert limiter.released == [(hold.lease.lease_id, "success")]
@@ -116,7 +116,7 @@ def test_the_end_of_the_budget_aborts_and_leaves_max_hold_to_watch(
     hold = _hold(limiter, max_hold=later)
     assert hold.deadline_passed() == later
     assert hold.abort_reason == "timed-out"
-    assert hold.part_lease(0) is not None  # still held until max_hold or the body ends
+    assert hold.kept_lease(0) is not None  # still held until max_hold or the body ends
     assert isinstance(hold.end(None), ConcurrencyTimeoutError)
     assert limiter.released == [(hold.lease.lease_id, "timed-out")]
 
@@ -126,8 +126,8 @@ def test_a_renewed_lease_replaces_the_kept_one(custom_limiter: CustomFactory) ->
     hold = _hold(limiter)
     renewed = limiter.renew(hold.lease)
     assert renewed is not None
-    hold.part_renewed(0, renewed, Deadline.after_ms(renewed.ttl_ms))
-    assert hold.part_lease(0) == (limiter, renewed)
+    hold.lease_renewed(0, renewed, Deadline.after_ms(renewed.ttl_ms))
+    assert hold.kept_lease(0) == (limiter, renewed)
     hold.end(None)
 
 
@@ -136,7 +136,7 @@ def test_a_lost_lease_fails_the_hold_and_is_still_released_once(
 ) -> None:
     limiter = custom_limiter(1)
     hold = _hold(limiter)
-    hold.part_lost(0, OSError("gone"))
+    hold.lease_lost(0, OSError("gone"))
     error = hold.end(None)
     assert isinstance(error, ConcurrencyLeaseLostError)
     assert "could not be renewed" in error.message

@@ -47,12 +47,12 @@ SOON_S = 10.0
 class _NothingHeld:
     """A holder that has already ended: the keeper forgets it at once."""
 
-    def kept_lease(self) -> None:
+    def kept_lease(self, index: int) -> None:
         return None
 
-    def lease_renewed(self, lease: Lease, valid_until: Deadline) -> None: ...
-    def renewal_failed(self, error: BaseException) -> None: ...
-    def lease_lost(self, error: BaseException | None) -> None: ...
+    def lease_renewed(self, index: int, lease: Lease, valid_until: Deadline) -> None: ...
+    def renewal_failed(self, index: int, error: BaseException) -> None: ...
+    def lease_lost(self, index: int, error: BaseException | None) -> None: ...
     def deadline_passed(self) -> None: ...
 
 
@@ -62,7 +62,7 @@ def keeper(fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[L
     started once, then ended), so it never ticks."""
     stopped = LeaseKeeper(clock=fake_clock)
     nothing = _NothingHeld()
-    stopped.forget(stopped.keep(nothing, TTL_MS, None))  # starts its loop
+    stopped.forget(stopped.keep(nothing, 0, TTL_MS, None))  # starts its loop
     stopped.stop(SOON_S)
     monkeypatch.setitem(DEFAULT_REGISTRY._locals, "keeper.fallback", ProcessLocal(lambda: stopped))
     yield stopped
@@ -145,9 +145,9 @@ def test_a_hold_seen_lost_by_its_body_and_then_by_the_keeper_says_so_and_release
     fake_clock.advance(TTL_S)
     assert hold.aborted
     assert hold.abort_reason == "lease-lost"
-    hold.part_lost(0, None)  # what the keeper does when it runs at last
+    hold.lease_lost(0, None)  # what the keeper does when it runs at last
     assert isinstance(hold.end(None), ConcurrencyLeaseLostError)
-    hold.part_lost(0, None)
+    hold.lease_lost(0, None)
     lost, released = _lost_and_released(events, limiter.name)
     assert len(lost) == 1
     assert [e.outcome for e in released] == ["lease-lost"]
@@ -167,7 +167,7 @@ def test_a_renewal_the_keeper_reports_moves_the_validity_the_hold_reads(
         assert renewed is not None
         hold = held._hold
         assert hold is not None
-        hold.part_renewed(0, renewed, Deadline(fake_clock.monotonic() + TTL_S))
+        hold.lease_renewed(0, renewed, Deadline(fake_clock.monotonic() + TTL_S))
         fake_clock.advance(TTL_S / 2 + 1)  # past the first validity, not the renewed one
         assert not held.aborted
     assert events.of("lease-lost", limiter=limiter.name) == []
