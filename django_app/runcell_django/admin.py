@@ -32,6 +32,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from runcell_celery.keys import split_key_name
+from runcell_celery.ports import COUNT_FIELDS
 
 from . import conf
 from .backlog import broker_backlog
@@ -51,14 +52,6 @@ else:
 
 #: Search by identifiers uses exact matches, served by indexes.
 _ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
-#: The admission counters, each a column.
-_COUNTS = (
-    "deliveries",
-    "deferrals",
-    "provider_attempts",
-    "provider_failures",
-    "concurrency_failures",
-)
 #: A run's name and lineage, on the pages of a lease, a queued request and an event.
 _RUN = ("holder_name", "run_id", "root_run_id", "parent_run_id")
 
@@ -570,7 +563,7 @@ class AdmissionCountAdmin(ReadOnlyAdmin):
     list_display = (
         "task_label",
         "limiter",
-        *(count_column(AdmissionCount, name) for name in _COUNTS),
+        *(count_column(AdmissionCount, name) for name in COUNT_FIELDS),
         "last_counted",
     )
     list_display_links = None

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from ..background import BackgroundLoop, ProcessLocal
 from ..events import ConcurrencyEvent
 from ..keys import split_key_name
-from ..ports import AdmissionCount, CounterStore
+from ..ports import COUNT_FIELDS, AdmissionCount, CounterStore
 
 __all__ = ["COUNTED_FAILURES", "AdmissionCount", "AdmissionCounters", "counted_as", "counter_label"]
 
@@ -34,13 +34,6 @@ logger = logging.getLogger("runcell_celery.celery.counters")
 FLUSH_INTERVAL_S = 1.0
 #: How long close() waits for a write under way in the background before its own.
 CLOSE_WAIT_S = 10.0
-FIELDS = (
-    "deliveries",
-    "deferrals",
-    "provider_attempts",
-    "provider_failures",
-    "concurrency_failures",
-)
 #: The event types the listener counts as concurrency failures.
 COUNTED_FAILURES = frozenset(
     {"timed-out", "queue-full", "limiter-error", "config-error", "lease-lost"}
@@ -79,12 +72,12 @@ class AdmissionCounters:
         self._local: ProcessLocal[_ProcessCounts] = ProcessLocal(lambda: _ProcessCounts(self))
 
     def add(self, task_name: str, limiter: str, field: str, n: int = 1) -> None:
-        index = FIELDS.index(field)
+        index = COUNT_FIELDS.index(field)
         key = (task_name, limiter)
         counts = self._local.get()
         with counts.lock:
-            counts.pending.setdefault(key, [0] * len(FIELDS))[index] += n
-            counts.totals.setdefault(key, [0] * len(FIELDS))[index] += n
+            counts.pending.setdefault(key, [0] * len(COUNT_FIELDS))[index] += n
+            counts.totals.setdefault(key, [0] * len(COUNT_FIELDS))[index] += n
         counts.flusher.start()
 
     def on_event(self, event: ConcurrencyEvent) -> None:
