@@ -39,7 +39,7 @@ from .backlog import broker_backlog
 from .display import clipped, count_column, short_time, task_cell, timestamp_field
 from .filters import EventKeyFilter, KeyFilter, LimiterFilter, QueueStateFilter, WorkloadFilter
 from .force_release import force_release as release_leases
-from .managers import GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
+from .managers import BUSIEST_FIRST, GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import AdmissionCount, ConcurrencyEvent, Dashboard, Lease, Limiter, QueueEntry
 from .state import LimiterState, format_duration, format_ms
 from .views import dashboard_view
@@ -187,8 +187,8 @@ class LimiterAdmin(ReadOnlyAdmin):
         return queryset.order_by(*ordering) if ordering else queryset
 
     def get_ordering(self, request: HttpRequest) -> tuple[str | Combinable, ...]:
-        if request.GET.get(KeyFilter.parameter_name):  # a list of keys: busiest first
-            return ("-held_total", "-waiting_total", "name")
+        if request.GET.get(KeyFilter.parameter_name):  # a list of keys
+            return BUSIEST_FIRST
         return tuple(super().get_ordering(request))
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
@@ -293,7 +293,7 @@ class LimiterAdmin(ReadOnlyAdmin):
                 "queued": _queued(state),
                 "oldest_wait": format_ms(state.oldest_wait_ms),
             }
-            for key in top.busiest_first()[: self.BUSIEST_KEYS]
+            for key in top.order_by(*BUSIEST_FIRST)[: self.BUSIEST_KEYS]
         ]
         context = {"rows": rows, "limit": self.BUSIEST_KEYS, "all_url": self._keys_url(obj.name)}
         return render_to_string("runcell_django/busiest_keys.html", context)
