@@ -18,9 +18,11 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import connections
+from django.db.models import Field
 from django.utils import timezone
 
 from runcell_celery import add_event_listener, remove_event_listener
@@ -58,21 +60,15 @@ def _when(timestamp: float) -> datetime.datetime:
 
 #: The event's text attributes kept as they are, cut to their column's length.
 _CUT = (
-    ("key", 255),
-    ("workload", 200),
-    ("run_id", 255),
-    ("root_run_id", 255),
-    ("parent_run_id", 255),
-    ("request_id", 255),
-    ("holder_name", 255),
-    ("lease_id", 100),
-    ("outcome", 32),
-    ("reason", 32),
+    *("key", "workload", "run_id", "root_run_id", "parent_run_id", "request_id"),
+    *("holder_name", "lease_id", "outcome", "reason"),
 )
 
 
-def _cut(value: str | None, length: int) -> str | None:
-    return value if value is None or len(value) <= length else value[:length]
+def _cut(column: str, value: str | None) -> str | None:
+    """``value`` cut to the length of the ``runcell_event`` column ``column``."""
+    length = cast("Field[Any, Any]", ConcurrencyEvent._meta.get_field(column)).max_length
+    return value if value is None or length is None else value[:length]
 
 
 class _Buffer:
@@ -206,9 +202,9 @@ class EventRecorder:
         row = ConcurrencyEvent(
             type=event.type,
             occurred_at=_when(event.timestamp),
-            limiter=_cut(event.limiter, 200) or "",
+            limiter=_cut("limiter", event.limiter) or "",
             limiters=None if event.limiters is None else [n[:200] for n in event.limiters],
-            host=_cut(self._host, 255),
+            host=_cut("host", self._host),
             pid=os.getpid(),
             deadline=None if event.deadline is None else _when(event.deadline),
             fencing_token=event.fencing_token,
@@ -216,8 +212,8 @@ class EventRecorder:
             hold_ms=None if event.hold_ms is None else round(event.hold_ms, 3),
             error=event.error,
         )
-        for name, length in _CUT:
-            setattr(row, name, _cut(getattr(event, name), length))
+        for name in _CUT:
+            setattr(row, name, _cut(name, getattr(event, name)))
         return row
 
     def _drop_rows(self, drops: dict[str, int]) -> list[ConcurrencyEvent]:
@@ -226,8 +222,8 @@ class EventRecorder:
             ConcurrencyEvent(
                 type=EVENTS_DROPPED,
                 occurred_at=now,
-                limiter=_cut(limiter, 200) or "",
-                host=_cut(self._host, 255),
+                limiter=_cut("limiter", limiter) or "",
+                host=_cut("host", self._host),
                 pid=os.getpid(),
                 dropped=count,
             )
