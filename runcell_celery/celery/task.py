@@ -178,9 +178,7 @@ class RunCellTask(_Task):
         if spec is not None and spec.key is not None:
             added[headers.KEY] = self._form_key(spec, args, kwargs)
         if added:
-            message_headers = dict(options.get("headers") or {})
-            message_headers.update(added)
-            options["headers"] = message_headers
+            options["headers"] = {**(options.get("headers") or {}), **added}
 
     def _form_key(self, spec: TaskConcurrency, args: Any, kwargs: Any) -> str:
         assert spec.key is not None
