@@ -105,7 +105,7 @@ class EventRecorder:
         self._host = socket.gethostname()
         self._listening = False
         self._buffer = ProcessLocal(lambda: _Buffer(sample_interval_ms))
-        self._loop = BackgroundLoop(THREAD_NAME, self, _write_step)
+        self._loop = BackgroundLoop(THREAD_NAME, self, EventRecorder._step)
 
     def __call__(self, event: CoreEvent) -> None:
         """Buffer ``event`` for the writer thread; drop and count it if the buffer is full."""
@@ -183,9 +183,15 @@ class EventRecorder:
         """Record slots held and queued per workload, unless this interval has a sample."""
         OccupancySample.objects.sample(self.sample_interval_ms or 10_000)
 
-    def _tick(self) -> None:
-        """One round of the writer thread: flush, then sample when it is time."""
+    def _step(self) -> float | None:
+        """One round of the writer thread: wait for a batch or the interval, flush, then
+        sample when it is time."""
         buffer = self._buffer.get()
+        buffer.wake.wait(self.flush_interval_s)
+        buffer.wake.clear()
+        if self._loop.stopping.is_set():
+            connections.close_all()  # this thread's connections only
+            return None
         try:
             self.flush()
             if self.sample_interval_ms and time.monotonic() >= buffer.next_sample:
@@ -197,6 +203,7 @@ class EventRecorder:
             if now - buffer.last_error_log >= _LOG_EVERY_S:
                 buffer.last_error_log = now
                 logger.warning("runcell: recording events failed (will retry): %s", exc)
+        return 0
 
     def _row(self, event: CoreEvent) -> ConcurrencyEvent:
         row = ConcurrencyEvent(
@@ -229,18 +236,6 @@ class EventRecorder:
             )
             for limiter, count in sorted(drops.items())
         ]
-
-
-def _write_step(recorder: EventRecorder) -> float | None:
-    """The writer thread's step: wait for a batch or the interval, then write."""
-    buffer = recorder._buffer.get()
-    buffer.wake.wait(recorder.flush_interval_s)
-    buffer.wake.clear()
-    if recorder._loop.stopping.is_set():
-        connections.close_all()  # this thread's connections only
-        return None
-    recorder._tick()
-    return 0
 
 
 def start_recorder() -> EventRecorder | None:
