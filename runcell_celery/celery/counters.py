@@ -27,7 +27,7 @@ from ..events import ConcurrencyEvent
 from ..keys import split_key_name
 from ..ports import COUNT_FIELDS, AdmissionCount, CounterStore
 
-__all__ = ["COUNTED_FAILURES", "AdmissionCount", "AdmissionCounters", "counted_as", "counter_label"]
+__all__ = ["COUNTED_FAILURES", "AdmissionCount", "AdmissionCounters", "counter_label"]
 
 logger = logging.getLogger("runcell_celery.celery.counters")
 
@@ -47,10 +47,6 @@ StoreFactory = Callable[[], object]
 def counter_label(names: Sequence[str]) -> str:
     """``["openai", "tenant:acme"]`` -> ``"openai+tenant"``; ``"-"`` for none."""
     return "+".join(split_key_name(name)[0] for name in names) or "-"
-
-
-def counted_as(event: ConcurrencyEvent) -> str:
-    return counter_label(event.limiters or (event.limiter,))
 
 
 class _ProcessCounts:
@@ -85,11 +81,14 @@ class AdmissionCounters:
         if event.holder_name is None:
             return
         if event.type == "acquired":
-            self.add(event.holder_name, counted_as(event), "provider_attempts")
+            field = "provider_attempts"
         elif event.type == "released" and event.outcome == "error":
-            self.add(event.holder_name, counted_as(event), "provider_failures")
+            field = "provider_failures"
         elif event.type in COUNTED_FAILURES:
-            self.add(event.holder_name, counted_as(event), "concurrency_failures")
+            field = "concurrency_failures"
+        else:
+            return
+        self.add(event.holder_name, counter_label(event.limiters or (event.limiter,)), field)
 
     def local(self) -> list[AdmissionCount]:
         """This process's counts since it started (written or not)."""
