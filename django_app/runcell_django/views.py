@@ -68,12 +68,6 @@ WINDOWS = (
 )
 
 
-def window_of(request: HttpRequest) -> Window:
-    """The window ``?window=`` names; fitted to the data by default."""
-    chosen = request.GET.get("window", "")
-    return next((w for w in WINDOWS if w.key == chosen), WINDOWS[0])
-
-
 @dataclass(frozen=True, slots=True)
 class Panel:
     """One limiter on the dashboard."""
@@ -225,7 +219,8 @@ def _fitted_start(
 
 def dashboard_view(request: HttpRequest, model_admin: ModelAdmin[Any]) -> TemplateResponse:
     """Render the dashboard inside the admin (permissions are the caller's to check)."""
-    window = window_of(request)
+    chosen = request.GET.get("window", "")  # the window ?window= names; by default fitted
+    window = next((w for w in WINDOWS if w.key == chosen), WINDOWS[0])
     context = {
         **model_admin.admin_site.each_context(request),
         "title": _("Concurrency dashboard"),
