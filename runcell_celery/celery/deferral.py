@@ -32,22 +32,8 @@ from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
-from ..ports import (
-    Duplicate,
-    ExpiredParked,
-    Parked,
-    ParkingStore,
-    Republish,
-    SupportsParking,
-)
-from ..protocol import (
-    ConcurrencyLimiter,
-    Lease,
-    Member,
-    OnWait,
-    SupportsReap,
-    acquire_members,
-)
+from ..ports import Duplicate, ExpiredParked, Parked, ParkingStore, Republish, SupportsParking
+from ..protocol import ConcurrencyLimiter, Lease, Member, OnWait, SupportsReap, acquire_members
 from ..registry import LimiterRegistry
 from . import headers
 from .brokers import broker_identity
