@@ -84,12 +84,16 @@ class GrantPublisher:
             self._close(work)
 
     def _step(self) -> float:
-        """Publish what was asked for so far; return how soon to try again (0: nothing
-        left)."""
         work = self._work.get()
         work.wake.wait(IDLE_WAIT_S)
         if self._loop.stopping.is_set():
             return 0
+        return self.publish_pending()
+
+    def publish_pending(self) -> float:
+        """Publish what was asked for so far, on the calling thread; return how soon to
+        try again (0: nothing left)."""
+        work = self._work.get()
         with work.lock:
             work.wake.clear()
             lease_ids, work.lease_ids = work.lease_ids, []
