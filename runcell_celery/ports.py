@@ -7,7 +7,7 @@ values traded across these seams live here, so no layer imports another's intern
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from .cancellation import CancellationToken
@@ -15,6 +15,7 @@ from .config import LimiterConfig
 from .protocol import ConcurrencyLimiter, Lease, Member, OnWait
 
 __all__ = [
+    "COUNT_FIELDS",
     "DEFAULT_DEFER_AFTER_MS",
     "AdmissionCount",
     "Backend",
@@ -68,6 +69,10 @@ class AdmissionCount:
     provider_attempts: int = 0
     provider_failures: int = 0
     concurrency_failures: int = 0
+
+
+#: The counts of an :class:`AdmissionCount`, in order (after its task name and limiter).
+COUNT_FIELDS = tuple(field.name for field in fields(AdmissionCount))[2:]
 
 
 @dataclass(frozen=True, slots=True)

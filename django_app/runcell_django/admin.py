@@ -32,13 +32,14 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from runcell_celery.keys import split_key_name
+from runcell_celery.ports import COUNT_FIELDS
 
 from . import conf
 from .backlog import broker_backlog
 from .display import clipped, count_column, short_time, task_cell, timestamp_field
 from .filters import EventKeyFilter, KeyFilter, LimiterFilter, QueueStateFilter, WorkloadFilter
 from .force_release import force_release as release_leases
-from .managers import GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
+from .managers import BUSIEST_FIRST, GroupLease, LeaseQuerySet, LimiterQuerySet, QueueEntryQuerySet
 from .models import AdmissionCount, ConcurrencyEvent, Dashboard, Lease, Limiter, QueueEntry
 from .state import LimiterState, format_duration, format_ms
 from .views import dashboard_view
@@ -51,14 +52,6 @@ else:
 
 #: Search by identifiers uses exact matches, served by indexes.
 _ID_SEARCH = ("run_id__exact", "root_run_id__exact", "request_id__exact")
-#: The admission counters, each a column.
-_COUNTS = (
-    "deliveries",
-    "deferrals",
-    "provider_attempts",
-    "provider_failures",
-    "concurrency_failures",
-)
 #: A run's name and lineage, on the pages of a lease, a queued request and an event.
 _RUN = ("holder_name", "run_id", "root_run_id", "parent_run_id")
 
@@ -194,8 +187,8 @@ class LimiterAdmin(ReadOnlyAdmin):
         return queryset.order_by(*ordering) if ordering else queryset
 
     def get_ordering(self, request: HttpRequest) -> tuple[str | Combinable, ...]:
-        if request.GET.get(KeyFilter.parameter_name):  # a list of keys: busiest first
-            return ("-held_total", "-waiting_total", "name")
+        if request.GET.get(KeyFilter.parameter_name):  # a list of keys
+            return BUSIEST_FIRST
         return tuple(super().get_ordering(request))
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
@@ -300,7 +293,7 @@ class LimiterAdmin(ReadOnlyAdmin):
                 "queued": _queued(state),
                 "oldest_wait": format_ms(state.oldest_wait_ms),
             }
-            for key in top.busiest_first()[: self.BUSIEST_KEYS]
+            for key in top.order_by(*BUSIEST_FIRST)[: self.BUSIEST_KEYS]
         ]
         context = {"rows": rows, "limit": self.BUSIEST_KEYS, "all_url": self._keys_url(obj.name)}
         return render_to_string("runcell_django/busiest_keys.html", context)
@@ -570,7 +563,7 @@ class AdmissionCountAdmin(ReadOnlyAdmin):
     list_display = (
         "task_label",
         "limiter",
-        *(count_column(AdmissionCount, name) for name in _COUNTS),
+        *(count_column(AdmissionCount, name) for name in COUNT_FIELDS),
         "last_counted",
     )
     list_display_links = None

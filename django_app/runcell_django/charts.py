@@ -51,7 +51,6 @@ class Chart:
     left: ClassVar[int] = LEFT
     right: ClassVar[int] = WIDTH - RIGHT
     top: ClassVar[int] = TOP
-    bottom: ClassVar[int] = HEIGHT - BOTTOM
 
 
 def _nice_ceiling(value: float) -> float:
@@ -80,7 +79,7 @@ def line_chart(
     dashed line (label, value) drawn *under* the series. Buckets without a value leave a
     gap; a legend gives the latest value, written by ``value_format``.
     """
-    show = value_format or _plain
+    show = value_format or "{:g}".format
     values = [v for _color, points in series.values() for v in points.values()]
     top_value = max([*values, limit[1] if limit else 0.0, 0.0])
     y_max = _nice_ceiling(top_value * 1.1 if top_value else 1.0)
@@ -142,10 +141,6 @@ def _ago(seconds: int) -> str:
     if seconds < 3600 or seconds % 1800:
         return f"-{seconds // 60} min"
     return f"-{seconds // 3600} h" if seconds % 3600 == 0 else f"-{seconds / 3600:.1f} h"
-
-
-def _plain(value: float) -> str:
-    return f"{value:g}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,14 @@ import os
 import socket
 from collections.abc import Sequence
 
-from django.db import router, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from runcell_celery.postgres import ReleasedLease
 
 from . import conf
 from .event_types import FORCE_RELEASED
+from .managers import write_alias
 from .models import ConcurrencyEvent
 
 logger = logging.getLogger("runcell_django.force_release")
@@ -33,7 +34,7 @@ def force_release(lease_ids: Sequence[str], *, actor: str) -> list[ReleasedLease
     """
     released = conf.postgres_backend().force_release([str(i) for i in lease_ids], actor=actor)
     now = timezone.now()
-    alias = conf.database_alias() or router.db_for_write(ConcurrencyEvent)
+    alias = write_alias(ConcurrencyEvent)
     with transaction.atomic(using=alias):
         ConcurrencyEvent.objects.using(alias).bulk_create(
             ConcurrencyEvent(

@@ -36,6 +36,9 @@ from .event_types import EVENTS_DROPPED
 
 #: The window of the Limiters page's wait-time percentile.
 P95_WINDOW_MINUTES = 15
+#: Keys busiest first: most slots held, then most requests waiting, then by name (as
+#: the backend's ``key_stats`` orders them); needs ``with_key_usage()``.
+BUSIEST_FIRST = ("-held_total", "-waiting_total", "name")
 
 
 class _RunCellManager(models.Manager[Any]):
@@ -107,11 +110,6 @@ class LimiterQuerySet(_CompletedQuerySet):
                 key_usage=RawSQL(sql.KEY_USAGE, (), output_field=JSONField()),
             ),
         )
-
-    def busiest_first(self) -> LimiterQuerySet:
-        """Most slots held, then most requests waiting, then by name (as the backend's
-        ``key_stats`` orders keys); needs :meth:`with_key_usage`."""
-        return self.order_by("-held_total", "-waiting_total", "name")
 
     def stored_limits(self) -> dict[str, LimiterConfig | None]:
         """Each limiter's parsed stored limits by name (``None``: unreadable), keys left

@@ -18,9 +18,11 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import connections
+from django.db.models import Field
 from django.utils import timezone
 
 from runcell_celery import add_event_listener, remove_event_listener
@@ -58,21 +60,15 @@ def _when(timestamp: float) -> datetime.datetime:
 
 #: The event's text attributes kept as they are, cut to their column's length.
 _CUT = (
-    ("key", 255),
-    ("workload", 200),
-    ("run_id", 255),
-    ("root_run_id", 255),
-    ("parent_run_id", 255),
-    ("request_id", 255),
-    ("holder_name", 255),
-    ("lease_id", 100),
-    ("outcome", 32),
-    ("reason", 32),
+    *("key", "workload", "run_id", "root_run_id", "parent_run_id", "request_id"),
+    *("holder_name", "lease_id", "outcome", "reason"),
 )
 
 
-def _cut(value: str | None, length: int) -> str | None:
-    return value if value is None or len(value) <= length else value[:length]
+def _cut(column: str, value: str | None) -> str | None:
+    """``value`` cut to the length of the ``runcell_event`` column ``column``."""
+    length = cast("Field[Any, Any]", ConcurrencyEvent._meta.get_field(column)).max_length
+    return value if value is None or length is None else value[:length]
 
 
 class _Buffer:
@@ -109,7 +105,7 @@ class EventRecorder:
         self._host = socket.gethostname()
         self._listening = False
         self._buffer = ProcessLocal(lambda: _Buffer(sample_interval_ms))
-        self._loop = BackgroundLoop(THREAD_NAME, self, _write_step)
+        self._loop = BackgroundLoop(THREAD_NAME, self, EventRecorder._step)
 
     def __call__(self, event: CoreEvent) -> None:
         """Buffer ``event`` for the writer thread; drop and count it if the buffer is full."""
@@ -187,9 +183,15 @@ class EventRecorder:
         """Record slots held and queued per workload, unless this interval has a sample."""
         OccupancySample.objects.sample(self.sample_interval_ms or 10_000)
 
-    def _tick(self) -> None:
-        """One round of the writer thread: flush, then sample when it is time."""
+    def _step(self) -> float | None:
+        """One round of the writer thread: wait for a batch or the interval, flush, then
+        sample when it is time."""
         buffer = self._buffer.get()
+        buffer.wake.wait(self.flush_interval_s)
+        buffer.wake.clear()
+        if self._loop.stopping.is_set():
+            connections.close_all()  # this thread's connections only
+            return None
         try:
             self.flush()
             if self.sample_interval_ms and time.monotonic() >= buffer.next_sample:
@@ -201,14 +203,15 @@ class EventRecorder:
             if now - buffer.last_error_log >= _LOG_EVERY_S:
                 buffer.last_error_log = now
                 logger.warning("runcell: recording events failed (will retry): %s", exc)
+        return 0
 
     def _row(self, event: CoreEvent) -> ConcurrencyEvent:
         row = ConcurrencyEvent(
             type=event.type,
             occurred_at=_when(event.timestamp),
-            limiter=_cut(event.limiter, 200) or "",
+            limiter=_cut("limiter", event.limiter) or "",
             limiters=None if event.limiters is None else [n[:200] for n in event.limiters],
-            host=_cut(self._host, 255),
+            host=_cut("host", self._host),
             pid=os.getpid(),
             deadline=None if event.deadline is None else _when(event.deadline),
             fencing_token=event.fencing_token,
@@ -216,8 +219,8 @@ class EventRecorder:
             hold_ms=None if event.hold_ms is None else round(event.hold_ms, 3),
             error=event.error,
         )
-        for name, length in _CUT:
-            setattr(row, name, _cut(getattr(event, name), length))
+        for name in _CUT:
+            setattr(row, name, _cut(name, getattr(event, name)))
         return row
 
     def _drop_rows(self, drops: dict[str, int]) -> list[ConcurrencyEvent]:
@@ -226,25 +229,13 @@ class EventRecorder:
             ConcurrencyEvent(
                 type=EVENTS_DROPPED,
                 occurred_at=now,
-                limiter=_cut(limiter, 200) or "",
-                host=_cut(self._host, 255),
+                limiter=_cut("limiter", limiter) or "",
+                host=_cut("host", self._host),
                 pid=os.getpid(),
                 dropped=count,
             )
             for limiter, count in sorted(drops.items())
         ]
-
-
-def _write_step(recorder: EventRecorder) -> float | None:
-    """The writer thread's step: wait for a batch or the interval, then write."""
-    buffer = recorder._buffer.get()
-    buffer.wake.wait(recorder.flush_interval_s)
-    buffer.wake.clear()
-    if recorder._loop.stopping.is_set():
-        connections.close_all()  # this thread's connections only
-        return None
-    recorder._tick()
-    return 0
 
 
 def start_recorder() -> EventRecorder | None:

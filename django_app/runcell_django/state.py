@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from django.utils.translation import gettext as _
@@ -22,7 +22,6 @@ class WorkloadState:
     active: int
     limit: int | None
     reserved: int
-    priority: int
     queued: int
 
 
@@ -69,7 +68,6 @@ class LimiterState:
                 active=int(active.get(name, 0)),
                 limit=configured[name].max_concurrent if name in configured else None,
                 reserved=configured[name].reserved if name in configured else 0,
-                priority=configured[name].priority if name in configured else 0,
                 queued=int(queued.get(name, 0)),
             )
             for name in names
@@ -134,10 +132,9 @@ def _key_totals(usage: Mapping[str, object]) -> tuple[dict[str, int], dict[str, 
     return active, queued
 
 
-def live_states(limiters: Iterable[Limiter] | None = None) -> list[LimiterState]:
+def live_states() -> list[LimiterState]:
     """The live state of every stored limiter, keys left out (a keyed limiter sums them)."""
-    if limiters is None:
-        limiters = Limiter.objects.without_keys().with_key_usage().with_live_stats()
+    limiters = Limiter.objects.without_keys().with_key_usage().with_live_stats()
     return [LimiterState.of(row) for row in limiters]
 
 

@@ -68,12 +68,6 @@ WINDOWS = (
 )
 
 
-def window_of(request: HttpRequest) -> Window:
-    """The window ``?window=`` names; fitted to the data by default."""
-    chosen = request.GET.get("window", "")
-    return next((w for w in WINDOWS if w.key == chosen), WINDOWS[0])
-
-
 @dataclass(frozen=True, slots=True)
 class Panel:
     """One limiter on the dashboard."""
@@ -165,13 +159,13 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
         if most_ms is not None:
             longest[limiter][at] = float(most_ms)
     failed: dict[str, Series] = defaultdict(lambda: defaultdict(dict))
-    failed_at: Series = defaultdict(dict)  # any kind: to fit the time axis
     for limiter, type_, at, count in events.per_bucket(sql.FAILURES_PER_BUCKET, minutes, bucket_s):
-        failed[limiter][type_][at] = failed_at[limiter][at] = float(count)
+        failed[limiter][type_][at] = float(count)
     dropped = events.dropped_per_limiter(minutes)
     start = end - datetime.timedelta(minutes=minutes)
     if window.fitted:
-        start = _fitted_start(start, end, bucket_s, active, queued, p50, longest, failed_at)
+        # Failures of any kind fit it too (each limiter's are per kind).
+        start = _fitted_start(start, end, bucket_s, active, queued, p50, longest, *failed.values())
     axis: dict[str, Any] = {"start": start, "end": end, "bucket_s": bucket_s}
     per = _("per %(seconds)d s") % {"seconds": bucket_s}
     panels = []
@@ -225,7 +219,8 @@ def _fitted_start(
 
 def dashboard_view(request: HttpRequest, model_admin: ModelAdmin[Any]) -> TemplateResponse:
     """Render the dashboard inside the admin (permissions are the caller's to check)."""
-    window = window_of(request)
+    chosen = request.GET.get("window", "")  # the window ?window= names; by default fitted
+    window = next((w for w in WINDOWS if w.key == chosen), WINDOWS[0])
     context = {
         **model_admin.admin_site.each_context(request),
         "title": _("Concurrency dashboard"),
@@ -233,7 +228,6 @@ def dashboard_view(request: HttpRequest, model_admin: ModelAdmin[Any]) -> Templa
         "panels": dashboard_panels(window),
         "window": window,
         "windows": WINDOWS,
-        "window_minutes": window.minutes,
         "refresh_seconds": REFRESH_SECONDS,
         "generated_at": timezone.now(),
     }

@@ -25,22 +25,15 @@ from collections.abc import Callable, Sequence
 from ..background import BackgroundLoop, ProcessLocal
 from ..events import ConcurrencyEvent
 from ..keys import split_key_name
-from ..ports import AdmissionCount, CounterStore
+from ..ports import COUNT_FIELDS, AdmissionCount, CounterStore
 
-__all__ = ["COUNTED_FAILURES", "AdmissionCount", "AdmissionCounters", "counted_as", "counter_label"]
+__all__ = ["COUNTED_FAILURES", "AdmissionCount", "AdmissionCounters", "counter_label"]
 
 logger = logging.getLogger("runcell_celery.celery.counters")
 
 FLUSH_INTERVAL_S = 1.0
 #: How long close() waits for a write under way in the background before its own.
 CLOSE_WAIT_S = 10.0
-FIELDS = (
-    "deliveries",
-    "deferrals",
-    "provider_attempts",
-    "provider_failures",
-    "concurrency_failures",
-)
 #: The event types the listener counts as concurrency failures.
 COUNTED_FAILURES = frozenset(
     {"timed-out", "queue-full", "limiter-error", "config-error", "lease-lost"}
@@ -54,10 +47,6 @@ StoreFactory = Callable[[], object]
 def counter_label(names: Sequence[str]) -> str:
     """``["openai", "tenant:acme"]`` -> ``"openai+tenant"``; ``"-"`` for none."""
     return "+".join(split_key_name(name)[0] for name in names) or "-"
-
-
-def counted_as(event: ConcurrencyEvent) -> str:
-    return counter_label(event.limiters or (event.limiter,))
 
 
 class _ProcessCounts:
@@ -79,12 +68,12 @@ class AdmissionCounters:
         self._local: ProcessLocal[_ProcessCounts] = ProcessLocal(lambda: _ProcessCounts(self))
 
     def add(self, task_name: str, limiter: str, field: str, n: int = 1) -> None:
-        index = FIELDS.index(field)
+        index = COUNT_FIELDS.index(field)
         key = (task_name, limiter)
         counts = self._local.get()
         with counts.lock:
-            counts.pending.setdefault(key, [0] * len(FIELDS))[index] += n
-            counts.totals.setdefault(key, [0] * len(FIELDS))[index] += n
+            counts.pending.setdefault(key, [0] * len(COUNT_FIELDS))[index] += n
+            counts.totals.setdefault(key, [0] * len(COUNT_FIELDS))[index] += n
         counts.flusher.start()
 
     def on_event(self, event: ConcurrencyEvent) -> None:
@@ -92,11 +81,14 @@ class AdmissionCounters:
         if event.holder_name is None:
             return
         if event.type == "acquired":
-            self.add(event.holder_name, counted_as(event), "provider_attempts")
+            field = "provider_attempts"
         elif event.type == "released" and event.outcome == "error":
-            self.add(event.holder_name, counted_as(event), "provider_failures")
+            field = "provider_failures"
         elif event.type in COUNTED_FAILURES:
-            self.add(event.holder_name, counted_as(event), "concurrency_failures")
+            field = "concurrency_failures"
+        else:
+            return
+        self.add(event.holder_name, counter_label(event.limiters or (event.limiter,)), field)
 
     def local(self) -> list[AdmissionCount]:
         """This process's counts since it started (written or not)."""

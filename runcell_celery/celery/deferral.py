@@ -32,22 +32,8 @@ from ..background import BackgroundLoop
 from ..cancellation import CancellationToken
 from ..errors import ConcurrencyConfigError, ConcurrencyTimeoutError
 from ..events import ConcurrencyEvent, emit, has_listeners
-from ..ports import (
-    Duplicate,
-    ExpiredParked,
-    Parked,
-    ParkingStore,
-    Republish,
-    SupportsParking,
-)
-from ..protocol import (
-    ConcurrencyLimiter,
-    Lease,
-    Member,
-    OnWait,
-    SupportsMembers,
-    SupportsReap,
-)
+from ..ports import Duplicate, ExpiredParked, Parked, ParkingStore, Republish, SupportsParking
+from ..protocol import ConcurrencyLimiter, Lease, Member, OnWait, SupportsReap, acquire_members
 from ..registry import LimiterRegistry
 from . import headers
 from .brokers import broker_identity
@@ -141,9 +127,7 @@ class TaskAdmission(Admission):
     ) -> tuple[Lease, ...] | Deferred | DuplicateDelivery:
         first = members[0].limiter
         if not isinstance(first, SupportsParking):  # it waits as any first slot
-            if isinstance(first, SupportsMembers):
-                return first.acquire_members(members, cancel=cancel, on_wait=on_wait)
-            return (first.acquire(members[0].request, cancel=cancel, on_wait=on_wait),)
+            return acquire_members(members, cancel=cancel, on_wait=on_wait)
         limiters = tuple(member.limiter for member in members)
         task, task_id = self._task, self._task_id
         request_id = members[0].request.request_id

@@ -118,22 +118,26 @@ class DeliveredMessage:
     queue: str = ""
 
     @classmethod
-    def capture(cls, message: Any, body: Any, *, queue: str = "") -> DeliveredMessage:
+    def capture(cls, message: Any, body: Any, app: Celery | None) -> DeliveredMessage:
+        """``message`` as ``app``'s worker received it, with the queue it came from if
+        that has a granted queue (:func:`delivered_queue`)."""
         content_encoding = message.content_encoding or "binary"
         if isinstance(body, str):  # a transport that hands text: send it back as sent
             content_encoding = message.content_encoding or "utf-8"
             body = body.encode(content_encoding)
         delivery_info = message.delivery_info or {}
         properties = message.properties or {}
+        exchange = delivery_info.get("exchange") or ""
+        routing_key = delivery_info.get("routing_key") or ""
         return cls(
             body=body,
             content_type=message.content_type,
             content_encoding=content_encoding,
             headers=message.headers or {},
             properties={k: properties[k] for k in PROPERTIES if properties.get(k) is not None},
-            exchange=delivery_info.get("exchange") or "",
-            routing_key=delivery_info.get("routing_key") or "",
-            queue=queue,
+            exchange=exchange,
+            routing_key=routing_key,
+            queue=delivered_queue(app, exchange, routing_key) if app is not None else "",
         )
 
     def with_headers(
@@ -240,13 +244,4 @@ class RunCellRequest(Request):
         # ``content_type`` is None when the worker decoded the body itself (protocol 1).
         spec = getattr(type(self.task), "_runcell", None)  # set when RunCellTask is bound
         if self.content_type is not None and getattr(spec, "admission", None) == "defer":
-            info = message.delivery_info or {}
-            app = self.app
-            queue = (
-                delivered_queue(app, info.get("exchange") or "", info.get("routing_key") or "")
-                if app is not None
-                else ""
-            )
-            self.request_dict[REQUEST_KEY] = DeliveredMessage.capture(
-                message, self.body, queue=queue
-            )
+            self.request_dict[REQUEST_KEY] = DeliveredMessage.capture(message, self.body, self.app)

@@ -47,10 +47,16 @@ _TASK_KEYS = (
 _OVERRIDE_KEYS = ("workload", "timeout_ms")
 
 
-def _unknown(where: str, key: object, allowed: tuple[str, ...]) -> ConcurrencyConfigError:
-    return ConcurrencyConfigError(
-        f"{where}[{key!r}] is invalid: unknown option; {did_you_mean(key, allowed)}"
-    )
+def _options(where: str, options: object, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+    """``options``, a dict of options among ``allowed`` (else ``ConcurrencyConfigError``)."""
+    if not isinstance(options, Mapping):
+        raise ConcurrencyConfigError(f"{where} = {options!r} is invalid: must be a dict")
+    for key in options:
+        if key not in allowed:
+            raise ConcurrencyConfigError(
+                f"{where}[{key!r}] is invalid: unknown option; {did_you_mean(key, allowed)}"
+            )
+    return options
 
 
 def _duration(where: str, options: Mapping[str, Any], key: str, **rule: Any) -> Any:
@@ -275,11 +281,7 @@ class TaskConcurrency:
     @classmethod
     def parse(cls, options: object, *, task_name: str) -> TaskConcurrency:
         where = f"task {task_name!r} concurrency"
-        if not isinstance(options, Mapping):
-            raise ConcurrencyConfigError(f"{where} = {options!r} is invalid: must be a dict")
-        for key in options:
-            if key not in _TASK_KEYS:
-                raise _unknown(where, key, _TASK_KEYS)
+        options = _options(where, options, _TASK_KEYS)
         limiter = options.get("limiter")
         key = options.get("key")
         workload = options.get("workload")
@@ -324,11 +326,7 @@ class RunOverride:
     @classmethod
     def parse(cls, options: object, *, task_name: str) -> RunOverride:
         where = f"{task_name}.apply_async(concurrency=...)"
-        if not isinstance(options, Mapping):
-            raise ConcurrencyConfigError(f"{where} = {options!r} is invalid: must be a dict")
-        for key in options:
-            if key not in _OVERRIDE_KEYS:
-                raise _unknown(where, key, _OVERRIDE_KEYS)
+        options = _options(where, options, _OVERRIDE_KEYS)
         workload = options.get("workload")
         return cls(
             workload=None if workload is None else _name(where, "workload", workload),

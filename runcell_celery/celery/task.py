@@ -15,7 +15,7 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from billiard.exceptions import Terminated
@@ -35,10 +35,7 @@ from ..errors import (
 )
 from ..patience import database_patience
 from ..ports import Parked, RunStore, SupportsParking
-from ..protocol import (
-    ConcurrencyLimiter,
-    SupportsStats,
-)
+from ..protocol import SupportsStats
 from ..registry import LimiterRegistry
 from ..request import report_failure
 from ..several import resolve_workloads
@@ -181,9 +178,7 @@ class RunCellTask(_Task):
         if spec is not None and spec.key is not None:
             added[headers.KEY] = self._form_key(spec, args, kwargs)
         if added:
-            message_headers = dict(options.get("headers") or {})
-            message_headers.update(added)
-            options["headers"] = message_headers
+            options["headers"] = {**(options.get("headers") or {}), **added}
 
     def _form_key(self, spec: TaskConcurrency, args: Any, kwargs: Any) -> str:
         assert spec.key is not None
@@ -469,57 +464,43 @@ def _log_deferral(
     read just after parking (lines are first come first served: a bound on it)."""
     if admission is None:
         return
-    limiter = admission.limiter
-    workloads = _deferral_workloads(admission, workload, parked)
-    where = _describe_limiters(admission.limiters or (limiter,), workloads)
+    limiters = admission.limiters
+    workloads: tuple[str | None, ...]
+    try:  # the workload the parked run waits in, in each of its limiters
+        workloads = resolve_workloads(limiters, workload)
+    except ConcurrencyConfigError:  # it parked, so it resolved; say what is known
+        known = parked.workload if parked is not None and len(limiters) == 1 else workload
+        workloads = tuple(known for _ in limiters)
     detail = ""
     place: int | None = None
     if parked is not None and parked.place is not None:
         place, expected = parked.place, parked.expected_wait_ms
         shown = f"{expected / 1000:.1f} s" if expected is not None else "unknown"
         detail = f", expected wait {shown}, after waiting {parked.waited_ms:.0f} ms"
-    elif isinstance(limiter, SupportsStats):
+    elif isinstance(admission.limiter, SupportsStats):
         try:
-            stats = limiter.stats()
+            stats = admission.limiter.stats()
         except Exception:  # the parking committed; a place is only nice to have
             pass
         else:
             first = workloads[0] if workloads else None
             line = stats.workloads.get(first) if first is not None else None
             place = line.queued if line is not None else stats.queued
+    # ``limiter 'llm' (workload 'background')``; several joined with " + ".
+    where = " + ".join(
+        f"{limiter.name!r} (workload {name!r})"
+        for limiter, name in zip(limiters, workloads, strict=True)
+    )
     logger.info(
-        "Task %s[%s] deferred: parked at %s of %s%s; its message is acked and is "
+        "Task %s[%s] deferred: parked at %s of %s %s%s; its message is acked and is "
         "published again when a slot frees",
         task_name,
         task_id,
         f"place {place}" if place is not None else "an unknown place",
+        "limiter" if len(limiters) == 1 else "limiters",
         where,
         detail,
     )
-
-
-def _deferral_workloads(
-    admission: Admission, workload: str | None, parked: Parked | None
-) -> tuple[str | None, ...]:
-    """The workload the parked run waits in, in each of its limiters."""
-    limiters = admission.limiters or (admission.limiter,)
-    try:
-        return resolve_workloads(limiters, workload)
-    except ConcurrencyConfigError:  # it parked, so it resolved; say what is known
-        known = parked.workload if parked is not None and len(limiters) == 1 else workload
-        return tuple(known for _ in limiters)
-
-
-def _describe_limiters(
-    limiters: Sequence[ConcurrencyLimiter], workloads: Sequence[str | None]
-) -> str:
-    """``limiter 'llm' (workload 'background')``; several joined with ``" + "``."""
-    parts = [
-        f"{limiter.name!r} (workload {workload!r})"
-        for limiter, workload in zip(limiters, workloads, strict=True)
-    ]
-    label = "limiter" if len(parts) == 1 else "limiters"
-    return f"{label} {' + '.join(parts)}"
 
 
 def _withdraw(admission: Admission | None) -> None:

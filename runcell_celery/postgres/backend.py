@@ -9,7 +9,6 @@ an operator's dashboard needs, so no other layer touches the ``runcell_*`` table
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from psycopg_pool import ConnectionPool
 from ..config import LimiterConfig
 from ..errors import ConcurrencyConfigError, ConcurrencyLimiterError
 from ..ports import (
+    COUNT_FIELDS,
     AdmissionCount,
     Backend,
     BackendFactory,
@@ -58,9 +58,6 @@ RETAKE_EXPIRED_AFTER_MS = 30_000
 KEEP_OPERATIONS_MS = 15 * 60_000
 #: Group passes of parked requests over several limiters per sweep (heads of line).
 PARKED_GROUP_PASSES = 8
-
-#: The counts of an :class:`AdmissionCount` (after its task name and limiter).
-_COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(AdmissionCount))[2:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +258,7 @@ class PostgresBackend:
             "limiters": [c.limiter for c in counts],
             "batch_id": batch_id,
         }
-        for name in _COUNT_FIELDS:
+        for name in COUNT_FIELDS:
             params[name] = [getattr(c, name) for c in counts]
         self._fetch(statements.ADD_ADMISSION_COUNTS, params)
 

@@ -8,18 +8,14 @@ a task's result is in, with no database round trip, on either backend.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
-from ..ports import AdmissionCount
+from ..ports import COUNT_FIELDS, AdmissionCount
 
 if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = ["AdmissionCounts"]
-
-#: The counts of a row (every field but the task name and the limiter).
-_COUNTS = tuple(f.name for f in dataclasses.fields(AdmissionCount))[2:]
 
 
 class AdmissionCounts:
@@ -38,6 +34,6 @@ class AdmissionCounts:
         """``task_name``'s counts, added up over its limiters (or for ``limiter``);
         zeros for a task that never ran."""
         rows = [r for r in self.all() if r.task_name == task_name and limiter in (None, r.limiter)]
-        totals = {name: sum(getattr(row, name) for row in rows) for name in _COUNTS}
+        totals = {name: sum(getattr(row, name) for row in rows) for name in COUNT_FIELDS}
         label = limiter if limiter is not None else ", ".join(sorted({r.limiter for r in rows}))
         return AdmissionCount(task_name, label or "-", **totals)
