@@ -466,7 +466,12 @@ def _free_port() -> int:
 
 
 def run_quickstart(
-    tmp_path: Path, dbname: str, *, fresh_virtualenv: bool = False, wheel: Path | None = None
+    tmp_path: Path,
+    dbname: str,
+    *,
+    fresh_virtualenv: bool = False,
+    wheel: Path | None = None,
+    redis: str = REDIS_URL,
 ) -> tuple[dict[str, object], int, str]:
     """Follow the quickstart in one shell from the empty directory ``tmp_path``: its
     commands in order, each file written when its block comes. Replaced: the database's
@@ -474,7 +479,9 @@ def run_quickstart(
     the worker run in the background; without ``fresh_virtualenv`` the checkout's
     virtualenv (and code) instead of the virtualenv and ``pip install`` lines. With a
     built ``wheel`` (a fresh virtualenv), the install line installs that wheel, with the
-    line's extras, instead of the clone, and the clone's line is left out.
+    line's extras, instead of the clone, and the clone's line is left out. ``redis``:
+    the broker's Redis database (a test run beside this module's needs its own, the
+    project's worker taking tasks from the default queue).
 
     Return what :data:`SEND_TASKS` saw, the provider's maximum in flight, and what the
     shell printed.
@@ -502,7 +509,7 @@ def run_quickstart(
                 if named["path"] == "mysite/settings.py":
                     for shown, here in SETTINGS_HERE.items():
                         assert shown in code, f"the quickstart's settings no longer have {shown}"
-                        code = code.replace(shown, here.format(dbname=dbname, redis=REDIS_URL))
+                        code = code.replace(shown, here.format(dbname=dbname, redis=redis))
                     with path.open("a") as file:  # "added to the end"
                         file.write("\n" + code)
                 else:

@@ -26,6 +26,9 @@ from tests.support.distributions import ROOT
 from tests.support.pg import ADMIN_DSN, create_database, drop_database
 from tests.test_readme import check_quickstart_run, run_quickstart
 
+#: The project's broker: a Redis database of this test's own, apart from tests/test_readme.py's
+#: (a worker of one quickstart would take the other's tasks from the default queue).
+REDIS_URL = os.environ.get("RUNCELL_TEST_WHEEL_REDIS", "redis://127.0.0.1:6379/12")
 #: Run by the fresh virtualenv's Python with a database's DSN: the library alone creates
 #: the limiter's schema from the installed ``schema.sql``.
 CREATE_SCHEMA = """
@@ -68,7 +71,9 @@ def quickstart_from_wheel(
     name = f"runcell_wheel_{uuid.uuid4().hex[:10]}"
     empty = tmp_path_factory.mktemp("wheel-quickstart")
     try:
-        seen, max_in_flight, printed = run_quickstart(empty, name, wheel=built_wheel)
+        seen, max_in_flight, printed = run_quickstart(
+            empty, name, wheel=built_wheel, redis=REDIS_URL
+        )
         yield QuickstartRun(empty, seen, max_in_flight, printed)
     finally:
         drop_database(psycopg.conninfo.make_conninfo(ADMIN_DSN, dbname=name))
