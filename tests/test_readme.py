@@ -313,6 +313,7 @@ SETTINGS_HERE = {
 #: tasks and waits for them, and reads the admin's limiter page as a superuser.
 SEND_TASKS = """
 import json
+import runcell_celery, runcell_django
 from django.contrib.auth.models import User
 from django.test import Client
 from django.test.utils import setup_test_environment
@@ -325,7 +326,8 @@ client = Client()
 client.force_login(User.objects.create_superuser("admin", "admin@example.com", "pw"))
 page = client.get("/admin/runcell_django/limiter/")
 print("RESULT:" + json.dumps({"replies": replies, "admin": page.status_code,
-                              "openai_in_admin": "openai" in page.content.decode()}))
+                              "openai_in_admin": "openai" in page.content.decode(),
+                              "packages": [runcell_celery.__file__, runcell_django.__file__]}))
 """
 
 
@@ -464,17 +466,27 @@ def _free_port() -> int:
 
 
 def run_quickstart(
-    tmp_path: Path, dbname: str, *, fresh_virtualenv: bool = False
+    tmp_path: Path,
+    dbname: str,
+    *,
+    fresh_virtualenv: bool = False,
+    wheel: Path | None = None,
+    redis: str = REDIS_URL,
 ) -> tuple[dict[str, object], int, str]:
     """Follow the quickstart in one shell from the empty directory ``tmp_path``: its
     commands in order, each file written when its block comes. Replaced: the database's
     name and the Redis database (this test's own), the provider's port (a free one),
     the worker run in the background; without ``fresh_virtualenv`` the checkout's
-    virtualenv (and code) instead of the virtualenv and ``pip install`` lines.
+    virtualenv (and code) instead of the virtualenv and ``pip install`` lines. With a
+    built ``wheel`` (a fresh virtualenv), the install line installs that wheel, with the
+    line's extras, instead of the clone, and the clone's line is left out. ``redis``:
+    the broker's Redis database (a test run beside this module's needs its own, the
+    project's worker taking tasks from the default queue).
 
     Return what :data:`SEND_TASKS` saw, the provider's maximum in flight, and what the
     shell printed.
     """
+    fresh_virtualenv = fresh_virtualenv or wheel is not None
     port = str(_free_port())
     env = {
         key: value
@@ -497,7 +509,7 @@ def run_quickstart(
                 if named["path"] == "mysite/settings.py":
                     for shown, here in SETTINGS_HERE.items():
                         assert shown in code, f"the quickstart's settings no longer have {shown}"
-                        code = code.replace(shown, here.format(dbname=dbname, redis=REDIS_URL))
+                        code = code.replace(shown, here.format(dbname=dbname, redis=redis))
                     with path.open("a") as file:  # "added to the end"
                         file.write("\n" + code)
                 else:
@@ -512,7 +524,12 @@ def run_quickstart(
                     command in VENV_LINES or INSTALL_FROM_CLONE.fullmatch(command)
                 ):
                     continue  # the checkout's virtualenv is on PATH already
-                if CLONE_LINE.match(command):
+                if wheel is not None and CLONE_LINE.match(command):
+                    continue  # nothing of the checkout is used
+                if wheel is not None and (install := INSTALL_FROM_CLONE.fullmatch(command)):
+                    requirement = f"runcell-celery[{install['extras']}] @ {wheel.as_uri()}"
+                    command = f"pip install {shlex.quote(requirement)}"
+                elif CLONE_LINE.match(command):
                     command = f"RUNCELL_SRC={shlex.quote(str(ROOT))}"
                 elif command.startswith("createdb "):
                     argv = shlex.split(command)
@@ -568,7 +585,7 @@ def quickstart_limit() -> int:
     return int(runcell["LIMITERS"]["openai"]["max_concurrent"])
 
 
-def _check_quickstart_run(seen: dict[str, object], max_in_flight: int, printed: str) -> None:
+def check_quickstart_run(seen: dict[str, object], max_in_flight: int, printed: str) -> None:
     assert len(seen["replies"]) == 12  # type: ignore[arg-type]
     assert seen["admin"] == 200
     assert seen["openai_in_admin"]
@@ -583,7 +600,7 @@ def test_readme_quickstart_builds_a_project_whose_worker_keeps_the_limit(
 ) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    _check_quickstart_run(*run_quickstart(empty, quickstart_database))
+    check_quickstart_run(*run_quickstart(empty, quickstart_database))
 
 
 @pytest.mark.stress
@@ -601,7 +618,7 @@ def test_readme_quickstart_works_from_a_fresh_virtualenv_with_the_install_line(
     assert extras["extras"] == "celery,django"
     empty = tmp_path / "empty"
     empty.mkdir()
-    _check_quickstart_run(*run_quickstart(empty, quickstart_database, fresh_virtualenv=True))
+    check_quickstart_run(*run_quickstart(empty, quickstart_database, fresh_virtualenv=True))
 
 
 def psycopg_dbname(dsn: str) -> str:

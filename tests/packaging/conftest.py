@@ -1,35 +1,22 @@
-"""The wheel, built once for every packaging test.
-
-It is built from a copy of the sources (never in the working tree, where a stale
-``build/`` could hide a missing file), the way ``pip install .`` builds it.
-"""
+"""The sdist and the wheel, built once for every packaging test
+(:mod:`tests.support.distributions`)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.distributions import Distributions, build_distributions
 
 
 @pytest.fixture(scope="session")
-def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel built by ``pip wheel --no-deps`` from a fresh copy of the sources."""
-    source = tmp_path_factory.mktemp("source")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, source / name)
-    shutil.copytree(ROOT / "runcell_celery", source / "runcell_celery", ignore=ignore)
-    shutil.copytree(ROOT / "django_app", source / "django_app", ignore=ignore)
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), "."],
-        cwd=source,
-        check=True,
-    )
-    (wheel,) = out.glob("*.whl")
-    return wheel
+def built_distributions(tmp_path_factory: pytest.TempPathFactory) -> Distributions:
+    """``python -m build`` on a copy of the checkout: the sdist, and the wheel from it."""
+    return build_distributions(tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture(scope="session")
+def built_wheel(built_distributions: Distributions) -> Path:
+    """The wheel ``python -m build`` made from the sdist."""
+    return built_distributions.wheel
