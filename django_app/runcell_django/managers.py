@@ -7,8 +7,9 @@ routers choose), and take times from the database (``Now()``), never the web ser
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, LiteralString, cast
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import connections, models, router
@@ -30,6 +31,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce, Now
 
 from runcell_celery import LimiterConfig
+from runcell_celery.postgres.operations import Rows
 
 from . import conf, sql
 from .event_types import EVENTS_DROPPED
@@ -242,21 +244,22 @@ class EventManager(_RunCellManager):
         found = self.filter(type=EVENTS_DROPPED, occurred_at__gte=since).aggregate(n=Sum("dropped"))
         return int(found["n"] or 0)
 
-    def purge(self, before: datetime.datetime, *, batch_size: int = 10_000) -> tuple[int, int]:
-        """Delete events and occupancy samples older than ``before``, in batches of
-        ``batch_size`` (short transactions); return how many of each were deleted."""
-        alias = self.get_queryset().db
-        counts = [0, 0]
-        for i, query in enumerate((sql.PURGE_EVENTS, sql.PURGE_OCCUPANCY)):
-            deleted = batch_size
-            while deleted >= batch_size:
-                with connections[alias].cursor() as cursor:
-                    cursor.execute(query, {"before": before, "limit": batch_size})
-                    deleted = cursor.rowcount
-                counts[i] += deleted
-        return counts[0], counts[1]
-
 
 def write_alias(model: type[models.Model]) -> str:
     """The alias to write ``model``'s rows to (the recorder's inserts)."""
     return conf.database_alias() or router.db_for_write(model)
+
+
+def database_rows(model: type[models.Model], *, write: bool = False) -> Rows:
+    """Run the statements of :mod:`runcell_celery.postgres.operations` on the connection
+    the app reads ``model`` from (or writes it to): in its transaction, if one is open."""
+    alias = write_alias(model) if write else model._default_manager.all().db
+
+    def rows(
+        query: LiteralString, params: Mapping[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(query, params)
+            return list(cursor.fetchall()) if cursor.description is not None else []
+
+    return rows

@@ -203,16 +203,3 @@ FROM sample, workloads AS w
 WHERE NOT EXISTS (SELECT 1 FROM runcell_occupancy AS o WHERE o.sampled_at = sample.at)
 ON CONFLICT (limiter, workload, sampled_at) DO NOTHING
 """
-
-#: Delete at most ``limit`` rows older than ``before`` (purge in short transactions).
-PURGE_EVENTS: LiteralString = """
-DELETE FROM runcell_event WHERE id IN (
-    SELECT id FROM runcell_event WHERE occurred_at < %(before)s LIMIT %(limit)s
-)
-"""
-
-PURGE_OCCUPANCY: LiteralString = """
-DELETE FROM runcell_occupancy WHERE id IN (
-    SELECT id FROM runcell_occupancy WHERE sampled_at < %(before)s LIMIT %(limit)s
-)
-"""

@@ -1,4 +1,5 @@
-"""Each limiter's live state, as the admin, the dashboard and ``runcell_status`` show it."""
+"""Each limiter's live state, as the admin and the dashboard show it (``runcell_status``
+prints :func:`runcell_celery.postgres.operations.status_table`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from django.utils.translation import gettext as _
 
 from runcell_celery.postgres import LimiterState as BackendLimiterState
+from runcell_celery.postgres.operations import format_ms as format_ms  # the pages' too
 
 from .charts import Bar, bar
 from .models import Limiter
@@ -136,24 +138,6 @@ def live_states() -> list[LimiterState]:
     """The live state of every stored limiter, keys left out (a keyed limiter sums them)."""
     limiters = Limiter.objects.without_keys().with_key_usage().with_live_stats()
     return [LimiterState.of(row) for row in limiters]
-
-
-def format_ms(ms: float | None) -> str:
-    """``850 ms``, ``12.3 s``, ``4 min 05 s``, ``2 h 03 min``; ``-`` for nothing."""
-    if ms is None:
-        return "-"
-    if ms < 0:
-        return "-" + format_ms(-ms)
-    if ms < 1_000:
-        return f"{ms:.0f} ms"
-    seconds = ms / 1000
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, seconds = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {seconds:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min"
 
 
 def format_duration(value: datetime.timedelta | None) -> str:

@@ -62,8 +62,8 @@ def refusal_message(conflicts: Sequence[LimitsConflict], settings_path: str) -> 
         "fail every task it took, so it takes none. To fix it, either stop every worker, "
         "change the settings and start them again; or, to change limits while the fleet "
         f'runs, set {option} = "use_stored" on every worker, store the new limits with '
-        "`manage.py runcell_sync_limiters --replace` (without Django: a limiter created "
-        "with on_conflict='replace') and restart the workers with the new settings; or "
+        "`manage.py runcell_sync_limiters --replace` (without Django: `celery -A <app> "
+        "runcell sync-limiters --replace`) and restart the workers with the new settings; or "
         "correct this worker's settings if they are a mistake (README: \"Changing limits "
         f'on a running fleet"). Exit status {EX_CONFIG}.'
     )

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AppState",
     "admission_counts",
+    "app_settings",
     "discard_state",
     "live_states",
     "registry_for",
@@ -124,7 +125,12 @@ def live_states() -> list[AppState]:
         return list(_states().values())
 
 
-def _configure(app: Celery) -> LimiterRegistry:
+def app_settings(
+    app: Celery,
+) -> tuple[Mapping[str, Any] | None, str, Callable[[str], str] | None]:
+    """Where ``app``'s limiters are configured, as its workers read it: ``(settings,
+    path_for_errors, resolve_database)`` of ``app.conf.runcell``, else of the settings
+    provider (Django's ``settings.RUNCELL``); ``settings`` is ``None`` if neither has any."""
     settings = app.conf.get("runcell")
     resolve: Callable[[str], str] | None = None
     path = "app.conf.runcell"
@@ -133,6 +139,11 @@ def _configure(app: Celery) -> LimiterRegistry:
         provided = provider()
         if provided is not None:
             settings, path, resolve = provided
+    return settings, path, resolve
+
+
+def _configure(app: Celery) -> LimiterRegistry:
+    settings, path, resolve = app_settings(app)
     registry = LimiterRegistry(resolve_database=resolve)
     if settings is not None:
         registry.configure(settings, path=path)

@@ -12,7 +12,8 @@
 
 The integration layers use :class:`PostgresBackend` (one per registry and process):
 it creates limiters and offers the stores of :mod:`runcell_celery.ports`. Everything
-they need is exported here; the other modules of this package are internal.
+they need is exported here, with :mod:`.operations` (the operators' commands: status,
+storing limits, force release, purging events); the other modules are internal.
 
 Needs the ``postgres`` extra (psycopg 3 and psycopg_pool).
 """

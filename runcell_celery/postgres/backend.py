@@ -362,14 +362,24 @@ class PostgresBackend:
             listener.add_parked_handler(handler)
 
     def force_release(
-        self, lease_ids: Sequence[str], *, actor: str | None = None
+        self, lease_ids: Sequence[str], *, actor: str | None = None, record: bool = False
     ) -> list[ReleasedLease]:
         """Take slots back from their holders now and give them to the next waiters, as
         when a crashed holder's lease runs out; the holder learns it at its next renewal (its
         error names ``actor``). Returns the leases released (those already gone left out).
+
+        :param record: also write a ``force-released`` event per lease, naming ``actor``
+            and this process, to ``runcell_event`` (runcell_django's table: the database
+            must have it), in the same statement.
         """
-        params = {"lease_ids": [str(lease_id) for lease_id in lease_ids], "actor": actor}
-        released = [ReleasedLease(*row) for row in self._fetch(statements.EXPIRE_LEASES, params)]
+        params = {
+            "lease_ids": [str(lease_id) for lease_id in lease_ids],
+            "actor": actor,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        query = statements.EXPIRE_LEASES_RECORDED if record else statements.EXPIRE_LEASES
+        released = [ReleasedLease(*row) for row in self._fetch(query, params)]
         self.reap(sorted({lease.limiter for lease in released}))
         return released
 

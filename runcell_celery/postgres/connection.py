@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any, LiteralString
@@ -27,6 +27,11 @@ from .options import DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_POOL_MAX_SIZE
 logger = logging.getLogger("runcell_celery.postgres")
 
 Connection = psycopg.Connection[Any]
+
+#: Runs one statement and returns its rows: on a backend's pool
+#: (:func:`~runcell_celery.postgres.operations.backend_rows`), or on a caller's
+#: connection to the same database (Django's, for its management commands).
+Rows = Callable[[LiteralString, Mapping[str, Any] | None], list[tuple[Any, ...]]]
 
 #: TCP keepalives on every connection: a peer that vanished (a partition, a frozen
 #: host) is noticed within about 20 s without sending a statement.

@@ -19,14 +19,12 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..errors import ConcurrencyLimiterError
 from .connection import redacted, scrubbed
 
-#: One row per (limiter, workload); the read gives up after 5 s (a scrape's default
-#: timeout is 10 s); keys summed under their keyed limiter. The
+#: One row per (limiter, workload); keys summed under their keyed limiter. The
 #: effective limit of a workload is the most it could hold now: its ceiling, and
 #: the limit less what every other workload holds or keeps reserved (reservations
 #: are never lent), as ``runcell_has_room_v3`` decides; summed over the stored keys
-#: of a keyed limiter (whose own row holds nothing).
-LIMITER_GAUGES: LiteralString = """
-SET LOCAL statement_timeout = 5000;
+#: of a keyed limiter (whose own row holds nothing). Parsed by :func:`gauges_from_rows`.
+WORKLOAD_GAUGES: LiteralString = """
 WITH line AS (
     SELECT coalesce(k.parent, q.limiter) AS limiter, q.workload,
            count(*) FILTER (WHERE q.parked) AS parked,
@@ -84,6 +82,10 @@ LEFT JOIN line USING (limiter, workload)
 WHERE p.max_concurrent IS NOT NULL
 ORDER BY w.limiter, w.workload
 """
+
+#: :data:`WORKLOAD_GAUGES` for a scrape: it gives up after 5 s (a scrape's default
+#: timeout is 10 s).
+LIMITER_GAUGES: LiteralString = "SET LOCAL statement_timeout = 5000;" + WORKLOAD_GAUGES
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,7 +107,8 @@ def store_limits(
             f"limiter {config.name!r} is stored with different limits: {differences}. "
             "All workers sharing a name must use the same limits: use a new name, "
             "store the new limits with on_conflict='replace' (runcell_sync_limiters "
-            "--replace), or let workers work on the stored limits with "
+            "--replace, or celery runcell sync-limiters --replace), or let workers work on "
+            "the stored limits with "
             "on_conflict='use_stored'",
             limiter=config.name,
         )

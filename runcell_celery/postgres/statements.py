@@ -247,7 +247,7 @@ SELECT workloads, active, waiting FROM runcell_limiter WHERE name = %(limiter)s
 
 #: An operator's force release: expire the leases (the next pass reaps them) and note
 #: who did it where the holder looks when its renewal fails.
-EXPIRE_LEASES: LiteralString = """
+_EXPIRE_LEASES: LiteralString = """
 WITH expired AS (
     UPDATE runcell_lease SET expires_at = clock_timestamp()
     WHERE lease_id = ANY(%(lease_ids)s::uuid[]) AND expires_at > clock_timestamp()
@@ -259,10 +259,34 @@ WITH expired AS (
     WHERE %(actor)s::text IS NOT NULL
     ON CONFLICT (op_id) DO NOTHING
 )
+"""
+
+_RELEASED: LiteralString = """
 SELECT lease_id::text, limiter, workload, request_id, fencing_token, run_id, root_run_id,
        parent_run_id, holder_name
 FROM expired
 """
+
+EXPIRE_LEASES: LiteralString = _EXPIRE_LEASES + _RELEASED
+
+#: :data:`EXPIRE_LEASES`, and a ``force-released`` event per lease in ``runcell_event``
+#: (the table runcell_django's migrations create; its columns are all nullable but
+#: these), in the same statement: the audit record commits with the release.
+EXPIRE_LEASES_RECORDED: LiteralString = (
+    _EXPIRE_LEASES
+    + """, recorded AS (
+    INSERT INTO runcell_event (type, occurred_at, limiter, workload, run_id, root_run_id,
+                               parent_run_id, request_id, holder_name, lease_id,
+                               fencing_token, host, pid, actor)
+    SELECT 'force-released', clock_timestamp(), left(limiter, 200), left(workload, 200),
+           left(run_id, 255), left(root_run_id, 255), left(parent_run_id, 255),
+           left(request_id, 255), left(holder_name, 255), lease_id::text, fencing_token,
+           left(%(host)s::text, 255), %(pid)s::integer, left(%(actor)s::text, 150)
+    FROM expired
+)
+"""
+    + _RELEASED
+)
 
 #: Who force-released a lease, if an operator did (see ``EXPIRE_LEASES``).
 FORCE_RELEASED_BY: LiteralString = """
@@ -369,4 +393,72 @@ LIMIT %(limit)s
 #: served since): ``runcell_purge_fair_history``.
 PURGE_FAIR_HISTORY: LiteralString = """
 SELECT runcell_purge_fair_history(%(idle_ms)s, %(limit)s)
+"""
+
+
+# -- Operators' commands (runcell_celery.postgres.operations) -------------------------
+
+#: Which of the named tables this database has (on the search path), read from the
+#: catalog: the limiter's (``runcell_limiter``) and runcell_django's (``runcell_event``,
+#: ``runcell_occupancy``), which a database without Django lacks.
+TABLES_PRESENT: LiteralString = """
+SELECT tablename::text FROM pg_catalog.pg_tables
+WHERE tablename = ANY(%(names)s::text[]) AND schemaname = ANY(current_schemas(false))
+"""
+
+#: The limits of every limiter that is not a key of a keyed limiter, by name.
+LIMITERS_NOT_KEYS: LiteralString = """
+SELECT name, config, workloads, reserved, priorities, max_queued FROM runcell_limiter
+WHERE parent IS NULL
+ORDER BY name
+"""
+
+#: The 95th percentile of the waits of the slots each named limiter granted in the
+#: last ``minutes`` (the ``acquired`` events runcell_django records).
+P95_WAITS: LiteralString = """
+SELECT limiter, percentile_cont(0.95) WITHIN GROUP (ORDER BY wait_ms)
+FROM runcell_event
+WHERE limiter = ANY(%(names)s::text[]) AND type = 'acquired'
+  AND occurred_at > clock_timestamp() - %(minutes)s * interval '1 minute'
+GROUP BY limiter
+"""
+
+#: The leases held now among ``lease_ids``, or by the runs ``run_ids`` (a force release
+#: checks what it was asked to release before it releases anything).
+HELD_LEASES: LiteralString = """
+SELECT lease_id::text, limiter, workload, run_id, holder_name, holder_host, holder_pid,
+       fencing_token
+FROM runcell_lease
+WHERE (lease_id = ANY(%(lease_ids)s::uuid[]) OR run_id = ANY(%(run_ids)s::text[]))
+  AND expires_at > clock_timestamp()
+ORDER BY limiter, acquired_at
+"""
+
+#: The moment ``older_than_ms`` ago in database time: one cutoff for a whole purge.
+CUTOFF: LiteralString = """
+SELECT clock_timestamp() - %(older_than_ms)s * interval '1 millisecond'
+"""
+
+#: Delete at most ``limit`` events older than ``before`` (``runcell_event_for_list``);
+#: a purge repeats it, so no transaction is long.
+PURGE_EVENTS: LiteralString = """
+WITH gone AS (
+    DELETE FROM runcell_event WHERE id IN (
+        SELECT id FROM runcell_event WHERE occurred_at < %(before)s LIMIT %(limit)s
+    )
+    RETURNING 1
+)
+SELECT count(*) FROM gone
+"""
+
+#: Delete at most ``limit`` occupancy samples older than ``before``
+#: (``runcell_occupancy_for_chart``).
+PURGE_OCCUPANCY: LiteralString = """
+WITH gone AS (
+    DELETE FROM runcell_occupancy WHERE id IN (
+        SELECT id FROM runcell_occupancy WHERE sampled_at < %(before)s LIMIT %(limit)s
+    )
+    RETURNING 1
+)
+SELECT count(*) FROM gone
 """

@@ -1,4 +1,9 @@
-"""``manage.py runcell_status``: every stored limiter's live state, as a table."""
+"""``manage.py runcell_status``: every stored limiter's live state, as a table.
+
+The same table as ``celery -A proj runcell status``
+(:func:`runcell_celery.postgres.operations.status_table`), read on the app's database
+connection, without the ``parked`` column (scripts read this one's columns by position).
+"""
 
 from __future__ import annotations
 
@@ -6,29 +11,21 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from runcell_django.state import format_ms, live_states
+from runcell_celery.postgres import operations
+from runcell_django.managers import database_rows
+from runcell_django.models import Limiter
 
-HEADERS = ("limiter", "workload", "held", "limit", "queued", "oldest wait", "p95 wait (15 min)")
+#: The columns this command has always printed.
+COLUMNS = tuple(column for column in operations.COLUMNS if column != "parked")
 
 
 class Command(BaseCommand):
     help = "Show each limiter's slots held, its queue and its wait times (database view)."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        rows: list[tuple[str, ...]] = []
-        for state in live_states():
-            counts = (str(state.active), str(state.limit), str(state.queued))
-            waits = (format_ms(state.oldest_wait_ms), format_ms(state.p95_wait_ms))
-            rows.append((state.name, "(all)", *counts, *waits))
-            for w in state.workloads:
-                limit = f"{w.limit}" + (f" ({w.reserved} reserved)" if w.reserved else "")
-                rows.append(("", w.name, str(w.active), limit, str(w.queued), "", ""))
-        if not rows:
+        statuses = operations.limiter_status(database_rows(Limiter))
+        if not statuses:
             self.stdout.write("No limiter is stored in the database yet.")
             return
-        widths = [max(len(r[i]) for r in (HEADERS, *rows)) for i in range(len(HEADERS))]
-        for i, row in enumerate((HEADERS, *rows)):
-            cells = (cell.ljust(widths[n]) for n, cell in enumerate(row))
-            self.stdout.write("  ".join(cells).rstrip())
-            if i == 0:
-                self.stdout.write("  ".join("-" * w for w in widths))
+        for line in operations.status_table(statuses, columns=COLUMNS):
+            self.stdout.write(line)

@@ -2,7 +2,8 @@
 
 Workers store a limiter's limits on first use; this stores them at deploy time and says
 what differs. A stored limiter whose limits differ is an error unless ``--replace``
-(README, "Changing limits on a running fleet").
+(README, "Changing limits on a running fleet"). The same as ``celery -A proj runcell
+sync-limiters`` (:func:`runcell_celery.postgres.operations.sync_limiters`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from runcell_celery import ConcurrencyConfigError
-from runcell_celery.registry import LimiterRegistry
+from runcell_celery.postgres import operations
 from runcell_django import conf
-from runcell_django.models import Limiter
 
 
 class Command(BaseCommand):
@@ -28,43 +28,22 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, replace: bool = False, **options: Any) -> None:
-        settings = dict(conf.runcell_settings())
-        configured = conf.registry()
-        if configured.database_dsn is None:
-            raise CommandError(
-                f'{conf.SETTING} has no PostgreSQL database ("DATABASE"): nothing to store'
+        try:
+            conf.registry()  # RUNCELL checked as everywhere else (its DATABASE, first)
+            results = operations.sync_limiters(
+                conf.runcell_settings(),
+                path=conf.SETTING,
+                resolve_database=conf.resolve_database,
+                replace=replace,
             )
-        postgres = {
-            **settings.get("POSTGRES", {}),
-            "on_conflict": "replace" if replace else "error",
-            "listen": False,
-            "pool_max_size": 1,
-        }
-        registry = LimiterRegistry(resolve_database=conf.resolve_database)
-        registry.configure({**settings, "POSTGRES": postgres}, path=conf.SETTING)
-        stored = {row.name: row.limits for row in Limiter.objects.all()}
-        conflicts: list[str] = []
-        for name in registry.names():
-            mine = registry.config(name)
-            assert mine is not None
-            before = stored.get(name)
-            differences = mine.differences(before) if before is not None else []
-            try:
-                registry.get(name)
-            except ConcurrencyConfigError as exc:
-                conflicts.append(f"{name}: {exc.message}")
-                self.stdout.write(f"{name}: differs ({', '.join(differences)})")
-                continue
-            if before is None:
-                self.stdout.write(f"{name}: stored")
-            elif differences:
-                self.stdout.write(f"{name}: replaced ({', '.join(differences)})")
-            else:
-                self.stdout.write(f"{name}: unchanged")
-        for name in sorted(set(stored) - set(registry.names())):
-            self.stdout.write(f"{name}: stored, not in {conf.SETTING} (left as is)")
+        except ConcurrencyConfigError as exc:
+            raise CommandError(exc.message) from None
+        for result in results:
+            self.stdout.write(result.describe(conf.SETTING))
+        conflicts = [r for r in results if r.outcome == "differs"]
         if conflicts:
             raise CommandError(
                 "stored limits differ from the settings; run again with --replace to "
-                "store the settings' limits:\n" + "\n".join(conflicts)
+                "store the settings' limits:\n"
+                + "\n".join(f"{r.name}: {r.error}" for r in conflicts)
             )
