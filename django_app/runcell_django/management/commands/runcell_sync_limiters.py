@@ -2,7 +2,7 @@
 
 Workers store a limiter's limits on first use; this stores them at deploy time and says
 what differs. A stored limiter whose limits differ is an error unless ``--replace``
-(README, "Changing limits on a running fleet").
+(docs/postgres.md, "Changing limits on a running fleet").
 """
 
 from __future__ import annotations
