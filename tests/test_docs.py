@@ -2,7 +2,7 @@
 would run it; the documentation builds, and lists every public name.
 
 * ``python`` blocks: each in a fresh interpreter, with ``DATABASE_URL`` (a database of
-  this test's own), ``REDIS_URL`` and ``PROVIDER_URL`` (a fake provider) set. A block
+  this test's own, with the limiter's schema), ``REDIS_URL`` and ``PROVIDER_URL`` (a fake provider) set. A block
   with ``urlpatterns`` must add to the project's (``urlpatterns += [...]``), not
   replace them and the admin with them. A block
   that sends a Celery task (``app`` and ``result``) gets a real worker for its app, and
@@ -54,6 +54,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from runcell_celery.postgres import ensure_schema
 from runcell_celery.testing import FakeProvider
 from tests.support.demo import demo_environment, run_demo, summary
 from tests.support.django_project import DjangoProject
@@ -206,7 +207,12 @@ def test_every_page_is_read_by_this_test() -> None:
 
 @pytest.fixture(scope="module")
 def block_env() -> Iterator[dict[str, str]]:
+    """The environment of every block: a database of this module's own with the
+    limiter's schema, as in a migrated project (so a block that only reads, such as the
+    counters', runs in any order and on any xdist worker), Redis and a fake provider."""
     database = create_database("runcell_docs")
+    with psycopg.connect(database, autocommit=True) as conn:
+        ensure_schema(conn)
     with FakeProvider(latency_ms=5) as provider:
         yield {
             **os.environ,
