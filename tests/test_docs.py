@@ -2,9 +2,9 @@
 would run it; the documentation builds, and lists every public name.
 
 * ``python`` blocks: each in a fresh interpreter, with ``DATABASE_URL`` (a database of
-  this test's own, with the limiter's schema), ``REDIS_URL`` and ``PROVIDER_URL`` (a fake provider) set. A block
-  with ``urlpatterns`` must add to the project's (``urlpatterns += [...]``), not
-  replace them and the admin with them. A block
+  this test's own, with the limiter's schema), ``REDIS_URL`` and ``PROVIDER_URL`` (a
+  fake provider) set. A block with ``urlpatterns`` must add to the project's
+  (``urlpatterns += [...]``), not replace them and the admin with them. A block
   that sends a Celery task (``app`` and ``result``) gets a real worker for its app, and
   the result is awaited; a block that defines ``RUNCELL`` has it validated.
 * ``sh`` blocks: each command line. ``./demo`` runs in its CI form (``--no-serve --size
@@ -848,3 +848,22 @@ def test_changelog_has_an_unreleased_section_and_the_docs_include_it() -> None:
         if block.info.startswith("{include}")
     ]
     assert included == ["{include} ../CHANGELOG.md"]
+
+
+#: A Markdown link to a file of this repository: ``[text](docs/page.md#anchor)``.
+LOCAL_LINK = re.compile(r"\]\((?P<path>(?!https?:|#)[^)#\s]+)(?:#(?P<anchor>[^)\s]+))?\)")
+
+
+def test_readme_links_reach_pages_and_sections_that_exist(built_docs: Path) -> None:
+    """The README is built only in part (the sections docs/getting-started.md includes):
+    its other links are checked here, against the files and the built pages' ids."""
+    links = LOCAL_LINK.findall(README.read_text())
+    assert any(path.startswith("docs/") for path, _ in links)
+    for path, anchor in links:
+        assert (ROOT / path).is_file(), f"README.md links to a missing file: {path}"
+        if not anchor:
+            continue
+        assert path.startswith("docs/"), (path, anchor)
+        assert path.endswith(".md"), (path, anchor)
+        page = (built_docs / Path(path).relative_to("docs").with_suffix(".html")).read_text()
+        assert f'id="{anchor}"' in page, f"README.md links to a missing section: {path}#{anchor}"
