@@ -603,7 +603,7 @@ def bench_saturated(
         "workers": "2 x prefork 4",
         "library_default_admission_wait_ms": DEFAULT_ADMISSION_WAIT_MS,
         # With no fixed wait, a deferrable task parks once its expected wait exceeds
-        # this (README "When a task parks").
+        # this (docs/celery.md, "When a task parks").
         "library_default_defer_after_ms": DEFAULT_DEFER_AFTER_MS,
     }
     try:

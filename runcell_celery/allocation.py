@@ -4,7 +4,7 @@ The decision is a pure function of the limits, the slots each workload holds and
 waiters in arrival order, kept in one place so the in-memory and PostgreSQL limiters
 (and any custom one) agree, and so it can be property-tested against a reference model.
 
-Rules (README, "Settings reference": workloads), :func:`allocate`:
+Rules (docs/slots.md, "Workloads, priorities and the line"), :func:`allocate`:
 
 * **Reservations are strict and never lent**: idle reserved slots stay idle.
 * **Ceilings hold**: per workload and for the limiter.

@@ -1,7 +1,8 @@
 """Structured events about slots, delivered to listeners.
 
-One event per step of a slot's life (the fields each type carries: README, "Errors");
-listeners turn them into logs, metrics or rows (the Django app records them).
+One event per step of a slot's life (the fields each type carries: docs/slots.md,
+"Errors and events"); listeners turn them into logs, metrics or rows (the Django app
+records them).
 A request over several limiters has one event per step: ``limiter`` (and ``lease_id``,
 ``fencing_token``) the first limiter's, ``limiters`` all of them, ``key`` its fairness
 key. Events never carry prompts, arguments or credentials (``error`` is scrubbed).
@@ -39,6 +40,7 @@ EventType = Literal[
     "config-error", "released", "renewal-failed", "lease-lost", "release-failed",
 ]
 # fmt: on
+#: Every event type, in the order of a slot's life (see :class:`ConcurrencyEvent`).
 EVENT_TYPES: tuple[EventType, ...] = get_args(EventType)
 
 

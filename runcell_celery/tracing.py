@@ -1,4 +1,4 @@
-"""OpenTelemetry spans for slot waits and holds (README, "Tracing").
+"""OpenTelemetry spans for slot waits and holds (docs/metrics.md, "Tracing").
 
 ``runcell.slot.wait`` runs from asking for a slot until the answer, ``runcell.slot.hold``
 from the grant until the release, each with its ``runcell.outcome`` and the request's

@@ -13,7 +13,7 @@ reverse. This script writes it from a catalog diff:
 2. the forward SQL creates what is new, alters what differs and replaces the functions
    whose definition changed; the reverse is the same diff taken the other way;
 3. functions the new schema no longer has are kept for one version, for the workers
-   of the previous version still running during a rolling upgrade (README
+   of the previous version still running during a rolling upgrade (docs/postgres.md,
    "Upgrading"): listed in the migration's ``KEPT``, dropped by the next delta (or at
    once with ``--drop-removed``);
 4. it records the new version in ``runcell_schema`` (the reverse records the previous

@@ -54,7 +54,7 @@ def check_settings(
                 f"runcell_django is installed but settings have no {conf.SETTING}{meant}: "
                 "no limiter is configured, and every task naming a limiter fails.",
                 hint=f'Add {conf.SETTING} = {{"DATABASE": "default", "LIMITERS": {{...}}}} '
-                "to your settings (see the README's quickstart).",
+                "to your settings (see docs/getting-started.md, 'Use it in your Django project').",
                 id="runcell_django.W002",
             )
         ]
@@ -65,7 +65,7 @@ def check_settings(
             Error(
                 exc.message,
                 hint=f"Correct {conf.SETTING} in your settings: the message names the "
-                "setting and what would be valid (see the README's Settings reference).",
+                "setting and what would be valid (see docs/settings.md).",
                 id="runcell_django.E004",
             )
         ]

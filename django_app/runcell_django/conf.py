@@ -115,7 +115,7 @@ def runcell_settings() -> Mapping[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class EventSettings:
-    """``RUNCELL["EVENTS"]``: how concurrency events are recorded (README, Settings)."""
+    """``RUNCELL["EVENTS"]``: how concurrency events are recorded (docs/settings.md)."""
 
     enabled: bool = True
     #: Most events waiting to be written per process; more are dropped and counted.

@@ -118,7 +118,7 @@ RUNCELL = {
     },
     # The demo only: its --limit may differ from the previous run's, and "replace"
     # stores the new one ("the last worker started wins"). A fleet leaves it out (the
-    # default, "error"): see "Changing limits on a running fleet" in README.md.
+    # default, "error"): see "Changing limits on a running fleet" in docs/postgres.md.
     "POSTGRES": {"on_conflict": "replace"},
     # Record events for the admin; sample occupancy every second for the dashboard.
     "EVENTS": {"ENABLED": True, "SAMPLE_INTERVAL_MS": 2_000},

@@ -64,8 +64,8 @@ def refusal_message(conflicts: Sequence[LimitsConflict], settings_path: str) -> 
         f'runs, set {option} = "use_stored" on every worker, store the new limits with '
         "`manage.py runcell_sync_limiters --replace` (without Django: `celery -A <app> "
         "runcell sync-limiters --replace`) and restart the workers with the new settings; or "
-        "correct this worker's settings if they are a mistake (README: \"Changing limits "
-        f'on a running fleet"). Exit status {EX_CONFIG}.'
+        "correct this worker's settings if they are a mistake (docs/postgres.md: \"Changing "
+        f'limits on a running fleet"). Exit status {EX_CONFIG}.'
     )
 
 

@@ -1,6 +1,6 @@
 """Every metric runcell exports: its name, type, labels and meaning, in one place.
 
-The collectors build their metrics from these tables; a test holds the README's table
+The collectors build their metrics from these tables; a test holds the docs' table
 and the Grafana dashboard to them. Labels are bounded on purpose: ``limiter`` and
 ``workload`` (from the configured limits) and small fixed sets (``outcome``, ``reason``,
 ``operation``), never a task id, a run id or a key (a keyed limiter's tenants are
@@ -14,10 +14,10 @@ from typing import Literal
 
 __all__ = ["BUCKETS_SECONDS", "DATABASE_METRICS", "EVENT_METRICS", "METRICS", "MetricSpec", "spec"]
 
+# fmt: off
 #: Histogram buckets for waits and holds, from a free slot to a ten-minute generation.
 #: From 0.1 s on each bound is at most 1.5x the one below (1.25x where parked waits
 #: fall), so a p95 from ``histogram_quantile`` stays close to the admin's exact one.
-# fmt: off
 BUCKETS_SECONDS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5,
     3.0, 3.5, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
@@ -57,8 +57,9 @@ def _table(source: Source, *rows: _Row) -> tuple[MetricSpec, ...]:
     return tuple(MetricSpec(*row, source=source) for row in rows)
 
 
-# The tables are kept one metric to a row or two, as the README shows them.
+# The tables are kept one metric to a row or two, as docs/metrics.md shows them.
 # fmt: off
+#: The metrics each process counts from its own slot events.
 EVENT_METRICS = _table(
     "events",
     ("runcell_slots_acquired_total", "counter", _LW, "Slots acquired."),
@@ -81,6 +82,7 @@ EVENT_METRICS = _table(
      "by operation (acquire, renew, release)."),
 )
 
+#: The metrics read from the limiter's tables at scrape time (the fleet's state now).
 DATABASE_METRICS = _table(
     "database",
     ("runcell_slots_held", "gauge", _LW, "Slots held now."),
@@ -104,6 +106,7 @@ DATABASE_METRICS = _table(
 )
 # fmt: on
 
+#: Every metric, in the order the documentation lists them.
 METRICS: tuple[MetricSpec, ...] = EVENT_METRICS + DATABASE_METRICS
 
 

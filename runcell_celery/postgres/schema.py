@@ -94,6 +94,6 @@ def _checked(conn: psycopg.Connection[Any], version: int | None, *, create: bool
         f"the database's runcell schema is version {version}, older than this "
         f"runcell_celery's (version {SCHEMA_VERSION}): the database is stale; apply the "
         "migrations (manage.py migrate runcell_django) or postgres_concurrency_schema_sql() "
-        "(README 'Upgrading' says which upgrades need every worker stopped), or create "
+        "(docs/postgres.md, 'Upgrading', says which upgrades need every worker stopped), or create "
         "the limiter with ensure_schema=True"
     )

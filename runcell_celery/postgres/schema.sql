@@ -189,8 +189,8 @@ ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS waiting integer[] NOT NULL 
 -- How long a slot of this limiter is held, on average (milliseconds): an exponentially
 -- weighted mean of recent holds (weight 0.2 for the newest), kept by the release in
 -- the update it makes anyway. NULL until the first release. A queued acquire answers
--- with it so a deferrable task can tell a short wait from a long one (README "When a
--- task parks").
+-- with it so a deferrable task can tell a short wait from a long one (docs/celery.md,
+-- "When a task parks").
 ALTER TABLE runcell_limiter ADD COLUMN IF NOT EXISTS hold_ms_avg double precision;
 -- A key of a keyed limiter (``limiter.key("acme")``): a limiter row named
 -- "<keyed limiter>:<key>" whose parent is the keyed limiter's row. It is created by the
@@ -273,7 +273,7 @@ DROP INDEX IF EXISTS runcell_lease_for_counts;
 
 -- The functions of the pre-release (0.1.0 development) revisions carried a version
 -- suffix (runcell_acquire_v3, runcell_allocate_group_v5, ...): they are dropped, so a
--- worker of such a revision fails closed (README "Upgrading": stop every worker).
+-- worker of such a revision fails closed (docs/postgres.md, "Upgrading": stop every worker).
 DO $$
 DECLARE
     v_old regprocedure;
@@ -428,7 +428,7 @@ BEGIN
 END;
 $$;
 
--- The several-limiter waiting rule (README "Requests over several limiters"; the same
+-- The several-limiter waiting rule (docs/slots.md, "Several limits and keys"; the same
 -- rule as runcell_celery.allocation.allocate_several). A request over several limiters
 -- waits as one row per limiter, each at its arrival place in that limiter's line, and
 -- holds no capacity while it waits: allocation in a limiter passes over its row and

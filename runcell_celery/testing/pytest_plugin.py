@@ -1,9 +1,9 @@
 """The pytest plugin for projects testing their own tasks under their own limits.
 
 Loaded through the ``pytest11`` entry point ``runcell_celery`` (``-p no:runcell_celery``
-turns it off). It defines only fixtures named ``runcell_*`` (README, "Testing your
-tasks") and one teardown hook, and imports Django, Celery and psycopg only in the
-fixtures that need them, so a test that uses none runs exactly as without it.
+turns it off). It defines only fixtures named ``runcell_*`` (docs/testing.md) and one
+teardown hook, and imports Django, Celery and psycopg only in the fixtures that need
+them, so a test that uses none runs exactly as without it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A limit changed in the settings of one of two workers, which is then restarted
-(README, "Changing limits on a running fleet"): under the default
+(docs/postgres.md, "Changing limits on a running fleet"): under the default
 ``on_conflict="error"`` the restarted worker refuses to start, before it takes any
 task, with one clear message and a non-zero exit status; the other worker serves
 every task, so none fails.

@@ -1,5 +1,5 @@
-"""Changing a limit while workers with the old settings run (README, "Changing limits on
-a running fleet"): no task fails.
+"""Changing a limit while workers with the old settings run (docs/postgres.md,
+"Changing limits on a running fleet"): no task fails.
 
 A real prefork worker runs with the old limit (1) and ``on_conflict="use_stored"``.
 The new limit (3) is stored the way ``runcell_sync_limiters --replace`` stores it (a

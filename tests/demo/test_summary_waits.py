@@ -164,7 +164,7 @@ def test_what_the_workers_record_gives_a_parked_run_the_wait_its_event_carries(
     assert failures == {}
 
 
-def test_the_readme_sample_summary_has_the_headings_the_summary_prints() -> None:
+def test_the_docs_sample_summary_has_the_headings_the_summary_prints() -> None:
     summary = Summary(
         size="small",
         limit=4,
@@ -178,7 +178,7 @@ def test_the_readme_sample_summary_has_the_headings_the_summary_prints() -> None
     start = lines.index("  waits per workload, p50 and p95:")
     end = next(i for i, line in enumerate(lines) if line.split()[:1] == ["background"])
     headings = "\n".join(lines[start:end])
-    readme = (ROOT / "README.md").read_text()
-    sample = readme[readme.index("```text\nSummary (") :]
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    sample = page[page.index("```text\nSummary (") :]
     sample = sample[: sample.index("```", 3)]
     assert headings in sample

@@ -1,5 +1,5 @@
-"""The metric names: Prometheus's conventions, bounded labels, and the README table
-and the Grafana dashboard in step with what is exported."""
+"""The metric names: Prometheus's conventions, bounded labels, and the table of
+docs/metrics.md and the Grafana dashboard in step with what is exported."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def test_labels_are_bounded_never_a_task_id_or_a_key() -> None:
         assert metric.labels[:1] in ((), ("limiter",)), metric.name
 
 
-def test_the_readme_table_lists_every_metric_with_its_type_and_labels() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Metrics\n", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_table_lists_every_metric_with_its_type_and_labels() -> None:
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    section = page.split("## Metrics\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(runcell_\w+)` \| (\w+) \| ([^|]*) \| ([^|]*) \|$", section, re.M)
     listed = {
         name: (kind, re.findall(r"`(\w+)`", labels), meaning)

@@ -115,10 +115,10 @@ def test_the_wheel_carries_the_license(wheel_files: set[str]) -> None:
     assert license_file.startswith("runcell_celery-")
 
 
-def test_the_sdist_holds_the_packages_at_their_checkout_paths_with_license_and_readme(
+def test_the_sdist_holds_the_packages_at_their_checkout_paths_with_license_readme_and_changelog(
     sdist_files: set[str],
 ) -> None:
-    expected = {"LICENSE", "README.md", "pyproject.toml", "PKG-INFO"} | {
+    expected = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "PKG-INFO"} | {
         name
         for name in checkout_files()
         if any(name.startswith(f"{directory}/") for directory in PACKAGE_DIRS.values())

@@ -1,7 +1,7 @@
 """The wheel ``python -m build`` makes, installed into a fresh virtualenv, runs the
 README's quickstart: a new Django project whose Celery worker keeps the limit.
 
-The quickstart runs as tests/test_readme.py runs it (one shell, from an empty
+The quickstart runs as tests/test_docs.py runs it (one shell, from an empty
 directory), with its install line pointed at the built wheel instead of a clone:
 nothing of the checkout or its virtualenv is on the path, so a module or template the
 wheel lacks fails the run. The Django app's migrations carry the limiter's DDL frozen;
@@ -24,9 +24,9 @@ import pytest
 
 from tests.support.distributions import ROOT
 from tests.support.pg import ADMIN_DSN, create_database, drop_database
-from tests.test_readme import check_quickstart_run, run_quickstart
+from tests.test_docs import check_quickstart_run, run_quickstart
 
-#: The project's broker: a Redis database of this test's own, apart from tests/test_readme.py's
+#: The project's broker: a Redis database of this test's own, apart from tests/test_docs.py's
 #: (a worker of one quickstart would take the other's tasks from the default queue).
 REDIS_URL = os.environ.get("RUNCELL_TEST_WHEEL_REDIS", "redis://127.0.0.1:6379/12")
 #: Run by the fresh virtualenv's Python with a database's DSN: the library alone creates

@@ -1,5 +1,5 @@
-"""The several-limiter waiting rule in PostgreSQL (README "Requests over several
-limiters"): a request over ``[a, b]`` holds no capacity while it waits, is served at its
+"""The several-limiter waiting rule in PostgreSQL (docs/slots.md, "Several limits
+and keys"): a request over ``[a, b]`` holds no capacity while it waits, is served at its
 place once only one of its limiters lacks room, and is not starved: past
 ``GROUP_AGEING_MS`` its slots are set aside as they free."""
 

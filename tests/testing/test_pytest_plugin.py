@@ -238,23 +238,23 @@ def test_loading_the_plugin_imports_neither_django_celery_nor_psycopg() -> None:
     assert done.stdout.decode().strip() == "[]"
 
 
-def _readme_testing_example() -> tuple[str, str]:
-    """The README's testing example and the ``conftest.py`` it says to write."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+def _docs_testing_example() -> tuple[str, str]:
+    """The testing example of docs/testing.md and the ``conftest.py`` it says to write."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
     (example,) = [block for block in blocks if "runcell_test_settings" in block]
     (conftest,) = [block for block in blocks if block.startswith("# conftest.py\n")]
     return example, conftest
 
 
 @pytest.mark.parametrize("with_conftest", [True, False])
-def test_the_readmes_testing_example_collects_with_its_conftest_line_and_only_with_it(
+def test_the_docs_testing_example_collects_with_its_conftest_line_and_only_with_it(
     pytester: pytest.Pytester, with_conftest: bool
 ) -> None:
-    """No ``-p celery.contrib.pytest``: the README's ``conftest.py`` line loads Celery's
-    fixtures (pytest-celery's plugin, installed here, is turned off as the README says)."""
-    example, conftest = _readme_testing_example()
-    pytester.makepyfile(test_readme_example=example)
+    """No ``-p celery.contrib.pytest``: the docs' ``conftest.py`` line loads Celery's
+    fixtures (pytest-celery's plugin, installed here, is turned off as the docs say)."""
+    example, conftest = _docs_testing_example()
+    pytester.makepyfile(test_docs_example=example)
     if with_conftest:
         pytester.makeconftest(conftest)
     result = _run(pytester, "-p", "no:celery", "--collect-only")
@@ -270,9 +270,9 @@ def test_the_readmes_testing_example_collects_with_its_conftest_line_and_only_wi
 # Two tests with a worker each, in a pytest of its own: about 20 s, so with the stress
 # suite (which CI runs too), not in the default run.
 @pytest.mark.stress
-def test_the_readmes_testing_example_passes_as_a_users_suite(pytester: pytest.Pytester) -> None:
-    example, conftest = _readme_testing_example()
-    pytester.makepyfile(test_readme_example=example)
+def test_the_docs_testing_example_passes_as_a_users_suite(pytester: pytest.Pytester) -> None:
+    example, conftest = _docs_testing_example()
+    pytester.makepyfile(test_docs_example=example)
     pytester.makeconftest(conftest)
     result = _run(pytester, "-p", "no:celery")
     result.assert_outcomes(passed=2)

@@ -5,7 +5,7 @@ the squashed 0001 (``replaces``), but its limiter functions are those of the
 pre-release schema (recorded as version 3, names with a version suffix). This applies
 0001's frozen DDL to it, which is idempotent: it adds what is missing, replaces the
 functions and drops the suffixed ones. A database that 0001 created is at version 4
-already and is left alone. Stop every worker before migrating such a database (README
+already and is left alone. Stop every worker before migrating such a database (docs/postgres.md,
 "Upgrading"): workers of the pre-release code fail closed against the new functions.
 
 Reverse: nothing (the pre-release schema is not restored; migrating to zero removes

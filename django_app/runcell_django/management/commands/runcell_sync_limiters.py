@@ -2,8 +2,8 @@
 
 Workers store a limiter's limits on first use; this stores them at deploy time and says
 what differs. A stored limiter whose limits differ is an error unless ``--replace``
-(README, "Changing limits on a running fleet"). The same as ``celery -A proj runcell
-sync-limiters`` (:func:`runcell_celery.postgres.operations.sync_limiters`).
+(docs/postgres.md, "Changing limits on a running fleet"). The same as ``celery -A proj
+runcell sync-limiters`` (:func:`runcell_celery.postgres.operations.sync_limiters`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,36 @@
-"""Every code block in README.md runs, as a reader would run it.
+"""Every code block in README.md and in the documentation (docs/*.md) runs, as a reader
+would run it; the documentation builds, and lists every public name.
 
 * ``python`` blocks: each in a fresh interpreter, with ``DATABASE_URL`` (a database of
-  this test's own), ``REDIS_URL`` and ``PROVIDER_URL`` (a fake provider) set. A block
-  with ``urlpatterns`` must add to the project's (``urlpatterns += [...]``), not
-  replace them and the admin with them. A block
+  this test's own, with the limiter's schema), ``REDIS_URL`` and ``PROVIDER_URL`` (a
+  fake provider) set. A block with ``urlpatterns`` must add to the project's
+  (``urlpatterns += [...]``), not replace them and the admin with them. A block
   that sends a Celery task (``app`` and ``result``) gets a real worker for its app, and
   the result is awaited; a block that defines ``RUNCELL`` has it validated.
 * ``sh`` blocks: each command line. ``./demo`` runs in its CI form (``--no-serve --size
   small``, on this test's database) and must show the limit held; the benchmarks run
-  with small sizes; the fake provider is started, asked for its health and stopped;
-  ``scripts/test`` is the command running this very test (``.ci/run`` calls it).
-* ``text`` blocks are sample output and are not run.
-* The blocks of "Use it in your Django project" are files of a project, not scripts:
+  with small sizes; the fake provider and the metrics exporter are started, asked for
+  their health and stopped; ``scripts/test`` is the command running this very test
+  (``.ci/run`` calls it); the ``sphinx-build`` line builds the documentation.
+* ``text`` blocks are sample output and are not run. MyST directives (``{include}``,
+  ``{toctree}``, ``{eval-rst}``) are the build's, which the build test runs.
+* The blocks of README's "Use it in your Django project" (the quickstart, which
+  docs/getting-started.md includes) are files of a project, not scripts:
   ``test_readme_quickstart_builds_a_project_whose_worker_keeps_the_limit`` writes them
   into a project made by ``django-admin startproject`` (the first line of each names
   its file) and runs the section's commands in it; the ``pip install`` line's extras
   must exist, and the stress suite runs it in a fresh virtualenv.
+* The build: ``sphinx-build -W`` as docs/development.md shows it (and scripts/test runs
+  it), into a directory of this test's own; its ``objects.inv`` must name every name the
+  public modules export (their ``__all__``).
 
-A command the test does not know fails it, so a new README block needs a way to run.
+A block in another language, or a command the test does not know, fails it, so a new
+block needs a way to run.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -37,12 +46,15 @@ import time
 import tomllib
 import urllib.request
 import uuid
+import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from runcell_celery.postgres import ensure_schema
 from runcell_celery.testing import FakeProvider
 from tests.support.demo import demo_environment, run_demo, summary
 from tests.support.django_project import DjangoProject
@@ -50,8 +62,15 @@ from tests.support.pg import ADMIN_DSN, create_database, drop_database
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-#: A Redis database of the README test's own: its Celery block uses the default queue.
+DOCS = ROOT / "docs"
+#: The pages whose blocks run: the README, then the documentation's.
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+#: A fence's opening line: its backticks and its info string (a language, or a MyST
+#: directive such as ``{include} ../README.md``).
+OPENING = re.compile(r"^(?P<fence>`{3,})(?P<info>[^`]*)$")
+#: The fenced blocks that are MyST directives, which the build runs (not this test).
+DIRECTIVES = {"{include}", "{toctree}", "{eval-rst}"}
+#: A Redis database of the docs test's own: its Celery block uses the default queue.
 REDIS_URL = os.environ.get("RUNCELL_TEST_README_REDIS", "redis://127.0.0.1:6379/15")
 
 DRIVER = """
@@ -61,7 +80,7 @@ source = sys.stdin.read()
 project_urls = [object()]  # a block adding to a project's urlpatterns keeps what it had
 if "urlpatterns += " in source:
     namespace["urlpatterns"] = list(project_urls)
-exec(compile(source, "README.md", "exec"), namespace)
+exec(compile(source, sys.argv[1], "exec"), namespace)
 if "urlpatterns" in namespace:
     kept = namespace["urlpatterns"][: len(project_urls)] == project_urls
     assert kept, "the block replaces the project's urlpatterns (and the admin with them)"
@@ -95,31 +114,105 @@ def _quickstart_span(text: str) -> tuple[int, int]:
     return start, text.index("\n## ", start + len(QUICKSTART))
 
 
-def readme_blocks(language: str, *, quickstart: bool | None = False) -> list[tuple[int, str]]:
-    """``(line number, code)`` of each fenced block in ``language``: those outside the
-    quickstart section (``quickstart=False``), inside it (``True``), or all (``None``)."""
-    text = README.read_text()
-    start, end = _quickstart_span(text)
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page: where it starts, its info string and its code."""
+
+    page: Path
+    line: int  # of the opening fence, from 1
+    offset: int  # of the opening fence in the page's text
+    info: str
+    code: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def page_blocks(page: Path) -> list[Block]:
+    """Every fenced block of ``page``, in order. A fence closes on a line of as many
+    backticks (or more) and nothing else, as in CommonMark, so a directive's closing
+    fence is never taken for the opening of a block."""
+    text = page.read_text()
+    blocks: list[Block] = []
+    lines = text.splitlines(keepends=True)
+    offset, i = 0, 0
+    offsets = []
+    for raw in lines:
+        offsets.append(offset)
+        offset += len(raw)
+    while i < len(lines):
+        opening = OPENING.match(lines[i].rstrip("\n"))
+        if opening is None:
+            i += 1
+            continue
+        fence = opening["fence"]
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines) and not re.fullmatch(f"{fence}`*\\s*", lines[j].rstrip("\n")):
+            body.append(lines[j])
+            j += 1
+        assert j < len(lines), f"{page.relative_to(ROOT)}:{i + 1}: a fence never closed"
+        blocks.append(Block(page, i + 1, offsets[i], opening["info"].strip(), "".join(body)))
+        i = j + 1
+    return blocks
+
+
+def all_blocks() -> list[Block]:
+    return [block for page in PAGES for block in page_blocks(page)]
+
+
+def in_quickstart(block: Block) -> bool:
+    if block.page != README:
+        return False
+    start, end = _quickstart_span(README.read_text())
+    return start < block.offset < end
+
+
+def doc_blocks(language: str, *, quickstart: bool | None = False) -> list[Block]:
+    """The fenced blocks in ``language`` of the README and the docs' pages: those outside
+    the README's quickstart section (``quickstart=False``), inside it (``True``), or all
+    (``None``)."""
     return [
-        (text[: match.start()].count("\n") + 1, match.group(2))
-        for match in FENCE.finditer(text)
-        if match.group(1) == language
-        and (quickstart is None or (start < match.start() < end) == quickstart)
+        block
+        for block in all_blocks()
+        if block.info == language and (quickstart is None or in_quickstart(block) == quickstart)
     ]
 
 
-def test_readme_has_only_blocks_this_test_can_run() -> None:
-    languages = {m.group(1) for m in FENCE.finditer(README.read_text())}
-    assert languages <= {"python", "sh", "text"}, languages
-    assert readme_blocks("python")
-    assert readme_blocks("sh")
+def readme_blocks(language: str, *, quickstart: bool | None = False) -> list[tuple[int, str]]:
+    """``(line number, code)`` of each block of README.md in ``language`` (see
+    :func:`doc_blocks` for ``quickstart``)."""
+    return [
+        (block.line, block.code)
+        for block in doc_blocks(language, quickstart=quickstart)
+        if block.page == README
+    ]
+
+
+def test_docs_have_only_blocks_this_test_can_run() -> None:
+    infos = {block.info.split()[0] if block.info else "" for block in all_blocks()}
+    assert infos <= {"python", "sh", "text"} | DIRECTIVES, infos
+    assert doc_blocks("python")
+    assert doc_blocks("sh")
     for line, code in readme_blocks("python", quickstart=True):
         assert FILE_LINE.match(code), f"quickstart block at line {line} names no file"
 
 
+def test_every_page_is_read_by_this_test() -> None:
+    """A page under docs/ in another format would escape the block tests."""
+    sources = {p.name for p in DOCS.iterdir() if p.is_file()} - {"conf.py"}
+    assert sources == {p.name for p in PAGES if p.parent == DOCS}, sources
+
+
 @pytest.fixture(scope="module")
 def block_env() -> Iterator[dict[str, str]]:
-    database = create_database("runcell_readme")
+    """The environment of every block: a database of this module's own with the
+    limiter's schema, as in a migrated project (so a block that only reads, such as the
+    counters', runs in any order and on any xdist worker), Redis and a fake provider."""
+    database = create_database("runcell_docs")
+    with psycopg.connect(database, autocommit=True) as conn:
+        ensure_schema(conn)
     with FakeProvider(latency_ms=5) as provider:
         yield {
             **os.environ,
@@ -131,14 +224,11 @@ def block_env() -> Iterator[dict[str, str]]:
     drop_database(database)
 
 
-@pytest.mark.parametrize(
-    ("line", "code"),
-    readme_blocks("python"),
-    ids=lambda v: f"line-{v}" if isinstance(v, int) else "",
-)
-def test_readme_python_block_runs(line: int, code: str, block_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("block", doc_blocks("python"), ids=lambda block: block.where)
+def test_docs_python_block_runs(block: Block, block_env: dict[str, str]) -> None:
+    code = block.code
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER],
+        [sys.executable, "-c", DRIVER, str(block.page.relative_to(ROOT))],
         input=code.encode(),
         env=block_env,
         cwd=ROOT,
@@ -147,15 +237,15 @@ def test_readme_python_block_runs(line: int, code: str, block_env: dict[str, str
         check=False,
     )
     output = (done.stdout + done.stderr).decode(errors="replace")
-    assert done.returncode == 0, f"README.md block at line {line} failed:\n{code}\n{output}"
+    assert done.returncode == 0, f"the block at {block.where} failed:\n{code}\n{output}"
     if "apply_async" in code:
         assert "celery result:" in output  # a worker ran the task the block sent
     if "RUNCELL = " in code and "ConcurrencyConfigError" not in code:
         assert "RUNCELL is valid" in output
 
 
-def test_readme_runcell_block_is_the_example_projects_setting() -> None:
-    (block,) = [code for _, code in readme_blocks("python") if '"provider"' in code]
+def test_docs_runcell_block_is_the_example_projects_setting() -> None:
+    (block,) = [b.code for b in doc_blocks("python") if '"provider"' in b.code]
     shown: dict[str, object] = {}
     exec(block, shown)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNCELL_DEMO_")}
@@ -174,16 +264,18 @@ def test_readme_runcell_block_is_the_example_projects_setting() -> None:
 
 
 def sh_commands(*, quickstart: bool | None = None) -> list[str]:
+    """The command lines of the README's and the docs' ``sh`` blocks (see
+    :func:`doc_blocks` for ``quickstart``)."""
     commands = []
-    for _, code in readme_blocks("sh", quickstart=quickstart):
-        for raw in code.splitlines():
+    for block in doc_blocks("sh", quickstart=quickstart):
+        for raw in block.code.splitlines():
             line = raw.split(" #", 1)[0].strip()
             if line and not line.startswith("#"):
                 commands.append(line)
     return commands
 
 
-def test_readme_commands_are_all_known() -> None:
+def test_docs_commands_are_all_known() -> None:
     for command in sh_commands():
         argv = shlex.split(command)
         known = (
@@ -197,21 +289,23 @@ def test_readme_commands_are_all_known() -> None:
             or argv == ["python", "manage.py", "migrate", "--database", "runcell"]
             # Minutes each: CI runs them through scripts/test (see the nox test below).
             or argv[:2] == [".venv/bin/nox", "-s"]
+            # Run by the build tests below (into a directory of their own).
+            or command == DOCS_BUILD
         )
-        assert known, f"README.md command with no way to run it here: {command}"
+        assert known, f"a command in the docs with no way to run it here: {command}"
 
 
-def test_readme_test_command_is_what_ci_runs() -> None:
+def test_docs_test_command_is_what_ci_runs() -> None:
     assert "scripts/test" in sh_commands()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert any("scripts/test" in line and not line.lstrip().startswith("#") for line in ci)
 
 
-def test_readme_nox_sessions_are_defined_and_run_by_ci() -> None:
+def test_docs_nox_sessions_are_defined_and_run_by_ci() -> None:
     """Each session takes minutes, so this test does not run them: it checks that the
-    README's ``nox -s`` lines name sessions noxfile.py defines and scripts/test runs."""
+    docs' ``nox -s`` lines name sessions noxfile.py defines and scripts/test runs."""
     shown = {shlex.split(c)[2] for c in sh_commands() if c.startswith(".venv/bin/nox -s ")}
-    assert shown, "README shows how to run the nox sessions"
+    assert shown, "the docs show how to run the nox sessions"
     listed = subprocess.run(
         [sys.executable, "-m", "nox", "-l", "--json"], cwd=ROOT, capture_output=True, check=True
     )
@@ -226,9 +320,9 @@ def test_readme_nox_sessions_are_defined_and_run_by_ci() -> None:
 
 
 @pytest.mark.stress  # a whole demo run (about 20 s); CI runs the stress suite too
-def test_readme_demo_command_runs_and_the_limit_holds() -> None:
+def test_docs_demo_command_runs_and_the_limit_holds() -> None:
     variants = {tuple(shlex.split(c)[1:]) for c in sh_commands() if c.startswith("./demo")}
-    assert () in variants, "README shows ./demo itself"
+    assert () in variants, "the docs show ./demo itself"
     # The CI form of every ./demo line (serving lines run in tests/demo and tests/browser).
     args = ["--no-serve", "--size", "small"]
     assert tuple(args) in variants
@@ -254,7 +348,7 @@ SLOW_BENCHES = {"bench/celery_overhead.py", "bench/postgres_engine.py"}
         for script in sorted(BENCH_ARGS)
     ],
 )
-def test_readme_benchmark_runs(script: str) -> None:
+def test_docs_benchmark_runs(script: str) -> None:
     assert any(c.endswith(script) for c in sh_commands())
     done = subprocess.run(
         [str(ROOT / ".venv/bin/python"), script, *BENCH_ARGS[script]],
@@ -267,7 +361,7 @@ def test_readme_benchmark_runs(script: str) -> None:
     assert isinstance(json.loads(done.stdout), dict)
 
 
-def test_readme_fake_provider_command_serves_until_stopped() -> None:
+def test_docs_fake_provider_command_serves_until_stopped() -> None:
     # The quickstart's, in the background, is run by the quickstart's test.
     (command,) = [
         c for c in sh_commands(quickstart=False) if "runcell_celery.testing.fake_provider" in c
@@ -450,12 +544,10 @@ def _alive(pid: int) -> bool:
 def quickstart_blocks() -> list[tuple[str, str]]:
     """The quickstart's blocks in the order a reader meets them: ``("sh", code)`` and
     ``("python", code)``."""
-    text = README.read_text()
-    start, end = _quickstart_span(text)
     return [
-        (match.group(1), match.group(2))
-        for match in FENCE.finditer(text, start, end)
-        if match.group(1) in ("sh", "python")
+        (block.info, block.code)
+        for block in page_blocks(README)
+        if in_quickstart(block) and block.info in ("sh", "python")
     ]
 
 
@@ -625,10 +717,10 @@ def psycopg_dbname(dsn: str) -> str:
     return str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
 
 
-def test_readme_metrics_exporter_command_serves_until_stopped(block_env: dict[str, str]) -> None:
+def test_docs_metrics_exporter_command_serves_until_stopped(block_env: dict[str, str]) -> None:
     (command,) = [c for c in sh_commands() if "runcell_celery.metrics" in c]
     argv = shlex.split(command)
-    # Any free port here (the README's may be taken), on the README test's database.
+    # Any free port here (the docs' may be taken), on this test's database.
     argv = [a for a in argv if a not in ("--port", "9464")] + ["--port", "0"]
     env = {**block_env, "RUNCELL_DATABASE_URL": block_env["DATABASE_URL"]}
     proc = subprocess.Popen(
@@ -651,3 +743,144 @@ def test_readme_metrics_exporter_command_serves_until_stopped(block_env: dict[st
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=20)
     assert proc.returncode == 0
+
+
+# -- The build, the API reference, the README's length, the changelog ------------------
+
+#: The build line of docs/development.md, which scripts/test runs too.
+DOCS_BUILD = ".venv/bin/sphinx-build -W --keep-going -b html docs docs/_build/html"
+#: The modules whose every exported name (``__all__``) the API reference must list: the
+#: five the issue names, and the others docs/api.md documents.
+PUBLIC_MODULES = {
+    "runcell_celery": "runcell_celery/__init__.py",
+    "runcell_celery.celery": "runcell_celery/celery/__init__.py",
+    "runcell_celery.postgres": "runcell_celery/postgres/__init__.py",
+    "runcell_celery.testing": "runcell_celery/testing/__init__.py",
+    "runcell_django": "django_app/runcell_django/__init__.py",
+    "runcell_django.routers": "django_app/runcell_django/routers.py",
+    "runcell_django.metrics": "django_app/runcell_django/metrics.py",
+    "runcell_celery.registry": "runcell_celery/registry.py",
+    "runcell_celery.metrics": "runcell_celery/metrics/__init__.py",
+    "runcell_celery.conformance": "runcell_celery/conformance/__init__.py",
+}
+#: A line of an ``objects.inv`` (after its header): name, domain:role, priority, uri,
+#: display name.
+INVENTORY_LINE = re.compile(r"^(?P<name>\S+)\s+(?P<domain>\w+):(?P<role>[\w-]+)\s+-?\d+\s")
+
+
+def exported_names(module: str) -> list[str]:
+    """The module's ``__all__``, read from its source (without importing it)."""
+    tree = ast.parse((ROOT / PUBLIC_MODULES[module]).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            names = ast.literal_eval(node.value)
+            assert isinstance(names, list | tuple), module
+            return [str(name) for name in names]
+    raise AssertionError(f"{module} has no __all__")
+
+
+def inventory_objects(path: Path) -> set[str]:
+    """The Python objects an ``objects.inv`` (Sphinx's inventory, version 2) names."""
+    raw = path.read_bytes()
+    header, _, body = raw.partition(b"# The remainder of this file is compressed using zlib.\n")
+    assert header.startswith(b"# Sphinx inventory version 2\n"), header[:80]
+    names = set()
+    for line in zlib.decompress(body).decode().splitlines():
+        entry = INVENTORY_LINE.match(line)
+        if entry is not None and entry["domain"] == "py":
+            names.add(entry["name"])
+    return names
+
+
+def unlisted(documented: set[str]) -> list[str]:
+    """The exported names of :data:`PUBLIC_MODULES` that ``documented`` lacks."""
+    return [
+        f"{module}.{name}"
+        for module in PUBLIC_MODULES
+        for name in exported_names(module)
+        if f"{module}.{name}" not in documented
+    ]
+
+
+@pytest.fixture(scope="module")
+def built_docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as :data:`DOCS_BUILD` builds it, into a directory of this test's own
+    (the doctrees too), so a stale docs/_build proves nothing."""
+    out = tmp_path_factory.mktemp("docs") / "html"
+    argv = shlex.split(DOCS_BUILD)
+    assert argv[-2:] == ["docs", "docs/_build/html"], argv
+    done = subprocess.run(
+        [str(ROOT / argv[0]), *argv[1:-1], str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
+    output = (done.stdout + done.stderr).decode(errors="replace")
+    assert done.returncode == 0, f"the documentation does not build:\n{output}"
+    return out
+
+
+def test_docs_build_line_is_shown_and_what_scripts_test_runs() -> None:
+    assert DOCS_BUILD in sh_commands(), "docs/development.md shows the build line"
+    script = (ROOT / "scripts" / "test").read_text().splitlines()
+    runs = [
+        line.strip().replace('"$VENV/bin/sphinx-build"', ".venv/bin/sphinx-build", 1)
+        for line in script
+        if line.lstrip().startswith('"$VENV/bin/sphinx-build"')
+    ]
+    assert runs == [DOCS_BUILD], runs
+
+
+def test_docs_build_with_warnings_as_errors(built_docs: Path) -> None:
+    assert (built_docs / "index.html").is_file()
+    for page in PAGES[1:]:
+        assert (built_docs / page.with_suffix(".html").name).is_file(), page.name
+
+
+def test_api_reference_lists_every_exported_name(built_docs: Path) -> None:
+    documented = inventory_objects(built_docs / "objects.inv")
+    assert unlisted(documented) == []
+    # The check sees what it checks: drop one exported name of each module from what
+    # was built, and it is reported.
+    for module in PUBLIC_MODULES:
+        name = f"{module}.{exported_names(module)[0]}"
+        assert unlisted(documented - {name}) == [name]
+
+
+def test_readme_fits_on_three_screens() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail into docs/"
+
+
+def test_changelog_has_an_unreleased_section_and_the_docs_include_it() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert changelog.startswith("# Changelog\n")
+    assert "\n## Unreleased\n" in changelog
+    included = [
+        block.info
+        for block in page_blocks(DOCS / "changelog.md")
+        if block.info.startswith("{include}")
+    ]
+    assert included == ["{include} ../CHANGELOG.md"]
+
+
+#: A Markdown link to a file of this repository: ``[text](docs/page.md#anchor)``.
+LOCAL_LINK = re.compile(r"\]\((?P<path>(?!https?:|#)[^)#\s]+)(?:#(?P<anchor>[^)\s]+))?\)")
+
+
+def test_readme_links_reach_pages_and_sections_that_exist(built_docs: Path) -> None:
+    """The README is built only in part (the sections docs/getting-started.md includes):
+    its other links are checked here, against the files and the built pages' ids."""
+    links = LOCAL_LINK.findall(README.read_text())
+    assert any(path.startswith("docs/") for path, _ in links)
+    for path, anchor in links:
+        assert (ROOT / path).is_file(), f"README.md links to a missing file: {path}"
+        if not anchor:
+            continue
+        assert path.startswith("docs/"), (path, anchor)
+        assert path.endswith(".md"), (path, anchor)
+        page = (built_docs / Path(path).relative_to("docs").with_suffix(".html")).read_text()
+        assert f'id="{anchor}"' in page, f"README.md links to a missing section: {path}#{anchor}"
