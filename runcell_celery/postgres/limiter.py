@@ -1048,8 +1048,8 @@ def _lines(lines: Sequence[Any] | None) -> list[WaitEstimate] | None:
 def _array(values: Sequence[str]) -> str:
     """``values`` as a PostgreSQL ``text[]`` literal: dumped as one string, much cheaper
     on the hot path than psycopg's list adaptation."""
-    quoted = (v.replace("\\", "\\\\").replace('"', '\\"') for v in values)
-    return "{" + ",".join(f'"{v}"' for v in quoted) + "}"
+    quoted = [v.replace("\\", "\\\\").replace('"', '\\"') for v in values]
+    return '{"' + '","'.join(quoted) + '"}' if quoted else "{}"
 
 
 def _op_id() -> str:
