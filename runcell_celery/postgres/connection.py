@@ -213,6 +213,25 @@ class Database:
             return cause
 
 
+def blocking_waits() -> str | None:
+    """Why psycopg's waits for the server would block a gevent hub, or ``None``.
+
+    psycopg chooses its wait function once, when first imported: its C one (with the
+    ``binary`` or ``c`` speedups) unless gevent had patched ``select`` by then; that one
+    never yields to other greenlets.
+    """
+    from psycopg import waiting
+
+    if waiting.wait is getattr(waiting, "wait_c", None):
+        return (
+            "psycopg waits for the database in C (psycopg.waiting.wait is wait_c), which "
+            "blocks every greenlet: psycopg was imported before gevent monkey-patched the "
+            "process (or PSYCOPG_WAIT_FUNC chose it). Patch first: `celery worker -P gevent`, "
+            "or gevent.monkey.patch_all() before anything imports psycopg or Django"
+        )
+    return None
+
+
 def redacted(conninfo: str) -> str:
     """``host:port/dbname`` of a DSN, for logs and reprs (never the password)."""
     try:
