@@ -303,9 +303,7 @@ def _settings(pg_dsn: str) -> dict[str, Any]:
     }
 
 
-def test_an_eventlet_worker_refuses_to_start_naming_the_pool(
-    pg_dsn: str, tmp_path: Path
-) -> None:
+def test_an_eventlet_worker_refuses_to_start_naming_the_pool(pg_dsn: str, tmp_path: Path) -> None:
     group = WorkerProcesses(_settings(pg_dsn), tmp_path)
     try:
         proc = group.start(pool="eventlet", concurrency=4)
@@ -319,9 +317,7 @@ def test_an_eventlet_worker_refuses_to_start_naming_the_pool(
     assert "Traceback" not in log, log
 
 
-def test_a_gevent_worker_in_an_unpatched_process_refuses_to_start(
-    make_app, pg_dsn: str
-) -> None:
+def test_a_gevent_worker_in_an_unpatched_process_refuses_to_start(make_app, pg_dsn: str) -> None:
     app = make_app(limits=LIMITERS["llm"])
     with (
         pytest.raises(WorkerRefused) as refused,
@@ -387,9 +383,7 @@ def _consumer(hub: object | None) -> Any:
     )()
 
 
-def test_a_green_consumer_waits_briefly_for_the_broker_while_its_prefetch_window_is_full() -> (
-    None
-):
+def test_a_green_consumer_waits_briefly_for_the_broker_while_its_prefetch_window_is_full() -> None:
     consumer = _consumer(hub=None)
     PromptCreditStep(consumer).start(consumer)
     consumer.connection.drain_events(timeout=2.0)  # full: look again soon
@@ -403,4 +397,3 @@ def test_a_consumer_with_an_event_loop_is_left_alone() -> None:
     PromptCreditStep(consumer).start(consumer)
     consumer.connection.drain_events(timeout=2.0)
     assert consumer.connection.timeouts == [2.0]
-
