@@ -6,8 +6,9 @@ worker on a pool the library does not support (:mod:`.pools`: eventlet, an unpat
 gevent) or whose limits conflict with the stored ones (:mod:`.conflicts`), makes the
 worker consume each queue's granted queue (``<queue>.runcell``) and patches kombu's
 Redis transport (:mod:`.redis_transport`). After the pool starts it warns of keyed
-waits (:mod:`.fairness`) and starts the sweeper and the revocation publisher; on stop
-it stops them and writes the main process's last admission counts.
+waits (:mod:`.fairness`) and of deferral on gevent (:mod:`.pools`), and starts the
+sweeper and the revocation publisher; on stop it stops them and writes the main
+process's last admission counts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .conflicts import refuse_conflicting_limits
 from .deferral import Sweeper
 from .fairness import warn_keyed_waits, worker_concurrency
 from .message import granted_queue, has_granted_queue
-from .pools import refuse_unsupported_pool
+from .pools import refuse_unsupported_pool, warn_green_deferral
 from .redis_transport import patch_redis_transport
 from .revocation import RevocationPublisher
 from .state import state_for
@@ -58,6 +59,7 @@ class RunCellStep(bootsteps.StartStopStep):
         app = parent.app
         state = state_for(app)
         warn_keyed_waits(app, worker_concurrency(parent))
+        warn_green_deferral(parent)
         self.sweeper = Sweeper(app, state.registry, state.publisher)
         self.sweeper.start()
         store = state.revocations.store()

@@ -32,7 +32,13 @@ from ..ports import GreenIOCheck
 from .conflicts import EX_CONFIG, WorkerRefused
 from .state import state_for
 
-__all__ = ["CREDIT_CHECK_S", "PromptCreditStep", "pool_name", "refuse_unsupported_pool"]
+__all__ = [
+    "CREDIT_CHECK_S",
+    "PromptCreditStep",
+    "pool_name",
+    "refuse_unsupported_pool",
+    "warn_green_deferral",
+]
 
 logger = logging.getLogger("runcell_celery.celery")
 
@@ -99,6 +105,30 @@ def refuse_unsupported_pool(worker: Any) -> None:
     problem = backend.green_io_problem() if isinstance(backend, GreenIOCheck) else None
     if problem is not None:
         raise _refuse(f"the gevent pool cannot run this worker's limiters: {problem}.")
+
+
+def warn_green_deferral(worker: Any) -> None:
+    """Warn, once per worker start, of the tasks that declare ``"admission": "defer"`` on
+    a gevent worker: waiting costs a greenlet there, and parking sends each grant back
+    through the broker."""
+    if pool_name(worker) != "gevent":
+        return
+    app = worker.app
+    deferred = sorted(
+        name
+        for name, task in app.tasks.items()
+        # Read by attribute: the task module imports the wiring, which imports this.
+        if getattr(getattr(task, "_runcell", None), "admission", None) == "defer"
+    )
+    if deferred:
+        logger.warning(
+            'runcell: task(s) %s declare "admission": "defer" on a gevent worker, where a '
+            "task waiting for a slot costs only a greenlet: each deferral parks the task and "
+            "sends its grant back through the broker before it runs, a slower hand-off than "
+            'waiting (docs/pools.md). Consider "admission": "wait" for the tasks this '
+            "worker runs.",
+            ", ".join(repr(name) for name in deferred),
+        )
 
 
 class PromptCreditStep(bootsteps.StartStopStep):

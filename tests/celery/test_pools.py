@@ -288,6 +288,15 @@ def test_a_waiting_task_costs_a_greenlet_on_gevent_and_a_thread_on_threads(
         assert threads >= WAITING, threads
 
 
+@pytest.mark.parametrize("pool", ["gevent", "threads"], indirect=True)
+def test_a_gevent_worker_warns_once_of_the_tasks_that_defer(workers: PoolWorkers) -> None:
+    log = workers.workers.logs()
+    said = 'declare "admission": "defer" on a gevent worker'
+    assert log.count(said) == (1 if workers.name == "gevent" else 0), log
+    if workers.name == "gevent":
+        assert "'rc.defer'" in log, log
+
+
 # -- refused pools --------------------------------------------------------------------------
 
 
