@@ -85,8 +85,9 @@ def refuse_unsupported_pool(worker: Any) -> None:
     if name == "eventlet":
         raise _refuse(
             "the eventlet pool (-P eventlet) is not supported: eventlet's maintainers "
-            "discourage new use, and psycopg does not detect eventlet's monkey-patching, "
-            "so each database call of the limiter would block every task of the worker. "
+            "discourage new use, and psycopg does not detect eventlet's monkey-patching: "
+            "with its C speedups (psycopg[binary]) each database call of the limiter would "
+            "block every task of the worker. "
             "Run -P gevent (many waiting tasks in one process, each a greenlet), "
             "-P threads or the default prefork pool."
         )
