@@ -24,6 +24,7 @@ __all__ = [
     "CounterStore",
     "Duplicate",
     "ExpiredParked",
+    "GreenIOCheck",
     "LimitsConflict",
     "Parked",
     "ParkingStore",
@@ -161,6 +162,16 @@ class StoredLimitsCheck(Protocol):
     """Compares a worker's limits with the stored ones before it serves anything."""
 
     def limit_conflicts(self, configs: Sequence[LimiterConfig]) -> list[LimitsConflict]: ...
+
+
+@runtime_checkable
+class GreenIOCheck(Protocol):
+    """Says, before a gevent worker serves anything, why the backend's I/O would block
+    the gevent hub (every greenlet of the process) even though the process is patched."""
+
+    def green_io_problem(self) -> str | None:
+        """What blocks and how to fix it, or ``None`` when every wait yields."""
+        ...
 
 
 @runtime_checkable

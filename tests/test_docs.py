@@ -102,6 +102,18 @@ BENCH_ARGS = {
     "bench/slot_overhead.py": ["--ops", "2000", "--rounds", "2"],
     "bench/postgres_engine.py": ["--size", "small", "--only", "cycles,tables"],
     "bench/celery_overhead.py": ["--size", "small"],
+    "bench/gevent_pool.py": [
+        "--tasks",
+        "40",
+        "--concurrency",
+        "20",
+        "--limit",
+        "4",
+        "--hold-ms",
+        "20",
+        "--arms",
+        "wait,defer,no_celery",
+    ],
 }
 
 
@@ -338,7 +350,7 @@ def test_docs_demo_command_runs_and_the_limit_holds() -> None:
 
 #: The benches that start workers and databases take a minute between them: they run
 #: with the stress suite (which CI runs too), the quick one by default.
-SLOW_BENCHES = {"bench/celery_overhead.py", "bench/postgres_engine.py"}
+SLOW_BENCHES = {"bench/celery_overhead.py", "bench/gevent_pool.py", "bench/postgres_engine.py"}
 
 
 @pytest.mark.parametrize(

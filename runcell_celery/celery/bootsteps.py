@@ -2,11 +2,13 @@
 
 :class:`RunCellStep` (added by :func:`~.wiring.ensure_wired`), while the blueprint is
 built (main process, before the pool forks or a message is taken), refuses to start a
-worker whose limits conflict with the stored ones (:mod:`.conflicts`), makes the
+worker on a pool the library does not support (:mod:`.pools`: eventlet, an unpatched
+gevent) or whose limits conflict with the stored ones (:mod:`.conflicts`), makes the
 worker consume each queue's granted queue (``<queue>.runcell``) and patches kombu's
 Redis transport (:mod:`.redis_transport`). After the pool starts it warns of keyed
-waits (:mod:`.fairness`) and starts the sweeper and the revocation publisher; on stop
-it stops them and writes the main process's last admission counts.
+waits (:mod:`.fairness`) and of deferral on gevent (:mod:`.pools`), and starts the
+sweeper and the revocation publisher; on stop it stops them and writes the main
+process's last admission counts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .conflicts import refuse_conflicting_limits
 from .deferral import Sweeper
 from .fairness import warn_keyed_waits, worker_concurrency
 from .message import granted_queue, has_granted_queue
+from .pools import refuse_unsupported_pool, warn_green_deferral
 from .redis_transport import patch_redis_transport
 from .revocation import RevocationPublisher
 from .state import state_for
@@ -47,6 +50,7 @@ class RunCellStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.sweeper: Sweeper | None = None
         self.publisher: RevocationPublisher | None = None
+        refuse_unsupported_pool(parent)  # WorkerRefused before the database is reached
         refuse_conflicting_limits(parent.app)  # WorkerRefused before anything started
         consume_granted_queues(parent.app)
         patch_redis_transport()  # before the consumer connects
@@ -55,6 +59,7 @@ class RunCellStep(bootsteps.StartStopStep):
         app = parent.app
         state = state_for(app)
         warn_keyed_waits(app, worker_concurrency(parent))
+        warn_green_deferral(parent)
         self.sweeper = Sweeper(app, state.registry, state.publisher)
         self.sweeper.start()
         store = state.revocations.store()

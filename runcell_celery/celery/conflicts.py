@@ -39,9 +39,10 @@ EX_CONFIG = 78
 
 class WorkerRefused(SystemExit):
     """The worker refuses to start (exit status :data:`EX_CONFIG`): its limits
-    conflict with the stored ones; ``message`` is what was logged."""
+    conflict with the stored ones (``conflicts``), or its pool is one the library
+    cannot run on (:mod:`.pools`); ``message`` is what was logged."""
 
-    def __init__(self, message: str, conflicts: Sequence[LimitsConflict]) -> None:
+    def __init__(self, message: str, conflicts: Sequence[LimitsConflict] = ()) -> None:
         super().__init__(EX_CONFIG)
         self.message = message
         self.conflicts = tuple(conflicts)

@@ -13,6 +13,7 @@ from celery import Celery
 
 from ..errors import ConcurrencyConfigError
 from .options import TaskConcurrency
+from .pools import pool_name
 from .state import registry_for
 
 __all__ = ["warn_keyed_waits", "worker_concurrency"]
@@ -52,8 +53,6 @@ def warn_keyed_waits(app: Celery, concurrency: int) -> None:
 
 def worker_concurrency(worker: Any) -> int:
     """How many tasks ``worker`` (a ``WorkController``) runs at once (solo pool: 1)."""
-    pool = getattr(worker, "pool_cls", None)
-    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
-    if "solo" in str(name):
+    if pool_name(worker) == "solo":
         return 1
     return int(getattr(worker, "concurrency", 1) or 1)

@@ -1,4 +1,4 @@
-"""Per-app wiring, done once: header propagation, counters, re-publication, the bootstep.
+"""Per-app wiring, done once: header propagation, counters, re-publication, the bootsteps.
 
 Signal receivers' errors are swallowed by Celery, so nothing that releases a slot
 lives here; only best-effort work (headers, counting, a pool process's last counts).
@@ -18,6 +18,7 @@ from ..events import add_event_listener
 from .bootsteps import RunCellStep
 from .deferral import wire_publisher
 from .headers import PARENT, PUBLICATION
+from .pools import PromptCreditStep
 from .redis_transport import RestoreUnackedStep
 from .state import AppState, live_states, state_for
 
@@ -75,5 +76,6 @@ def ensure_wired(app: Celery) -> AppState:
                 state.publisher = wire_publisher(app, state.registry)
                 app.steps["worker"].add(RunCellStep)
                 app.steps["consumer"].add(RestoreUnackedStep)
+                app.steps["consumer"].add(PromptCreditStep)
                 state.wired = True
     return state

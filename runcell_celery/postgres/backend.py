@@ -42,7 +42,7 @@ from ..ports import (
 from ..protocol import LimiterStats
 from . import statements
 from .calls import CallFailedError, call, fetch_rows, lock_timeout_ms, reap_limiter
-from .connection import Database, redacted
+from .connection import Database, blocking_waits, redacted
 from .engine import Engine, engines
 from .keyed import counted_stats
 from .limiter import PostgresConcurrencyLimiter
@@ -207,6 +207,11 @@ class PostgresBackend:
                 f"could not read the stored limits: the database failed: {exc}"
             ) from exc
         return [LimitsConflict(limiter, differences) for limiter, differences in found]
+
+    def green_io_problem(self) -> str | None:
+        """Why this backend's queries would block a gevent hub (:class:`~runcell_celery.
+        ports.GreenIOCheck`), or ``None``."""
+        return blocking_waits()
 
     def close(self) -> None:
         """End every thread this backend started here and close every connection it opened
