@@ -105,11 +105,9 @@ def call(
     rows: bool = False,
     stamp: Stamp | None = None,
     until: Deadline | None = None,
-    urgent: bool = False,
 ) -> Any:
     """Run one bounded function call; return its single value (``rows=True``: every
-    row's first column). ``until``: retry transient failures until then (:func:`persist`);
-    ``urgent``: a release or renewal (see :meth:`.Database.connection`).
+    row's first column). ``until``: retry transient failures until then (:func:`persist`).
 
     :raises RowBusyError: the limiter row stayed locked for ``lock_timeout_ms``.
     :raises LimiterMissingError, LimitsReplacedError: the row is gone, or its limits replaced.
@@ -123,7 +121,7 @@ def call(
             bound["retry"] = True  # the failed attempt may have committed
 
     def attempt() -> Any:
-        return _call_once(database, query, bound, lock_timeout_ms, rows, stamp, patience, urgent)
+        return _call_once(database, query, bound, lock_timeout_ms, rows, stamp, patience)
 
     return persist(patience, attempt, on_retry=again)
 
@@ -141,7 +139,6 @@ def _call_once(
     rows: bool,
     stamp: Stamp | None,
     until: Deadline | None,
-    urgent: bool,
 ) -> Any:
     """One round of :func:`call`: a dropped connection retried at once on a fresh one
     (up to the pool's size), every other failure raised."""
@@ -156,8 +153,7 @@ def _call_once(
             # than its wait, both together.
             asked = time.monotonic()
             pool_wait = lock_timeout_ms / 1000 if lock_timeout_ms < LOCK_WAIT_CAP_MS else None
-            wait_s = pool_wait_s(database, pool_wait, until)
-            with database.connection(timeout=wait_s, urgent=urgent) as conn:
+            with database.connection(timeout=pool_wait_s(database, pool_wait, until)) as conn:
                 waited_ms = (time.monotonic() - asked) * 1000
                 left_ms = max(1, int(lock_timeout_ms - waited_ms))
                 bound["lock_timeout_ms"] = left_ms

@@ -3,12 +3,6 @@
 Connections are in autocommit mode with server-side prepared statements off
 (``prepare_threshold=None``): the limiter keeps no session state, so transaction-mode
 poolers such as PgBouncer work.
-
-A release and a renewal never queue behind other calls for a connection: every other
-call first passes a gate that lets at most ``max_size - 1`` of them hold or wait for
-one, so the last connection is left to those two (``urgent``). A burst of new
-requests (200 greenlets starting at once) then cannot delay the releases that hand
-their slots on, nor the renewals that keep held leases alive.
 """
 
 from __future__ import annotations
@@ -103,7 +97,6 @@ class Database:
         self._pool: ConnectionPool[Connection] | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._gate: threading.BoundedSemaphore | None = None
         self._diagnosis_lock = threading.Lock()
         #: The latest finding of a direct attempt: (when, why no connection could be had).
         self._diagnosis: tuple[float, str | None] | None = None
@@ -165,47 +158,18 @@ class Database:
             return self._pool
 
     @contextmanager
-    def connection(
-        self, timeout: float | None = None, *, urgent: bool = False
-    ) -> Iterator[Connection]:
-        """Lend a connection for one operation (at most ``timeout`` s to wait for one);
-        ``urgent`` (a release, a renewal) passes the gate the others wait at."""
+    def connection(self, timeout: float | None = None) -> Iterator[Connection]:
+        """Lend a connection for one operation (at most ``timeout`` s to wait for one)."""
         pool = self.pool
-        gate = None if urgent else self._gate_for(pool)
-        asked = time.monotonic()
-        wait_s = pool.timeout if timeout is None else timeout
-        if gate is not None and not gate.acquire(timeout=wait_s):
-            # This process's own calls hold every connection they may: the database is
-            # not why (as for a pool all lent out).
-            raise PoolBusy(
-                f"couldn't get a connection after {wait_s:.2f} sec (all {pool.max_size - 1} "
-                "connections of the pool that calls other than releases and renewals may "
-                "use are in use)"
-            )
         lent = False
         try:
-            left_s = max(0.0, wait_s - (time.monotonic() - asked))
-            with pool.connection(timeout=left_s) as conn:
+            with pool.connection(timeout=timeout) as conn:
                 lent = True
                 yield conn
         except PoolTimeout as exc:
             if lent:
                 raise
             raise self._explained(exc, pool) from exc
-        finally:
-            if gate is not None:
-                gate.release()
-
-    def _gate_for(self, pool: ConnectionPool[Any]) -> threading.BoundedSemaphore | None:
-        """The gate of the calls that are not urgent: all but one of the pool's
-        connections (none with a pool of one)."""
-        gate = self._gate
-        if gate is None and pool.max_size > 1:
-            with self._lock:
-                if self._gate is None:
-                    self._gate = threading.BoundedSemaphore(pool.max_size - 1)
-                gate = self._gate
-        return gate
 
     def _explained(self, exc: PoolTimeout, pool: ConnectionPool[Any]) -> PoolTimeout:
         """``couldn't get a connection`` with why: one direct attempt finds the cause (at most

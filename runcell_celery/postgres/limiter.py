@@ -845,9 +845,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             return {}
         sent = Stamp()
         params = {"limiter": self.name, "lease_ids": [lease.lease_id for lease in leases]}
-        renewed = set(
-            self._call(None, statements.RENEW, params, rows=True, stamp=sent, urgent=True)
-        )
+        renewed = set(self._call(None, statements.RENEW, params, rows=True, stamp=sent))
         valid_until = self._valid_until(sent.at)
         return {
             lease.lease_id: (
@@ -867,9 +865,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         until = lease.valid_until or Deadline.after_ms(self._db.timeout * 1000)
         for attempt in range(RELEASE_ATTEMPTS):
             try:
-                answer = self._call(
-                    None, statements.RELEASE, params, busy_ok=True, until=until, urgent=True
-                )
+                answer = self._call(None, statements.RELEASE, params, busy_ok=True, until=until)
             except RowBusyError:
                 if attempt + 1 < RELEASE_ATTEMPTS:
                     continue
@@ -972,12 +968,11 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         busy_ok: bool = False,
         stamp: Stamp | None = None,
         until: Deadline | None = None,
-        urgent: bool = False,
     ) -> Any:
         with _failing_closed(self, request, busy_ok=busy_ok):
             return call(
                 self._db, query, params, lock_timeout_ms=lock_ms, rows=rows, stamp=stamp,
-                until=until, urgent=urgent,
+                until=until,
             )  # fmt: skip
 
 
