@@ -49,8 +49,6 @@ GEVENT_MODULES = ("threading", "socket", "select", "time")
 #: finished task gave credit back (seconds).
 CREDIT_CHECK_S = 0.05
 
-_MODULE_POOLS = {"thread": "threads"}
-
 
 def pool_name(worker: Any) -> str:
     """The name of the pool a ``WorkController`` runs (``prefork``, ``threads``,
@@ -61,7 +59,7 @@ def pool_name(worker: Any) -> str:
     module = str(getattr(pool, "__module__", ""))
     if module.startswith("celery.concurrency."):
         last = module.rsplit(".", 1)[-1]
-        return _MODULE_POOLS.get(last, last)
+        return "threads" if last == "thread" else last  # celery.concurrency.thread
     return module
 
 
