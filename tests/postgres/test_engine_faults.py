@@ -70,6 +70,16 @@ def freeze_holding_the_limiter_row(dsn: str, name: str, ready: Connection) -> No
 def wait_for_a_slot(dsn: str, limits: dict[str, Any], report: Connection) -> None:
     """Wait for a slot; report whether the body started or the lease was lost."""
     limiter = create_postgres_concurrency_limiter(dsn, **limits)
+    # The grant must reach it by notification while it is stopped. Were it queued before
+    # its listener had connected, the grant would be missed, and the safety poll would
+    # find the request gone (its lease expired and was taken) and rightly queue it again
+    # behind the next holder: a different story from the one told here.
+    deadline = time.monotonic() + 30
+    while limiter.listening is not True:
+        if limiter.listening is False or time.monotonic() > deadline:
+            report.send("failed: the listener never connected")
+            return
+        time.sleep(0.01)
     report.send("waiting")
     try:
         with slot(limiter):
