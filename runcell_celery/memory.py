@@ -46,16 +46,6 @@ __all__ = ["HISTORY_LIMIT", "Coordinator", "InMemoryConcurrencyLimiter", "place_
 T = TypeVar("T")
 
 
-def _arrivals() -> itertools.count[int]:
-    """Arrival order across every limiter of the process (a coordinated request's age)."""
-    return DEFAULT_REGISTRY.shared("memory.arrivals", itertools.count)
-
-
-def _grants() -> itertools.count[int]:
-    """Grant order across every limiter of the process (``last_granted``, round robin)."""
-    return DEFAULT_REGISTRY.shared("memory.grants", itertools.count)
-
-
 #: Keys a round-robin limiter remembers the last grant of (a forgotten key counts as
 #: granted longest ago, as it was).
 HISTORY_LIMIT = 10_000
@@ -103,7 +93,8 @@ class _Waiter:
         self.limiters = limiters
         self.requests = requests
         self.workloads = workloads
-        self.arrival = next(_arrivals())
+        # Arrival order across every limiter of the process (a coordinated request's age).
+        self.arrival = next(DEFAULT_REGISTRY.shared("memory.arrivals", itertools.count))
         self.queued_at = now
         self.aged = False
         self.deadline = math.inf
@@ -413,11 +404,8 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         return self._call(self._renew_locked, lease, self._clock.monotonic())
 
     def renew_many(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
-        return self._call(self._renew_many_locked, leases)
-
-    def _renew_many_locked(self, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
         now = self._clock.monotonic()
-        return {lease.lease_id: self._renew_locked(lease, now) for lease in leases}
+        return self._call(lambda: {x.lease_id: self._renew_locked(x, now) for x in leases})
 
     def release(self, lease: Lease, outcome: Outcome = "success") -> None:
         self._call(self._release_locked, lease.lease_id, self._clock.monotonic())
@@ -428,7 +416,11 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     def _stats_locked(self) -> LimiterStats:
         self._reap_locked(self._clock.monotonic())
         queued = dict.fromkeys(self._config.workloads, 0)
-        for workload in self._waiting_workloads_locked():
+        if self._coordinated:
+            waiting = self._root().workloads_waiting_locked(self)
+        else:
+            waiting = [waiter.workloads[0] for waiter in self._waiting]
+        for workload in waiting:
             queued[workload] += 1
         return LimiterStats(
             active=sum(self._active.values()),
@@ -438,11 +430,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
                 for name in self._config.workloads
             },
         )
-
-    def _waiting_workloads_locked(self) -> list[str]:
-        if self._coordinated:
-            return self._root().workloads_waiting_locked(self)
-        return [waiter.workloads[0] for waiter in self._waiting]
 
     def reap(self) -> int:
         return self._call(self._reap_now_locked)
@@ -472,8 +459,8 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
 
     def _granted_locked(self, key: Hashable | None) -> None:
         history = self._history
-        if history is not None:
-            history[key] = next(_grants())
+        if history is not None:  # grant order across the process's limiters
+            history[key] = next(DEFAULT_REGISTRY.shared("memory.grants", itertools.count))
             history.move_to_end(key)
             if len(history) > HISTORY_LIMIT:
                 history.popitem(last=False)
@@ -568,10 +555,16 @@ def _waiting(
     waiter.wake = wake
     unlink = cancel.add_callback(wake) if cancel is not None else _nothing
     try:
-        _announce(waiter, on_wait)
+        if on_wait is not None:
+            first, deadline = waiter.limiters[0], waiter.deadline
+            clock = first._clock
+            at = None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic())
+            announce_wait(on_wait, at, functools.partial(first._call, first._place_locked, waiter))
         yield
     except BaseException:
-        _abandon(waiter)
+        first = waiter.limiters[0]
+        first._call(first._drop_locked, waiter, first._clock.monotonic())
+        _release_all(waiter, waiter.leases)
         raise
     finally:
         unlink()
@@ -635,15 +628,6 @@ def _selected(
     )
 
 
-def _announce(waiter: _Waiter, on_wait: OnWait | None) -> None:
-    if on_wait is None:
-        return
-    first = waiter.limiters[0]
-    clock, deadline = first._clock, waiter.deadline
-    at = None if math.isinf(deadline) else clock.time() + (deadline - clock.monotonic())
-    announce_wait(on_wait, at, functools.partial(first._call, first._place_locked, waiter))
-
-
 def place_in_line(waiter: _Waiter, line: Sequence[_Waiter]) -> QueuePlace:
     """Where ``waiter`` stands in ``line`` by arrival, as the PostgreSQL limiter tells it
     (over several limiters the largest place)."""
@@ -685,12 +669,6 @@ def _settle_locked(
         first._drop_locked(waiter, now)
         return None, _timed_out(waiter, _wait_ms(waiter))
     return None, None
-
-
-def _abandon(waiter: _Waiter) -> None:
-    first = waiter.limiters[0]
-    first._call(first._drop_locked, waiter, first._clock.monotonic())
-    _release_all(waiter, waiter.leases)
 
 
 def _release_all(waiter: _Waiter, leases: tuple[Lease, ...] | None) -> None:

@@ -104,13 +104,8 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
             stats = limiter.stats()
             if stats.active or stats.queued:
                 rows.append(KeyStats(key=key, active=stats.active, queued=stats.queued))
-
-        def order(row: KeyStats) -> tuple[int, int, str]:
-            return (-row.active, -row.queued, row.key)
-
-        if limit is None:
-            return sorted(rows, key=order)
-        return heapq.nsmallest(limit, rows, key=order)
+        count = len(rows) if limit is None else limit  # busiest first, then by key
+        return heapq.nsmallest(count, rows, key=lambda row: (-row.active, -row.queued, row.key))
 
     def stats(self, *, per_key: bool = False, limit: int | None = 100) -> LimiterStats:
         with self._lock:
