@@ -55,10 +55,14 @@ def check_limiter(value: object, *, argument: str) -> ConcurrencyLimiter:
 
 
 def check_limiter_list(value: object, *, argument: str) -> tuple[ConcurrencyLimiter, ...]:
-    """A limiter, or a list or tuple of limiters, as a tuple (``None``: empty)."""
+    """A limiter, or a sequence of limiters, as a tuple (``None``: empty)."""
     if value is None:
         return ()
-    if isinstance(value, list | tuple):
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str | bytes)
+        and not supports(value, ConcurrencyLimiter)
+    ):
         return tuple(
             check_limiter(item, argument=f"{argument}[{i}]") for i, item in enumerate(value)
         )

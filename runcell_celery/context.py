@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import cast
 
 from .arguments import (
     check_admission,
@@ -21,7 +20,7 @@ from .arguments import (
     check_deadline,
     check_deadline_at,
     check_id,
-    check_limiter,
+    check_limiter_list,
     check_text,
 )
 from .cancellation import CancellationToken
@@ -35,7 +34,6 @@ from .protocol import (
     RunAdmission,
     RunLineage,
     SupportsValidateWorkload,
-    supports,
 )
 from .several import check_members, resolve_workloads
 
@@ -118,18 +116,6 @@ class RunOptions:
     key: str | None = None
 
 
-def _limiters_argument(limiter: object) -> tuple[ConcurrencyLimiter, ...]:
-    if limiter is None:
-        return ()
-    if supports(limiter, ConcurrencyLimiter):
-        return (cast(ConcurrencyLimiter, limiter),)
-    if isinstance(limiter, Sequence) and not isinstance(limiter, str | bytes):
-        return tuple(
-            check_limiter(item, argument=f"run(limiter[{i}])") for i, item in enumerate(limiter)
-        )
-    return (check_limiter(limiter, argument="run(limiter)"),)
-
-
 def _check_arguments(options: RunOptions, deadline_at: float | None) -> None:
     """Check ``run()``'s other arguments; each error names the argument and the value."""
     checks: dict[str, Callable[..., object]] = {
@@ -184,7 +170,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         admission: RunAdmission | None = None,
         key: str | None = None,
     ) -> None:
-        limiters = _limiters_argument(limiter)
+        limiters = check_limiter_list(limiter, argument="run(limiter)")
         options = RunOptions(
             limiter=limiters[0] if limiters else None,
             limiters=limiters,
@@ -258,7 +244,9 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             Deadline.after_ms(o.timeout_ms) if o.timeout_ms is not None else None,
             o.deadline,
         )
-        cancel = self._link_cancel(o.cancel, parent.cancel if parent is not None else None)
+        cancel, inherited = o.cancel, parent.cancel if parent is not None else None
+        if cancel is not None and inherited is not None:
+            cancel = self._own_cancel = CancellationToken(cancel, inherited)
         return RunContext(
             run_id=run_id,
             root_run_id=root,
@@ -268,18 +256,10 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
             key=key,
             workload=workload,
             deadline=deadline,
-            cancel=cancel,
+            cancel=cancel or inherited,
             name=o.name or (parent.name if parent is not None else None),
             admission=o.admission or (parent.admission if parent is not None else None),
         )
-
-    def _link_cancel(
-        self, own: CancellationToken | None, inherited: CancellationToken | None
-    ) -> CancellationToken | None:
-        if own is None or inherited is None:
-            return own or inherited
-        self._own_cancel = CancellationToken(own, inherited)
-        return self._own_cancel
 
     def __enter__(self) -> RunContext:
         context = self._build()
