@@ -4,17 +4,10 @@ The decision is a pure function of the limits, the slots each workload holds and
 waiters in arrival order, kept in one place so the in-memory and PostgreSQL limiters
 (and any custom one) agree, and so it can be property-tested against a reference model.
 
-Rules (docs/slots.md, "Workloads, priorities and the line"), :func:`allocate`:
-
-* **Reservations are strict and never lent**: idle reserved slots stay idle.
-* **Ceilings hold**: per workload and for the limiter.
-* **Priority picks among workloads with room**; a tie goes to the oldest waiter. A
-  workload at its ceiling never blocks another.
-* **Work in progress first, then FIFO, within a workload**: a request of a run that
-  already took a slot goes before first requests of runs not started. On purpose: a
-  slot granted to a run that cannot run yet (a parked task while every worker waits
-  for a *second* slot) would sit idle and starve the runs that could use it.
-* **Work-conserving**: it grants until no waiter's workload has room.
+:func:`allocate` keeps the rules of docs/slots.md, "Workloads, priorities and the line"
+(the why of each is there): reservations strict and never lent, ceilings held, priority
+among workloads with room (a tie to the oldest waiter), within a workload runs in
+progress first and then FIFO, granting until no waiter's workload has room.
 
 One request over several members (:func:`allocate_members`) takes one slot in each,
 all or none; a key of a keyed limiter is one more limiter (id ``(name, key)``). Each
