@@ -54,8 +54,11 @@ def check_limiter(value: object, *, argument: str) -> ConcurrencyLimiter:
     return value  # type: ignore[return-value]
 
 
-def check_limiter_list(value: object, *, argument: str) -> tuple[ConcurrencyLimiter, ...]:
-    """A limiter, or a sequence of limiters, as a tuple (``None``: empty)."""
+def check_limiter_list(
+    value: object, *, argument: str, items: str | None = None
+) -> tuple[ConcurrencyLimiter, ...]:
+    """A limiter, or a sequence of limiters, as a tuple (``None``: empty); a bad item is
+    named by ``items`` formatted with its index (default ``argument[i]``)."""
     if value is None:
         return ()
     if (
@@ -63,9 +66,8 @@ def check_limiter_list(value: object, *, argument: str) -> tuple[ConcurrencyLimi
         and not isinstance(value, str | bytes)
         and not supports(value, ConcurrencyLimiter)
     ):
-        return tuple(
-            check_limiter(item, argument=f"{argument}[{i}]") for i, item in enumerate(value)
-        )
+        items = items or argument + "[{}]"
+        return tuple(check_limiter(x, argument=items.format(i)) for i, x in enumerate(value))
     return (check_limiter(value, argument=argument),)
 
 

@@ -170,7 +170,7 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         admission: RunAdmission | None = None,
         key: str | None = None,
     ) -> None:
-        limiters = check_limiter_list(limiter, argument="run(limiter)")
+        limiters = check_limiter_list(limiter, argument="run(limiter)", items="run(limiter[{}])")
         options = RunOptions(
             limiter=limiters[0] if limiters else None,
             limiters=limiters,
