@@ -112,6 +112,4 @@ def guard(
 
         return functools.wraps(func)(wrapper)
 
-    if fn is not None:
-        return decorate(fn)
-    return decorate
+    return decorate if fn is None else decorate(fn)

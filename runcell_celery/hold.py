@@ -61,9 +61,7 @@ def is_interrupt(exc: BaseException) -> bool:
 def outcome_of(exc: BaseException | None) -> Outcome:
     if exc is None:
         return "success"
-    if is_interrupt(exc):
-        return "cancelled"
-    return "error"
+    return "cancelled" if is_interrupt(exc) else "error"
 
 
 class KeptLeases:

@@ -279,16 +279,13 @@ class SupportsReleaseExecutor(Protocol):
     def release_executor(self) -> Executor: ...
 
 
-def _ability_cache() -> dict[tuple[type, type], bool]:
-    return DEFAULT_REGISTRY.shared("protocol.abilities", dict)
-
-
 def supports(limiter: object, ability: type) -> bool:
     """``isinstance(limiter, ability)``, cached per class (a protocol check is slow)."""
     key = (type(limiter), ability)
-    found = _ability_cache().get(key)
+    cache: dict[tuple[type, type], bool] = DEFAULT_REGISTRY.shared("protocol.abilities", dict)
+    found = cache.get(key)
     if found is None:
-        found = _ability_cache()[key] = isinstance(limiter, ability)
+        found = cache[key] = isinstance(limiter, ability)
     return found
 
 

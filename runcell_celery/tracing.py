@@ -152,17 +152,12 @@ def _record_wait(
         start_ns = time.time_ns() - int((time.monotonic() - started) * 1e9)
         attributes = _attributes(asked, leases)
         attributes["runcell.outcome"] = outcome
-        # Where the request joined the line, as the wait or the deferral's answer told it.
-        place: int | None = None
-        expected: float | None = None
-        if parked is not None and parked.place is not None:
-            place, expected = parked.place, parked.expected_wait_ms
-        elif asked.place is not None:
-            place, expected = asked.place.place, asked.place.expected_wait_ms
-        if place is not None:
-            attributes["runcell.queue.place"] = place
-        if expected is not None:
-            attributes["runcell.queue.expected_wait_ms"] = expected
+        # Where the request joined the line, as the deferral's answer or the wait told it.
+        where = parked if parked is not None and parked.place is not None else asked.place
+        if where is not None and where.place is not None:
+            attributes["runcell.queue.place"] = where.place
+            if where.expected_wait_ms is not None:
+                attributes["runcell.queue.expected_wait_ms"] = where.expected_wait_ms
         if error is not None and outcome in _FAILED_WAITS:
             attributes["error.type"] = type(error).__qualname__
         span = tracer.start_span(WAIT_SPAN, start_time=start_ns, attributes=attributes)
