@@ -20,6 +20,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_members, has_room
@@ -51,59 +52,42 @@ T = TypeVar("T")
 HISTORY_LIMIT = 10_000
 
 
+def _nothing() -> None:
+    return None
+
+
+@dataclass(slots=True)
 class _Held:
-    __slots__ = ("expires_at", "lease")
-
-    def __init__(self, lease: Lease, expires_at: float) -> None:
-        self.lease = lease
-        self.expires_at = expires_at
+    lease: Lease
+    expires_at: float
 
 
+@dataclass(eq=False, slots=True)  # eq=False: a waiter is found in a line by identity
 class _Waiter:
     """A waiting request as allocation reads it (``workloads``: the one in each limiter)."""
 
-    __slots__ = (
-        "aged",
-        "arrival",
-        "deadline",
-        "in_progress",
-        "key",
-        "leases",
-        "limiters",
-        "queued_at",
-        "request",
-        "requests",
-        "wake",
-        "workload",
-        "workloads",
+    workload: str | None
+    limiters: tuple[InMemoryConcurrencyLimiter, ...]
+    requests: tuple[AcquireRequest, ...]
+    workloads: tuple[str, ...]
+    queued_at: float
+    request: AcquireRequest = field(init=False)
+    in_progress: bool = field(init=False)
+    key: Hashable | None = field(init=False)
+    #: Arrival order across every limiter of the process (a coordinated request's age).
+    arrival: int = field(
+        init=False,
+        default_factory=lambda: next(DEFAULT_REGISTRY.shared("memory.arrivals", itertools.count)),
     )
+    aged: bool = False
+    deadline: float = math.inf
+    leases: tuple[Lease, ...] | None = None
+    wake: Callable[[], None] = _nothing
 
-    def __init__(
-        self,
-        workload: str | None,
-        limiters: tuple[InMemoryConcurrencyLimiter, ...],
-        requests: tuple[AcquireRequest, ...],
-        workloads: tuple[str, ...],
-        now: float,
-    ) -> None:
-        self.request = requests[0]
-        self.workload = workload
+    def __post_init__(self) -> None:
+        self.request = self.requests[0]
         self.in_progress = self.request.in_progress
-        self.key: Hashable | None = self.request.key
-        self.limiters = limiters
-        self.requests = requests
-        self.workloads = workloads
-        # Arrival order across every limiter of the process (a coordinated request's age).
-        self.arrival = next(DEFAULT_REGISTRY.shared("memory.arrivals", itertools.count))
-        self.queued_at = now
-        self.aged = False
-        self.deadline = math.inf
-        self.leases: tuple[Lease, ...] | None = None
-        self.wake: Callable[[], None] = _nothing
-
-
-def _nothing() -> None:
-    return None
+        self.key = self.request.key
 
 
 class Coordinator:
