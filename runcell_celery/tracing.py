@@ -20,10 +20,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from .background import DEFAULT_REGISTRY
-from .errors import ConcurrencyConfigError, ConcurrencyQueueFullError, ConcurrencyTimeoutError
+from .errors import ConcurrencyError
 from .events import describe_error
 from .hold import is_interrupt
-from .request import SlotRequest
+from .request import SlotRequest, failure_event_type
 from .several import default_key
 from .tracer import OTEL_AVAILABLE, current_tracer
 
@@ -194,13 +194,9 @@ def _attributes(asked: SlotRequest, leases: Sequence[Lease]) -> dict[str, Attrib
 
 
 def _wait_outcome(exc: BaseException) -> str:
-    for kind, outcome in (
-        (ConcurrencyTimeoutError, "timed-out"),
-        (ConcurrencyQueueFullError, "queue-full"),
-        (ConcurrencyConfigError, "config-error"),
-    ):
-        if isinstance(exc, kind):
-            return outcome
+    kind = failure_event_type(exc) if isinstance(exc, ConcurrencyError) else None
+    if kind in ("timed-out", "queue-full", "config-error"):
+        return kind
     # A cancel, SIGTERM, Celery's SoftTimeLimitExceeded...
     return "cancelled" if is_interrupt(exc) else "limiter-error"
 
