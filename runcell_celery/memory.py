@@ -32,6 +32,7 @@ from .config import LimiterConfig
 from .errors import ConcurrencyConfigError, ConcurrencyError, ConcurrencyTimeoutError
 from .protocol import (
     AcquireRequest,
+    KeyStats,
     Lease,
     LimiterStats,
     Member,
@@ -406,14 +407,7 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
             waiting = [waiter.workloads[0] for waiter in self._waiting]
         for workload in waiting:
             queued[workload] += 1
-        return LimiterStats(
-            active=sum(self._active.values()),
-            queued=sum(queued.values()),
-            workloads={
-                name: WorkloadStats(active=self._active[name], queued=queued[name])
-                for name in self._config.workloads
-            },
-        )
+        return stats_of(self._active, queued)
 
     def reap(self) -> int:
         return self._call(self._reap_now_locked)
@@ -517,6 +511,14 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         ):
             self._busy = False
             self._owner._key_idle(self)
+
+
+def stats_of(
+    active: Mapping[str, int], queued: Mapping[str, int], keys: Sequence[KeyStats] = ()
+) -> LimiterStats:
+    """The stats of slots held and requests waiting per workload (``active``'s order)."""
+    workloads = {name: WorkloadStats(active=n, queued=queued[name]) for name, n in active.items()}
+    return LimiterStats(sum(active.values()), sum(queued.values()), workloads, keys)
 
 
 def _wake(waiting: list[_Waiter], granted: Sequence[int]) -> list[_Waiter]:

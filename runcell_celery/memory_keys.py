@@ -20,7 +20,7 @@ from .clock import SYSTEM_CLOCK, Clock
 from .config import DEFAULT_LEASE_TTL_MS, Fairness, LimiterConfig, WorkloadConfig, limiter_config
 from .errors import ConcurrencyConfigError
 from .keys import check_key, config_for_key
-from .memory import Coordinator, InMemoryConcurrencyLimiter
+from .memory import Coordinator, InMemoryConcurrencyLimiter, stats_of
 from .protocol import (
     AcquireRequest,
     KeyStats,
@@ -28,7 +28,6 @@ from .protocol import (
     LimiterStats,
     OnWait,
     Outcome,
-    WorkloadStats,
 )
 
 __all__ = ["KeyedInMemoryConcurrencyLimiter", "create_concurrency_limiter"]
@@ -116,15 +115,7 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
             for name, workload in limiter.stats().workloads.items():
                 active[name] += workload.active
                 queued[name] += workload.queued
-        return LimiterStats(
-            active=sum(active.values()),
-            queued=sum(queued.values()),
-            workloads={
-                name: WorkloadStats(active=active[name], queued=queued[name])
-                for name in self._config.workloads
-            },
-            keys=self.key_stats(limit) if per_key else (),
-        )
+        return stats_of(active, queued, self.key_stats(limit) if per_key else ())
 
     def _refuse(self) -> NoReturn:
         name = self._config.name
