@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 from .background import DEFAULT_REGISTRY
@@ -82,14 +82,9 @@ class AcquireRequest:
     key: str | None = None
 
     def error(self, cls: type[E], message: str, *, limiter: str) -> E:
+        lineage = asdict(self.lineage)
         return cls(
-            message,
-            limiter=limiter,
-            workload=self.workload,
-            run_id=self.lineage.run_id,
-            root_run_id=self.lineage.root_run_id,
-            parent_run_id=self.lineage.parent_run_id,
-            request_id=self.request_id,
+            message, limiter=limiter, workload=self.workload, request_id=self.request_id, **lineage
         )
 
 

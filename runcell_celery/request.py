@@ -136,18 +136,13 @@ def build_request(
     the request; report it with :func:`report_refusal`."""
     resolved_id = request_id or new_request_id()
     lineage = run.lineage if run is not None else RunLineage(resolved_id, resolved_id)
-    names = {
-        "run_id": lineage.run_id,
-        "root_run_id": lineage.root_run_id,
-        "parent_run_id": lineage.parent_run_id,
-        "request_id": resolved_id,
-    }
     if not limiters and run is not None:
         limiters = run.limiters
     if not limiters:
         raise ConcurrencyNoLimiterError(
             "slot() has no limiter: pass one, or call it inside run(limiter=...) or a RunCellTask",
-            **names,
+            request_id=resolved_id,
+            **dataclasses.asdict(lineage),
         )
     one = len(limiters) == 1
     lenient = not one
@@ -169,7 +164,8 @@ def build_request(
             exc.message,
             limiter=limiters[0].name,
             workload=workload or DEFAULT_WORKLOAD if one else workload,
-            **names,
+            request_id=resolved_id,
+            **dataclasses.asdict(lineage),
         ) from None
     if run is None:
         requests = tuple(AcquireRequest(resolved_id, w, lineage, key=key) for w in workloads)
