@@ -1,13 +1,10 @@
 """Structured events about slots, delivered to listeners.
 
 One event per step of a slot's life (the fields each type carries: docs/slots.md,
-"Errors and events"); listeners turn them into logs, metrics or rows (the Django app
-records them).
-A request over several limiters has one event per step: ``limiter`` (and ``lease_id``,
-``fencing_token``) the first limiter's, ``limiters`` all of them, ``key`` its fairness
-key. Events never carry prompts, arguments or credentials (``error`` is scrubbed).
-Listeners run in the emitting thread; one that raises is logged, never breaking the
-run. With no listener the runtime builds no event, so events cost nothing unheard.
+"Errors and events"; over several limiters, "Several limits and keys"); listeners turn
+them into logs, metrics or rows. Events never carry prompts, arguments or credentials
+(``error`` is scrubbed). Listeners run in the emitting thread; one that raises is
+logged, never breaking the run. With no listener no event is built at all.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """OpenTelemetry spans for slot waits and holds (docs/metrics.md, "Tracing").
 
 ``runcell.slot.wait`` runs from asking for a slot until the answer, ``runcell.slot.hold``
-from the grant until the release, each with its ``runcell.outcome`` and the request's
-limiters, workloads, key, ids and leases; a queued wait carries its place in line, which
-the request asks the limiter for only while :func:`current_tracer` has a tracer. With no
-provider set (``opentelemetry-api`` missing, its proxy or a no-op provider) nothing is
-built. The wait span is built when the wait ends, so a granted wait costs nothing until
-then. Neither span is made current: a slot may be held across a generator's ``yield``,
-where a current span would leak into the consumer's code. A tracing failure is logged
-and never fails a slot.
+from the grant until the release (their attributes: that section). With no provider set
+(``opentelemetry-api`` missing, its proxy or a no-op provider) nothing is built, and a
+wait span only once the wait ends. Neither span is made current: a slot may be held
+across a generator's ``yield``, where a current span would leak into the consumer's
+code. A tracing failure is logged and never fails a slot.
 """
 
 from __future__ import annotations
