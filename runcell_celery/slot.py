@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn, cast
 
@@ -188,8 +188,7 @@ class Slot:
                 for x in asked.limiters
                 if supports(x, SupportsConfig)
             ]
-            given = [x for x in configured if x is not None]
-            max_hold_ms = min(given) if given else None
+            max_hold_ms = min([x for x in configured if x is not None], default=None)
         max_hold = Deadline.after_ms(max_hold_ms) if max_hold_ms is not None else None
         lease = leases[0]
         hold = self._hold = Hold(asked, leases, max_hold=max_hold, task=task, cleanups=cleanups)
@@ -358,17 +357,12 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
     except BaseException as exc:
         _not_granted(asked, exc, started, [])
     tracing.wait_granted(asked, started, leases)
-    waited_ms = _whole_wait_ms(leases, started)
+    # What the limiter measured when it knows (a parked request's claim), else ours.
+    known = [lease.waited_ms for lease in leases if lease.waited_ms is not None]
+    waited_ms = max(known) if known else (time.monotonic() - started) * 1000
     admitted = PreAdmitted(asked, leases, wait_ms=waited_ms)
     admission.hold(admitted, run.deadline, run.cancel)
     return admitted
-
-
-def _whole_wait_ms(leases: Sequence[Lease], started: float) -> float:
-    """What the limiter measured when it knows (a parked request's claim), else this
-    delivery's own wait."""
-    known = [lease.waited_ms for lease in leases if lease.waited_ms is not None]
-    return max(known) if known else (time.monotonic() - started) * 1000
 
 
 def _acquire(asked: SlotRequest, cancel: CancellationToken | None) -> tuple[Lease, ...]:
