@@ -18,7 +18,7 @@ import itertools
 import math
 import threading
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
@@ -200,18 +200,14 @@ class Coordinator:
         ]
 
 
-def _lock_root(limiter: InMemoryConcurrencyLimiter) -> Coordinator:
-    while True:
+def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T], *args: Any) -> T:
+    while True:  # the root may be merged into another while we wait for its lock
         root = limiter._coordinator.root()
         root.lock.acquire()
         if root.merged_into is None:
-            limiter._coordinator = root
-            return root
+            break
         root.lock.release()
-
-
-def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T], *args: Any) -> T:
-    root = _lock_root(limiter)
+    limiter._coordinator = root
     try:
         if limiter._coordinated:
             return fn(*args)
@@ -400,14 +396,11 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
 
     def _stats_locked(self) -> LimiterStats:
         self._reap_locked(self._clock.monotonic())
-        queued = dict.fromkeys(self._config.workloads, 0)
         if self._coordinated:
             waiting = self._root().workloads_waiting_locked(self)
         else:
             waiting = [waiter.workloads[0] for waiter in self._waiting]
-        for workload in waiting:
-            queued[workload] += 1
-        return stats_of(self._active, queued)
+        return stats_of(self._active, Counter(waiting))
 
     def reap(self) -> int:
         return self._call(self._reap_now_locked)
