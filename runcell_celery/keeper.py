@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, cast, runtime_checkable
 
 from .background import DEFAULT_REGISTRY, BackgroundLoop
@@ -216,7 +216,10 @@ class LeaseKeeper:
         sent_at = self.clock.monotonic()
         leases = [lease for _, _, lease in batch]
         try:
-            results = _renew(limiter, leases)
+            if len(leases) > 1 and supports(limiter, SupportsRenewMany):
+                results = cast(SupportsRenewMany, limiter).renew_many(leases)
+            else:
+                results = {lease.lease_id: limiter.renew(lease) for lease in leases}
         except Exception as exc:
             for _, entry, _lease in batch:
                 entry.renew_at = sent_at + min(RETRY_SECONDS, entry.ttl * RENEW_FRACTION / 2)
@@ -237,12 +240,6 @@ class LeaseKeeper:
                 bound = local_validity(renewed, sent_at)
                 entry.expires_at = bound.at
                 _safely(holder.lease_renewed, entry.index, renewed, bound)
-
-
-def _renew(limiter: ConcurrencyLimiter, leases: Sequence[Lease]) -> Mapping[str, Lease | None]:
-    if len(leases) > 1 and supports(limiter, SupportsRenewMany):
-        return cast(SupportsRenewMany, limiter).renew_many(leases)
-    return {lease.lease_id: limiter.renew(lease) for lease in leases}
 
 
 def _why_lost(limiter: ConcurrencyLimiter, lease: Lease) -> LeaseTakenBackError | None:
