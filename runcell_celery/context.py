@@ -87,12 +87,6 @@ def current_run() -> RunContext | None:
     return _current.get()
 
 
-def _validate(limiter: ConcurrencyLimiter, workload: str | None) -> str | None:
-    if isinstance(limiter, SupportsValidateWorkload):
-        return limiter.validate_workload(workload)
-    return workload
-
-
 def _same(mine: tuple[ConcurrencyLimiter, ...], theirs: tuple[ConcurrencyLimiter, ...]) -> bool:
     return len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs, strict=True))
 
@@ -222,7 +216,8 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         if limiters:
             try:
                 if len(limiters) == 1:
-                    workload = _validate(limiters[0], workload)
+                    if isinstance(limiters[0], SupportsValidateWorkload):
+                        workload = limiters[0].validate_workload(workload)
                 else:
                     # Selected, not resolved: it applies where a limiter has it.
                     check_members(limiters)

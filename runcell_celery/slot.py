@@ -120,8 +120,7 @@ class Slot:
 
     def __enter__(self) -> Slot:
         asked, cancel, cleanups, started = self._ask()
-        adopted = _adopt(asked, cleanups)
-        if adopted is not None:
+        if (adopted := _adopt(asked, cleanups)) is not None:
             return self._granted(*adopted, started, cancel, cleanups, None)
         try:
             leases = _acquire(asked, cancel)
@@ -132,8 +131,7 @@ class Slot:
     async def __aenter__(self) -> Slot:
         asked, cancel, cleanups, started = self._ask()
         task = asyncio.current_task()
-        adopted = _adopt(asked, cleanups)
-        if adopted is not None:
+        if (adopted := _adopt(asked, cleanups)) is not None:
             return self._granted(*adopted, started, cancel, cleanups, task)
         try:
             leases = await _acquire_async(asked, cancel)
