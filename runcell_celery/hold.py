@@ -252,6 +252,7 @@ class Hold(KeptLeases):
         self.abort("cancelled")
 
     def abort(self, reason: AbortReason, error: BaseException | None = None) -> None:
+        taken_back = error.reason if isinstance(error, LeaseTakenBackError) else None
         with self._state:
             if self._ended:
                 return
@@ -264,8 +265,7 @@ class Hold(KeptLeases):
             callbacks: list[Callable[[], object]] = []
             if first:
                 self._abort_reason = reason
-                if isinstance(error, LeaseTakenBackError):
-                    self._lost_why = error.reason
+                self._lost_why = taken_back
                 callbacks, self._abort_callbacks = self._abort_callbacks, []
             if release_now:
                 self._released = True
@@ -274,7 +274,7 @@ class Hold(KeptLeases):
                 "lease-lost",
                 lease_id=(self._lost_lease or self.lease).lease_id,
                 hold_ms=(time.monotonic() - self.held_since) * 1000,
-                reason="max-hold" if reason == "max-hold" else _lost_reason(error),
+                reason="max-hold" if reason == "max-hold" else taken_back or "renewal",
                 error=describe_error(error) if error is not None else None,
             )
         if release_now:
@@ -298,10 +298,6 @@ class Hold(KeptLeases):
             ):
                 self._task_cancelled = True
                 self._task.cancel()
-
-
-def _lost_reason(error: BaseException | None) -> str:
-    return error.reason if isinstance(error, LeaseTakenBackError) else "renewal"
 
 
 def abort_error(
