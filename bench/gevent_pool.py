@@ -272,6 +272,7 @@ def run_arm(
     cpu_before, own_before = cpu_s(watch.pid), cpu_s()
     sent = time.time()
     results = [task.delay(args.hold_ms) for _ in range(args.tasks)]
+    send_s = time.time() - sent  # the tasks arrive as fast as one client sends them
     try:
         for result in results:
             result.get(timeout=300)
@@ -281,6 +282,7 @@ def run_arm(
     records = [json.loads(raw) for raw in client.lrange(key, 0, -1)]
     holds = [(r["acquired"], r["released"]) for r in records]
     out = summarise(holds, provider.stats().max_in_flight, watch, args, spent)
+    out["send_s"] = round(send_s, 3)
     out["republished"] = sum(1 for r in records if r["republished"])
     progress(f"{admission}: {json.dumps(out)}")
     return out
