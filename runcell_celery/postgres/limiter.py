@@ -613,6 +613,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         :class:`~runcell_celery.ports.Duplicate` when a retry finds it parked and
         granted (its own re-published message carries it)."""
         lead = asked.lead
+        room = self.room
         lineage = lead.lineage
         asking = {"request_id": lead.request_id, "run_id": lineage.run_id,
                    "root_run_id": lineage.root_run_id, "parent_run_id": lineage.parent_run_id,
@@ -623,7 +624,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             "hashes": asked.hashes(),
             "workloads": asked.workload_array(),
             "request": json.dumps(asking),
-            "process": self.room.process,
+            "process": room.process,
             "retry": retry,
         }
         query = statements.ACQUIRE_WITH_LINES if with_lines else statements.ACQUIRE
@@ -672,7 +673,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                         continue
                     asked.settled = not written
                 raise
-        self.room.clock.sample(sent.at, float(answer["now"]))
+        room.clock.sample(sent.at, float(answer["now"]))
         self._moved_on(answer)
         status = answer["s"]
         if status == "granted":
@@ -681,8 +682,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
             return Duplicate()
         if status == "queued":
             for waiter in asked.waiters:
-                self.room.queued(waiter)
-            self.room.expiry_in(answer.get("expiry_ms"))
+                room.queued(waiter)
+            room.expiry_in(answer.get("expiry_ms"))
             if "ahead" in answer:  # a new place (a retry finding its row tells none)
                 hold_ms, slots = answer.get("hold_ms"), answer.get("slots")
                 asked.estimate = _estimate(answer["ahead"], hold_ms, slots)
