@@ -142,8 +142,14 @@ def project_client(dsn: str, name: str, limit: int, threads: int, start: float, 
     counts = [0] * threads
 
     def cycle(i: int) -> None:
-        with slot(limiter):  # warm: this thread's connection is open before the start
+        # Warm: cycle until shortly before the start, so that the pool has grown to
+        # what this many threads use (psycopg_pool opens connections as callers wait
+        # for one) whether or not an earlier limiter's pool is still open.
+        with slot(limiter):
             pass
+        while time.monotonic() < start - 0.3:
+            with slot(limiter):
+                pass
         time.sleep(max(0.0, start - time.monotonic()))
         n = 0
         while time.monotonic() < stop:
