@@ -1,14 +1,7 @@
-"""The worker bootstep: what runs beside a worker while it consumes.
+"""The worker bootstep (added by :func:`~.wiring.ensure_wired`): what runs beside a worker.
 
-:class:`RunCellStep` (added by :func:`~.wiring.ensure_wired`), while the blueprint is
-built (main process, before the pool forks or a message is taken), refuses to start a
-worker on a pool the library does not support (:mod:`.pools`: eventlet, an unpatched
-gevent) or whose limits conflict with the stored ones (:mod:`.conflicts`), makes the
-worker consume each queue's granted queue (``<queue>.runcell``) and patches kombu's
-Redis transport (:mod:`.redis_transport`). After the pool starts it warns of keyed
-waits (:mod:`.fairness`) and of deferral on gevent (:mod:`.pools`), and starts the
-sweeper and the revocation publisher; on stop it stops them and writes the main
-process's last admission counts.
+Its checks run while the blueprint is built, in the main process before the pool forks
+or a message is taken, so a worker that cannot keep the limits refuses to start at all.
 """
 
 from __future__ import annotations

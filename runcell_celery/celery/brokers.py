@@ -18,18 +18,17 @@ from ..background import DEFAULT_REGISTRY
 __all__ = ["broker_identity"]
 
 
-def _identities() -> weakref.WeakKeyDictionary[Celery, str]:
-    return DEFAULT_REGISTRY.shared("celery.brokers.identities", weakref.WeakKeyDictionary)
-
-
 def broker_identity(app: Celery) -> str:
     """The identity of the broker ``app`` publishes to (never its password); computed
     once per app, without connecting."""
-    identity = _identities().get(app)
+    identities: weakref.WeakKeyDictionary[Celery, str] = DEFAULT_REGISTRY.shared(
+        "celery.brokers.identities", weakref.WeakKeyDictionary
+    )
+    identity = identities.get(app)
     if identity is None:
         with app.connection_for_write() as connection:
             uri = connection.as_uri(include_password=False)
             digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
             identity = f"{connection.transport_cls}:{digest}:{connection.virtual_host}"
-        _identities()[app] = identity
+        identities[app] = identity
     return identity

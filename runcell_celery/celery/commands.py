@@ -1,11 +1,9 @@
 """``celery -A proj runcell status|sync-limiters|release|purge``: the operators' commands.
 
-A Celery command plugin (entry point group ``celery.commands``, name ``runcell``): it
-reads the limiters ``proj``'s workers use, from the settings they read
-(``app.conf.runcell``, or with Django ``settings.RUNCELL`` through runcell_django), so
-nothing more is needed. The work is :mod:`runcell_celery.postgres.operations`'s, as for
-the Django management commands; Django is not needed. Errors are one line naming the
-value at fault, with a non-zero exit status (1; 2 for a bad option), never a traceback.
+A Celery command plugin (entry point group ``celery.commands``) reading the settings
+``proj``'s workers read; the work is :mod:`runcell_celery.postgres.operations`'s, as for
+the Django management commands. Errors are one line (exit status 1; 2 for a bad
+option), never a traceback.
 """
 
 from __future__ import annotations

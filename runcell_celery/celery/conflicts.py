@@ -115,16 +115,13 @@ class SaidOnce:
             self._said.pop(limiter, None)
 
 
-def _started() -> SaidOnce:
-    return DEFAULT_REGISTRY.shared("celery.conflicts.started", SaidOnce)
-
-
 def log_start_conflict(error: ConcurrencyError, task_name: str) -> None:
     """Log, once per limiter and change, a run that failed before its first slot with
     a configuration error naming a limiter (its ``config-error`` event is the task's)."""
     if not isinstance(error, ConcurrencyConfigError) or error.limiter is None:
         return
-    if _started().first(error.limiter, error.message):
+    started = DEFAULT_REGISTRY.shared("celery.conflicts.started", SaidOnce)
+    if started.first(error.limiter, error.message):
         logger.error(
             "runcell: task %r cannot run: %s (said once per limiter and change; every "
             "such task fails with a config-error event)",

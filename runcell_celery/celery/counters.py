@@ -1,18 +1,13 @@
 """Admission counters: deliveries, deferrals and failures, counted apart.
 
-A deferral is not a failure, and the numbers show it: per task name and limiter we
-count deliveries (every time a message reached a worker, counted before anything can
-fail), admission deferrals, provider attempts (slots acquired), provider failures
-(slots whose call raised) and concurrency failures (runs stopped by a
-``ConcurrencyError``; those before any slot request are counted by the task, the rest
-from events). A run over several limiters counts under ``openai+tenant``; a keyed
-limiter under its own name, never one row per key.
+A deferral is not a failure, and the numbers show it: per task name and limiter
+(``openai+tenant`` over several; a keyed limiter by its name, never per key) we count
+deliveries, deferrals, provider attempts and failures, and concurrency failures.
 
 Counts are kept per process and added to the backend's
-:class:`~runcell_celery.ports.CounterStore` about once a second by
-``runcell-counter-flusher``, so the task path never waits on the database. A batch
-whose write fails is sent again under its first id, and the store adds a batch once,
-so a retry after a lost reply counts nothing twice.
+:class:`~runcell_celery.ports.CounterStore` about once a second, so the task path never
+waits on the database; a failed batch is sent again under its first id, so a retry
+after a lost reply counts nothing twice.
 """
 
 from __future__ import annotations
@@ -108,8 +103,7 @@ class AdmissionCounters:
             return
         for _ in range(2):
             with counts.lock:
-                batch = counts.unsent
-                counts.unsent = None
+                batch, counts.unsent = counts.unsent, None
                 if batch is None:
                     pending, counts.pending = counts.pending, {}
                     if not pending:

@@ -42,13 +42,7 @@ from .message import MAX_PARKED_MESSAGE_BYTES, DeliveredMessage, from_request, r
 from .options import TaskConcurrency
 from .publisher import GrantPublisher
 
-__all__ = [
-    "Sweeper",
-    "TaskAdmission",
-    "publish_grants",
-    "send_grants",
-    "wire_publisher",
-]
+__all__ = ["Sweeper", "TaskAdmission", "publish_grants", "send_grants", "wire_publisher"]
 
 logger = logging.getLogger("runcell_celery.celery.deferral")
 

@@ -25,8 +25,7 @@ def warn_keyed_waits(app: Celery, concurrency: int) -> None:
     """Warn of each (task, keyed limiter) whose waiters can take all ``concurrency``
     processes: the task waits and the worker runs more at once than one key gets."""
     registry = registry_for(app)
-    for name in sorted(app.tasks):
-        task = app.tasks[name]
+    for name, task in sorted(app.tasks.items()):
         # Read by attribute: the task module imports the wiring, which imports this.
         spec = getattr(task, "_runcell", None)
         if not isinstance(spec, TaskConcurrency) or spec.admission != "wait":
@@ -53,6 +52,4 @@ def warn_keyed_waits(app: Celery, concurrency: int) -> None:
 
 def worker_concurrency(worker: Any) -> int:
     """How many tasks ``worker`` (a ``WorkController``) runs at once (solo pool: 1)."""
-    if pool_name(worker) == "solo":
-        return 1
-    return int(getattr(worker, "concurrency", 1) or 1)
+    return 1 if pool_name(worker) == "solo" else int(getattr(worker, "concurrency", 1) or 1)

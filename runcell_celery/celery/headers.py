@@ -11,11 +11,8 @@
 * ``runcell_key`` — the run's key, formed when sent; re-checked on delivery.
 
 **Headers only shorten a budget**: anyone who can publish can write them, and another
-host's clock is off by its error, so a deadline header is only a bound taken with the
-budget the :class:`~runcell_celery.ports.RunStore` keeps in database time. :func:`parse`
-validates every header before a run starts (a bad one raises
-:class:`~runcell_celery.errors.ConcurrencyHeaderError` and the body does not run);
-unknown keys in a header dict are ignored, so a fleet can be upgraded gradually.
+host's clock is off by its error. :func:`parse` validates every header before a run
+starts; unknown keys in a header dict are ignored, so a fleet can be upgraded gradually.
 """
 
 from __future__ import annotations
@@ -81,10 +78,9 @@ class CarriedRun:
 
 def read(request: Any, name: str) -> Any:
     """Return a runcell header from a Celery request (``None`` when absent), unchecked."""
-    headers = getattr(request, "headers", None) or {}
-    value = headers.get(name)
-    if value is None:
-        value = request.get(name) if hasattr(request, "get") else None
+    value = (getattr(request, "headers", None) or {}).get(name)
+    if value is None and hasattr(request, "get"):
+        value = request.get(name)
     return value
 
 

@@ -72,9 +72,7 @@ def require(registry: LimiterRegistry, name: str, where: str) -> None:
 def is_keyed(registry: LimiterRegistry, name: str) -> bool:
     """Whether ``name`` is keyed: by its configured limits, else by its having keys."""
     config = registry.config(name)
-    if config is not None:
-        return config.keyed
-    return keyed_limiter(registry.get(name))
+    return config.keyed if config is not None else keyed_limiter(registry.get(name))
 
 
 def validate_workload(

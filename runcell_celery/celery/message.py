@@ -2,16 +2,10 @@
 
 Task arguments are never decoded for parking: re-encoding them would make every
 serializer survive a round trip (a ``set`` is not JSON, a pickled instance is not
-msgpack). :class:`RunCellRequest` keeps the delivered message (body bytes, content
-type and encoding, headers, properties, exchange and routing key) in the request of a
-task that may park; :meth:`DeliveredMessage.to_payload` stores it as JSON in the
-parked row; :func:`republish` sends the same bytes to the **granted queue**
-(``<queue>.runcell``, :func:`granted_queue`), which workers consume beside ``<queue>``,
-so a granted task overtakes the original queue's backlog while its slot waits.
-
-Only Celery's message protocol 2 is supported: a protocol 1 message is decoded before
-the request exists, so :func:`from_request` finds no bytes and the deferral fails the
-run with an error saying so.
+msgpack). :func:`republish` sends the same bytes to the **granted queue**
+(``<queue>.runcell``), which workers consume beside ``<queue>``, so a granted task
+overtakes the original queue's backlog while its slot waits. Only Celery's message
+protocol 2 is supported: a protocol 1 message is decoded before the request exists.
 """
 
 from __future__ import annotations
@@ -77,10 +71,8 @@ def granted_queue(app: Celery, queue: str) -> Queue:
 def has_granted_queue(queue: Queue) -> bool:
     """Whether ``queue`` has a granted queue: not a fanout queue, nor one that lives
     only as long as its consumer (it would leave a durable granted queue behind)."""
-    exchange = queue.exchange
-    if exchange is not None and exchange.type == "fanout":
-        return False
-    return not (queue.auto_delete or queue.exclusive)
+    fanout = queue.exchange is not None and queue.exchange.type == "fanout"
+    return not (fanout or queue.auto_delete or queue.exclusive)
 
 
 def delivered_queue(app: Celery, exchange: str, routing_key: str) -> str:

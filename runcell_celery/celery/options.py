@@ -1,10 +1,7 @@
 """The ``concurrency={...}`` task option, parsed and validated once per task.
 
-``limiter`` is one registry name or a list of distinct names (every slot of the run
-takes a slot in each, together); ``key`` forms the key of the keyed limiters among
-them (:class:`RunKey`). Validation runs when the task is bound, so an unknown limiter
-or workload fails at startup; a key that cannot be formed fails the call before
-anything is sent.
+Validation runs when the task is bound, so an unknown limiter or workload fails at
+startup; a key that cannot be formed fails the call before anything is sent.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Which Celery pools a worker may run on, checked when it starts; and prompt credit
 for the green pools' consumer loop.
 
-* ``prefork``, ``threads``, ``solo``: supported as they are.
-* ``gevent``: supported in a monkey-patched process (``celery worker -P gevent`` patches
-  before it imports anything else). Each task is a greenlet, and so is each of the
-  library's loops (lease keeper, listener, safety poll, sweeper, publisher): a task
-  waiting for a slot costs a greenlet, never an OS thread or a database connection.
-  :func:`refuse_unsupported_pool` refuses a gevent worker whose process is not patched
-  (a wait would block the hub, every task and the keeper with it) or whose backend's
-  I/O would block the hub anyway (:class:`~runcell_celery.ports.GreenIOCheck`).
-* ``eventlet``: refused. Its maintainers discourage new use; psycopg only detects
-  gevent's patching, so with its C speedups each query would block the hub.
+``prefork``, ``threads`` and ``solo`` are supported; ``gevent`` in a monkey-patched
+process whose backend's I/O does not block the hub (a wait would block every task and
+the lease keeper with it); ``eventlet`` is refused (psycopg only detects gevent's
+patching, so with its C speedups each query would block the hub).
 
 The green pools run Celery's blocking consumer loop (``synloop``), which waits up to 2 s
 for the broker in one call. With a transport that counts prefetch itself (Redis) a full
@@ -69,12 +63,6 @@ def _refuse(message: str) -> WorkerRefused:
     return WorkerRefused(text)
 
 
-def _unpatched_gevent_modules() -> list[str]:
-    monkey: Any = importlib.import_module("gevent.monkey")  # the gevent pool imported it
-
-    return [name for name in GEVENT_MODULES if not monkey.is_module_patched(name)]
-
-
 def refuse_unsupported_pool(worker: Any) -> None:
     """Raise :class:`~.conflicts.WorkerRefused` (after one CRITICAL line) for a pool the
     library cannot keep its guarantees on: eventlet, or gevent in a process that is not
@@ -91,7 +79,8 @@ def refuse_unsupported_pool(worker: Any) -> None:
         )
     if name != "gevent":
         return
-    unpatched = _unpatched_gevent_modules()
+    monkey: Any = importlib.import_module("gevent.monkey")  # the gevent pool imported it
+    unpatched = [module for module in GEVENT_MODULES if not monkey.is_module_patched(module)]
     if unpatched:
         raise _refuse(
             "the gevent pool runs in a process that gevent has not monkey-patched "

@@ -1,12 +1,9 @@
 """One thread per process sends granted parked tasks to the broker, on its own connection.
 
-Nothing in ``release()`` or a slot's exit waits for the broker: the limiter's
-parked-granted handler, the sweeper and the wake-up channel only hand lease ids to
-this process's :class:`GrantPublisher`. Its loop (``runcell-publisher``, one per
-process) claims them in the database and publishes them on a connection of its own,
-with the app's bounded retry policy. A publication the broker refused is given back
-(``unclaim_republish``), so the sweeper sends it again soon after the broker returns;
-the database stays the source of truth and a duplicate is dropped by the claim.
+Nothing in ``release()`` or a slot's exit waits for the broker: they only hand lease
+ids to this process's :class:`GrantPublisher`, which claims them in the database and
+publishes them. A publication the broker refused is given back, so the sweeper sends it
+again once the broker returns; the database stays the source of truth.
 """
 
 from __future__ import annotations

@@ -8,11 +8,9 @@ reads ``self.connection.client.hostname`` and raises ``AttributeError`` — not 
 connection error, so the worker stops with "Unrecoverable error", and later acks on
 the channel fail too (their messages wait for ``visibility_timeout``).
 
-:func:`patch_redis_transport` makes a channel remember the connection it was opened
-for and ``_connparams`` use it once the transport forgot it, so those calls fail as
-connection errors and work again once the broker is back. :class:`RestoreUnackedStep`
-then gives back, after reconnecting, the prefetched messages the dropped channel could
-not restore.
+:func:`patch_redis_transport` makes ``_connparams`` use the connection the channel was
+opened for, so those calls fail as connection errors; :class:`RestoreUnackedStep` gives
+back, after reconnecting, the messages the dropped channel could not restore.
 """
 
 from __future__ import annotations
@@ -81,12 +79,9 @@ def patch_redis_transport() -> bool:
 
 def _active_tags(channel: Any) -> set[Any]:
     """Tags of ``channel``'s messages whose tasks run here (restoring would run them twice)."""
-    tags = set()
-    for request in tuple(worker_state.active_requests):
-        message = getattr(request, "message", None)
-        if message is not None and getattr(message, "channel", None) is channel:
-            tags.add(message.delivery_tag)
-    return tags
+    requests = tuple(worker_state.active_requests)
+    messages = [m for r in requests if (m := getattr(r, "message", None)) is not None]
+    return {m.delivery_tag for m in messages if getattr(m, "channel", None) is channel}
 
 
 class RestoreUnackedStep(bootsteps.StartStopStep):

@@ -132,14 +132,10 @@ def app_settings(
     path_for_errors, resolve_database)`` of ``app.conf.runcell``, else of the settings
     provider (Django's ``settings.RUNCELL``); ``settings`` is ``None`` if neither has any."""
     settings = app.conf.get("runcell")
-    resolve: Callable[[str], str] | None = None
-    path = "app.conf.runcell"
     provider: SettingsProvider | None = DEFAULT_REGISTRY.value("celery.state.provider", None)
-    if settings is None and provider is not None:
-        provided = provider()
-        if provided is not None:
-            settings, path, resolve = provided
-    return settings, path, resolve
+    if settings is None and provider is not None and (provided := provider()) is not None:
+        return provided
+    return settings, "app.conf.runcell", None
 
 
 def _configure(app: Celery) -> LimiterRegistry:

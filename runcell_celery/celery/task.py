@@ -263,8 +263,7 @@ class RunCellTask(_Task):
     ) -> None:
         """Emit (and count, unless the counters' listener does) the event of a run
         stopped before it asked for a slot: no slot request emitted one."""
-        names = _limiter_names(spec, parent)
-        request = self.request
+        names, request = _limiter_names(spec, parent), self.request
         emitted = report_failure(
             error,
             limiter=names[0] if names else None,
@@ -366,14 +365,10 @@ class RunCellTask(_Task):
         bound: Deadline | None,
         registry: LimiterRegistry,
     ) -> tuple[Deadline | None, float | None]:
-        """This run's own deadline, fixed at its first start, and the one (Unix time) a
-        re-publication must carry when nothing else can tell a later delivery it.
-
-        With a :class:`~runcell_celery.ports.RunStore` the budget is counted from the
-        run's first start in the store's clock, so no host's wall clock moves it; a
-        ``runcell_deadline`` header (``bound``) can only shorten it. The first start is
-        keyed by the run id, so a retry after a lost reply gets the stored deadline.
-        """
+        """This run's deadline, and the one (Unix time) a re-publication must carry when
+        nothing else can tell a later delivery it. A :class:`~runcell_celery.ports.RunStore`
+        counts the budget from the run's first start (keyed by run id) in its own clock;
+        a ``runcell_deadline`` header (``bound``) can only shorten it."""
         if timeout_ms is None:
             return bound, None  # nothing of its own; the header stays
         store: object = registry.backend  # a Backend that may also be a RunStore
@@ -401,17 +396,16 @@ class RunCellTask(_Task):
 
 
 def _header_bound(unix: float | None) -> Deadline | None:
-    """A deadline header (Unix time from another host) as a bound on this run, cut to
-    ``MAX_DURATION_MS`` from now so a forged ``1e300`` cannot overflow a wait."""
+    """A deadline header (another host's Unix time) as a bound, cut to ``MAX_DURATION_MS``
+    from now so a forged ``1e300`` cannot overflow a wait."""
     if unix is None:
         return None
     return Deadline.earliest(Deadline.from_unix(unix), Deadline.after_ms(MAX_DURATION_MS))
 
 
 class DeliverySetAside(Ignore):
-    """This delivery (parked, or a duplicate) ends without running its body, and that
-    is not a failure: Celery's ``Ignore`` acks it with no state, retry or
-    ``task_failure``; this subclass lets Celery's "Task ... ignored" line be dropped."""
+    """This delivery (parked, or a duplicate) ends without running its body: an ``Ignore``
+    (acked, no state, retry or ``task_failure``) whose "Task ... ignored" line is dropped."""
 
     def __init__(self, task_id: str | None) -> None:
         super().__init__(task_id)
@@ -436,8 +430,7 @@ def _parent_limiters(parent: headers.ParentHeader | None) -> list[str]:
 
 
 def _limiter_names(spec: TaskConcurrency, parent: headers.ParentHeader | None) -> tuple[str, ...]:
-    """The limiters a delivery will use: its own, else its enclosing run's, else its
-    parent's."""
+    """The limiters a delivery will use: its own, else its enclosing run's or parent's."""
     if spec.limiters:
         return spec.limiters
     local = current_run()
@@ -459,9 +452,8 @@ def _log_deferral(
     workload: str | None,
     parked: Parked | None,
 ) -> None:
-    """One INFO line per parking, naming every limiter with its workload and the
-    place the limiter answered; without one, the length of the first limiter's line
-    read just after parking (lines are first come first served: a bound on it)."""
+    """One INFO line per parking: each limiter with its workload, and the place answered
+    (else the first limiter's line length just after parking, a bound on it)."""
     if admission is None:
         return
     limiters = admission.limiters
@@ -486,7 +478,6 @@ def _log_deferral(
             first = workloads[0] if workloads else None
             line = stats.workloads.get(first) if first is not None else None
             place = line.queued if line is not None else stats.queued
-    # ``limiter 'llm' (workload 'background')``; several joined with " + ".
     where = " + ".join(
         f"{limiter.name!r} (workload {name!r})"
         for limiter, name in zip(limiters, workloads, strict=True)
@@ -505,8 +496,5 @@ def _log_deferral(
 
 def _withdraw(admission: Admission | None) -> None:
     """Give up the queue place (or parked grant) of a run that will not use it."""
-    if admission is None:
-        return
-    first = admission.limiter
-    if isinstance(first, SupportsParking):
-        first.withdraw_members(admission.limiters, admission.request_id)
+    if admission is not None and isinstance(admission.limiter, SupportsParking):
+        admission.limiter.withdraw_members(admission.limiters, admission.request_id)

@@ -6,7 +6,6 @@ lives here; only best-effort work (headers, counting, a pool process's last coun
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from celery import Celery
@@ -23,10 +22,6 @@ from .redis_transport import RestoreUnackedStep
 from .state import AppState, live_states, state_for
 
 __all__ = ["ensure_wired"]
-
-
-def _lock() -> threading.Lock:
-    return DEFAULT_REGISTRY.lock("celery.wiring")
 
 
 def _on_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
@@ -57,7 +52,7 @@ def _flush_counters(**_: Any) -> None:
 
 
 def _connect_process_signals() -> None:
-    with _lock():
+    with DEFAULT_REGISTRY.lock("celery.wiring"):
         if DEFAULT_REGISTRY.value("celery.wiring.connected", False):
             return
         before_task_publish.connect(_on_publish, weak=False)

@@ -1,12 +1,9 @@
 """The standalone exporter for fleets without Django: ``python -m runcell_celery.metrics``.
 
-It serves ``/metrics``: the limiters' gauges from ``--database`` (or
-``RUNCELL_DATABASE_URL``), and the event metrics the workers of this host write to
-``--multiprocess-dir`` (or ``PROMETHEUS_MULTIPROC_DIR``). The bearer token comes from
-``RUNCELL_METRICS_TOKEN`` or ``--token-file``, never the command line (it shows in
-``ps``), and follows the Django view's rule (:func:`runcell_celery.redaction.check_token`).
-Every bad flag is a one-line usage error (exit 2) that masks a DSN's password and never
-shows a token.
+It serves the limiters' gauges from ``--database`` and the event metrics this host's
+workers write to ``--multiprocess-dir``. The bearer token never comes from the command
+line (it shows in ``ps``); a bad flag is a one-line usage error (exit 2) that masks a
+DSN's password and never shows a token.
 """
 
 from __future__ import annotations
