@@ -74,16 +74,9 @@ def _read_at(start: str, elapsed: str) -> Callable[[Any], datetime.datetime | No
 
 
 def _planned_without_jit(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """``view`` with its queries, rendering included, in a transaction that plans them
-    without JIT compilation (``SET LOCAL jit = off``).
-
-    The pages' queries read a page of rows, but the planner estimates them from the
-    tables' statistics: where those are stale (autovacuum off, or behind after keys came
-    and went by the thousand) the dead rows count as live, and a page's estimate passes
-    ``jit_above_cost``. A JIT compile then costs a page hundreds of milliseconds for work
-    of a few. ``SET LOCAL`` ends with the transaction, so the setting never outlives the
-    page, not even on a connection a pooler in transaction mode shares.
-    """
+    """``view``, rendering included, in a transaction with ``SET LOCAL jit = off``: stale
+    statistics can push a page's estimate past ``jit_above_cost``, and a JIT compile costs
+    hundreds of milliseconds for work of a few. ``SET LOCAL`` never outlives the page."""
 
     @functools.wraps(view)
     def planned(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
@@ -513,10 +506,8 @@ class QueueEntryAdmin(_HolderAdmin):
         elif (reason := _reason(obj)) is None:
             return "-"
         elif (waits_on := getattr(obj, "waits_on", None)) and obj.limiter_id not in waits_on:
-            code, text = (
-                "other-limiters",
-                "{} {}".format(_("room here; waits on"), ", ".join(waits_on)),
-            )
+            code = "other-limiters"
+            text = "{} {}".format(_("room here; waits on"), ", ".join(waits_on))
         else:
             code, text = reason.code, reason.text
         return format_html('<span class="runcell-why" data-reason="{}">{}</span>', code, text)

@@ -187,10 +187,7 @@ class QueueEntryQuerySet(models.QuerySet[Any]):
         )
         ahead = (
             self.model._default_manager.filter(
-                live,
-                served_first,
-                limiter=OuterRef("limiter"),
-                workload=OuterRef("workload"),
+                live, served_first, limiter=OuterRef("limiter"), workload=OuterRef("workload")
             )
             .order_by()
             .values("limiter")
@@ -224,20 +221,14 @@ class OccupancyManager(_RunCellManager):
 
 
 class EventManager(_RunCellManager):
-    def _raw(self, query: Any, **params: Any) -> list[tuple[Any, ...]]:
-        with connections[self.get_queryset().db].cursor() as cursor:
-            cursor.execute(query, params)
-            return list(cursor.fetchall())
-
     def per_bucket(self, query: Any, minutes: int, bucket_s: int) -> list[tuple[Any, ...]]:
         """The rows of a ``*_PER_BUCKET`` query of :mod:`.sql` over the last ``minutes``."""
-        return self._raw(query, minutes=minutes, bucket_s=bucket_s)
+        return database_rows(self.model)(query, {"minutes": minutes, "bucket_s": bucket_s})
 
     def dropped_per_limiter(self, minutes: int) -> dict[str, int]:
         """Events dropped by full recorder buffers in the window, per limiter."""
-        return {
-            limiter: int(n) for limiter, n in self._raw(sql.DROPPED_PER_LIMITER, minutes=minutes)
-        }
+        rows = database_rows(self.model)(sql.DROPPED_PER_LIMITER, {"minutes": minutes})
+        return {limiter: int(n) for limiter, n in rows}
 
     def dropped_since(self, since: datetime.datetime) -> int:
         """Events full recorder buffers dropped since ``since``, all limiters together."""

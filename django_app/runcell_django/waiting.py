@@ -180,8 +180,7 @@ def queue_summary(queryset: QuerySet[Any]) -> list[SummaryRow]:
 
 def _row(row: dict[str, Any], limiter: Limiter | None) -> SummaryRow:
     workload = row["workload"]
-    held = ceiling = None
-    reason = None
+    held = ceiling = reason = None
     limits = limiter.limits if limiter is not None else None
     if row["keys"]:
         text = ngettext(
