@@ -17,9 +17,11 @@ from runcell_celery.postgres import PostgresConcurrencyLimiter
 
 MakeLimiter = Callable[..., PostgresConcurrencyLimiter]
 
-#: The budget of each timed request, and how far past it the caller may return.
+#: The budget of each timed request, and how far past it the caller may return: the
+#: withdrawal's 100 ms wait for the rows, plus scheduling on a loaded 2-core CI machine
+#: (2.24 s was seen with three test workers). A locked row used to cost 12 s.
 BUDGET_MS = 2_000
-ENDS_WITHIN_S = 2.2
+ENDS_WITHIN_S = 2.5
 
 
 @contextlib.contextmanager
