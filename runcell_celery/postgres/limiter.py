@@ -127,25 +127,18 @@ class _Asked:
         park: ParkRule | None,
     ) -> None:
         self.limiters = limiters
+        self.names = [x.name for x in limiters]
+        self.array = _array(self.names)
         self.several = len(limiters) > 1
         self.requests = requests
-        self.lead = lead = requests[0]
+        self.lead = requests[0]
         self.workloads = workloads
         #: Where each member stands in the caller's order.
         self.order = order
-        if self.several:
-            self.names = [x.name for x in limiters]
-            self.array = _array(self.names)
-            self.ids = [member_id(lead.request_id, x.name, len(limiters)) for x in limiters]
-            pairs = zip(limiters, requests, workloads, strict=True)
-            given = [ms for x, r, w in pairs if (ms := x._wait_ms(r, w)) is not None]
-            self.wait_ms = min(given) if given else None
-        else:  # one member, on every slot's path: nothing to combine
-            one = limiters[0]
-            self.names = [one.name]
-            self.array = one._name_array
-            self.ids = [lead.request_id]
-            self.wait_ms = one._wait_ms(lead, workloads[0])
+        self.ids = [member_id(self.request_id, x.name, len(limiters)) for x in limiters]
+        waits = [x._wait_ms(r, w) for x, r, w in zip(limiters, requests, workloads, strict=True)]
+        given = [w for w in waits if w is not None]
+        self.wait_ms = min(given) if given else None
         self.deadline = Deadline.after_ms(self.wait_ms) if self.wait_ms is not None else None
         self.cancel = cancel
         self.park = park
@@ -214,20 +207,7 @@ class _Asked:
         return self.limiters[i], self.requests[i], self.workloads[i]
 
     def for_caller(self, result: _Result) -> _Result:
-        if not self.several or not isinstance(result, tuple):
-            return result
-        return _for_caller(self.order, result)
-
-    def hashes(self) -> str:
-        """The members' stored-limits checksums as a ``text[]`` literal."""
-        if self.several:
-            return _array([x._hash for x in self.limiters])
-        return self.limiters[0]._literal(self.limiters[0]._hash)
-
-    def workload_array(self) -> str:
-        if self.several:
-            return _array(self.workloads)
-        return self.limiters[0]._literal(self.workloads[0])
+        return _for_caller(self.order, result) if isinstance(result, tuple) else result
 
 
 class PostgresConcurrencyLimiter(ConfiguredLimiter):
@@ -255,16 +235,6 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         self._margin_s = self._safety_margin_s(config)
         self._on_parked_granted: Callable[[list[str]], None] | None = None
         self._keys: KeySet[PostgresConcurrencyLimiter] | None = None
-        self._name_array = _array([self.name])
-        #: ``text[]`` literals of one value each (its workloads, its checksums), made
-        #: once: a one-member acquire sends them every time.
-        self._literals: dict[str, str] = {}
-
-    def _literal(self, value: str) -> str:
-        literal = self._literals.get(value)
-        if literal is None:
-            literal = self._literals[value] = _array([value])
-        return literal
 
     @property
     def options(self) -> PostgresOptions:
@@ -538,13 +508,10 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
         park: ParkRule | None,
         loop: asyncio.AbstractEventLoop | None,
     ) -> _Asked:
-        if len(members) == 1 and members[0].limiter is self:
-            limiters, requests, order = [self], [members[0].request], [0]
-        else:
-            own = self._own([m.limiter for m in members])
-            order = sorted(range(len(own)), key=lambda i: own[i].name)
-            limiters = [own[i] for i in order]
-            requests = [members[i].request for i in order]
+        own = self._own([m.limiter for m in members])
+        order = [0] if len(own) == 1 else sorted(range(len(own)), key=lambda i: own[i].name)
+        limiters = [own[i] for i in order]
+        requests = [members[i].request for i in order]
         workloads = []
         for limiter, request in zip(limiters, requests, strict=True):
             if limiter._config.keyed:
@@ -621,8 +588,8 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                    "key": lead.key}  # fmt: skip
         params: dict[str, Any] = {
             "limiters": asked.array,
-            "hashes": asked.hashes(),
-            "workloads": asked.workload_array(),
+            "hashes": _array([x._hash for x in asked.limiters]),
+            "workloads": _array(asked.workloads),
             "request": json.dumps(asking),
             "process": room.process,
             "retry": retry,
@@ -660,7 +627,7 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                     and all(x.use_stored_limits(r) for x, r in pairs)
                 ):
                     adopted += 1
-                    params["hashes"] = asked.hashes()
+                    params["hashes"] = _array([x._hash for x in asked.limiters])
                     continue
                 raise
             except ConcurrencyLimiterError as exc:
