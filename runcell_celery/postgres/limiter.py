@@ -388,27 +388,14 @@ class PostgresConcurrencyLimiter(ConfiguredLimiter):
                 # Dropped or refused: storing the limits again is safe (same hash, same row).
                 raise CallFailedError(str(exc)) from exc
 
-        failed = f"limiter {self.name!r}: the database failed"
-        try:
+        with _failing_closed(self, None):
             stored = persist(patience, attempt)
-            if stored.adopted is not None:
-                self._take(stored.adopted, None)
-            if stored.allocated:
-                # New limits granted waiting requests: their processes were notified;
-                # parked tasks and requests over several limiters are ours to move on.
-                self._moved_on(stored.allocated)
-        except ConcurrencyError:
-            raise
-        except Exception as exc:
-            if isinstance(exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction):
-                raise ConcurrencyConfigError(
-                    f"limiter {self.name!r}: the runcell tables do not exist in this database; "
-                    "apply postgres_concurrency_schema_sql() as a migration, or create the "
-                    "limiter with ensure_schema=True",
-                    limiter=self.name,
-                ) from exc
-            cause = exc.__cause__ if isinstance(exc, CallFailedError) else exc
-            raise ConcurrencyLimiterError(f"{failed}: {exc}", limiter=self.name) from cause
+        if stored.adopted is not None:
+            self._take(stored.adopted, None)
+        if stored.allocated:
+            # New limits granted waiting requests: their processes were notified;
+            # parked tasks and requests over several limiters are ours to move on.
+            self._moved_on(stored.allocated)
 
     def acquire(
         self,
@@ -1016,6 +1003,14 @@ def _failing_closed(
             name,
             "it is not registered in the database (its row was deleted?); "
             "restart the workers to register it",
+        )
+        raise _for(error, request, name) from exc
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction) as exc:
+        error = ConcurrencyConfigError(
+            f"limiter {name!r}: the runcell tables do not exist in this database; apply "
+            "postgres_concurrency_schema_sql() as a migration, or create the limiter with "
+            "ensure_schema=True",
+            limiter=name,
         )
         raise _for(error, request, name) from exc
     except (CallFailedError, psycopg.Error, PoolTimeout) as exc:
