@@ -90,8 +90,7 @@ class Slot:
 
     @property
     def leases(self) -> tuple[Lease, ...]:
-        hold = self._hold
-        return () if hold is None else tuple(hold.leases)
+        return () if self._hold is None else tuple(self._hold.leases)
 
     @property
     def fencing_tokens(self) -> dict[str, int]:
@@ -358,8 +357,8 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
     # What the limiter measured when it knows (a parked request's claim), else ours.
     known = [lease.waited_ms for lease in leases if lease.waited_ms is not None]
     waited_ms = max(known) if known else (time.monotonic() - started) * 1000
-    admitted = PreAdmitted(asked, leases, wait_ms=waited_ms)
-    admission.hold(admitted, run.deadline, run.cancel)
+    admission.admitted = admitted = PreAdmitted(asked, leases, wait_ms=waited_ms)
+    admitted.keep(run.deadline, run.cancel)
     return admitted
 
 
