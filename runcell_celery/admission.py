@@ -65,7 +65,6 @@ class PreAdmitted(KeptLeases):
         self._detach: Callable[[], object] | None = None
 
     def keep(self, deadline: Deadline | None, cancel: CancellationToken | None) -> None:
-        self._valid_from_now()
         self._keep(deadline)
         if cancel is not None:
             self._detach = cancel.add_callback(self.cancelled)
@@ -146,15 +145,6 @@ class Admission:
         self.admitted: PreAdmitted | None = None
         self._consumed = False
         self._lock = threading.Lock()
-
-    def hold(
-        self,
-        admitted: PreAdmitted,
-        deadline: Deadline | None,
-        cancel: CancellationToken | None,
-    ) -> None:
-        self.admitted = admitted
-        admitted.keep(deadline, cancel)
 
     def first_slot(
         self, limiters: Sequence[ConcurrencyLimiter], workloads: Sequence[str]

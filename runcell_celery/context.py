@@ -195,22 +195,13 @@ class run:  # noqa: N801 - a context manager named like the thing it opens
         parent = _current.get()
         run_id = o.run_id or new_run_id()
         if o.parent_run_id is not None or parent is None:
-            root = o.root_run_id or run_id
-            parent_id = o.parent_run_id
+            root, parent_id = o.root_run_id or run_id, o.parent_run_id
         else:
             root, parent_id = parent.root_run_id, parent.run_id
-
-        limiters = o.limiters
-        workload = o.workload
-        if (
-            parent is not None
-            and parent.limiters
-            and (not limiters or _same(limiters, parent.limiters))
-        ):
-            limiters = parent.limiters
-            workload = workload or parent.workload or o.default_workload
-        else:
-            workload = workload or o.default_workload
+        limiters, workload = o.limiters, o.workload
+        if parent and parent.limiters and (not limiters or _same(limiters, parent.limiters)):
+            limiters, workload = parent.limiters, workload or parent.workload
+        workload = workload or o.default_workload
         key = o.key if o.key is not None else (parent.key if parent is not None else None)
         lineage = {"run_id": run_id, "root_run_id": root, "parent_run_id": parent_id}
         if limiters:

@@ -68,10 +68,8 @@ def guard(
                 f"guard(fn) = {func!r:.60} is invalid: must be a function (the provider call)"
             )
 
-        def make() -> Slot:
-            made = Slot.__new__(Slot)
-            made._setup(limiters, workload, key, max_hold_ms, None, None, call=None)
-            return made
+        def make() -> Slot:  # call=None: the arguments were checked above
+            return Slot.__new__(Slot)._setup(limiters, workload, key, max_hold_ms, None, None, None)
 
         wrapper: Callable[..., Any]
         if inspect.isasyncgenfunction(func):

@@ -73,7 +73,8 @@ class KeptLeases:
         self.leases = list(leases)  # in the order of the request's limiters
         self._keeper = get_keeper(slot_request.limiter)
         self._keys: list[int] = []
-        self._valid_from_now()
+        now = self._keeper.clock.monotonic()
+        self._valid_until = [local_validity(lease, now).at for lease in self.leases]
 
     @property
     def lease(self) -> Lease:
@@ -82,10 +83,6 @@ class KeptLeases:
     @property
     def limiters(self) -> tuple[ConcurrencyLimiter, ...]:
         return self.slot_request.limiters
-
-    def _valid_from_now(self) -> None:
-        now = self._keeper.clock.monotonic()
-        self._valid_until = [local_validity(lease, now).at for lease in self.leases]
 
     def _keep(self, deadline: Deadline | None) -> None:
         keeper, holder = self._keeper, cast(LeaseHolder, self)  # a subclass answers the keeper
@@ -141,12 +138,10 @@ class Hold(KeptLeases):
         self._state = threading.Lock()
         self._ended = False
         self._released = False
-        self._release_on_loss = len(leases) > 1
         self._abort_reason: AbortReason | None = None
         self._abort_callbacks: list[Callable[[], object]] = []
         self._cleanups = cleanups if cleanups is not None else []
         self._task = task
-        self._loop = task.get_loop() if task is not None else None
         self._task_cancelled = False
         self._interruptible = True
         self._lost_lease: Lease | None = None
@@ -258,7 +253,7 @@ class Hold(KeptLeases):
                 return
             first = self._abort_reason is None
             release_now = (
-                reason == "max-hold" or (reason == "lease-lost" and self._release_on_loss)
+                reason == "max-hold" or (reason == "lease-lost" and len(self.leases) > 1)
             ) and not self._released
             if not first and not release_now:
                 return
@@ -277,15 +272,15 @@ class Hold(KeptLeases):
                 reason="max-hold" if reason == "max-hold" else taken_back or "renewal",
                 error=describe_error(error) if error is not None else None,
             )
-        if release_now:
-            self._release("max-hold" if reason == "max-hold" else "lease-lost")
+        if release_now:  # reason is "max-hold" or "lease-lost"
+            self._release(reason)
         if not first:
             return
         for callback in callbacks:
             _call_safely(callback)
-        if self._loop is not None:
+        if self._task is not None:
             with contextlib.suppress(RuntimeError):  # loop closed: nothing left to cancel
-                self._loop.call_soon_threadsafe(self._cancel_task)
+                self._task.get_loop().call_soon_threadsafe(self._cancel_task)
 
     def _cancel_task(self) -> None:
         # On the event loop, between steps: the cancellation lands inside the body.

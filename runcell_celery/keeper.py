@@ -118,7 +118,7 @@ class LeaseKeeper:
         self._entries: dict[int, _Entry] = {}
         self._keys = itertools.count()
         self._wake_at = math.inf
-        self._loop = BackgroundLoop("runcell-lease-keeper", self, LeaseKeeper._step)
+        self._loop = BackgroundLoop("runcell-lease-keeper", self, LeaseKeeper.service)
         self._started = False
 
     def keep(
@@ -156,10 +156,6 @@ class LeaseKeeper:
             self._cond.notify()
         self._loop.stop(timeout)
 
-    def _step(self) -> float:
-        self.service()  # blocks on the condition until something is due
-        return 0.0
-
     def _wait_for_due(self) -> list[tuple[int, _Entry]]:
         with self._cond:
             while True:
@@ -178,8 +174,9 @@ class LeaseKeeper:
                 if not self._entries:
                     return []  # let the loop see whether its owner is still there
 
-    def service(self) -> None:
-        """Do everything that is due now: deadlines, renewals, expiry."""
+    def service(self) -> float:
+        """Do everything that is due now: deadlines, renewals, expiry; as the loop's step
+        it returns no pause, blocking on the condition until something is due."""
         entries = self._wait_for_due()
         now = self.clock.monotonic()
         batches: dict[int, tuple[ConcurrencyLimiter, list[tuple[int, _Entry, Lease]]]] = {}
@@ -209,6 +206,7 @@ class LeaseKeeper:
                     due.add(id(limiter))
         for limiter_id in due:
             self._renew_batch(*batches[limiter_id])
+        return 0.0
 
     def _renew_batch(
         self, limiter: ConcurrencyLimiter, batch: Sequence[tuple[int, _Entry, Lease]]

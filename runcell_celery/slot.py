@@ -68,7 +68,7 @@ class Slot:
         cancel: CancellationToken | None,
         request_id: str | None,
         call: str | None = "slot",
-    ) -> None:
+    ) -> Slot:
         if call is not None:  # None: checked already (guard, when decorating)
             check_slot_arguments(call, limiters, workload, key, max_hold_ms, cancel, request_id)
         self._limiters = tuple(x for x in limiters if x is not None)
@@ -79,6 +79,7 @@ class Slot:
         self._request_id = request_id
         self._hold: Hold | None = None
         self._early_callbacks: list[Callable[[], object]] | None = None
+        return self
 
     @property
     def lease(self) -> Lease | None:
@@ -90,8 +91,7 @@ class Slot:
 
     @property
     def leases(self) -> tuple[Lease, ...]:
-        hold = self._hold
-        return () if hold is None else tuple(hold.leases)
+        return () if self._hold is None else tuple(self._hold.leases)
 
     @property
     def fencing_tokens(self) -> dict[str, int]:
@@ -358,8 +358,8 @@ def preadmit(admission: Admission) -> PreAdmitted | Deferred | DuplicateDelivery
     # What the limiter measured when it knows (a parked request's claim), else ours.
     known = [lease.waited_ms for lease in leases if lease.waited_ms is not None]
     waited_ms = max(known) if known else (time.monotonic() - started) * 1000
-    admitted = PreAdmitted(asked, leases, wait_ms=waited_ms)
-    admission.hold(admitted, run.deadline, run.cancel)
+    admission.admitted = admitted = PreAdmitted(asked, leases, wait_ms=waited_ms)
+    admitted.keep(run.deadline, run.cancel)
     return admitted
 
 
@@ -433,6 +433,5 @@ def slot(
         with slot(claude, workload="background") as s:
             reply = client.messages.create(..., extra_headers={"x-fence": str(s.fencing_token)})
     """
-    made = Slot.__new__(Slot)  # not Slot(*limiters, ...): no second unpacking per call
-    made._setup(limiters, workload, key, max_hold_ms, cancel, request_id)
-    return made
+    # Not Slot(*limiters, ...): no second unpacking per call.
+    return Slot.__new__(Slot)._setup(limiters, workload, key, max_hold_ms, cancel, request_id)

@@ -99,10 +99,10 @@ def start_hold(
         return None
     try:
         leases = tuple(hold.leases)
+        attributes = _attributes(asked, leases)
         if waited_ms is None:
             _record_wait(asked, started, "granted", tracer=tracer, leases=leases)
-        attributes = _attributes(asked, leases)
-        if waited_ms is not None:
+        else:
             attributes["runcell.preadmitted"] = True
         return HoldSpan(tracer.start_span(HOLD_SPAN, attributes=attributes))
     except Exception:
