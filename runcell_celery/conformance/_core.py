@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from ..cancellation import CancellationToken
 from ..errors import (
@@ -241,11 +241,8 @@ def concurrency_conformance_cases(create_limiter: CreateLimiter) -> list[Conform
 
 
 def first_done(waiters: list[Future[Lease]], taken: list[int]) -> int:
-    deadline = time.monotonic() + SOON_S
-    while time.monotonic() < deadline:
-        done = [i for i, w in enumerate(waiters) if i not in taken and w.done()]
-        if done:
-            assert len(done) == 1, f"several waiters granted one slot: {done}"
-            return done[0]
-        time.sleep(0.005)
-    raise AssertionError("no waiter was granted the released slot")
+    wait([w for i, w in enumerate(waiters) if i not in taken], SOON_S, FIRST_COMPLETED)
+    done = [i for i, w in enumerate(waiters) if i not in taken and w.done()]
+    assert done, "no waiter was granted the released slot"
+    assert len(done) == 1, f"several waiters granted one slot: {done}"
+    return done[0]
