@@ -8,10 +8,11 @@ Run it against a custom limiter (or a built-in one on new infrastructure)::
     def test_conformance(case):
         case.run()
 
-``create_limiter`` is called once per case with the limits as keyword arguments (those
-of :class:`~runcell_celery.config.LimiterConfig`, workloads as dicts) and returns a
-fresh limiter, with a name of its own, sharing no slots with earlier ones. Cases use
-real threads and short real waits, and assert outcomes and order, never speed.
+``create_limiter`` is called for each limiter a case makes, with the limits as keyword
+arguments (those of :class:`~runcell_celery.config.LimiterConfig`, workloads as dicts),
+and returns a fresh limiter, with a name of its own, sharing no slots with earlier ones;
+each must be idle when its case ends. Cases use real threads and short real waits, and
+assert outcomes and order, never speed.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ checks that read a limiter's stats when it has them."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..cancellation import CancellationToken
 from ..errors import ConcurrencyTimeoutError
@@ -43,10 +45,26 @@ class ConformanceCase:
 
 
 class Cases(list[ConformanceCase]):
-    """A decorator collecting the cases it decorates, named after their function."""
+    """A decorator collecting the cases it decorates, named after their function. A case
+    gets ``create`` (``create_limiter``, remembering what it made), and every limiter it
+    made must be idle once it returned: a case leaves no slot or queue place behind."""
 
-    def __call__(self, func: Callable[[], None]) -> Callable[[], None]:
-        self.append(ConformanceCase(func.__name__, func))
+    def __init__(self, create_limiter: CreateLimiter) -> None:
+        super().__init__()
+        self._create_limiter = create_limiter
+
+    def __call__(self, func: Callable[[CreateLimiter], None]) -> Callable[[CreateLimiter], None]:
+        def run() -> None:
+            made: list[ConcurrencyLimiter] = []
+
+            def create(**limits: Any) -> ConcurrencyLimiter:
+                made.append(self._create_limiter(**limits))
+                return made[-1]
+
+            func(create)
+            assert_idle(*made)
+
+        self.append(ConformanceCase(func.__name__, run))
         return func
 
 
@@ -97,25 +115,56 @@ def start_waiting(pool: ThreadPoolExecutor, acquire: Callable[[OnWait], T], what
     return future
 
 
-class Queued:
-    """Start an ``acquire`` in a thread and know once it holds its place in the queue."""
+def queued(
+    pool: ThreadPoolExecutor,
+    limiter: ConcurrencyLimiter,
+    request: AcquireRequest,
+    cancel: CancellationToken | None = None,
+) -> Future[Lease]:
+    """Start ``limiter.acquire(request)`` in ``pool``; return once it holds its place."""
+    return start_waiting(
+        pool,
+        lambda on_wait: limiter.acquire(request, cancel=cancel, on_wait=on_wait),
+        f"{request.workload} in {limiter.name!r}",
+    )
 
-    def __init__(
-        self,
-        pool: ThreadPoolExecutor,
-        limiter: ConcurrencyLimiter,
-        request: AcquireRequest,
-        cancel: CancellationToken | None = None,
-    ) -> None:
-        self.request = request
-        self.future: Future[Lease] = start_waiting(
-            pool,
-            lambda on_wait: limiter.acquire(request, cancel=cancel, on_wait=on_wait),
-            f"{request.workload} in {limiter.name!r}",
-        )
 
-    def lease(self) -> Lease:
-        return self.future.result(SOON_S)
+def run_threads(target: Callable[[int], None], count: int) -> None:
+    """Run ``target(i)`` in ``count`` threads; raise the first error, or if one hangs."""
+    pool = ThreadPoolExecutor(count, thread_name_prefix="runcell-conformance")
+    try:
+        futures = [pool.submit(target, i) for i in range(count)]
+        deadline = time.monotonic() + 60
+        for future in futures:
+            try:
+                future.result(max(0.0, deadline - time.monotonic()))
+            except TimeoutError as exc:
+                raise AssertionError("threads never finished (a deadlock?)") from exc
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a stuck thread must not hang us
+
+
+class Witness:
+    """Counts the holders in flight per limiter name, as a provider would."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._now: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.calls = 0
+
+    @contextmanager
+    def holding(self, limiters: Sequence[ConcurrencyLimiter]) -> Iterator[None]:
+        """Count one call holding each of ``limiters`` for the ``with`` block."""
+        with self._lock:
+            self.calls += 1
+            for limiter in limiters:
+                now = self._now[limiter.name] = self._now.get(limiter.name, 0) + 1
+                self.peak[limiter.name] = max(self.peak.get(limiter.name, 0), now)
+        yield
+        with self._lock:
+            for limiter in limiters:
+                self._now[limiter.name] -= 1
 
 
 def assert_times_out(
@@ -128,3 +177,11 @@ def assert_times_out(
     else:
         limiter.release(lease)
         raise AssertionError(f"{limiter.name!r} granted a slot although {why}")
+
+
+def assert_fresh(leases: Sequence[Lease], what: str) -> None:
+    """No lease id in ``leases`` used twice; each fencing token higher than the one before."""
+    ids = [lease.lease_id for lease in leases]
+    assert len(set(ids)) == len(ids), f"{what}: a lease id was used twice: {ids}"
+    tokens = [lease.fencing_token for lease in leases]
+    assert tokens == sorted(set(tokens)), f"{what}: fencing tokens did not increase: {tokens}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["BUCKETS_SECONDS", "DATABASE_METRICS", "EVENT_METRICS", "METRICS", "MetricSpec", "spec"]
+__all__ = ["BUCKETS_SECONDS", "DATABASE_METRICS", "EVENT_METRICS", "METRICS", "MetricSpec"]
 
 # fmt: off
 #: Histogram buckets for waits and holds, from a free slot to a ten-minute generation.
@@ -108,11 +108,3 @@ DATABASE_METRICS = _table(
 
 #: Every metric, in the order the documentation lists them.
 METRICS: tuple[MetricSpec, ...] = EVENT_METRICS + DATABASE_METRICS
-
-
-def spec(name: str) -> MetricSpec:
-    """The metric named ``name`` (as scraped, or its family name); ``KeyError`` if none."""
-    for metric in METRICS:
-        if name in (metric.name, metric.family):
-            return metric
-    raise KeyError(f"no runcell metric is named {name!r}; known: {[m.name for m in METRICS]}")

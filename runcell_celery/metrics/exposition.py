@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -55,20 +53,10 @@ def build_registry(
     if multiproc is not None:
         MultiProcessCollector(registry, path=str(multiproc))  # type: ignore[no-untyped-call]
     else:
-        registry.register(_Forward(process_registry))
+        registry.register(process_registry)  # collected at scrape time, as it is then
     if gauges is not None:
         registry.register(gauges)
     return registry
-
-
-class _Forward(Collector):
-    """Another registry's metrics, collected at scrape time."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterable[Metric]:
-        return self._registry.collect()
 
 
 def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
