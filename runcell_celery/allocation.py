@@ -43,13 +43,15 @@ workload applies where a limiter has it, else that limiter's default.
 
 So a young request over several limiters holds no capacity while it waits; once aged
 and lacking room in one limiter only, it is served at its place there. Bound: within
-:data:`GROUP_AGEING_MS` plus one hold. With one limiter and FIFO this is exactly
-:func:`allocate`. Cost per step: O(waiters x limiters per waiter + workloads^2).
+:data:`GROUP_AGEING_MS` plus one hold. With one limiter and FIFO only the first
+paragraph's rules are left (:func:`allocate`). Cost per step: O(waiters x limiters
+per waiter + workloads^2).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
@@ -101,34 +103,26 @@ def has_room(config: LimiterConfig, active: Mapping[str, int], workload: str) ->
 def allocate(
     config: LimiterConfig, active: Mapping[str, int], waiting: Sequence[Waiting]
 ) -> list[int]:
-    """The positions in ``waiting`` (oldest first) to grant now, in order."""
-    if not waiting:
-        return []
-    # Each workload's queue: runs in progress first, then the oldest.
-    queues: dict[str, list[int]] = {}
-    for position, request in enumerate(waiting):
-        queues.setdefault(request.workload, []).append(position)
-    for queue in queues.values():
-        queue.sort(key=lambda p: (not waiting[p].in_progress, p))
-    heads = dict.fromkeys(queues, 0)
-    counts = dict(active)
-    granted: list[int] = []
-    while True:
-        best: str | None = None
-        best_key: tuple[int, int] = (0, 0)
-        for name, queue in queues.items():
-            head = heads[name]
-            if head >= len(queue) or not has_room(config, counts, name):
-                continue
-            # Higher priority first, then the longest waiter (smallest position).
-            key = (-config.workloads[name].priority, queue[head])
-            if best is None or key < best_key:
-                best, best_key = name, key
-        if best is None:
-            return granted
-        granted.append(best_key[1])
-        heads[best] += 1
-        counts[best] = counts.get(best, 0) + 1
+    """The positions in ``waiting`` (oldest first) to grant now, in order: a request
+    over one limiter, to :func:`allocate_members` (one naming no workload there waits
+    in no line)."""
+    members = [
+        _Alone((None,) if x.workload in config.workloads else (), x.workload, x.in_progress)
+        for x in waiting
+    ]
+    return allocate_members({None: config}, {None: active}, members)
+
+
+@dataclass(frozen=True, slots=True)
+class _Alone:
+    """A waiter of :func:`allocate` as :func:`allocate_members` reads it (a run in
+    progress or not, no key, over one limiter so always aged)."""
+
+    limiters: tuple[LimiterId, ...]
+    workload: str
+    in_progress: bool
+    key: None = None
+    aged: bool = True
 
 
 class WaitingForMembers(Protocol):

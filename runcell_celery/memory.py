@@ -21,9 +21,9 @@ import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
-from .allocation import GROUP_AGEING_MS, Waiting, allocate, allocate_members, has_room
+from .allocation import GROUP_AGEING_MS, allocate_members, has_room
 from .background import DEFAULT_REGISTRY
 from .base import ConfiguredLimiter
 from .cancellation import CancellationToken
@@ -114,7 +114,6 @@ class Coordinator:
             moved = limiter._waiting
             limiter._waiting = []
             limiter._coordinated = True
-            limiter._coordinated_waiting += len(moved)
             self.members[id(limiter)] = limiter
         if moved:
             self.waiting.extend(moved)
@@ -123,7 +122,7 @@ class Coordinator:
     def _leave_idle_locked(self, limiters: Sequence[InMemoryConcurrencyLimiter]) -> None:
         """Hand limiters no coordinated request waits for back to their own lock."""
         for limiter in limiters:
-            if limiter._coordinated and not limiter._coordinated_waiting:
+            if limiter._coordinated and not limiter._queued:
                 with limiter._lock:
                     limiter._coordinated = False
                     self.members.pop(id(limiter), None)
@@ -133,71 +132,22 @@ class Coordinator:
         for limiter in waiter.limiters:
             self.join_locked(limiter)
             limiter._reap_locked(now)
-        self.waiting.append(waiter)
-        for limiter in waiter.limiters:
-            limiter._coordinated_waiting += 1
-            limiter._busy_locked()
-        self.allocate_locked(now)
-        if waiter.leases is not None:
-            return
-        for limiter, request in zip(waiter.limiters, waiter.requests, strict=True):
-            max_queued = limiter.config.max_queued
-            if max_queued is not None and limiter._coordinated_waiting > max_queued:
-                self.remove_locked(waiter, now)
-                raise limiter._queue_full(request)
-        _start_clock(waiter, now, lambda: self.remove_locked(waiter, now))
+        _line_up(self.waiting, waiter, now, self.allocate_locked, self.remove_locked)
 
     def remove_locked(self, waiter: _Waiter, now: float) -> None:
         if waiter not in self.waiting:
             return
         self.waiting.remove(waiter)
         for limiter in waiter.limiters:
-            limiter._coordinated_waiting -= 1
+            limiter._queued -= 1
         # It may have been anchored (rule 4 of allocate_members), keeping room.
         self.allocate_locked(now)
         self._leave_idle_locked(waiter.limiters)
 
     def allocate_locked(self, now: float) -> None:
-        waiting = self.waiting
-        if not waiting:
-            return
-        limits: dict[Hashable, Any] = {}
-        active: dict[Hashable, Mapping[str, int]] = {}
-        history: dict[Hashable, Mapping[Hashable | None, int]] = {}
-        ageing_s = GROUP_AGEING_MS / 1000
-        for waiter in waiting:
-            waiter.aged = now - waiter.queued_at >= ageing_s
-            for limiter in waiter.limiters:
-                if limiter not in limits:
-                    limits[limiter] = limiter.config
-                    active[limiter] = limiter._active
-                    if limiter._history is not None:
-                        history[limiter] = limiter._history
-        granted = allocate_members(limits, active, waiting, last_granted=history)
-        if not granted:
-            return
-        touched: dict[int, InMemoryConcurrencyLimiter] = {}
-        for position in granted:
-            waiter = waiting[position]
-            waiter.leases = tuple(
-                limiter._grant_locked(request, workload, now)
-                for limiter, request, workload in zip(
-                    waiter.limiters, waiter.requests, waiter.workloads, strict=True
-                )
-            )
-            for limiter in waiter.limiters:
-                limiter._coordinated_waiting -= 1
-                touched[id(limiter)] = limiter
-        self.waiting = _wake(waiting, granted)
-        self._leave_idle_locked(list(touched.values()))
-
-    def workloads_waiting_locked(self, limiter: InMemoryConcurrencyLimiter) -> list[str]:
-        return [
-            workload
-            for waiter in self.waiting
-            for member, workload in zip(waiter.limiters, waiter.workloads, strict=True)
-            if member is limiter
-        ]
+        if self.waiting:
+            granted, self.waiting = _allocate(self.waiting, now)
+            self._leave_idle_locked(list({id(x): x for w in granted for x in w.limiters}.values()))
 
 
 def _call_coordinated(limiter: InMemoryConcurrencyLimiter, fn: Callable[..., T], *args: Any) -> T:
@@ -242,15 +192,6 @@ def _merge_and_lock(limiters: Sequence[InMemoryConcurrencyLimiter]) -> Coordinat
         return keep
 
 
-def _start_clock(waiter: _Waiter, now: float, remove: Callable[[], None]) -> None:
-    wait_ms = _wait_ms(waiter)
-    if wait_ms is not None and wait_ms <= 0:
-        remove()
-        raise _timed_out(waiter, wait_ms)
-    if wait_ms is not None:
-        waiter.deadline = now + wait_ms / 1000
-
-
 class _KeyOwner(Protocol):
     def _key_busy(self, limiter: InMemoryConcurrencyLimiter) -> None: ...
 
@@ -279,7 +220,8 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         self._next_expiry = math.inf
         self._coordinator = Coordinator() if coordinator is None else coordinator
         self._coordinated = False
-        self._coordinated_waiting = 0
+        #: Requests waiting here, in its own line or (coordinated) its coordinator's.
+        self._queued = 0
         #: Round robin: per key, the sequence number of its latest grant here.
         self._history: OrderedDict[Hashable | None, int] | None = (
             OrderedDict() if config.fairness == "round_robin" else None
@@ -287,7 +229,6 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         self._owner: _KeyOwner | None = None  # the keyed limiter this is a key of
         self._key: str | None = None
         self._busy = False
-        self._watch_grants = self._history is not None
 
     def _root(self) -> Coordinator:
         return self._coordinator.root()
@@ -354,32 +295,27 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
     def _queue_locked(self, waiter: _Waiter, now: float) -> tuple[Lease, ...] | _Waiter:
         if self._coordinated:
             self._root().enqueue_locked(waiter, now)
-            return waiter if waiter.leases is None else waiter.leases
-        self._reap_locked(now)
-        if not self._waiting and has_room(self._config, self._active, waiter.workloads[0]):
-            return (self._grant_locked(waiter.request, waiter.workloads[0], now),)
-        self._waiting.append(waiter)
-        self._busy_locked()
-        self._allocate_locked(now)
-        if waiter.leases is not None:
-            return waiter.leases
-        max_queued = self._config.max_queued
-        if max_queued is not None and len(self._waiting) > max_queued:
-            self._drop_locked(waiter, now)
-            raise self._queue_full(waiter.request)
-        _start_clock(waiter, now, lambda: self._drop_locked(waiter, now))
-        return waiter
+        else:
+            self._reap_locked(now)
+            if not self._waiting and has_room(self._config, self._active, waiter.workloads[0]):
+                return (self._grant_locked(waiter.request, waiter.workloads[0], now),)
+            _line_up(self._waiting, waiter, now, self._allocate_locked, self._drop_locked)
+        return waiter if waiter.leases is None else waiter.leases
 
     def _drop_locked(self, waiter: _Waiter, now: float) -> None:
         if self._coordinated:
             self._root().remove_locked(waiter, now)
         elif waiter in self._waiting:
             self._waiting.remove(waiter)
+            self._queued -= 1
             self._allocate_locked(now)
             self._idle_locked()
 
+    def _line_locked(self) -> list[_Waiter]:
+        return self._root().waiting if self._coordinated else self._waiting
+
     def _place_locked(self, waiter: _Waiter) -> QueuePlace:
-        return place_in_line(waiter, self._root().waiting if self._coordinated else self._waiting)
+        return place_in_line(waiter, self._line_locked())
 
     def renew(self, lease: Lease) -> Lease | None:
         return self._call(self._renew_locked, lease, self._clock.monotonic())
@@ -396,11 +332,13 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
 
     def _stats_locked(self) -> LimiterStats:
         self._reap_locked(self._clock.monotonic())
-        if self._coordinated:
-            waiting = self._root().workloads_waiting_locked(self)
-        else:
-            waiting = [waiter.workloads[0] for waiter in self._waiting]
-        return stats_of(self._active, Counter(waiting))
+        waiting = Counter(
+            workload
+            for waiter in self._line_locked()
+            for member, workload in zip(waiter.limiters, waiter.workloads, strict=True)
+            if member is self
+        )
+        return stats_of(self._active, waiting)
 
     def reap(self) -> int:
         return self._call(self._reap_now_locked)
@@ -424,40 +362,20 @@ class InMemoryConcurrencyLimiter(ConfiguredLimiter):
         self._held[lease.lease_id] = _Held(lease, expires_at)
         self._active[workload] += 1
         self._next_expiry = min(self._next_expiry, expires_at)
-        if self._watch_grants:
-            self._granted_locked(request.key)
-        return lease
-
-    def _granted_locked(self, key: Hashable | None) -> None:
         history = self._history
         if history is not None:  # grant order across the process's limiters
-            history[key] = next(DEFAULT_REGISTRY.shared("memory.grants", itertools.count))
-            history.move_to_end(key)
+            history[request.key] = next(DEFAULT_REGISTRY.shared("memory.grants", itertools.count))
+            history.move_to_end(request.key)
             if len(history) > HISTORY_LIMIT:
                 history.popitem(last=False)
         self._busy_locked()
+        return lease
 
     def _allocate_locked(self, now: float) -> None:
         if self._coordinated:
             self._root().allocate_locked(now)
-            return
-        if not self._waiting:
-            return
-        if self._history is None:
-            granted = allocate(self._config, self._active, cast("list[Waiting]", self._waiting))
-        else:
-            granted = allocate_members(
-                {self: self._config},
-                {self: self._active},
-                self._waiting,
-                last_granted={self: self._history},
-            )
-        if not granted:
-            return
-        for position in granted:
-            waiter = self._waiting[position]
-            waiter.leases = (self._grant_locked(waiter.request, waiter.workloads[0], now),)
-        self._waiting = _wake(self._waiting, granted)
+        elif self._waiting:
+            _, self._waiting = _allocate(self._waiting, now)
 
     def _release_locked(self, lease_id: str, now: float) -> None:
         held = self._held.pop(lease_id, None)
@@ -514,12 +432,66 @@ def stats_of(
     return LimiterStats(sum(active.values()), sum(queued.values()), workloads, keys)
 
 
-def _wake(waiting: list[_Waiter], granted: Sequence[int]) -> list[_Waiter]:
-    """Wake the granted waiters; return the others, still in line."""
+def _allocate(waiting: list[_Waiter], now: float) -> tuple[list[_Waiter], list[_Waiter]]:
+    """Grant what allocation gives ``waiting`` (a line, oldest first) and wake them:
+    (those granted, the others still in line)."""
+    limits: dict[Hashable, LimiterConfig] = {}
+    active: dict[Hashable, Mapping[str, int]] = {}
+    history: dict[Hashable, Mapping[Hashable | None, int]] = {}
+    ageing_s = GROUP_AGEING_MS / 1000
+    for waiter in waiting:
+        waiter.aged = now - waiter.queued_at >= ageing_s
+        for limiter in waiter.limiters:
+            if limiter not in limits:
+                limits[limiter] = limiter.config
+                active[limiter] = limiter._active
+                if limiter._history is not None:
+                    history[limiter] = limiter._history
+    granted = allocate_members(limits, active, waiting, last_granted=history)
     for position in granted:
-        waiting[position].wake()
+        waiter = waiting[position]
+        waiter.leases = tuple(
+            limiter._grant_locked(request, workload, now)
+            for limiter, request, workload in zip(
+                waiter.limiters, waiter.requests, waiter.workloads, strict=True
+            )
+        )
+        for limiter in waiter.limiters:
+            limiter._queued -= 1
+        waiter.wake()
+    if not granted:
+        return [], waiting
     chosen = set(granted)
-    return [w for p, w in enumerate(waiting) if p not in chosen]
+    return [waiting[p] for p in granted], [w for p, w in enumerate(waiting) if p not in chosen]
+
+
+def _line_up(
+    line: list[_Waiter],
+    waiter: _Waiter,
+    now: float,
+    allocate: Callable[[float], None],
+    remove: Callable[[_Waiter, float], None],
+) -> None:
+    """Put ``waiter`` at the end of ``line`` and serve the line: it is granted, refused
+    (a queue full, no time to wait) or waits with its deadline set."""
+    line.append(waiter)
+    for limiter in waiter.limiters:
+        limiter._queued += 1
+        limiter._busy_locked()
+    allocate(now)
+    if waiter.leases is not None:
+        return
+    for limiter, request in zip(waiter.limiters, waiter.requests, strict=True):
+        max_queued = limiter.config.max_queued
+        if max_queued is not None and limiter._queued > max_queued:
+            remove(waiter, now)
+            raise limiter._queue_full(request)
+    wait_ms = _wait_ms(waiter)
+    if wait_ms is not None and wait_ms <= 0:
+        remove(waiter, now)
+        raise _timed_out(waiter, wait_ms)
+    if wait_ms is not None:
+        waiter.deadline = now + wait_ms / 1000
 
 
 @contextlib.contextmanager

@@ -76,7 +76,6 @@ class KeyedInMemoryConcurrencyLimiter(ConfiguredLimiter):
                 limiter._owner = self
                 limiter._key = key
                 limiter._tokens = self._tokens
-                limiter._watch_grants = True
                 self._live[key] = limiter
             return limiter
 
