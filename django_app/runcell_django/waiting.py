@@ -161,7 +161,7 @@ def queue_summary(queryset: QuerySet[Any]) -> list[SummaryRow]:
             waiting=Count("pk", filter=not_granted & Q(parked=False)),
             parked=Count("pk", filter=not_granted & Q(parked=True)),
             granted=Count("pk", filter=Q(granted_lease_id__isnull=False)),
-            oldest=Max(
+            oldest_wait=Max(
                 ExpressionWrapper(Now() - F("enqueued_at"), output_field=DurationField()),
                 filter=not_granted,
             ),
@@ -198,15 +198,4 @@ def _row(row: dict[str, Any], limiter: Limiter | None) -> SummaryRow:
             reason = why_it_waits(limits, active, waiting, workload)
     elif row["waiting"] or row["parked"]:
         reason = Reason("unknown", _("limits not readable"))
-    return SummaryRow(
-        limiter=row["group"],
-        workload=workload,
-        waiting=row["waiting"],
-        parked=row["parked"],
-        granted=row["granted"],
-        oldest_wait=row["oldest"],
-        held=held,
-        ceiling=ceiling,
-        reason=reason,
-        keys=row["keys"],
-    )
+    return SummaryRow(limiter=row.pop("group"), **row, held=held, ceiling=ceiling, reason=reason)
