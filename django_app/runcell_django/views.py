@@ -190,11 +190,9 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
             value_format=format_ms,
             **axis,
         )
-        failures, total = failures_chart(failed.get(name, {}), **axis)
+        failures = failures_chart(failed.get(name, {}), **axis)
         dropped_here = dropped.get(name, 0)
-        panels.append(
-            Panel(state, held, waiting, waits, acquired[name], dropped_here, failures, total)
-        )
+        panels.append(Panel(state, held, waiting, waits, acquired[name], dropped_here, *failures))
     return panels
 
 
