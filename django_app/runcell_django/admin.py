@@ -43,7 +43,7 @@ from .managers import BUSIEST_FIRST, GroupLease, LeaseQuerySet, LimiterQuerySet,
 from .models import AdmissionCount, ConcurrencyEvent, Dashboard, Lease, Limiter, QueueEntry
 from .state import LimiterState, format_duration, format_ms
 from .views import dashboard_view
-from .waiting import Reason, counts, queue_summary, why_it_waits
+from .waiting import counts, queue_summary, why_it_waits
 
 if TYPE_CHECKING:  # the stubs' ModelAdmin is generic; Django's class is not subscriptable
     _ModelAdmin = admin.ModelAdmin[Any]
@@ -412,18 +412,6 @@ class LeaseAdmin(_HolderAdmin):
         return None
 
 
-def _reason(obj: QueueEntry) -> Reason | None:
-    """Why a request still in line waits (``None``: granted, or its limits unreadable),
-    from its limiter row fetched with it (``select_related``): no query."""
-    limiter = obj.limiter
-    limits = limiter.limits
-    if obj.granted_lease_id is not None or limits is None:
-        return None
-    active = counts(limiter.workloads, limiter.active)
-    waiting = counts(limiter.workloads, limiter.waiting)
-    return why_it_waits(limits, active, waiting, obj.workload, ahead=getattr(obj, "ahead", 0))
-
-
 @admin.register(QueueEntry)
 class QueueEntryAdmin(_HolderAdmin):
     """Requests waiting or parked, each with its place and why it waits; above the
@@ -499,16 +487,22 @@ class QueueEntryAdmin(_HolderAdmin):
 
     @admin.display(description=_("why it waits"))
     def why(self, obj: QueueEntry) -> str:
-        """What holds it back, by the allocation rules; for a request over several
-        limiters, the others too."""
+        """What holds it back, by the allocation rules, from its limiter row fetched with
+        it (``select_related``: no query); for a request over several limiters, the others
+        too. Nothing for a granted request, or one whose limits are unreadable."""
+        limiter = obj.limiter
         if getattr(obj, "stale", False):
             code, text = "abandoned", str(_("abandoned: its process stopped polling"))
-        elif (reason := _reason(obj)) is None:
+        elif obj.granted_lease_id is not None or limiter.limits is None:
             return "-"
         elif (waits_on := getattr(obj, "waits_on", None)) and obj.limiter_id not in waits_on:
             code = "other-limiters"
             text = "{} {}".format(_("room here; waits on"), ", ".join(waits_on))
         else:
+            active = counts(limiter.workloads, limiter.active)
+            waiting = counts(limiter.workloads, limiter.waiting)
+            ahead = getattr(obj, "ahead", 0)
+            reason = why_it_waits(limiter.limits, active, waiting, obj.workload, ahead=ahead)
             code, text = reason.code, reason.text
         return format_html('<span class="runcell-why" data-reason="{}">{}</span>', code, text)
 

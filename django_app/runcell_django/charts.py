@@ -57,10 +57,8 @@ def _nice_ceiling(value: float) -> float:
     if value <= 0:
         return 1.0
     magnitude: float = 10.0 ** math.floor(math.log10(value))
-    for step in (1, 2, 2.5, 5, 10):
-        if value <= step * magnitude:
-            return step * magnitude
-    return 10 * magnitude  # pragma: no cover
+    steps = (step * magnitude for step in (1, 2, 2.5, 5, 10))
+    return next((top for top in steps if value <= top), 10 * magnitude)
 
 
 def line_chart(
@@ -124,12 +122,8 @@ def time_ticks(
     """Labels of the time axis, counted back from ``end`` ("now") in round steps."""
     span = max((end - start).total_seconds(), 1.0)
     step = next((s for s in TIME_STEPS if span / s <= MAX_TIME_TICKS - 1), TIME_STEPS[-1])
-    ticks = []
-    back = 0
-    while back <= span:
-        ticks.append((end - datetime.timedelta(seconds=back), _ago(back)))
-        back += step
-    return ticks[::-1]
+    backs = reversed(range(0, math.floor(span) + 1, step))
+    return [(end - datetime.timedelta(seconds=back), _ago(back)) for back in backs]
 
 
 def _ago(seconds: int) -> str:

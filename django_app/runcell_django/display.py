@@ -52,14 +52,14 @@ def timestamp(value: datetime.datetime | None, *, now: datetime.datetime | None 
     return text if now is None else f"{text} ({relative(value, now)})"
 
 
-def short_time(value: datetime.datetime | None, *, today: datetime.date | None = None) -> str:
-    """For a list: the time of day with seconds, its date too unless it is ``today``;
-    the full date and time as the tooltip."""
+def short_time(value: datetime.datetime | None) -> str:
+    """For a list: the time of day with seconds, its date too unless it is today; the
+    full date and time as the tooltip."""
     if value is None:
         return "-"
     local = _local(value)
     text = date_format(local, with_seconds(str(get_format("TIME_FORMAT"))))
-    if local.date() != (today or timezone.localdate()):
+    if local.date() != timezone.localdate():
         text = f"{date_format(local, str(get_format('SHORT_DATE_FORMAT')))} {text}"
     return format_html('<span class="runcell-time" title="{}">{}</span>', timestamp(value), text)
 
@@ -86,11 +86,11 @@ def timestamp_field(
     return show
 
 
-def clipped(value: str | None, *, css: str = "runcell-id") -> str:
-    """``value`` whole in the page and as its tooltip, clipped on screen by ``css``."""
+def clipped(value: str | None) -> str:
+    """``value`` whole in the page and as its tooltip, clipped on screen by CSS."""
     if not value:
         return "-"
-    return format_html('<span class="{}" title="{}">{}</span>', css, value, value)
+    return format_html('<span class="runcell-id" title="{}">{}</span>', value, value)
 
 
 def task_cell(name: str | None, run_id: str | None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, LiteralString, cast
+from typing import Any, LiteralString, Self, cast
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import connections, models, router
@@ -57,7 +57,7 @@ class _CompletedQuerySet(models.QuerySet[Any]):
 
     _complete = False
 
-    def _completed(self) -> Any:
+    def _completed(self) -> Self:
         queryset = self.all()
         queryset._complete = True
         return queryset
@@ -140,7 +140,7 @@ class LeaseQuerySet(_CompletedQuerySet):
     def with_group_leases(self) -> LeaseQuerySet:
         """Attach to each lease of a request over several limiters the others held with it
         (``group_leases``; ``[]`` for any other lease), in one query when one is needed."""
-        return cast(LeaseQuerySet, self._completed())
+        return self._completed()
 
     def _complete_rows(self, rows: list[Any]) -> None:
         groups = {group for row in rows if (group := group_of(row.request_id)) is not None}

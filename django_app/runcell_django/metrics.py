@@ -70,8 +70,10 @@ def _unauthorized(why: str) -> HttpResponse:
 
 
 def _registry(settings: conf.MetricsSettings) -> CollectorRegistry:
-    """The registry for these settings and this process's backend (built once)."""
-    backend = _backend()
+    """The registry for these settings and this process's backend (built once); live
+    gauges only with the PostgreSQL backend (no other has fleet-wide state to read)."""
+    found = conf.registry().backend
+    backend = found if isinstance(found, PostgresBackend) else None
     key = (backend, settings.cache_ms, settings.multiprocess_dir)
     with DEFAULT_REGISTRY.lock("django.metrics"):
         _built: Built = DEFAULT_REGISTRY.value("django.metrics.built", None)
@@ -89,9 +91,3 @@ def _registry(settings: conf.MetricsSettings) -> CollectorRegistry:
             _built = (key, build_registry(gauges=gauges, multiproc=where))
             DEFAULT_REGISTRY.put("django.metrics.built", _built)
         return _built[1]
-
-
-def _backend() -> PostgresBackend | None:
-    """The PostgreSQL backend of ``RUNCELL``, or ``None`` (no fleet-wide state to read)."""
-    backend = conf.registry().backend
-    return backend if isinstance(backend, PostgresBackend) else None

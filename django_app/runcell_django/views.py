@@ -104,14 +104,10 @@ def _buckets(
 ) -> list[datetime.datetime]:
     """The buckets of the axis as the query aligns them (multiples of ``bucket_s``
     seconds since the epoch), in the time zone of ``end``."""
-    aware = timezone.is_aware(end)
-    buckets = []
-    at = math.floor(start.timestamp() / bucket_s) * bucket_s
-    while at <= end.timestamp():
-        moment = datetime.datetime.fromtimestamp(at, tz=datetime.UTC)
-        buckets.append(moment if aware else timezone.make_naive(moment))
-        at += bucket_s
-    return buckets
+    first = math.floor(start.timestamp() / bucket_s) * bucket_s
+    every = range(first, math.floor(end.timestamp()) + 1, bucket_s)
+    moments = [datetime.datetime.fromtimestamp(at, tz=datetime.UTC) for at in every]
+    return moments if timezone.is_aware(end) else [timezone.make_naive(m) for m in moments]
 
 
 def failures_chart(
@@ -194,11 +190,9 @@ def dashboard_panels(window: Window = WINDOWS[0]) -> list[Panel]:
             value_format=format_ms,
             **axis,
         )
-        failures, total = failures_chart(failed.get(name, {}), **axis)
+        failures = failures_chart(failed.get(name, {}), **axis)
         dropped_here = dropped.get(name, 0)
-        panels.append(
-            Panel(state, held, waiting, waits, acquired[name], dropped_here, failures, total)
-        )
+        panels.append(Panel(state, held, waiting, waits, acquired[name], dropped_here, *failures))
     return panels
 
 

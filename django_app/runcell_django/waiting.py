@@ -70,9 +70,7 @@ def why_it_waits(
     if not ahead:
         return head
     behind = ngettext("%(n)d ahead in line", "%(n)d ahead in line", ahead) % {"n": ahead}
-    if head.code == NEXT:
-        return Reason(BEHIND, behind)
-    return Reason(BEHIND, f"{behind} · {head.text}")
+    return Reason(BEHIND, behind if head.code == NEXT else f"{behind} · {head.text}")
 
 
 def _why_the_head_waits(
@@ -92,11 +90,8 @@ def _why_the_head_waits(
     if not has_room(config, active, workload):
         total = sum(active.values())
         if total >= config.max_concurrent:
-            return Reason(
-                LIMIT,
-                _("limit reached (%(held)d/%(limit)d)")
-                % {"held": total, "limit": config.max_concurrent},
-            )
+            text = _("limit reached (%(held)d/%(limit)d)")
+            return Reason(LIMIT, text % {"held": total, "limit": config.max_concurrent})
         kept = {
             name: other.reserved - active.get(name, 0)
             for name, other in sorted(config.workloads.items())
@@ -161,7 +156,7 @@ def queue_summary(queryset: QuerySet[Any]) -> list[SummaryRow]:
             waiting=Count("pk", filter=not_granted & Q(parked=False)),
             parked=Count("pk", filter=not_granted & Q(parked=True)),
             granted=Count("pk", filter=Q(granted_lease_id__isnull=False)),
-            oldest=Max(
+            oldest_wait=Max(
                 ExpressionWrapper(Now() - F("enqueued_at"), output_field=DurationField()),
                 filter=not_granted,
             ),
@@ -171,17 +166,13 @@ def queue_summary(queryset: QuerySet[Any]) -> list[SummaryRow]:
     )
     rows = list(groups)
     names = {row["group"] for row in rows if not row["keys"]}
-    limiters = {
-        limiter.name: limiter
-        for limiter in Limiter.objects.using(queryset.db).filter(name__in=names)
-    }
+    limiters = Limiter.objects.using(queryset.db).in_bulk(names)
     return [_row(row, limiters.get(row["group"])) for row in rows]
 
 
 def _row(row: dict[str, Any], limiter: Limiter | None) -> SummaryRow:
     workload = row["workload"]
     held = ceiling = reason = None
-    limits = limiter.limits if limiter is not None else None
     if row["keys"]:
         text = ngettext(
             "%(n)d key waits: each key has its own limit (see the rows)",
@@ -189,7 +180,7 @@ def _row(row: dict[str, Any], limiter: Limiter | None) -> SummaryRow:
             row["keys"],
         ) % {"n": row["keys"]}
         reason = Reason("keys", text)
-    elif limiter is not None and limits is not None:
+    elif limiter is not None and (limits := limiter.limits) is not None:
         active = counts(limiter.workloads, limiter.active)
         held = active.get(workload, 0)
         ceiling = limits.ceiling(workload) if workload in limits.workloads else None
@@ -198,15 +189,4 @@ def _row(row: dict[str, Any], limiter: Limiter | None) -> SummaryRow:
             reason = why_it_waits(limits, active, waiting, workload)
     elif row["waiting"] or row["parked"]:
         reason = Reason("unknown", _("limits not readable"))
-    return SummaryRow(
-        limiter=row["group"],
-        workload=workload,
-        waiting=row["waiting"],
-        parked=row["parked"],
-        granted=row["granted"],
-        oldest_wait=row["oldest"],
-        held=held,
-        ceiling=ceiling,
-        reason=reason,
-        keys=row["keys"],
-    )
+    return SummaryRow(limiter=row.pop("group"), **row, held=held, ceiling=ceiling, reason=reason)
