@@ -57,16 +57,12 @@ def _clearly(command: Callable[_P, _R]) -> Callable[_P, _R]:
     return run
 
 
-def _app(ctx: click.Context) -> Celery:
+def _settings(ctx: click.Context) -> Settings:
+    """The app's runcell settings, as its workers read them."""
     found = ctx.find_object(CLIContext)
     if found is None:  # called outside the celery command
         raise click.UsageError("run it as: celery -A proj runcell ...")
-    return found.app
-
-
-def _settings(ctx: click.Context) -> Settings:
-    """The app's runcell settings, as its workers read them."""
-    app = _app(ctx)
+    app: Celery = found.app
     settings, path, resolve = app_settings(app)
     if settings is None:
         # A Django project's app has none of its own: loading the app's modules sets

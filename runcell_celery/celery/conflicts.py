@@ -27,7 +27,6 @@ __all__ = [
     "SaidOnce",
     "WorkerRefused",
     "log_start_conflict",
-    "refusal_message",
     "refuse_conflicting_limits",
 ]
 
@@ -51,25 +50,6 @@ class WorkerRefused(SystemExit):
         return self.message
 
 
-def refusal_message(conflicts: Sequence[LimitsConflict], settings_path: str) -> str:
-    details = "; ".join(
-        f"limiter {conflict.limiter!r} is stored with different limits: {conflict.differences}"
-        for conflict in conflicts
-    )
-    option = f'{settings_path}["POSTGRES"]["on_conflict"]'
-    return (
-        f"runcell: this worker refuses to start: {details}. Every worker sharing a "
-        f'limiter grants by the stored limits, and with {option} = "error" this one would '
-        "fail every task it took, so it takes none. To fix it, either stop every worker, "
-        "change the settings and start them again; or, to change limits while the fleet "
-        f'runs, set {option} = "use_stored" on every worker, store the new limits with '
-        "`manage.py runcell_sync_limiters --replace` (without Django: `celery -A <app> "
-        "runcell sync-limiters --replace`) and restart the workers with the new settings; or "
-        "correct this worker's settings if they are a mistake (docs/postgres.md: \"Changing "
-        f'limits on a running fleet"). Exit status {EX_CONFIG}.'
-    )
-
-
 def refuse_conflicting_limits(app: Celery) -> None:
     """Raise :class:`WorkerRefused` (after one CRITICAL line) when a configured
     limiter is stored with other limits and its backend would refuse it."""
@@ -90,7 +70,22 @@ def refuse_conflicting_limits(app: Celery) -> None:
         )
         return
     if conflicts:
-        message = refusal_message(conflicts, registry.settings_path)
+        details = "; ".join(
+            f"limiter {conflict.limiter!r} is stored with different limits: {conflict.differences}"
+            for conflict in conflicts
+        )
+        option = f'{registry.settings_path}["POSTGRES"]["on_conflict"]'
+        message = (
+            f"runcell: this worker refuses to start: {details}. Every worker sharing a "
+            f'limiter grants by the stored limits, and with {option} = "error" this one would '
+            "fail every task it took, so it takes none. To fix it, either stop every worker, "
+            "change the settings and start them again; or, to change limits while the fleet "
+            f'runs, set {option} = "use_stored" on every worker, store the new limits with '
+            "`manage.py runcell_sync_limiters --replace` (without Django: `celery -A <app> "
+            "runcell sync-limiters --replace`) and restart the workers with the new settings; or "
+            "correct this worker's settings if they are a mistake (docs/postgres.md: \"Changing "
+            f'limits on a running fleet"). Exit status {EX_CONFIG}.'
+        )
         logger.critical("%s", message)
         raise WorkerRefused(message, conflicts)
 

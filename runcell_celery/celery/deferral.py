@@ -105,13 +105,9 @@ class TaskAdmission(Admission):
         self._publication = headers.read(request, headers.PUBLICATION)
         self._republished = parked_as is not None and self._publication is not None
         self._broker = broker_identity(task.app)
-        super().__init__(
-            self._acquire,
-            request_id=parked_as
-            if self._republished and parked_as
-            else _delivery_id(self._task_id),
-            limiters=limiters,
-        )
+        # A re-publication asks as the delivery that parked (headers.parse checked it).
+        request_id = parked_as if self._republished else _delivery_id(self._task_id)
+        super().__init__(self._acquire, request_id=request_id, limiters=limiters)
 
     def _acquire(
         self,
@@ -174,7 +170,15 @@ def _unless_finished(
 ) -> tuple[Lease, ...] | DuplicateDelivery:
     """``leases``, unless another delivery already finished the task (read once this one
     has its slot, so a duplicate waits for the one it duplicates, which may have died)."""
-    if not _finished(task, task_id):
+    backend = task.backend
+    if task.ignore_result or isinstance(backend, DisabledBackend):
+        return leases
+    try:
+        state = backend.get_task_meta(task_id, cache=False).get("status")
+    except Exception as exc:  # running again is safer than losing the task
+        logger.warning("runcell: could not read the state of task %s: %s", task_id, exc)
+        return leases
+    if state not in states.READY_STATES:
         return leases
     for limiter, lease in zip(limiters, leases, strict=True):
         try:
@@ -182,18 +186,6 @@ def _unless_finished(
         except Exception as exc:  # the slot comes back when its lease expires
             logger.warning("runcell: giving back the slot of a duplicate of %s: %s", task_id, exc)
     return DuplicateDelivery()
-
-
-def _finished(task: Task[Any, Any], task_id: str) -> bool:
-    backend = task.backend
-    if task.ignore_result or isinstance(backend, DisabledBackend):
-        return False
-    try:
-        state = backend.get_task_meta(task_id, cache=False).get("status")
-    except Exception as exc:  # running again is safer than losing the task
-        logger.warning("runcell: could not read the state of task %s: %s", task_id, exc)
-        return False
-    return state in states.READY_STATES
 
 
 def publish_grants(app: Celery, items: Iterable[Republish]) -> int:
@@ -296,7 +288,17 @@ class Sweeper:
         if store is None:
             return
         for name in self._registry.names():
-            limiter: object = self._limiter(name)  # a limiter that may also reap
+            try:
+                limiter: object = self._registry.get(name)  # a limiter that may also reap
+            except ConcurrencyConfigError as exc:  # its limits conflict with the stored ones
+                if self._refused.first(name, exc.message):
+                    logger.error(
+                        "runcell sweeper: limiter %r is not swept: %s (said once per change)",
+                        name,
+                        exc.message,
+                    )
+                continue
+            self._refused.forget(name)
             if isinstance(limiter, SupportsReap):
                 limiter.reap()  # expired leases of dead holders go to parked runs
         # No process waits for parked requests over several limiters: pass them here.
@@ -304,21 +306,6 @@ class Sweeper:
         self._publisher.request(
             granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
-
-    def _limiter(self, name: str) -> ConcurrencyLimiter | None:
-        """``None`` (said once per change) when its limits conflict with the stored ones."""
-        try:
-            limiter = self._registry.get(name)
-        except ConcurrencyConfigError as exc:
-            if self._refused.first(name, exc.message):
-                logger.error(
-                    "runcell sweeper: limiter %r is not swept: %s (said once per change)",
-                    name,
-                    exc.message,
-                )
-            return None
-        self._refused.forget(name)
-        return limiter
 
     def fail_expired(self) -> int:
         """Fail the parked runs past their deadline; one thread at a time (two passes
@@ -350,15 +337,18 @@ class Sweeper:
         task_id = expired.run_id
         name = expired.holder_name
         task = app.tasks.get(name) if name else None
+        lineage: dict[str, Any] = {
+            "limiter": expired.limiter,
+            "workload": expired.workload,
+            "run_id": task_id,
+            "root_run_id": expired.root_run_id,
+            "parent_run_id": expired.parent_run_id,
+            "request_id": expired.request_id,
+        }
         error = ConcurrencyTimeoutError(
             f"task {name!r} stayed parked past its deadline: limiter {expired.limiter!r} "
             f"had no free slot for workload {expired.workload!r} in time",
-            limiter=expired.limiter,
-            workload=expired.workload,
-            run_id=task_id,
-            root_run_id=expired.root_run_id,
-            parent_run_id=expired.parent_run_id,
-            request_id=expired.request_id,
+            **lineage,
         )
         if task_id is None:
             return True  # not a task's row: nothing to record it in
@@ -369,12 +359,7 @@ class Sweeper:
             emit(
                 ConcurrencyEvent(
                     type="timed-out",
-                    limiter=expired.limiter,
-                    workload=expired.workload,
-                    run_id=task_id,
-                    root_run_id=expired.root_run_id,
-                    parent_run_id=expired.parent_run_id,
-                    request_id=expired.request_id,
+                    **lineage,
                     timestamp=time.time(),
                     wait_ms=expired.waited_ms,
                     holder_name=name,  # counted as a concurrency failure by the counters

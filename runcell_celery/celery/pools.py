@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps
@@ -133,19 +132,17 @@ class PromptCreditStep(bootsteps.StartStopStep):
         if parent.hub is not None:  # the event loop looks at credit before each poll
             return
         connection = parent.connection
-        channel = getattr(parent.task_consumer, "channel", None)
+        channel: Any = getattr(parent.task_consumer, "channel", None)
         can_consume = getattr(getattr(channel, "qos", None), "can_consume", None)
         if connection is None or not callable(can_consume):
             return
-        connection.drain_events = _prompt_drain(connection.drain_events, channel)
+        drain = connection.drain_events
 
+        def drain_events(timeout: float | None = None, **kwargs: Any) -> Any:
+            # Read the channel's qos at each call: Celery may replace its can_consume.
+            if timeout is not None and timeout > CREDIT_CHECK_S and not channel.qos.can_consume():
+                timeout = CREDIT_CHECK_S
+            return drain(timeout=timeout, **kwargs)
 
-def _prompt_drain(drain: Callable[..., Any], channel: Any) -> Callable[..., Any]:
-    def drain_events(timeout: float | None = None, **kwargs: Any) -> Any:
-        # Read the channel's qos at each call: Celery may replace its can_consume.
-        if timeout is not None and timeout > CREDIT_CHECK_S and not channel.qos.can_consume():
-            timeout = CREDIT_CHECK_S
-        return drain(timeout=timeout, **kwargs)
-
-    drain_events.__wrapped__ = drain  # type: ignore[attr-defined]
-    return drain_events
+        drain_events.__wrapped__ = drain  # type: ignore[attr-defined]
+        connection.drain_events = drain_events

@@ -97,11 +97,7 @@ class GrantPublisher:
             stale_ms, work.stale_ms = work.stale_ms, None
         if not lease_ids and stale_ms is None:
             return 0
-        return self._publish(work, lease_ids, stale_ms)
-
-    def _publish(self, work: _Work, lease_ids: list[str], stale_ms: int | None) -> float:
-        app = self._app()
-        store = self._store()
+        app, store = self._app(), self._store()
         if app is None or store is None:
             return 0
         # Grants of tasks parked for another broker are left to that broker's workers.

@@ -77,13 +77,6 @@ def patch_redis_transport() -> bool:
         return True
 
 
-def _active_tags(channel: Any) -> set[Any]:
-    """Tags of ``channel``'s messages whose tasks run here (restoring would run them twice)."""
-    requests = tuple(worker_state.active_requests)
-    messages = [m for r in requests if (m := getattr(r, "message", None)) is not None]
-    return {m.delivery_tag for m in messages if getattr(m, "channel", None) is channel}
-
-
 class RestoreUnackedStep(bootsteps.StartStopStep):
     """Consumer step: after a reconnection, put back in their queues (kombu's
     ``restore_by_tag``) the unacked messages of remembered channels that closed, but
@@ -110,7 +103,10 @@ class RestoreUnackedStep(bootsteps.StartStopStep):
         delivered = getattr(qos, "_delivered", None)
         if qos is None or not delivered:
             return
-        running = _active_tags(channel)
+        # Tags of the messages whose tasks run here (restoring would run them twice).
+        requests = tuple(worker_state.active_requests)
+        messages = [m for r in requests if (m := getattr(r, "message", None)) is not None]
+        running = {m.delivery_tag for m in messages if getattr(m, "channel", None) is channel}
         restored = 0
         for tag in [tag for tag in list(delivered) if tag not in running]:
             try:

@@ -59,13 +59,6 @@ class AppState:
     publisher: GrantPublisher | None = None
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    @classmethod
-    def for_registry(cls, registry: LimiterRegistry) -> AppState:
-        def backend() -> Backend | None:
-            return registry.backend
-
-        return cls(registry, AdmissionCounters(backend), RevocationWatcher(backend))
-
 
 def set_settings_provider(provider: SettingsProvider | None) -> None:
     """Install where settings come from when ``app.conf.runcell`` is not set: a
@@ -80,7 +73,17 @@ def state_for(app: Celery) -> AppState:
     with _lock():
         state = _states().get(app)
         if state is None:
-            state = AppState.for_registry(_configure(app))
+            settings, path, resolve = app_settings(app)
+            registry = LimiterRegistry(resolve_database=resolve)
+            if settings is not None:
+                registry.configure(settings, path=path)
+            else:
+                registry.settings_path = path
+
+            def backend() -> Backend | None:
+                return registry.backend
+
+            state = AppState(registry, AdmissionCounters(backend), RevocationWatcher(backend))
             _states()[app] = state
         return state
 
@@ -136,13 +139,3 @@ def app_settings(
     if settings is None and provider is not None and (provided := provider()) is not None:
         return provided
     return settings, "app.conf.runcell", None
-
-
-def _configure(app: Celery) -> LimiterRegistry:
-    settings, path, resolve = app_settings(app)
-    registry = LimiterRegistry(resolve_database=resolve)
-    if settings is not None:
-        registry.configure(settings, path=path)
-    else:
-        registry.settings_path = path
-    return registry

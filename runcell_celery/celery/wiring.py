@@ -51,20 +51,15 @@ def _flush_counters(**_: Any) -> None:
         state.counters.close()
 
 
-def _connect_process_signals() -> None:
-    with DEFAULT_REGISTRY.lock("celery.wiring"):
-        if DEFAULT_REGISTRY.value("celery.wiring.connected", False):
-            return
-        before_task_publish.connect(_on_publish, weak=False)
-        worker_process_shutdown.connect(_flush_counters, weak=False)
-        DEFAULT_REGISTRY.put("celery.wiring.connected", True)
-
-
 def ensure_wired(app: Celery) -> AppState:
     """Connect what the integration needs, once per app; return the app's state."""
     state = state_for(app)
     if not state.wired:
-        _connect_process_signals()
+        with DEFAULT_REGISTRY.lock("celery.wiring"):  # the signals: once per process
+            if not DEFAULT_REGISTRY.value("celery.wiring.connected", False):
+                before_task_publish.connect(_on_publish, weak=False)
+                worker_process_shutdown.connect(_flush_counters, weak=False)
+                DEFAULT_REGISTRY.put("celery.wiring.connected", True)
         with state.lock:
             if not state.wired:  # another thread may have wired it meanwhile
                 add_event_listener(state.counters.on_event)
