@@ -11,7 +11,6 @@ failure is retried with backoff (:func:`persist`), so a database restart is a bl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -292,15 +291,27 @@ def pool_wait_s(database: Database, wait_s: float | None, until: Deadline | None
 
 def _send(conn: Connection, query: LiteralString, params: Mapping[str, Any], *, rows: bool) -> Any:
     cursor = psycopg.ClientCursor(conn)
+    if conn.autocommit:  # the hot path: no context manager to enter
+        return _read(cursor, query, params, rows=rows)
     # A caller's pool may not be in autocommit mode: make the call its own transaction
     # all the same (SET LOCAL needs one).
-    with contextlib.nullcontext() if conn.autocommit else conn.transaction():
-        cursor.execute(query, params)
-        cursor.nextset()  # past SET statement_timeout
-        cursor.nextset()  # past SET lock_timeout
-        if rows:
-            return [row[0] for row in cursor.fetchall()]
-        row = cursor.fetchone()
+    with conn.transaction():
+        return _read(cursor, query, params, rows=rows)
+
+
+def _read(
+    cursor: psycopg.ClientCursor[Any],
+    query: LiteralString,
+    params: Mapping[str, Any],
+    *,
+    rows: bool,
+) -> Any:
+    cursor.execute(query, params)
+    cursor.nextset()  # past SET statement_timeout
+    cursor.nextset()  # past SET lock_timeout
+    if rows:
+        return [row[0] for row in cursor.fetchall()]
+    row = cursor.fetchone()
     return row[0] if row is not None else None
 
 
