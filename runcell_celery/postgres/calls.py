@@ -119,11 +119,8 @@ def call(
         if failed.maybe_done and "retry" in bound:
             bound["retry"] = True  # the failed attempt may have committed
 
-    def send(conn: Connection) -> Any:
-        return _send(conn, _BOUNDS + query, bound, rows=rows)
-
     def attempt() -> Any:
-        return _call_once(database, send, bound, lock_timeout_ms, stamp, patience)
+        return _call_once(database, query, bound, lock_timeout_ms, rows, stamp, patience)
 
     return persist(patience, attempt, on_retry=again)
 
@@ -135,15 +132,15 @@ def reap_limiter(database: Database, limiter: str) -> Any:
 
 def _call_once(
     database: Database,
-    send: Callable[[Connection], T],
+    query: LiteralString,
     bound: dict[str, Any],
     lock_timeout_ms: int,
+    rows: bool,
     stamp: Stamp | None,
     until: Deadline | None,
-) -> T:
-    """One round of :func:`call` (or :func:`fetch_rows`): ``send`` on a pooled connection,
-    with ``bound``'s bounds set to what is left of the caller's wait; a dropped connection
-    retried at once on a fresh one (up to the pool's size), every other failure raised."""
+) -> Any:
+    """One round of :func:`call`: a dropped connection retried at once on a fresh one
+    (up to the pool's size), every other failure raised."""
     attempts = database.pool_max_size + 1
     lost = False
     attempt = -1
@@ -166,7 +163,7 @@ def _call_once(
                 if stamp is not None:
                     stamp.at = time.monotonic()
                 try:
-                    return send(conn)
+                    return _send(conn, _BOUNDS + query, bound, rows=rows)
                 finally:
                     broken = conn.broken
         except PoolTimeout as exc:  # (a psycopg.Error too: caught first)
@@ -271,11 +268,26 @@ def fetch_rows(
     """
     patience = current_patience()
 
-    def send(conn: Connection) -> list[tuple[Any, ...]]:
-        return fetch_all(conn, query, params)
-
     def attempt() -> list[tuple[Any, ...]]:
-        return _call_once(database, send, {}, LOCK_WAIT_CAP_MS, None, patience)
+        lost = False
+        attempts = database.pool_max_size + 1
+        for number in range(attempts):
+            broken = False
+            try:
+                with database.connection(timeout=pool_wait_s(database, None, patience)) as conn:
+                    try:
+                        return fetch_all(conn, query, params)
+                    finally:
+                        broken = conn.broken
+            except PoolTimeout as exc:
+                raise CallFailedError(_describe(exc), maybe_done=lost) from exc
+            except psycopg.Error as exc:
+                if broken and number + 1 < attempts:
+                    lost = True
+                    logger.info("runcell: retrying on a fresh connection after: %s", exc)
+                    continue
+                raise CallFailedError(_describe(exc)) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     return persist(patience, attempt)
 
