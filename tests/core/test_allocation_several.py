@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from runcell_celery import LimiterConfig
 from runcell_celery.allocation import LimiterId, allocate_members
+from tests.core.test_allocation import reference_allocate_with_progress
 
 EXAMPLES = settings(max_examples=400, deadline=None)
 SIMULATIONS = settings(max_examples=150, deadline=None)
@@ -383,28 +384,6 @@ def test_each_grant_keeps_every_limit_and_every_ceiling(situation: Situation) ->
 # -- one limiter: the one-limiter rules ----------------------------------------------------------
 
 
-def one_limiter_reference(
-    config: LimiterConfig, held: Mapping[str, int], waiting: Sequence[tuple[str, bool]]
-) -> list[int]:
-    """``reference_allocate``'s brute force over ``(workload, in_progress)`` waiters: within
-    a workload a run in progress goes before new ones, then arrival order; between
-    workloads priority, then the front that arrived first."""
-    held = {name: held.get(name, 0) for name in config.workloads}
-    granted: list[int] = []
-    while True:
-        candidates: list[tuple[int, int]] = []  # (-priority, arrival position)
-        for name, workload in config.workloads.items():
-            line = [p for p, (w, _) in enumerate(waiting) if w == name and p not in granted]
-            if line and is_valid(config, {**held, name: held[name] + 1}):
-                front = min(line, key=lambda p: (not waiting[p][1], p))
-                candidates.append((-workload.priority, front))
-        if not candidates:
-            return granted
-        _, chosen = min(candidates)
-        granted.append(chosen)
-        held[waiting[chosen][0]] += 1
-
-
 @EXAMPLES
 @given(st.data())
 def test_with_one_fifo_limiter_it_grants_what_the_one_limiter_reference_grants(
@@ -417,7 +396,7 @@ def test_with_one_fifo_limiter_it_grants_what_the_one_limiter_reference_grants(
     )
     waiting = data.draw(st.lists(picks, max_size=14))
     several = [Request(("claude",), w, started, key) for w, started, key in waiting]
-    expected = one_limiter_reference(config, held, [(w, started) for w, started, _ in waiting])
+    expected = reference_allocate_with_progress(config, held, [(w, s) for w, s, _ in waiting])
     assert allocate_members({"claude": config}, {"claude": held}, several) == expected
 
 
