@@ -288,17 +288,7 @@ class Sweeper:
         if store is None:
             return
         for name in self._registry.names():
-            try:
-                limiter: object = self._registry.get(name)  # a limiter that may also reap
-            except ConcurrencyConfigError as exc:  # its limits conflict with the stored ones
-                if self._refused.first(name, exc.message):
-                    logger.error(
-                        "runcell sweeper: limiter %r is not swept: %s (said once per change)",
-                        name,
-                        exc.message,
-                    )
-                continue
-            self._refused.forget(name)
+            limiter: object = self._limiter(name)  # a limiter that may also reap
             if isinstance(limiter, SupportsReap):
                 limiter.reap()  # expired leases of dead holders go to parked runs
         # No process waits for parked requests over several limiters: pass them here.
@@ -306,6 +296,21 @@ class Sweeper:
         self._publisher.request(
             granted, stale_ms=REPUBLISH_AFTER_MS if stale_ms is None else stale_ms
         )
+
+    def _limiter(self, name: str) -> ConcurrencyLimiter | None:
+        """``None`` (said once per change) when its limits conflict with the stored ones."""
+        try:
+            limiter = self._registry.get(name)
+        except ConcurrencyConfigError as exc:
+            if self._refused.first(name, exc.message):
+                logger.error(
+                    "runcell sweeper: limiter %r is not swept: %s (said once per change)",
+                    name,
+                    exc.message,
+                )
+            return None
+        self._refused.forget(name)
+        return limiter
 
     def fail_expired(self) -> int:
         """Fail the parked runs past their deadline; one thread at a time (two passes

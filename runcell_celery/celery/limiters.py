@@ -24,6 +24,7 @@ __all__ = [
     "is_keyed",
     "key_of",
     "limiter_argument",
+    "require",
     "validate_workload",
 ]
 
@@ -59,6 +60,13 @@ def declared_at(cls: type[Task[Any, Any]]) -> str | None:
     except ValueError:  # another drive (Windows)
         path = code.co_filename
     return f"{path}:{code.co_firstlineno}"
+
+
+def require(registry: LimiterRegistry, name: str, where: str) -> None:
+    try:
+        registry.require(name)
+    except ConcurrencyConfigError as exc:
+        raise ConcurrencyConfigError(f"{where}['limiter']: {exc.message}", limiter=name) from None
 
 
 def is_keyed(registry: LimiterRegistry, name: str) -> bool:

@@ -51,6 +51,7 @@ from .limiters import (
     is_keyed,
     key_of,
     limiter_argument,
+    require,
     validate_workload,
 )
 from .options import RunOverride, TaskConcurrency
@@ -93,51 +94,51 @@ class RunCellTask(_Task):
         if not getattr(cls, "name", None):
             return  # the abstract base itself
         try:
-            spec = TaskConcurrency()
-            if cls.concurrency is not None:
-                spec = TaskConcurrency.parse(cls.concurrency, task_name=cls.name)
-            where = f"task {cls.name!r} concurrency"
-            keyed: tuple[str, ...] = ()
-            signature = body_signature(cls)
-            if spec.limiters:
-                registry = registry_for(app)
-                for name in spec.limiters:
-                    try:
-                        registry.require(name)
-                    except ConcurrencyConfigError as exc:
-                        message = f"{where}['limiter']: {exc.message}"
-                        raise ConcurrencyConfigError(message, limiter=name) from None
-                validate_workload(registry, spec.limiters, spec.workload, where)
-                keyed = tuple(name for name in spec.limiters if is_keyed(registry, name))
-            if keyed and spec.key is None:
-                raise ConcurrencyConfigError(
-                    f"{where}['key'] is missing: limiter {', '.join(map(repr, keyed))} is keyed "
-                    "(a limit per key), so the task must say how its key is formed: a template "
-                    "over its parameters such as '{tenant_id}', or a callable (args, kwargs) -> str"
-                )
-            if spec.key is not None and not keyed:
-                raise ConcurrencyConfigError(
-                    f"{where}['key'] = {spec.key.describe()} is invalid: none of its limiters "
-                    f"({', '.join(map(repr, spec.limiters))}) is keyed; declare the one that "
-                    "limits per key with keyed=True, or drop 'key'"
-                )
-            if spec.key is not None:
-                spec.key.check_parameters(where, signature)
-            if spec.admission == "defer":
-                # The message may be acked only once the parking has committed.
-                cls.acks_late = True
-                cls.reject_on_worker_lost = True
-            cls._runcell = spec
-            cls._runcell_keyed = keyed
-            cls._runcell_signature = signature
-            # A deferral is not "ignored" work: Celery's line for it is replaced by ours.
-            logging.getLogger("celery.app.trace").addFilter(_hide_set_aside)
-            ensure_wired(app)
+            cls._bind_concurrency(app)
         except ConcurrencyConfigError as exc:
             site = declared_at(cls)
             if site is None:
                 raise
             raise type(exc)(f"{exc.message} (task declared at {site})", **exc.fields()) from None
+
+    @classmethod
+    def _bind_concurrency(cls, app: Celery) -> None:
+        spec = TaskConcurrency()
+        if cls.concurrency is not None:
+            spec = TaskConcurrency.parse(cls.concurrency, task_name=cls.name)
+        where = f"task {cls.name!r} concurrency"
+        keyed: tuple[str, ...] = ()
+        signature = body_signature(cls)
+        if spec.limiters:
+            registry = registry_for(app)
+            for name in spec.limiters:
+                require(registry, name, where)
+            validate_workload(registry, spec.limiters, spec.workload, where)
+            keyed = tuple(name for name in spec.limiters if is_keyed(registry, name))
+        if keyed and spec.key is None:
+            raise ConcurrencyConfigError(
+                f"{where}['key'] is missing: limiter {', '.join(map(repr, keyed))} is keyed "
+                "(a limit per key), so the task must say how its key is formed: a template "
+                "over its parameters such as '{tenant_id}', or a callable (args, kwargs) -> str"
+            )
+        if spec.key is not None and not keyed:
+            raise ConcurrencyConfigError(
+                f"{where}['key'] = {spec.key.describe()} is invalid: none of its limiters "
+                f"({', '.join(map(repr, spec.limiters))}) is keyed; declare the one that "
+                "limits per key with keyed=True, or drop 'key'"
+            )
+        if spec.key is not None:
+            spec.key.check_parameters(where, signature)
+        if spec.admission == "defer":
+            # The message may be acked only once the parking has committed.
+            cls.acks_late = True
+            cls.reject_on_worker_lost = True
+        cls._runcell = spec
+        cls._runcell_keyed = keyed
+        cls._runcell_signature = signature
+        # A deferral is not "ignored" work: Celery's line for it is replaced by ours.
+        logging.getLogger("celery.app.trace").addFilter(_hide_set_aside)
+        ensure_wired(app)
 
     def _no_limiter(self, exc: ConcurrencyNoLimiterError) -> ConcurrencyNoLimiterError:
         names = registry_for(self.app).names()
