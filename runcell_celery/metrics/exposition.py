@@ -7,12 +7,15 @@ process's own (right for a solo or threads worker, blind to other processes).
 
 from __future__ import annotations
 
+import glob
 import hmac
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -51,12 +54,40 @@ def build_registry(
     ``process_registry``) and ``gauges`` when given."""
     registry = CollectorRegistry(auto_describe=False)
     if multiproc is not None:
-        MultiProcessCollector(registry, path=str(multiproc))  # type: ignore[no-untyped-call]
+        registry.register(_ProcessFileSums(multiproc))
     else:
         registry.register(process_registry)  # collected at scrape time, as it is then
     if gauges is not None:
         registry.register(gauges)
     return registry
+
+
+class _ProcessFileSums(Collector):
+    """The sums of every process's file in a multiprocess directory, like
+    prometheus_client's ``MultiProcessCollector``, but skipping a file that is still
+    empty: a process creates its file before it sizes it, and one killed in between
+    leaves it empty for good, which would fail every scrape of the host
+    (prometheus/client_python#1199). A file deleted while it is read (a live gauge of a
+    process marked dead) is skipped the same way."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        files = []
+        for path in glob.glob(os.path.join(self._directory, "*.db")):
+            try:
+                if os.path.getsize(path) > 0:
+                    files.append(path)
+            except FileNotFoundError:
+                continue
+        try:
+            merged = MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+        except FileNotFoundError:  # gone since the glob: read what is left
+            merged = MultiProcessCollector.merge(  # type: ignore[no-untyped-call]
+                [path for path in files if os.path.exists(path)], accumulate=True
+            )
+        return list(merged)
 
 
 def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:

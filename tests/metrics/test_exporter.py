@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from runcell_celery.metrics.exporter import main
 from tests.support.celery_fixtures import ROOT
@@ -258,3 +259,19 @@ def test_help_says_the_exporter_listens_on_every_interface_by_default() -> None:
     text = " ".join(done.stdout.split())
     assert "default 0.0.0.0: every interface of the host" in text
     assert "trailing newline, is dropped" in text
+
+
+def test_a_process_file_still_empty_does_not_fail_the_scrape_of_the_others(
+    exporter: Started, tmp_path: Path
+) -> None:
+    # A prefork child creates its file before sizing it; one killed in that moment
+    # leaves it empty for good (prometheus/client_python#1199).
+    name = "runcell_slots_acquired"
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    written.write_value(mmap_key(name, f"{name}_total", ["limiter"], ["llm"], "h"), 5.0, 0.0)
+    written.close()
+    (tmp_path / "counter_102.db").touch()
+    url = exporter(f"--multiprocess-dir={tmp_path}")
+    status, text, _ = get(url)
+    assert status == 200, text
+    assert Scrape(text).values(f"{name}_total", limiter="llm") == [5]
