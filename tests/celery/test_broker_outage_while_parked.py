@@ -53,7 +53,7 @@ DONE_WITHIN_S = 60.0
 @pytest.fixture
 def own_database() -> Iterator[str]:
     """A limiter database of the test's own: the grants it leaves in a broker that is
-    gone would otherwise stay parked in the session's database, beside later tests'."""
+    gone would otherwise stay parked in the module's database, beside later tests'."""
     dsn = create_database("runcell_broker_outage")
     try:
         yield dsn

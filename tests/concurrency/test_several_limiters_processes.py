@@ -88,7 +88,7 @@ def test_four_processes_keep_the_provider_limit_and_each_tenants_with_a_holder_k
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)  # mid-hold: its two leases are never released
         victim.join(10)
-        outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0}
+        outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0, "lost": 0}
         for pipe in pipes:
             assert pipe.poll(300), "a process did not finish"
             for key, n in pipe.recv().items():
@@ -98,9 +98,9 @@ def test_four_processes_keep_the_provider_limit_and_each_tenants_with_a_holder_k
     per_tenant = {t: int(client.get(f"{prefix}:{t}:max") or 0) for t in TENANTS}
     assert overall.max_in_flight <= 3, f"the provider saw {overall.max_in_flight} in flight"
     assert max(per_tenant.values()) == 1, f"a tenant had more than 1 in flight: {per_tenant}"
+    # Each call ended one way: completed, cancelled, timed out, or lost its lease to a
+    # pause longer than the TTL (a loaded machine); no other error escaped.
     assert sum(outcomes.values()) == 100
-    # Every call that did not time out (or was not cancelled) completed.
-    assert outcomes["completed"] == 100 - outcomes["cancelled"] - outcomes["timed_out"]
     assert outcomes["completed"] > 50
     assert (overall.errors, overall.disconnected) == (0, 0)
     assert overall.max_in_flight >= 2, "tenants never overlapped: the test proves nothing"

@@ -1,6 +1,6 @@
 """Gauges of the limiters' live state, read from PostgreSQL at scrape time.
 
-Real PostgreSQL limiters on the session's database hold slots, queue and park
+Real PostgreSQL limiters on the module's database hold slots, queue and park
 requests; the collector reads them through ``read_workload_gauges`` (one query), and
 the figures are read back from the exposition text. Caching and faults use a fake
 clock and readers that fail or stall, as a dead or paused database would.

@@ -1,4 +1,4 @@
-"""PostgreSQL fixtures: a database of our own per test session, dropped at the end.
+"""PostgreSQL fixtures: a database of our own per test module, dropped at its end.
 
 Reads ``RUNCELL_TEST_DSN`` (default: the local server's ``postgres`` database) to
 reach a server where it may create databases, and ``RUNCELL_TEST_COLLATION`` (an ICU
@@ -55,9 +55,12 @@ def drop_database(dsn: str) -> None:
         )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pg_dsn() -> Iterator[str]:
-    """A fresh database with the limiter schema, shared by the session's tests."""
+    """A fresh database with the limiter schema, shared by the module's tests. Dropped
+    when the module ends, not the session: the pools of limiters a test did not close
+    then end with it instead of adding up, module after module, towards the shared
+    server's ``max_connections`` (three test processes and their workers share it)."""
     dsn = create_database("runcell_test")
     try:
         yield dsn
@@ -88,7 +91,7 @@ def unique_name(prefix: str = "limiter") -> str:
 
 @pytest.fixture
 def make_limiter(pg_dsn: str) -> Iterator[Callable[..., PostgresConcurrencyLimiter]]:
-    """Create limiters with unique names on the session database (each with its own
+    """Create limiters with unique names on the module's database (each with its own
     backend, closed after the test)."""
     made: list[PostgresConcurrencyLimiter] = []
 

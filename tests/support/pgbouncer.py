@@ -1,10 +1,10 @@
-"""PgBouncer fixtures: a transaction-mode pooler in front of the session database.
+"""PgBouncer fixtures: a transaction-mode pooler in front of the module's database.
 
 ``pgbouncer_server`` starts Debian's ``pgbouncer`` (1.18 on bookworm; ``scripts/test``
 installs it) as a subprocess of the test run, on 127.0.0.1 and a free port, with a
 generated configuration in a temporary directory: ``pool_mode = transaction`` and a
 pool of :data:`POOL_SIZE` server connections per database, so client connections
-really share server connections. It serves the session database (``pg_dsn``) under
+really share server connections. It serves the module's database (``pg_dsn``) under
 its own name and, through a ``*`` entry, any other database on the same server.
 
 PgBouncer refuses to run as root, so when the tests run as root it runs as the
@@ -240,14 +240,14 @@ def _wait_until_serving(process: subprocess.Popen[bytes], bouncer: PgBouncer) ->
         )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pgbouncer_server(pg_dsn: str) -> Iterator[PgBouncer]:
-    """PgBouncer in transaction mode in front of the session database."""
+    """PgBouncer in transaction mode in front of the module's database."""
     with run_pgbouncer(pg_dsn) as bouncer:
         yield bouncer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pgbouncer_dsn(pgbouncer_server: PgBouncer) -> str:
-    """The session database's DSN through PgBouncer (transaction mode)."""
+    """The module database's DSN through PgBouncer (transaction mode)."""
     return pgbouncer_server.dsn

@@ -20,6 +20,7 @@ import redis
 from runcell_celery import (
     CancellationToken,
     ConcurrencyCancelledError,
+    ConcurrencyLeaseLostError,
     ConcurrencyTimeoutError,
     run,
     slot,
@@ -61,14 +62,16 @@ def call_as_tenants(
 ) -> None:
     """Make each call of ``calls`` (a tenant each) under the provider's limit and the
     tenant's, cancelling about one in ten at a random moment and giving one in ten a
-    budget too short to always get its slots; send back how each ended."""
+    budget too short to always get its slots; send back how each ended (``lost``: a
+    process paused past its lease's TTL, as on a loaded machine, lost the slot before or
+    during the call, which the limiter reports instead of overrunning the limit)."""
     rng = random.Random(seed)
     provider = create_postgres_concurrency_limiter(dsn, **provider_limits)
     tenants = create_postgres_concurrency_limiter(dsn, **tenant_limits)
     client = FakeProviderClient(provider_url)
     witness = redis.Redis.from_url(redis_url)
     enter = witness.register_script(ENTER)
-    outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0}
+    outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0, "lost": 0}
     for i, tenant in enumerate(calls):
         roll = rng.random()
         cancel = CancellationToken()
@@ -99,6 +102,8 @@ def call_as_tenants(
             outcomes["cancelled"] += 1
         except ConcurrencyTimeoutError:
             outcomes["timed_out"] += 1
+        except ConcurrencyLeaseLostError:
+            outcomes["lost"] += 1
         finally:
             if timer is not None:
                 timer.cancel()
