@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from runcell_celery import ConcurrencyEvent, add_event_listener, remove_event_listener
+from runcell_celery.celery.counters import FLUSH_INTERVAL_S
 
 #: Upper bound for anything a test expects to happen "soon" in another thread.
 SOON_S = 10.0
@@ -90,6 +91,28 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
         time.sleep(interval)
+
+
+def settled_counts(
+    read: Callable[[], dict[str, int]], ready: Callable[[dict[str, int]], bool], what: str
+) -> dict[str, int]:
+    """``read()`` once ``ready`` holds of it and two reads a flush interval apart agree.
+
+    Each worker process writes its admission counts in batches, every
+    ``FLUSH_INTERVAL_S``: a delivery's count and its deferral's are added a database
+    round trip apart and can land in two batches, so one read can see the first
+    without the second."""
+    wait_until(lambda: ready(read()), what, 30, interval=0.1)
+    deadline = time.monotonic() + 30
+    counts = read()
+    while True:
+        time.sleep(FLUSH_INTERVAL_S + 0.5)
+        again = read()
+        if again == counts:
+            return counts
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the counts never settled: {counts} then {again}")
+        counts = again
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from celery.result import AsyncResult
 from runcell_celery.celery import admission_counts
 from runcell_celery.postgres import ensure_schema
 from runcell_celery.testing import FakeProvider
-from tests.conftest import wait_until
+from tests.conftest import settled_counts, wait_until
 
 LIMITS = {
     "max_concurrent": 3,
@@ -87,8 +87,9 @@ def test_two_hundred_deferred_tasks_complete_within_the_limit_with_no_retry_or_f
         now = _counts(app, "rc.defer")
         return {name: value - before.get(name, 0) for name, value in now.items()}
 
-    _wait(lambda: added().get("provider_attempts", 0) >= 200, "counts flushed")
-    counts = added()
+    counts = settled_counts(
+        added, lambda counts: counts.get("provider_attempts", 0) >= 200, "counts flushed"
+    )
     assert counts["deferrals"] > 0, counts
     assert counts["deliveries"] == 200 + counts["deferrals"], counts
     assert counts["provider_failures"] == 0, counts

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from celery.result import AsyncResult
 
-from tests.conftest import wait_until
+from tests.conftest import settled_counts
 from tests.support.celery_fixtures import WorkerScenario
 
 from . import keyed_app
@@ -66,13 +66,11 @@ def test_each_tenant_stays_within_its_own_limit_while_tenants_run_side_by_side(
         assert scenario.highest(tenant) == LIMIT, f"{tenant} never used its limit: no proof"
     assert scenario.highest() > LIMIT, "the tenants never ran side by side: one limit for all?"
     # Counted under the keyed limiter's name, one row for every tenant.
-    wait_until(
-        lambda: scenario.counts(task_name).get("provider_attempts", 0) >= len(sent),
+    counts = settled_counts(
+        lambda: scenario.counts(task_name),
+        lambda counts: counts.get("provider_attempts", 0) >= len(sent),
         "the worker's counts are written under the keyed limiter's name",
-        30,
-        interval=0.1,
     )
-    counts = scenario.counts(task_name)
     assert counts["provider_attempts"] == len(sent), counts
     assert counts["deliveries"] == len(sent) + counts["deferrals"], counts
     assert counts["concurrency_failures"] == 0, counts

@@ -23,7 +23,7 @@ from celery.result import AsyncResult
 from runcell_celery.celery import registry_for
 from runcell_celery.postgres import PostgresBackend
 from runcell_celery.testing import FakeProvider
-from tests.conftest import wait_until
+from tests.conftest import settled_counts, wait_until
 from tests.support.celery_fixtures import WorkerScenario
 
 from . import preadmission_app
@@ -79,13 +79,11 @@ def _deferred_batch(scenario: Scenario, tasks: int) -> tuple[list[str], list[dic
     scenario.start_worker(concurrency=4)
     results = [scenario.app.tasks["pre.side_effect"].delay(150) for _ in range(tasks)]
     replies: list[dict[str, Any]] = scenario.replies(results)
-    wait_until(
-        lambda: scenario.counts("pre.side_effect").get("provider_attempts", 0) >= tasks,
+    counts = settled_counts(
+        lambda: scenario.counts("pre.side_effect"),
+        lambda counts: counts.get("provider_attempts", 0) >= tasks,
         "the workers' counts are written",
-        30,
-        interval=0.1,
     )
-    counts = scenario.counts("pre.side_effect")
     assert counts["deferrals"] > 0, f"no task was deferred; the test proves nothing: {counts}"
     assert counts["deliveries"] == tasks + counts["deferrals"], counts
     assert counts["provider_attempts"] == tasks, counts

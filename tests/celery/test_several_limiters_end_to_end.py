@@ -28,7 +28,7 @@ from celery.result import AsyncResult
 
 from tests.celery import several_app
 from tests.celery.several_app import DEFERRED_TASK, TASK
-from tests.conftest import wait_until
+from tests.conftest import settled_counts, wait_until
 from tests.support.celery_fixtures import WorkerScenario
 
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli")
@@ -215,13 +215,11 @@ def test_deferred_tasks_over_both_limiters_park_as_one_and_keep_both_limits(
     def counted() -> dict[str, int]:
         return scenario.admission_counts(DEFERRED_TASK).get(label, {})
 
-    wait_until(
-        lambda: counted().get("provider_attempts", 0) >= len(sent),
+    counts = settled_counts(
+        counted,
+        lambda counts: counts.get("provider_attempts", 0) >= len(sent),
         "the worker's counts are written",
-        30,
-        interval=0.1,
     )
-    counts = counted()
     assert counts["deferrals"] > 0, "no run parked: the test proves nothing"
     # Each deferral adds one delivery (the re-published message), never a failure.
     assert counts["deliveries"] == len(sent) + counts["deferrals"]
