@@ -69,7 +69,7 @@ def test_eight_processes_never_exceed_the_limit_even_when_a_holder_is_killed(
         os.kill(victim.pid, signal.SIGKILL)  # mid-hold: its lease is never released
         victim.join(10)
 
-        outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0}
+        outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0, "lost": 0}
         for pipe in pipes:
             assert pipe.poll(300), "a worker process did not finish"
             for key, n in pipe.recv().items():
@@ -78,6 +78,8 @@ def test_eight_processes_never_exceed_the_limit_even_when_a_holder_is_killed(
 
     assert witness.max_in_flight <= 3, f"the provider saw {witness.max_in_flight} in flight"
     assert witness.max_in_flight == 3, "the limit was never reached; the test proves nothing"
+    # Each use ended one way: completed, cancelled, timed out, or lost its lease to a
+    # pause longer than the TTL (a loaded machine); no other error escaped.
     assert sum(outcomes.values()) == 8 * iterations
     assert outcomes["completed"] > 0
     assert outcomes["cancelled"] > 0

@@ -26,6 +26,7 @@ import pytest
 from runcell_celery import (
     CancellationToken,
     ConcurrencyCancelledError,
+    ConcurrencyLeaseLostError,
     ConcurrencyTimeoutError,
     run,
     slot,
@@ -77,12 +78,14 @@ def use_slots(
 
     About one in ten uses is cancelled from another thread at a random moment, and one
     in ten runs with a time budget too short to always get a slot. Sends back how
-    each use ended.
+    each use ended (``lost``: a process paused past its lease's TTL, as on a loaded
+    machine, lost the slot before or during the call, which the limiter reports
+    instead of overrunning the limit).
     """
     rng = random.Random(seed)
     limiter = create_postgres_concurrency_limiter(dsn, **limits)
     provider = FakeProviderClient(provider_url)
-    outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0}
+    outcomes = {"completed": 0, "cancelled": 0, "timed_out": 0, "lost": 0}
     for i in range(iterations):
         roll = rng.random()
         cancel = CancellationToken()
@@ -106,6 +109,8 @@ def use_slots(
             outcomes["cancelled"] += 1
         except ConcurrencyTimeoutError:
             outcomes["timed_out"] += 1
+        except ConcurrencyLeaseLostError:
+            outcomes["lost"] += 1
         finally:
             if timer is not None:
                 timer.cancel()
