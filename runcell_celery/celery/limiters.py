@@ -63,6 +63,8 @@ def declared_at(cls: type[Task[Any, Any]]) -> str | None:
 
 
 def require(registry: LimiterRegistry, name: str, where: str) -> None:
+    """``registry.require(name)``, its error naming the declaration (``where``) that
+    asked for the limiter."""
     try:
         registry.require(name)
     except ConcurrencyConfigError as exc:

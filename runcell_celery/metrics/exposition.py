@@ -67,8 +67,8 @@ class _ProcessFileSums(Collector):
     prometheus_client's ``MultiProcessCollector``, but skipping a file that is still
     empty: a process creates its file before it sizes it, and one killed in between
     leaves it empty for good, which would fail every scrape of the host
-    (prometheus/client_python#1199). A file deleted while it is read (a live gauge of a
-    process marked dead) is skipped the same way."""
+    (prometheus/client_python#1199). (A live gauge's file deleted since the glob, by
+    ``mark_process_dead``, prometheus_client's merge skips itself.)"""
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
@@ -81,13 +81,7 @@ class _ProcessFileSums(Collector):
                     files.append(path)
             except FileNotFoundError:
                 continue
-        try:
-            merged = MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
-        except FileNotFoundError:  # gone since the glob: read what is left
-            merged = MultiProcessCollector.merge(  # type: ignore[no-untyped-call]
-                [path for path in files if os.path.exists(path)], accumulate=True
-            )
-        return list(merged)
+        return list(MultiProcessCollector.merge(files, accumulate=True))  # type: ignore[no-untyped-call]
 
 
 def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
